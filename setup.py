@@ -1,0 +1,36 @@
+"""megaloop: Megatron-core training for looped (recurrent-depth) language models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megaloop",
+    version="0.1.0",
+    description="Megatron-core based training system for looped (recurrent-depth) language models",
+    packages=find_packages(include=["megaloop", "megaloop.*"]),
+    python_requires=">=3.10",
+    # Open ranges: CPU machines pin torch 2.13 / megatron-core 0.16.1 (Python 3.11) in
+    # tools/bootstrap.sh; NGC containers bring newer releases (megatron-core >= 0.17 on Python 3.12).
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "numpy",
+        "pyyaml",
+        "psutil",  # megatron-core's dist_checkpointing saver needs it but does not declare it
+        "sentencepiece",
+        "tokenizers",
+        "rich",
+        "zarr>=3",
+        "pyarrow",
+        "zstandard",
+        "nvidia-ml-py",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "scipy", "powerlaw", "matplotlib"],
+        "mpi": ["mpi4py", "mpich"],
+        "hf": ["transformers>=4.45", "safetensors", "huggingface_hub"],
+        "eval": ["lm-eval>=0.4"],
+        # NVIDIA apex is not on PyPI (the PyPI "apex" is unrelated): it comes from the NGC image.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megaloop-train=megaloop.train:main"]},
+)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) ./.venv for CPU machines, then runs the given command inside it.
+#   bash tools/bootstrap.sh python -m megaloop.quickstart
+#   bash tools/bootstrap.sh python -m pytest tests
+# torch is pinned to the local CPU wheel (an unpinned torch pulls a multi-GB CUDA build) and
+# megatron-core to 0.16.1, the last release for Python 3.11. setup.py itself keeps open ranges.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${MEGALOOP_VENV:-$root/.venv}"
+stamp="$venv/.megaloop-stamp"
+want="$(cat "$root/setup.py" "$root/tools/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pipq() { "$venv/bin/pip" install -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+  pipq --upgrade pip
+  pipq "torch==2.13.0" "megatron-core==0.16.1"
+  pipq -e "$root[test,mpi,hf,eval]"
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+cd "$root"
+if [ "$#" -gt 0 ]; then
+  exec "$@"
+fi
