@@ -13,7 +13,11 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pipq() { "$venv/bin/pip" install -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+  pipq() {  # pip, minus the noise of this machine's unused local index entries; fails loudly
+    local log rc=0; log="$(mktemp)"
+    "$venv/bin/pip" install -q "$@" >"$log" 2>&1 || rc=$?
+    grep -v "is ignored: it is neither" "$log" || true; rm -f "$log"; return "$rc"
+  }
   pipq --upgrade pip
   pipq "torch==2.13.0" "megatron-core==0.16.1"
   pipq -e "$root[test,mpi,hf,eval]"
