@@ -1,0 +1,129 @@
+"""ALRS options and the multiplier schedule: when to allocate, how to ramp, when to freeze.
+
+Step numbering: ``step`` is the 1-based index of the optimizer step about to be applied (the first
+optimizer step is step 1). Allocation happens at step 1 and at every multiple of ``interval`` while
+step <= fraction·T. Each allocation at step a starts a linear ramp from the multipliers in effect at
+step a to the new targets, reached at step a + transition; after the last ramp the multipliers are
+frozen. The LR of matrix i is lr_i(t) = m_i(t)·base_lr(t): the base schedule (warmup, cosine) runs
+underneath unchanged. The reference instead ramps the absolute LR towards s_i·base_lr(a + transition)
+and then restarts its cosine; both end at s_i·base_lr(t), ours without a kink at the ramp's end.
+
+AdamW's decoupled weight decay is multiplied by the group LR in torch (p -= lr·wd·p), so a matrix
+with multiplier 5 also decays 5x faster. That is the reference's behaviour too, and it is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megaloop.alrs.estimator import EIGEN_METHODS
+
+MODES = ("alrs", "uniform", "decoder_boost")
+EMBEDDING_HEAD_TREATMENTS = ("pin_s2", "exclude", "include")
+
+
+@dataclass
+class ALRSConfig:
+    """All ALRS options. Defaults follow the paper's runs (s in [1, 5], every 100 steps, 50-step
+    ramps, first 20% of training).
+
+    mode: ``alrs`` allocates from spectra; ``uniform`` keeps every multiplier at 1 (spectra are still
+      logged, for the uniform-vs-ALRS plots); ``decoder_boost`` gives every decoder matrix the constant
+      ``decoder_boost`` from step 1 and everything else 1.
+    embedding_head: ``pin_s2`` gives embedding and output head s2 without letting their α set the
+      range (the reference); ``exclude`` keeps them at 1; ``include`` treats them like any matrix.
+    exclude: substrings of parameter names never analysed nor scaled (e.g. ``"router"``).
+    monitor_after_freeze: keep logging spectra every ``interval`` steps after the allocation window
+      (multipliers stay frozen), so the logs cover the whole run.
+    """
+
+    mode: str = "alrs"
+    s1: float = 1.0
+    s2: float = 5.0
+    interval: int = 100
+    fraction: float = 0.2
+    transition: int = 50
+    embedding_head: str = "pin_s2"
+    embedding_head_prefixes: tuple[str, ...] = ("embedding.", "output_layer.")
+    decoder_prefix: str = "decoder."
+    decoder_boost: float = 2.0
+    exclude: tuple[str, ...] = ()
+    eig_method: str = "gram64"
+    log_eigenvalues: bool = False
+    monitor_after_freeze: bool = True
+
+    def __post_init__(self) -> None:
+        self.embedding_head_prefixes = tuple(self.embedding_head_prefixes)
+        self.exclude = tuple(self.exclude)
+        if self.mode not in MODES:
+            raise ValueError(f"ALRS mode must be one of {MODES}, got {self.mode!r}")
+        if not self.s1 > 0:
+            raise ValueError(f"ALRS s1 must be > 0, got s1={self.s1}")
+        if self.s1 > self.s2:
+            raise ValueError(f"ALRS s1 must be <= s2, got s1={self.s1} > s2={self.s2}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"ALRS fraction must be in (0, 1], got fraction={self.fraction}")
+        if self.interval < 1:
+            raise ValueError(f"ALRS interval must be >= 1, got interval={self.interval}")
+        if self.transition < 0:
+            raise ValueError(f"ALRS transition must be >= 0, got transition={self.transition}")
+        if not self.decoder_boost > 0:
+            raise ValueError(f"ALRS decoder_boost must be > 0, got decoder_boost={self.decoder_boost}")
+        if self.embedding_head not in EMBEDDING_HEAD_TREATMENTS:
+            raise ValueError(f"ALRS embedding_head must be one of {EMBEDDING_HEAD_TREATMENTS}, "
+                             f"got {self.embedding_head!r}")
+        if self.eig_method not in EIGEN_METHODS:
+            raise ValueError(f"ALRS eig_method must be one of {EIGEN_METHODS}, got {self.eig_method!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def allocates_at(self, step: int, total_steps: int) -> bool:
+        """Whether multipliers are re-allocated from spectra at this step."""
+        return self.mode == "alrs" and self._on_cadence(step) and step <= self.fraction * total_steps
+
+    def analyses_at(self, step: int, total_steps: int) -> bool:
+        """Whether spectra are computed (for allocation, or only for the log) at this step."""
+        if not self._on_cadence(step):
+            return False
+        return self.monitor_after_freeze or step <= self.fraction * total_steps
+
+    def _on_cadence(self, step: int) -> bool:
+        return step == 1 or (step > 0 and step % self.interval == 0)
+
+
+class MultiplierSchedule:
+    """Per-name multipliers as piecewise-linear ramps between allocations."""
+
+    def __init__(self, initial: dict[str, float], transition: int):
+        self.transition = transition
+        self.start = dict(initial)
+        self.target = dict(initial)
+        self.ramp_step = 0
+
+    def at(self, step: int) -> dict[str, float]:
+        """Multipliers in effect at ``step`` (m(a) = start, m(a + transition) = target)."""
+        if self.transition == 0 or step >= self.ramp_step + self.transition:
+            return dict(self.target)
+        frac = max(0, step - self.ramp_step) / self.transition
+        return {k: self.start[k] + (self.target[k] - self.start[k]) * frac for k in self.target}
+
+    def retarget(self, step: int, targets: dict[str, float]) -> None:
+        """Start a new ramp at ``step`` from the current multipliers to ``targets``."""
+        if targets.keys() != self.target.keys():
+            raise ValueError("ALRS targets must name exactly the scheduled matrices")
+        self.start = self.at(step)
+        self.target = dict(targets)
+        self.ramp_step = step
+
+    def state_dict(self) -> dict:
+        return {"start": dict(self.start), "target": dict(self.target), "ramp_step": self.ramp_step,
+                "transition": self.transition}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["target"]) != set(self.target):
+            raise ValueError("ALRS checkpoint names different matrices than this model")
+        self.start = dict(state["start"])
+        self.target = dict(state["target"])
+        self.ramp_step = int(state["ramp_step"])
+        self.transition = int(state["transition"])

@@ -1,0 +1,277 @@
+"""Typed run configuration: dataclasses that round-trip through YAML and take dotted overrides.
+
+A run is ``RunConfig(model=ModelConfig, parallel=ParallelConfig, train=TrainConfig)``. Every field has
+a default or is derived in ``resolve()``; ``validate()`` runs before any heavy work and turns a user's
+mistake into one ``ConfigError`` line that names the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+Arch = Literal["dense", "fullloop", "asymloop"]
+Block = Literal["llama", "olmo"]
+Injection = Literal["global_kv", "none", "additive"]
+JointImpl = Literal["fused", "masked"]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; its message is one line."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. ``num_layers`` counts *physical* layers L; the effective depth is derived.
+
+    - dense: L layers run once.
+    - fullloop: the L-layer stack, weights shared, applied ``iterations`` (R) times.
+    - asymloop: ``encoder_layers`` (E) run once, the remaining D = L - E decoder layers are iterated
+      ``iterations`` (K) times, attending to per-layer Global KV projected from the encoder output.
+    """
+
+    arch: Arch = "asymloop"
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 344
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (no GQA)
+    vocab_size: int = 32128
+    seq_length: int = 128
+    encoder_layers: int | None = None  # asymloop E; None: L // 2
+    iterations: int = 3  # K (asymloop) or R (fullloop); 1 for dense
+    block: Block = "llama"  # "olmo": RMSNorm on sublayer outputs inside the residual, QK-norm
+    qk_norm: bool | None = None  # None: on for asymloop and the olmo block
+    injection: Injection = "global_kv"  # asymloop: how the decoder sees the encoder output
+    local_kv: bool = True  # asymloop ablation: False makes the decoder attend to Global KV only
+    decoder_ffn_hidden_size: int | None = None  # None: ffn_hidden_size (set for widened ablations)
+    joint_attention: JointImpl = "fused"
+    rotary_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+
+    @property
+    def num_encoder_layers(self) -> int:
+        return self.encoder_layers if self.arch == "asymloop" else 0
+
+    @property
+    def num_decoder_layers(self) -> int:
+        return self.num_layers - self.num_encoder_layers
+
+    @property
+    def effective_depth(self) -> int:
+        """J = E + K * D (dense: L; fullloop: R * L)."""
+        return self.num_encoder_layers + self.iterations * self.num_decoder_layers
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def uses_global_kv(self) -> bool:
+        return self.arch == "asymloop" and self.injection == "global_kv"
+
+    def resolve(self) -> "ModelConfig":
+        """Fills derived defaults; idempotent."""
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.arch == "asymloop" and self.encoder_layers is None:
+            self.encoder_layers = self.num_layers // 2
+        if self.qk_norm is None:
+            self.qk_norm = self.arch == "asymloop" or self.block == "olmo"
+        if self.decoder_ffn_hidden_size is None:
+            self.decoder_ffn_hidden_size = self.ffn_hidden_size
+        return self
+
+    def validate(self, prefix: str = "model") -> None:
+        self.resolve()
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "seq_length", "iterations",
+                     "decoder_ffn_hidden_size"):
+            _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        _require(self.hidden_size % self.num_attention_heads == 0, prefix, "hidden_size",
+                 self.hidden_size, f"a multiple of num_attention_heads={self.num_attention_heads}")
+        _require(self.num_attention_heads % self.num_query_groups == 0, prefix,
+                 "num_query_groups", self.num_query_groups,
+                 f"a divisor of num_attention_heads={self.num_attention_heads}")
+        _require(self.kv_channels % 2 == 0, prefix, "hidden_size", self.hidden_size,
+                 "such that the head dim is even (RoPE rotates pairs)")
+        if self.arch == "dense":
+            _require(self.iterations == 1, prefix, "iterations", self.iterations,
+                     "1 for arch=dense (use arch=fullloop to loop the stack)")
+        if self.arch == "asymloop":
+            e = self.encoder_layers
+            _require(1 <= e < self.num_layers, prefix, "encoder_layers", e,
+                     f"in [1, {self.num_layers - 1}] so that E + D = num_layers={self.num_layers} "
+                     "with D >= 1")
+            _require(self.local_kv or self.injection == "global_kv", prefix, "local_kv",
+                     self.local_kv, "true unless injection=global_kv (the decoder needs some keys)")
+        else:
+            _require(self.injection == "global_kv" and self.local_kv, prefix, "injection",
+                     self.injection, "left at its defaults unless arch=asymloop")
+            _require(self.decoder_ffn_hidden_size == self.ffn_hidden_size, prefix,
+                     "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,
+                     "unset unless arch=asymloop (widen ffn_hidden_size instead)")
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    sequence_parallel: bool = False
+    recompute: Literal["none", "full"] = "none"
+
+    def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
+        for name in ("tensor", "pipeline", "expert"):
+            _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        tp = self.tensor
+        _require(model.num_attention_heads % tp == 0, prefix, "tensor", tp,
+                 f"a divisor of model.num_attention_heads={model.num_attention_heads}")
+        _require(model.num_query_groups % tp == 0, prefix, "tensor", tp,
+                 f"a divisor of model.num_query_groups={model.num_query_groups}")
+        _require(model.ffn_hidden_size % tp == 0 and model.decoder_ffn_hidden_size % tp == 0,
+                 prefix, "tensor", tp, "a divisor of the FFN hidden sizes")
+        _require(model.vocab_size % tp == 0, prefix, "tensor", tp,
+                 f"a divisor of model.vocab_size={model.vocab_size} (pad the vocabulary)")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_steps: int = 100
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+    def validate(self, prefix: str = "train") -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_steps"):
+            _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        _require(self.lr > 0, prefix, "lr", self.lr, "> 0")
+        _require(0 <= self.min_lr_ratio <= 1, prefix, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        _require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
+                 "in [0, 1)")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.parallel.validate(self.model)
+        self.train.validate()
+        return self
+
+
+def _require(ok: bool, prefix: str, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{prefix}.{name}={value!r}: must be {allowed}")
+
+
+# --------------------------------------------------------------------------------------------
+# dict / YAML round trip and dotted overrides
+# --------------------------------------------------------------------------------------------
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Checks ``value`` against a field's type hint, converting ints to floats where declared."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint):
+            allowed = ", ".join(repr(a) for a in get_args(hint))
+            raise ConfigError(f"{where}={value!r}: must be one of {allowed}")
+        return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(get_args(hint)):
+            return None
+        return _coerce(value, args[0], where)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a mapping of {hint.__name__} fields")
+        return from_dict(hint, value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint) or (
+        hint is int and isinstance(value, bool)
+    ):
+        raise ConfigError(f"{where}={value!r}: must be of type {hint.__name__}")
+    return value
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Builds dataclass ``cls`` from a (possibly partial) dict, rejecting unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"unknown field {path}{hint}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Applies ``section.field=value`` strings; values are parsed as YAML scalars."""
+    data = to_dict(cfg)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected the form section.field=value")
+        node, parts = data, key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
+            node = node[part]
+        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+    return from_dict(RunConfig, data)
+
+
+def load_yaml(path: str | os.PathLike) -> RunConfig:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    return from_dict(RunConfig, data)
+
+
+def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Writes atomically: a temporary file in the same directory, then rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".config-", suffix=".yaml")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

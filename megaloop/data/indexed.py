@@ -1,0 +1,183 @@
+"""Megatron .bin/.idx files: atomic writing through megatron-core's builder, merging, validation.
+
+Writing goes through ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` so the bytes
+are exactly what megatron-core's ``IndexedDataset`` and Megatron-LM read. The builder writes to the
+names it is given, so ``AtomicIndexedWriter`` hands it temporary names and renames both files only
+after ``finalize``: an interrupted run never leaves a .bin/.idx under its final name.
+
+``validate_indexed`` exists because megatron-core's reader trusts the files: a truncated .idx dies
+in ``numpy.frombuffer``, a short .bin only fails when a sample past its end is read, and a vocab
+too large for the token dtype silently wraps ids. It turns each into one error naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy
+
+from megaloop.data.readers import DataError
+
+_HEADER = b"MMIDIDX\x00\x00"
+_PREAMBLE = len(_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence and document counts
+# megatron-core's DType codes (indexed_dataset.DType); repeated so validation needs no torch import.
+_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64,
+           6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
+
+
+def bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def idx_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def token_dtype(vocab_size: int) -> type[numpy.number]:
+    """The smallest dtype megatron-core uses for a vocab (its ``DType.optimal_dtype``)."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return DType.optimal_dtype(vocab_size)
+
+
+class AtomicIndexedWriter:
+    """An ``IndexedDatasetBuilder`` writing to temporary names, renamed into place on ``commit``.
+
+    Use as a context manager: leaving the block by an exception (or Ctrl-C) removes the partial
+    files, and ``commit`` must be called inside the block for the output to appear.
+    """
+
+    def __init__(self, prefix: str, dtype: type[numpy.number]):
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        self.prefix = prefix
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        # The pid keeps concurrent writers (MPI ranks on a shared filesystem) apart.
+        self.tmp_prefix = f"{prefix}.partial-{os.getpid()}"
+        self.builder = IndexedDatasetBuilder(bin_path(self.tmp_prefix), dtype=dtype)
+        self.committed = False
+
+    def add_document(self, tokens: numpy.ndarray, lengths: Sequence[int]) -> None:
+        self.builder.add_document(tokens, lengths)
+
+    def add_index(self, prefix: str) -> None:
+        self.builder.add_index(prefix)
+
+    def commit(self) -> None:
+        self.builder.finalize(idx_path(self.tmp_prefix))
+        for path in (bin_path(self.tmp_prefix), idx_path(self.tmp_prefix)):
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+        # .idx last: a reader needs both, and the .idx is what marks a dataset complete.
+        os.replace(bin_path(self.tmp_prefix), bin_path(self.prefix))
+        os.replace(idx_path(self.tmp_prefix), idx_path(self.prefix))
+        self.committed = True
+
+    def __enter__(self) -> AtomicIndexedWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed:
+            self.builder.data_file.close()
+            for path in (bin_path(self.tmp_prefix), idx_path(self.tmp_prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+def merge_indexed(prefixes: Sequence[str], out_prefix: str) -> None:
+    """Concatenate datasets (same dtype) into one, in the given order, atomically."""
+    if not prefixes:
+        raise DataError(f"{out_prefix}: nothing to merge")
+    summaries = [validate_indexed(p) for p in prefixes]
+    dtypes = {s.dtype for s in summaries}
+    if len(dtypes) > 1:
+        names = ", ".join(f"{s.prefix} ({numpy.dtype(s.dtype).name})" for s in summaries)
+        raise DataError(f"cannot merge datasets with different token dtypes: {names}")
+    with AtomicIndexedWriter(out_prefix, summaries[0].dtype) as writer:
+        for prefix in prefixes:
+            writer.add_index(prefix)
+        writer.commit()
+
+
+@dataclass(frozen=True)
+class IndexedSummary:
+    prefix: str
+    dtype: type[numpy.number]
+    num_sequences: int
+    num_documents: int
+    num_tokens: int
+
+
+def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bool = False) -> IndexedSummary:
+    """Check a .bin/.idx pair is whole and consistent; raise DataError naming the bad file.
+
+    Checks the .idx header, its size against the counts it declares, the document boundaries,
+    that the .bin holds exactly the bytes the .idx describes, and, given ``vocab_size``, that the
+    token dtype can hold that vocab. ``scan_tokens`` also reads the .bin to check every id is
+    below ``vocab_size`` (one pass over the file).
+    """
+    ipath, bpath = idx_path(prefix), bin_path(prefix)
+    for path in (ipath, bpath):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: not found (a dataset prefix needs both .bin and .idx)")
+    idx_size = os.path.getsize(ipath)
+    with open(ipath, "rb") as f:
+        head = f.read(_PREAMBLE)
+    if len(head) < _PREAMBLE or not head.startswith(_HEADER):
+        raise DataError(f"{ipath}: not a Megatron .idx file (bad or truncated header)")
+    version, code, num_seq, num_doc = struct.unpack("<QBQQ", head[len(_HEADER):])
+    if version != 1:
+        raise DataError(f"{ipath}: unsupported .idx version {version}")
+    if code not in _DTYPES:
+        raise DataError(f"{ipath}: unknown token dtype code {code}")
+    dtype = _DTYPES[code]
+    expected = _PREAMBLE + num_seq * (4 + 8) + num_doc * 8
+    if idx_size not in (expected, expected + num_seq):  # + one int8 mode per sequence if multimodal
+        raise DataError(
+            f"{ipath}: size {idx_size} bytes does not match the {num_seq} sequences and "
+            f"{num_doc} document boundaries it declares ({expected} bytes): truncated or corrupt"
+        )
+    index = numpy.memmap(ipath, mode="r")
+    lengths = numpy.frombuffer(index, numpy.int32, num_seq, _PREAMBLE)
+    pointers = numpy.frombuffer(index, numpy.int64, num_seq, _PREAMBLE + 4 * num_seq)
+    documents = numpy.frombuffer(index, numpy.int64, num_doc, _PREAMBLE + 12 * num_seq)
+    if num_doc < 1 or documents[0] != 0 or documents[-1] != num_seq or numpy.any(numpy.diff(documents) < 0):
+        raise DataError(f"{ipath}: corrupt document boundaries (must rise from 0 to {num_seq})")
+    if numpy.any(lengths < 0):
+        raise DataError(f"{ipath}: corrupt sequence lengths (negative)")
+    itemsize = numpy.dtype(dtype).itemsize
+    ends = numpy.cumsum(lengths, dtype=numpy.int64) * itemsize
+    if num_seq and (pointers[0] != 0 or numpy.any(pointers[1:] != ends[:-1])):
+        raise DataError(f"{ipath}: corrupt sequence pointers (do not follow the sequence lengths)")
+    num_tokens = int(ends[-1] // itemsize) if num_seq else 0
+    bin_size = os.path.getsize(bpath)
+    if bin_size != num_tokens * itemsize:
+        what = "shorter" if bin_size < num_tokens * itemsize else "longer"
+        raise DataError(
+            f"{bpath}: {bin_size} bytes, {what} than the {num_tokens * itemsize} bytes its .idx "
+            f"describes: truncated, or paired with another dataset's .idx"
+        )
+    if vocab_size is not None:
+        _check_vocab(bpath, dtype, vocab_size, num_tokens, scan_tokens)
+    del index
+    return IndexedSummary(prefix, dtype, num_seq, num_doc - 1, num_tokens)
+
+
+def _check_vocab(bpath: str, dtype, vocab_size: int, num_tokens: int, scan_tokens: bool) -> None:
+    if numpy.issubdtype(dtype, numpy.integer) and vocab_size - 1 > numpy.iinfo(dtype).max:
+        raise DataError(
+            f"{bpath}: token dtype {numpy.dtype(dtype).name} holds ids up to {numpy.iinfo(dtype).max}, "
+            f"but the tokenizer has {vocab_size} tokens: made with a different tokenizer"
+        )
+    if not scan_tokens or num_tokens == 0:
+        return
+    tokens = numpy.memmap(bpath, dtype=dtype, mode="r")
+    step = 1 << 26  # 64M tokens per pass keeps the scan's resident memory bounded
+    for start in range(0, num_tokens, step):
+        top = int(tokens[start:start + step].max())
+        if top >= vocab_size:
+            raise DataError(f"{bpath}: token id {top} is outside the tokenizer's {vocab_size}-token vocab")
+    del tokens

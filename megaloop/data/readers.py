@@ -1,0 +1,403 @@
+"""Streaming readers for pretraining text: .jsonl(.gz/.zst), parquet and plain text, in chunks.
+
+Reading and parsing are split on purpose. ``iter_chunks`` runs in the main process and only cuts
+raw bytes (or Arrow record batches) into bounded chunks, cheaply; ``parse_chunk`` runs in the
+workers and does the JSON decoding, UTF-8 checks and score filtering. Every record that cannot be
+used is counted by reason in ``BadRecords`` with the ``file:line`` of the first few, so nothing is
+lost silently.
+
+Documents are numbered in one global order: input files sorted by path, then lines (or parquet
+rows) in file order. Sharding across MPI ranks and ``--max-docs`` both rely on that order.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+PARQUET_SUFFIXES = (".parquet",)
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
+SUPPORTED_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
+MAX_EXAMPLES = 5  # bad records quoted with file:line; the rest are only counted
+
+
+class DataError(ValueError):
+    """Bad input the user must fix; the one-line message names the file, field or value."""
+
+
+@dataclass
+class BadRecords:
+    """Counts of unusable records by reason, with ``file:line: reason`` for the first few."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def add(self, reason: str, where: str, detail: str = "", count: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + count
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {reason}{f' ({detail})' if detail else ''}")
+
+    def merge(self, other: BadRecords) -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+        self.examples.extend(other.examples[: MAX_EXAMPLES - len(self.examples)])
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.counts.items()))
+        return f"skipped {self.total} bad records ({reasons})"
+
+
+@dataclass
+class Chunk:
+    """A bounded run of consecutive raw records from one file.
+
+    ``items`` holds raw lines (bytes) for jsonl, decoded documents (str) for plain text, or a
+    ``pyarrow.RecordBatch`` for parquet. ``error`` is ``(reason, detail, count)`` for a read
+    failure hit right after the last item (truncated gzip, corrupt zstd: one bad record) or for a
+    parquet file lacking a column (every row is bad).
+    """
+
+    path: str
+    kind: str  # "jsonl" | "text" | "parquet"
+    first_line: int  # 1-based line (or row) number of items[0]
+    items: object
+    nbytes: int  # uncompressed bytes of the raw records, for MB/s
+    error: tuple[str, str, int] | None = None
+
+    def __len__(self) -> int:
+        return self.items.num_rows if self.kind == "parquet" else len(self.items)
+
+
+@dataclass
+class ParsedChunk:
+    """Documents (one text per json key, in key order) accepted from a chunk."""
+
+    docs: list[tuple[str, ...]]
+    bad: BadRecords
+    filtered: int  # rows dropped by the score filter: not bad, just not wanted
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    """Which fields become documents, and the FineWeb-Edu quality filter."""
+
+    keys: tuple[str, ...] = ("text",)
+    min_int_score: int | None = None
+    min_score: float | None = None
+
+    def columns(self) -> list[str]:
+        extra = [c for c, v in (("int_score", self.min_int_score), ("score", self.min_score)) if v is not None]
+        return list(self.keys) + extra
+
+
+def input_kind(path: str | os.PathLike) -> str:
+    name = str(path).lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    raise DataError(f"{path}: unsupported input type; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
+
+
+def expand_inputs(inputs: str | Sequence[str]) -> list[str]:
+    """Files named by paths, directories (searched recursively) and globs, sorted, deduplicated."""
+    specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    files: set[str] = set()
+    for spec in map(str, specs):
+        if os.path.isdir(spec):
+            found = [p for p in Path(spec).rglob("*") if p.is_file() and str(p).lower().endswith(SUPPORTED_SUFFIXES)]
+            if not found:
+                raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
+            files.update(map(str, found))
+        elif os.path.isfile(spec):
+            input_kind(spec)
+            files.add(spec)
+        elif glob.has_magic(spec):
+            found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
+            if not found:
+                raise DataError(f"{spec}: glob matches no files")
+            for p in found:
+                input_kind(p)
+            files.update(found)
+        else:
+            raise DataError(f"{spec}: input not found")
+    return sorted(files)
+
+
+def _open_binary(path: str) -> io.BufferedIOBase:
+    """The decompressed byte stream of a file, chosen by suffix."""
+    name = path.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        import zstandard
+
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return open(path, "rb")
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    import zlib
+
+    import zstandard
+
+    return (EOFError, OSError, zlib.error, zstandard.ZstdError)
+
+
+def _iter_lines(path: str) -> Iterator[bytes | BaseException]:
+    """Raw lines of a (possibly compressed) file; a read failure is yielded, then the file ends."""
+    try:
+        with _open_binary(path) as f:
+            yield from f
+    except _read_errors() as err:
+        yield err
+
+
+def _iter_paragraphs(path: str) -> Iterator[bytes | BaseException]:
+    """Blank-line separated paragraphs, so a plain-text file becomes many documents, streamed."""
+    para: list[bytes] = []
+    for line in _iter_lines(path):
+        if isinstance(line, BaseException):
+            if para:
+                yield b"".join(para)
+            yield line
+            return
+        if line.strip():
+            para.append(line)
+        elif para:
+            yield b"".join(para)
+            para = []
+    if para:
+        yield b"".join(para)
+
+
+def _raw_records(path: str) -> Iterator[bytes | BaseException]:
+    return _iter_paragraphs(path) if input_kind(path) == "text" else _iter_lines(path)
+
+
+def count_records(path: str) -> int:
+    """Records in a file as ``iter_chunks`` numbers them (a read failure counts as one)."""
+    if input_kind(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception:  # an unreadable parquet file is one bad record, reported when read
+            return 1
+    return sum(1 for _ in _raw_records(path))
+
+
+def iter_chunks(
+    ranges: Sequence[tuple[str, int, int | None]],
+    columns: Sequence[str],
+    max_records: int = 512,
+    max_bytes: int = 1 << 20,
+) -> Iterator[Chunk]:
+    """Chunks of at most ``max_records`` records / about ``max_bytes`` bytes.
+
+    ``ranges`` lists ``(path, start, stop)``: the records ``[start, stop)`` of each file, in order
+    (``stop=None``: to the end). Skipped records are still read, which only compressed input pays.
+    """
+    for path, start, stop in ranges:
+        if input_kind(path) == "parquet":
+            yield from _parquet_chunks(path, columns, start, stop, max_records)
+        else:
+            yield from _line_chunks(path, start, stop, max_records, max_bytes)
+
+
+def _line_chunks(path: str, start: int, stop: int | None, max_records: int, max_bytes: int) -> Iterator[Chunk]:
+    kind = input_kind(path)
+    items: list[bytes] = []
+    nbytes = 0
+    first = start + 1
+    for index, record in enumerate(_raw_records(path)):
+        if index < start:
+            continue
+        if stop is not None and index >= stop:
+            break
+        if isinstance(record, BaseException):
+            yield Chunk(path, kind, first, items, nbytes, error=_describe_read_error(record))
+            return
+        items.append(record)
+        nbytes += len(record)
+        if len(items) >= max_records or nbytes >= max_bytes:
+            yield Chunk(path, kind, first, items, nbytes)
+            first += len(items)
+            items, nbytes = [], 0
+    if items:
+        yield Chunk(path, kind, first, items, nbytes)
+
+
+def _describe_read_error(err: BaseException) -> tuple[str, str, int]:
+    if isinstance(err, EOFError):
+        return "truncated compressed file", "", 1
+    return "unreadable data", _first_line(err), 1
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | None, max_records: int) -> Iterator[Chunk]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        missing = [c for c in columns if c not in pf.schema_arrow.names]
+        if missing:
+            # Every row lacks the field: one bad record per row, reported at the file's first row.
+            n = pf.metadata.num_rows if stop is None else min(stop, pf.metadata.num_rows)
+            empty = pa.RecordBatch.from_pylist([])
+            yield Chunk(path, "parquet", start + 1, empty, 0, error=("missing key", repr(missing[0]), n - start))
+            return
+        row = 0
+        # Batches, not whole row groups, bound memory: FineWeb-Edu row groups hold ~100 MB of text.
+        for batch in pf.iter_batches(batch_size=max_records, columns=list(columns)):
+            lo, hi = max(start - row, 0), batch.num_rows if stop is None else min(stop - row, batch.num_rows)
+            if lo < hi:
+                part = batch.slice(lo, hi - lo)
+                nbytes = sum(_text_bytes(part.column(c)) for c in columns if pa.types.is_string(part.column(c).type) or pa.types.is_large_string(part.column(c).type))
+                yield Chunk(path, "parquet", row + lo + 1, part, nbytes)
+            row += batch.num_rows
+            if stop is not None and row >= stop:
+                return
+    except (OSError, pa.ArrowException) as err:
+        yield Chunk(path, "parquet", start + 1, pa.RecordBatch.from_pylist([]), 0, error=("unreadable data", _first_line(err), 1))
+
+
+def _text_bytes(column) -> int:
+    # Size of the string payload (offsets excluded), i.e. the text bytes the user thinks of.
+    return column.buffers()[2].size if column.buffers()[2] is not None else 0
+
+
+def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
+    """Decode, validate and filter a chunk's records into documents."""
+    bad = BadRecords()
+    docs: list[tuple[str, ...]] = []
+    filtered = 0
+    if chunk.kind == "parquet":
+        rows = chunk.items.to_pylist()
+    else:
+        rows = chunk.items
+    for offset, raw in enumerate(rows):
+        where = f"{chunk.path}:{'row ' if chunk.kind == 'parquet' else ''}{chunk.first_line + offset}"
+        record, reason, detail = _decode_record(raw, chunk.kind, record_filter.keys)
+        if record is None:
+            if reason:
+                bad.add(reason, where, detail)
+            continue
+        keep, reason, detail = _passes_filter(record, record_filter)
+        if reason:
+            bad.add(reason, where, detail)
+            continue
+        if not keep:
+            filtered += 1
+            continue
+        texts, reason, detail = _texts(record, record_filter.keys)
+        if reason:
+            bad.add(reason, where, detail)
+            continue
+        docs.append(texts)
+    if chunk.error:
+        reason, detail, count = chunk.error
+        row = "row " if chunk.kind == "parquet" else ""
+        bad.add(reason, f"{chunk.path}:{row}{chunk.first_line + len(rows)}", detail, count)
+    return ParsedChunk(docs, bad, filtered)
+
+
+def _decode_record(raw, kind: str, keys: Sequence[str]) -> tuple[dict | None, str, str]:
+    if kind == "parquet":
+        return raw, "", ""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return None, "invalid UTF-8", f"byte {err.start}"
+    if kind == "text":
+        return {keys[0]: text.rstrip("\n")}, "", ""
+    if not text.strip():
+        return None, "", ""  # blank lines in jsonl separate nothing and are not records
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, "malformed JSON", err.msg
+    if not isinstance(record, dict):
+        return None, "malformed JSON", f"expected an object, got {type(record).__name__}"
+    return record, "", ""
+
+
+def _passes_filter(record: dict, f: RecordFilter) -> tuple[bool, str, str]:
+    for name, threshold in (("int_score", f.min_int_score), ("score", f.min_score)):
+        if threshold is None:
+            continue
+        value = record.get(name)
+        if value is None:
+            return False, "missing key", repr(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            return False, "bad score", f"{name}={value!r}"
+        if value < threshold:
+            return False, "", ""
+    return True, "", ""
+
+
+def _texts(record: dict, keys: Sequence[str]) -> tuple[tuple[str, ...], str, str]:
+    texts = []
+    for key in keys:
+        value = record.get(key)
+        if value is None:
+            return (), "missing key", repr(key)
+        if not isinstance(value, str):
+            return (), "non-string text", f"{key!r} is {type(value).__name__}"
+        if not value.strip():
+            return (), "empty text", repr(key)
+        if not _is_encodable(value):
+            return (), "invalid UTF-8", f"{key!r} holds a lone surrogate"
+        texts.append(value)
+    return tuple(texts), "", ""
+
+
+def _is_encodable(text: str) -> bool:
+    # JSON "\ud800" escapes decode to lone surrogates, which no tokenizer can take.
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def iter_documents(
+    inputs: str | Sequence[str],
+    record_filter: RecordFilter = RecordFilter(),
+    max_docs: int | None = None,
+    bad: BadRecords | None = None,
+) -> Iterator[str]:
+    """Texts of the first key, streamed in global order; bad records are tallied into ``bad``."""
+    bad = bad if bad is not None else BadRecords()
+    ranges = [(p, 0, None) for p in expand_inputs(inputs)]
+    emitted = 0
+    for chunk in iter_chunks(ranges, record_filter.columns()):
+        parsed = parse_chunk(chunk, record_filter)
+        bad.merge(parsed.bad)
+        for texts in parsed.docs:
+            if max_docs is not None and emitted >= max_docs:
+                return
+            emitted += 1
+            yield texts[0]

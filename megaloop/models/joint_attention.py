@@ -1,0 +1,79 @@
+"""Fused joint Global+Local attention: two causal flash calls merged by their log-sum-exps.
+
+Query i attends to Global keys <= i and Local keys <= i under one softmax. That equals two ordinary
+causal attentions (q against Global, q against Local) whose outputs are merged with weights
+exp(lse_block - lse), lse = logaddexp(lse_global, lse_local). Each block costs one causal N x N
+flash attention, so the joint softmax needs no [N, 2N] score matrix.
+
+The backward is written by hand because the flash kernels' backward ignores any gradient flowing
+into their logsumexp output, so autograd through a naive merge gives wrong gradients. As in ring
+attention, each block's flash backward is called with the *merged* output and *merged* lse: the
+kernel then rebuilds the block's true share of the joint softmax, exp(S_block - lse), and its
+rowsum(dO * O) term is the joint one, so the block gradients are exact and dq is their sum.
+
+The exact masked formula lives in megaloop.reference (the self-contained reference model); tests hold
+this kernel to it, values and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_aten = torch.ops.aten
+
+
+def _flash_forward(q, k, v, scale):
+    """Causal flash attention returning (out, lse, saved) with q, k, v in [B, H, N, D]."""
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, saved, scale):
+    if q.is_cuda:
+        cum_q, cum_k, max_q, max_k, seed, offset = saved
+        return _aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset,
+            scale=scale,
+        )
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, True, scale=scale
+    )
+
+
+class _JointFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_glob, v_glob, k_loc, v_loc, scale):
+        out_g, lse_g, saved_g = _flash_forward(q, k_glob, v_glob, scale)
+        out_l, lse_l, saved_l = _flash_forward(q, k_loc, v_loc, scale)
+        lse = torch.logaddexp(lse_g, lse_l)
+        # Weights of each block in the joint softmax, broadcast over the head dimension.
+        w_g = torch.exp(lse_g - lse).unsqueeze(-1).to(out_g.dtype)
+        w_l = torch.exp(lse_l - lse).unsqueeze(-1).to(out_l.dtype)
+        out = w_g * out_g + w_l * out_l
+        ctx.save_for_backward(q, k_glob, v_glob, k_loc, v_loc, out, lse)
+        ctx.saved_rng = (saved_g, saved_l)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_glob, v_glob, k_loc, v_loc, out, lse = ctx.saved_tensors
+        saved_g, saved_l = ctx.saved_rng
+        grad_out = grad_out.contiguous()
+        dq_g, dk_g, dv_g = _flash_backward(grad_out, q, k_glob, v_glob, out, lse, saved_g, ctx.scale)
+        dq_l, dk_l, dv_l = _flash_backward(grad_out, q, k_loc, v_loc, out, lse, saved_l, ctx.scale)
+        return dq_g + dq_l, dk_g, dv_g, dk_l, dv_l, None
+
+
+def joint_attention_fused(q, k_glob, v_glob, k_loc, v_loc, scale: float):
+    """Joint causal attention over [Global; Local] keys. All tensors [B, H, N, D], equal heads.
+
+    Returns [B, H, N, D]. Equal to megaloop.reference.modeling_asymloop.joint_attention.
+    """
+    q, k_glob, v_glob, k_loc, v_loc = (t.contiguous() for t in (q, k_glob, v_glob, k_loc, v_loc))
+    return _JointFlashAttention.apply(q, k_glob, v_glob, k_loc, v_loc, scale)

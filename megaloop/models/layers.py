@@ -1,0 +1,212 @@
+"""megatron-core modules that megaloop's layer specs plug in.
+
+- ``CausalCoreAttention`` / ``JointCoreAttention``: core-attention modules (the CoreAttention protocol
+  of ``megatron.core.transformer.attention``). The joint one attends to [Global; Local] keys under one
+  softmax, causal on each half.
+- ``JointSelfAttention`` (AsymLoop decoder): megatron-core's SelfAttention plus per-layer Global KV.
+- ``GlobalOnlyAttention`` (the "no Local KV" ablation): queries against Global KV only.
+- ``PostNormLinear``: a row-parallel projection followed by RMSNorm, the OLMo-2 sublayer output norm.
+- ``LoopedTransformerLayer``: routes the Global KV that ``TransformerBlock`` forwards as ``context``
+  into the layer's attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megaloop.models.joint_attention import joint_attention_fused
+from megaloop.reference.modeling_asymloop import joint_attention as joint_attention_masked
+
+
+class CausalCoreAttention(MegatronModule):
+    """Causal softmax attention through torch SDPA (flash kernels on CPU and GPU).
+
+    Used by the local spec in place of megatron-core's DotProductAttention, which materialises the
+    full score matrix; Dense / Full Loop baselines and AsymLoop then run on the same kernel family,
+    so their measured step times compare like with like.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    @staticmethod
+    def _heads_first(x, n_heads):
+        """[s, b, g, d] -> [b, n_heads, s, d], repeating grouped kv heads for GQA."""
+        x = x.permute(1, 2, 0, 3)
+        return x.repeat_interleave(n_heads // x.shape[1], dim=1) if x.shape[1] != n_heads else x
+
+    def _attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        assert packed_seq_params is None and attention_bias is None, "not supported here"
+        n_heads = query.shape[2]
+        q = query.permute(1, 2, 0, 3)
+        out = self._attend(q, self._heads_first(key, n_heads), self._heads_first(value, n_heads))
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+class JointCoreAttention(CausalCoreAttention):
+    """Keys/values arrive as [Global; Local] along the sequence (2N); one softmax over both halves.
+
+    ``impl="fused"`` runs two causal flash calls merged by log-sum-exp with an exact hand-written
+    backward; ``impl="masked"`` is the exact [N, 2N] masked softmax of the reference model.
+    """
+
+    def __init__(self, *args, impl: str = "fused", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernel = joint_attention_fused if impl == "fused" else joint_attention_masked
+
+    def _attend(self, q, k, v):
+        n = q.shape[2]
+        assert k.shape[2] == 2 * n, f"joint attention expects 2N={2 * n} keys, got {k.shape[2]}"
+        return self.kernel(q, k[:, :, :n], v[:, :, :n], k[:, :, n:], v[:, :, n:], self.softmax_scale)
+
+
+@dataclass
+class GlobalKVSubmodules(SelfAttentionSubmodules):
+    linear_q: object = None  # GlobalOnlyAttention's query projection
+    global_kv_layernorm: object = None
+    linear_kv_global: object = None
+
+
+class GlobalKVMixin:
+    """Per-layer Global KV: G_l = (k_norm(Wgk RMSNorm(H_E)), Wgv RMSNorm(H_E)).
+
+    ``project_global_kv`` runs once per forward pass for each decoder layer (not once per iteration);
+    the result reaches ``get_query_key_value_tensors`` through ``self.global_kv``, which the owning
+    layer sets for the duration of one attention call.
+    """
+
+    global_kv: torch.Tensor | None = None
+
+    def _build_global_kv(self, submodules: GlobalKVSubmodules) -> None:
+        cfg = self.config
+        self.global_kv_layernorm = build_module(
+            submodules.global_kv_layernorm, config=cfg, hidden_size=cfg.hidden_size,
+            eps=cfg.layernorm_epsilon,
+        )
+        # Rows are laid out per query group as [k_g; v_g] (like CrossAttention.linear_kv), so a
+        # column-parallel split gives every tensor-parallel rank whole groups.
+        self.linear_kv_global = build_module(
+            submodules.linear_kv_global, cfg.hidden_size, 2 * self.kv_projection_size, config=cfg,
+            init_method=cfg.init_method, gather_output=False, bias=False, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="kv_global", tp_group=self.pg_collection.tp,
+        )
+
+    def project_global_kv(self, encoder_output: torch.Tensor) -> torch.Tensor:
+        """[N, B, h] -> [N, B, groups_per_partition, 2 * head_dim] (QK-normed keys, values)."""
+        kv, _ = self.linear_kv_global(self.global_kv_layernorm(encoder_output))
+        kv = kv.view(*kv.shape[:2], self.num_query_groups_per_partition, -1)
+        k, v = kv.split(self.hidden_size_per_attention_head, dim=-1)
+        if self.k_layernorm is not None:
+            k = self.k_layernorm(k)
+        return torch.cat([k, v], dim=-1)
+
+    def _global_keys_values(self):
+        assert self.global_kv is not None, "Global KV missing: the layer must set it per call"
+        return self.global_kv.split(self.hidden_size_per_attention_head, dim=-1)
+
+
+class JointSelfAttention(GlobalKVMixin, SelfAttention):
+    """AsymLoop decoder attention: keys/values are [Global; Local], length 2N."""
+
+    def __init__(self, config, submodules: GlobalKVSubmodules, layer_number, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self._build_global_kv(submodules)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate=False, split_qkv=True):
+        query, key, value = super().get_query_key_value_tensors(hidden_states, None, False, True)
+        k_glob, v_glob = self._global_keys_values()
+        return query, torch.cat([k_glob, key], dim=0), torch.cat([v_glob, value], dim=0)
+
+
+class GlobalOnlyAttention(GlobalKVMixin, Attention):
+    """Ablation "no Local KV": queries from the decoder state attend (causally) to Global KV only."""
+
+    def __init__(self, config, submodules: GlobalKVSubmodules, layer_number, attn_mask_type=None,
+                 **kwargs):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         attn_mask_type=attn_mask_type, attention_type="self", **kwargs)
+        self.linear_q = build_module(
+            submodules.linear_q, config.hidden_size, self.query_projection_size, config=config,
+            init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="q", tp_group=self.pg_collection.tp,
+        )
+        head = dict(hidden_size=self.hidden_size_per_attention_head, config=config,
+                    eps=config.layernorm_epsilon)
+        self.q_layernorm = build_module(submodules.q_layernorm, **head)
+        self.k_layernorm = build_module(submodules.k_layernorm, **head)
+        self._build_global_kv(submodules)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate=False, split_qkv=True):
+        query, _ = self.linear_q(hidden_states)
+        query = query.view(*query.shape[:2], self.num_attention_heads_per_partition, -1)
+        k_glob, v_glob = self._global_keys_values()
+        return self.q_layernorm(query), k_glob, v_glob
+
+
+@dataclass
+class PostNormLinearSubmodules:
+    linear: object = None
+    norm: object = None
+
+
+class PostNormLinear(MegatronModule):
+    """A (row-parallel) projection whose output is RMS-normalised: OLMo 2's h + Norm(f(h)).
+
+    The norm sits after the tensor-parallel reduction, where each token's full hidden vector exists.
+    """
+
+    def __init__(self, input_size, output_size, *, config, submodules: PostNormLinearSubmodules,
+                 **linear_kwargs):
+        super().__init__(config=config)
+        self.linear = build_module(submodules.linear, input_size, output_size, config=config,
+                                   **linear_kwargs)
+        self.norm = build_module(submodules.norm, config=config, hidden_size=output_size,
+                                 eps=config.layernorm_epsilon)
+
+    def forward(self, x):
+        out, bias = self.linear(x)
+        assert bias is None, "PostNormLinear expects a bias-free projection"
+        return self.norm(out), None
+
+
+class LoopedTransformerLayer(TransformerLayer):
+    """A TransformerLayer whose attention may read this layer's slice of the stacked Global KV.
+
+    ``TransformerBlock`` hands every layer the same ``context``; for AsymLoop that is the Global KV of
+    all decoder layers stacked on dim 0, computed once per forward. Passing it as ``context`` (a
+    tensor argument) keeps it visible to megatron-core's activation recomputation, which replays the
+    layer with the same arguments.
+    """
+
+    def _forward_attention(self, hidden_states, *args, context=None, rotary_pos_emb=None, **kwargs):
+        attention = self.self_attention
+        if not isinstance(attention, GlobalKVMixin):
+            return super()._forward_attention(hidden_states, *args, context=context,
+                                              rotary_pos_emb=rotary_pos_emb, **kwargs)
+        if isinstance(attention, JointSelfAttention) and rotary_pos_emb is not None:
+            # Queries rotate by their position; the 2N keys [Global; Local] by theirs (i and i).
+            rotary_pos_emb = (rotary_pos_emb, torch.cat([rotary_pos_emb, rotary_pos_emb], dim=0))
+        attention.global_kv = context[self.layer_number - 1]
+        try:
+            return super()._forward_attention(hidden_states, *args, context=context,
+                                              rotary_pos_emb=rotary_pos_emb, **kwargs)
+        finally:
+            attention.global_kv = None

@@ -1,0 +1,167 @@
+"""LoopedLM: the canonical megatron-core definition of Dense, Full Loop and AsymLoop.
+
+    h   = Embed(x)
+    H_E = Encoder(h)                          E layers, once (absent for Dense / Full Loop)
+    G   = [layer.project_global_kv(H_E)]      once per forward, one entry per decoder layer
+    z_K = iterate(Decoder, H_E, K, G)         D weight-tied layers, K times (the one recurrence primitive)
+    logits = OutputLayer(FinalNorm(z_K))
+
+Dense is the special case E = 0, K = 1 and Full Loop E = 0, K = R. The model is single-device code in
+the torchtitan sense: tensor parallelism lives in the megatron-core layers it is built from, and
+data/pipeline parallelism, checkpointing and logging are applied from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+from megaloop.config import ModelConfig, ParallelConfig
+from megaloop.models import specs
+from megaloop.models.recurrence import iterate
+
+
+def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: int,
+                       ffn_hidden_size: int, params_dtype=torch.float32) -> TransformerConfig:
+    """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers."""
+    on_gpu = torch.cuda.is_available()
+    recompute = parallel.recompute == "full"
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method=init_method_normal(cfg.init_std),
+        # Residual-branch outputs are scaled by the *effective* depth, the number of layer
+        # applications the residual stream accumulates, not the physical layer count.
+        output_layer_init_method=scaled_init_method_normal(cfg.init_std, cfg.effective_depth),
+        init_method_std=cfg.init_std,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        sequence_parallel=parallel.sequence_parallel,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+class LoopedLM(LanguageModule):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
+                 use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True):
+        cfg = dataclasses.replace(cfg).resolve()
+        parallel = parallel or ParallelConfig()
+        use_te = specs.transformer_engine_available() if use_te is None else use_te
+        enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
+        dec_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
+                                        params_dtype)
+        super().__init__(config=dec_config)
+        self.cfg = cfg
+        self.pre_process = self.post_process = True
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = cfg.tie_embeddings
+        self.vocab_size = cfg.vocab_size
+        self.max_sequence_length = cfg.seq_length
+
+        self.embedding = LanguageModelEmbedding(
+            config=dec_config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+            position_embedding_type="rope",
+        )
+        self.rotary_pos_emb = RotaryEmbedding(
+            kv_channels=cfg.kv_channels, rotary_percent=1.0, rotary_base=cfg.rotary_base,
+            use_cpu_initialization=dec_config.use_cpu_initialization,
+        )
+        self.encoder = None
+        if enc_layers:
+            enc_config = transformer_config(cfg, parallel, enc_layers, cfg.ffn_hidden_size,
+                                            params_dtype)
+            self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
+                                            post_layer_norm=False)
+        self.decoder = TransformerBlock(dec_config, specs.layer_spec(cfg, specs.decoder_role(cfg),
+                                                                     use_te),
+                                        post_layer_norm=False)
+        self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=dec_config,
+                                            hidden_size=cfg.hidden_size, eps=cfg.norm_eps)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, config=dec_config, init_method=dec_config.init_method,
+            bias=False, skip_bias_add=False, gather_output=not parallel_output,
+            skip_weight_param_allocation=cfg.tie_embeddings,
+        )
+        self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        # Pipeline stages other than the first are not supported for looped models yet
+        # (ParallelConfig.validate refuses them); the schedules still call this hook.
+        assert input_tensor is None or input_tensor == [None], "pipeline input not supported"
+
+    def global_kv(self, encoder_output: torch.Tensor) -> torch.Tensor:
+        """Global KV of every decoder layer, stacked on dim 0: [D, N, B, groups, 2 * head_dim]."""
+        return torch.stack([layer.self_attention.project_global_kv(encoder_output)
+                            for layer in self.decoder.layers])
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                num_iterations: int | None = None) -> torch.Tensor:
+        """Returns logits [B, N, V/tp] or, with ``labels``, per-token losses [B, N].
+
+        ``num_iterations`` overrides K (or R) for test-time depth scaling. Attention is causal by
+        construction; ``attention_mask`` is accepted for megatron-core's calling convention only.
+        """
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        steps = self.cfg.iterations if num_iterations is None else num_iterations
+        if steps < 1:
+            raise ValueError(f"num_iterations={steps}: must be >= 1")
+        hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [N, B, h]
+        rope = self.rotary_pos_emb(hidden.shape[0])
+        if self.encoder is not None:
+            hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
+        cfg = self.cfg
+        context = self.global_kv(hidden) if cfg.uses_global_kv else None
+        additive = cfg.arch == "asymloop" and cfg.injection == "additive"
+        hidden = iterate(self.decoder, hidden, steps, additive=additive, attention_mask=None,
+                         context=context,
+                         rotary_pos_emb=rope)
+        hidden = self.final_layernorm(hidden)
+        weight = self.shared_embedding_or_output_weight() if cfg.tie_embeddings else None
+        logits, _ = self.output_layer(hidden, weight=weight)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+
+def build_model(cfg: ModelConfig, parallel: ParallelConfig | None = None, **kwargs) -> LoopedLM:
+    """Validates the configuration, then builds the model (model-parallel groups must exist)."""
+    cfg = dataclasses.replace(cfg)
+    cfg.validate()
+    if parallel is not None:
+        parallel.validate(cfg)
+    return LoopedLM(cfg, parallel, **kwargs)

@@ -1,0 +1,24 @@
+"""The one recurrence primitive: apply a weight-tied block K times.
+
+Training, evaluation (test-time depth), generation and export all loop through ``iterate``, so the
+semantics of "K iterations" are defined in exactly one place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def iterate(block, encoded: torch.Tensor, steps: int, *, additive: bool = False,
+            **block_kwargs) -> torch.Tensor:
+    """Returns z_K for z_t = block(z_{t-1}), t = 1..steps.
+
+    - ``additive=False``: z_0 = encoded (AsymLoop, Full Loop, Dense with steps = 1).
+    - ``additive=True``: z_0 = 0 and every step re-injects the encoding, z_t = block(z_{t-1} + encoded)
+      (the "additive injection" ablation).
+    ``block_kwargs`` (rotary embeddings, Global KV context) are identical for every step.
+    """
+    state = torch.zeros_like(encoded) if additive else encoded
+    for _ in range(steps):
+        state = block(state + encoded if additive else state, **block_kwargs)
+    return state

@@ -1,0 +1,124 @@
+"""TransformerLayer ModuleSpecs for every megaloop variant; a variant is a spec swap, not a fork.
+
+A layer has one of three attention roles:
+- ``plain``: causal self-attention (Dense, Full Loop, the AsymLoop encoder, "no Global KV" ablations);
+- ``joint``: AsymLoop decoder attention over [Global; Local] keys under one softmax;
+- ``global_only``: the "no Local KV" ablation.
+and one of two block styles: ``llama`` (pre-norm) or ``olmo`` (RMSNorm on sublayer outputs inside the
+residual). The backend is megatron-core's local modules on CPU, or Transformer Engine on GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from megaloop.config import ModelConfig
+from megaloop.models.layers import (
+    CausalCoreAttention,
+    GlobalKVSubmodules,
+    GlobalOnlyAttention,
+    JointCoreAttention,
+    JointSelfAttention,
+    LoopedTransformerLayer,
+    PostNormLinear,
+    PostNormLinearSubmodules,
+)
+
+Role = Literal["plain", "joint", "global_only"]
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _backend(use_te: bool):
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
+
+
+def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
+    backend = _backend(use_te)
+    norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if cfg.qk_norm else IdentityOp
+    olmo = cfg.block == "olmo"
+    # Transformer Engine fuses the pre-norm into the following linear; the OLMo block has no pre-norm.
+    fused_norm = backend.fuse_layernorm_and_linear() and not olmo
+    column = (backend.column_parallel_layer_norm_linear() if fused_norm
+              else backend.column_parallel_linear())
+    row = backend.row_parallel_linear()
+    output_proj = (ModuleSpec(PostNormLinear, submodules=PostNormLinearSubmodules(row, norm))
+                   if olmo else row)
+    pre_norm = IdentityOp if (olmo or fused_norm) else norm
+
+    if role == "joint":
+        core = ModuleSpec(JointCoreAttention, params={"impl": cfg.joint_attention})
+    elif use_te:
+        core = backend.core_attention()
+    else:
+        core = CausalCoreAttention
+    attention_sub = dict(core_attention=core, linear_proj=output_proj, q_layernorm=qk_norm,
+                         k_layernorm=qk_norm)
+    if role == "plain":
+        attention = ModuleSpec(SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=SelfAttentionSubmodules(linear_qkv=column, **attention_sub))
+    else:
+        global_kv = dict(global_kv_layernorm=norm, linear_kv_global=backend.column_parallel_linear())
+        if role == "joint":
+            module, sub = JointSelfAttention, GlobalKVSubmodules(linear_qkv=column, **global_kv,
+                                                                 **attention_sub)
+        else:
+            module, sub = GlobalOnlyAttention, GlobalKVSubmodules(linear_qkv=None, linear_q=column,
+                                                                  **global_kv,
+                                                                  **attention_sub)
+        # "arbitrary": the 2N-key joint softmax is not megatron-core's square causal mask; the core
+        # attention module applies its own causality.
+        attention = ModuleSpec(module, params={"attn_mask_type": AttnMaskType.arbitrary},
+                               submodules=sub)
+
+    keys_map = {}
+    if not olmo:
+        # Checkpoints keep Transformer Engine's fused-norm key names whatever the backend, so a
+        # checkpoint moves between the local (CPU) and TE (GPU) specs.
+        qkv_name = "linear_q" if role == "global_only" else "linear_qkv"
+        keys_map = {"input_layernorm.": f"self_attention.{qkv_name}.layer_norm_",
+                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return ModuleSpec(
+        LoopedTransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=pre_norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_norm,
+            mlp=ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=output_proj)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def decoder_role(cfg: ModelConfig) -> Role:
+    if not cfg.uses_global_kv:
+        return "plain"
+    return "joint" if cfg.local_kv else "global_only"
+
+
+def final_norm_spec(use_te: bool):
+    return _backend(use_te).layer_norm(rms_norm=True, for_qk=False)

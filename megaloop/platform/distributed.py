@@ -1,0 +1,127 @@
+"""Process-group and model-parallel initialisation from torchrun, SLURM (srun) or MPI launchers.
+
+The launcher is detected from its environment variables, so the same entry point works under
+``torchrun``, ``srun`` (one task per GPU), ``mpiexec``, or as a plain single process. On machines
+without CUDA the backend is gloo and the CPU compatibility layer is switched on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megaloop.platform import cpu_compat
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expands a SLURM hostlist such as ``gpu[01-03,07],login5`` into host names.
+
+    SLURM's own ``scontrol show hostnames`` is not available inside every container, so the
+    bracket grammar (comma-separated ranges with zero padding) is expanded here.
+    """
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}")
+    return hosts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Reads rank, world size and rendezvous address from the launcher's environment."""
+    env = os.environ if environ is None else environ
+    port = int(env.get("MASTER_PORT", 0))
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun / torch.distributed.launch
+        return LaunchEnv(
+            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+            addr, port or 29500, "torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
+            addr = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])[0]
+        # A job-derived port keeps concurrent jobs sharing a node from colliding.
+        default_port = 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+            addr, port or default_port, "slurm",
+        )
+    for rank_key, size_key, local_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    ):
+        if rank_key in env and size_key in env:
+            if int(env[size_key]) > 1 and not port:
+                raise RuntimeError(
+                    "MPI launch: set MASTER_ADDR and MASTER_PORT (e.g. `mpiexec -genv MASTER_PORT "
+                    "29500 ...`) so that every rank rendezvous at the same address"
+                )
+            return LaunchEnv(
+                int(env[rank_key]), int(env[size_key]), int(env.get(local_key, 0)),
+                addr, port or 29500, "mpi",
+            )
+    return LaunchEnv(0, 1, 0, addr, port or _free_port(), "single")
+
+
+def init_distributed(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    expert_parallel: int = 1,
+    seed: int = 1234,
+) -> LaunchEnv:
+    """Initialises torch.distributed and megatron-core's model-parallel groups; returns the launch env.
+
+    Safe to call when a process group already exists (tests, notebooks): it then only (re)builds the
+    model-parallel groups.
+    """
+    launch = detect_launch_env()
+    cpu_compat.enable()
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank,
+            world_size=launch.world_size,
+        )
+    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
+    )
+    mcore_tp.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return launch

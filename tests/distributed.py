@@ -1,0 +1,107 @@
+"""run_distributed: runs a function on N gloo ranks, reusing worker processes across tests.
+
+Importing megatron-core costs about 4 s per process, so the workers of each world size are started
+once per test session and kept alive; every call ships a module-level function (picklable) to all
+ranks, waits for them, and re-raises the first rank's failure with its traceback. Model-parallel
+state is torn down after every call so tests stay independent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+_TIMEOUT_S = float(os.environ.get("MEGALOOP_TEST_DIST_TIMEOUT", 600))
+_pools: dict[int, "_Pool"] = {}
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from megaloop.platform import cpu_compat
+
+    cpu_compat.enable()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, kwargs = task
+        try:
+            results.put((rank, True, fn(rank, world_size, **kwargs)))
+        except BaseException:  # report everything, the test decides
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def close(self) -> None:
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _close_all() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+atexit.register(_close_all)
+
+
+def run_distributed(fn, world_size: int = 2, **kwargs) -> list:
+    """Calls ``fn(rank, world_size, **kwargs)`` on every rank; returns the per-rank results."""
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = _Pool(world_size)
+    for q in pool.tasks:
+        q.put((fn, kwargs))
+    out, errors = [None] * world_size, []
+    for _ in range(world_size):
+        try:
+            rank, ok, value = pool.results.get(timeout=_TIMEOUT_S)
+        except queue.Empty:
+            pool.close()
+            _pools.pop(world_size, None)
+            raise TimeoutError(f"distributed test {fn.__name__} timed out after {_TIMEOUT_S}s")
+        if ok:
+            out[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    if errors:
+        raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(errors))
+    return out
