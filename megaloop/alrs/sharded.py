@@ -1,0 +1,266 @@
+"""The ALRS training hook: spectra computed once per physical matrix, spread over ranks by cost.
+
+Per analysis step every rank of ``group`` (default: the whole world) does the same:
+1. TP-sharded matrices (megatron-core marks them ``tensor_model_parallel=True`` with a
+   ``partition_dim``) are gathered over ``tp_group`` onto the rank that owns them, because α must be
+   that of the full matrix, never of a shard.
+2. Each rank computes the statistics of the matrices it owns. Owners come from a greedy
+   longest-processing-time assignment on m·n·min(m, n), identical on every rank.
+3. One all-gather of the small per-matrix (α, stable rank, normalised stable rank) table in fp64.
+   Every rank then runs the same float arithmetic on the same numbers, so all ranks apply
+   bit-identical multipliers.
+
+Every rank must call ``step`` with the same step numbers (the collectives must line up). All ranks
+of ``group`` must hold the same parameter names: pipeline or expert parallelism, where ranks hold
+different matrices under equal names, is not supported yet. A failure inside the hook never reaches
+training: it is logged as a warning and the multipliers stay as they were. A failure that hits only
+some ranks between collectives could still leave the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megaloop.alrs.allocator import allocate, initial_multipliers
+from megaloop.alrs.estimator import SpectralStats, spectral_stats
+from megaloop.alrs.log import ALRSLog
+from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule
+
+logger = logging.getLogger("megaloop.alrs")
+
+BASE_GROUP = "base"  # LR-log name of everything ALRS does not scale (norms, biases, excluded)
+NamedParameters = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class MatrixInfo:
+    name: str
+    full_shape: tuple[int, int]
+    partition_dim: int | None  # the TP shard dimension; None when every rank holds it whole
+
+    @property
+    def cost(self) -> int:
+        m, n = self.full_shape
+        return m * n * min(m, n)
+
+
+def physical_matrices(named_parameters: Iterable[tuple[str, torch.Tensor]], config: ALRSConfig,
+                      tp_size: int = 1) -> list[MatrixInfo]:
+    """The 2-D weights, each physical tensor once, in first-seen order.
+
+    ``nn.Module.named_parameters`` already yields a shared Parameter once (a layer applied K times,
+    a tied embedding/head); tensors seen twice from another iterable are skipped here as well.
+    """
+    seen, out = set(), []
+    for name, param in named_parameters:
+        if id(param) in seen or param.ndim != 2 or any(s in name for s in config.exclude):
+            continue
+        seen.add(id(param))
+        shape = list(param.shape)
+        dim = None
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            dim = int(param.partition_dim)
+            shape[dim] *= tp_size
+        out.append(MatrixInfo(name, (shape[0], shape[1]), dim))
+    return out
+
+
+def balance_by_cost(costs: list[int], n_ranks: int) -> list[int]:
+    """Owner rank per item: largest first onto the least-loaded rank (ties: lowest index)."""
+    loads = [0] * n_ranks
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(n_ranks), key=lambda r: (loads[r], r))
+        owner[i] = rank
+        loads[rank] += costs[i]
+    return owner
+
+
+class ALRS:
+    """Heavy-tail-guided layerwise LR multipliers, one per physical weight matrix.
+
+    Args:
+        named_parameters: the model, or a callable returning its (name, parameter) pairs. It is
+            called at each analysis, so the hook always reads the live tensors.
+        total_steps: T, the number of optimizer steps of the run.
+        config: ALRS options (default: the paper's).
+        group: the ranks that share the work (default: the world when torch.distributed is up).
+        tp_group: megatron-core's tensor-parallel group, needed when TP > 1.
+        log_path: zarr store for spectra and LRs, written by global rank 0 only.
+
+    Call ``step(step, base_lr)`` once per optimizer step (1-based), after backward and before the
+    optimizer step, on every rank; it returns ``{param_name: multiplier}`` for the analysed matrices.
+    Set each matrix's group LR to multiplier·base_lr; other parameters keep base_lr.
+    """
+
+    def __init__(self, named_parameters: nn.Module | NamedParameters, total_steps: int,
+                 config: ALRSConfig | None = None, *, group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None, log_path: str | None = None):
+        if total_steps < 1:
+            raise ValueError(f"ALRS total_steps must be >= 1, got total_steps={total_steps}")
+        self.config = config or ALRSConfig()
+        self.total_steps = total_steps
+        self._named_parameters = (named_parameters.named_parameters
+                                  if isinstance(named_parameters, nn.Module) else named_parameters)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None or not self._distributed else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group) if self._distributed else 1
+        self.rank = dist.get_rank(self.group) if self._distributed else 0
+        self.tp_group = tp_group
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.matrices = physical_matrices(self._named_parameters(), self.config, tp_size)
+        self.names = [m.name for m in self.matrices]
+        if self.world_size > 1:
+            self._check_same_matrices_on_all_ranks()
+        self.owner = balance_by_cost([m.cost for m in self.matrices], self.world_size)
+        self.schedule = MultiplierSchedule(initial_multipliers(self.names, self.config),
+                                           self.config.transition)
+        self.last_stats: dict[str, SpectralStats] = {}
+        self._last_analysis = 0
+        self._last_step = 0
+        is_writer = not self._distributed or dist.get_rank() == 0
+        self.log = None
+        if log_path is not None and is_writer:
+            self.log = ALRSLog(log_path, self.names, [m.full_shape for m in self.matrices],
+                               self.names + [BASE_GROUP], self.config.to_dict(),
+                               self.config.log_eigenvalues)
+
+    def step(self, step: int, base_lr: float | None = None) -> dict[str, float]:
+        """Multipliers for optimizer step ``step``; analyses and allocates when the schedule says."""
+        if step != self._last_analysis and self.config.analyses_at(step, self.total_steps):
+            try:
+                self._analyse(step)
+            except Exception:  # the hook must never stop training
+                logger.warning("ALRS: analysis at step %d failed; multipliers unchanged", step,
+                               exc_info=True)
+            self._last_analysis = step
+        multipliers = self.schedule.at(step)
+        self._last_step = step
+        if self.log is not None and base_lr is not None:
+            try:
+                lrs = {name: m * base_lr for name, m in multipliers.items()}
+                self.log.append_lrs(step, {**lrs, BASE_GROUP: base_lr})
+            except Exception:
+                logger.warning("ALRS: writing the LR log failed at step %d", step, exc_info=True)
+        return multipliers
+
+    def state_dict(self) -> dict:
+        return {"names": list(self.names), "schedule": self.schedule.state_dict(),
+                "last_analysis": self._last_analysis, "last_step": self._last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the exact multipliers; log rows after the checkpoint's step are forgotten."""
+        if list(state["names"]) != self.names:
+            raise ValueError("ALRS checkpoint names different matrices than this model")
+        self.schedule.load_state_dict(state["schedule"])
+        self._last_analysis = int(state["last_analysis"])
+        self._last_step = int(state["last_step"])
+        if self.log is not None:
+            self.log.flush()
+            self.log.truncate_after(self._last_step)
+
+    def close(self) -> None:
+        """Writes buffered LR rows; call at the end of training."""
+        if self.log is not None:
+            self.log.flush()
+
+    def _analyse(self, step: int) -> None:
+        params = dict(self._named_parameters())
+        full = self._gather_owned(params)
+        mine = [i for i, r in enumerate(self.owner) if r == self.rank]
+        rows, eigs = [], []
+        for i in mine:
+            name = self.names[i]
+            try:
+                stats, lam = spectral_stats(full.pop(i), name, self.config.eig_method)
+            except Exception:
+                logger.warning("ALRS: statistics of %s failed; alpha is NaN", name, exc_info=True)
+                stats, lam = SpectralStats(math.nan, math.nan, math.nan), torch.empty(0)
+            rows.append((stats.alpha, stats.stable_rank, stats.norm_stable_rank))
+            eigs.append(lam)
+        table, eig_table = self._all_gather(rows, eigs)
+        self.last_stats = {n: SpectralStats(*table[i]) for i, n in enumerate(self.names)}
+        allocated = self.config.allocates_at(step, self.total_steps)
+        if allocated:
+            alphas = {n: s.alpha for n, s in self.last_stats.items()}
+            self.schedule.retarget(step, allocate(alphas, self.config, self.schedule.target))
+        if self.log is not None:
+            stats = {"alpha": [s.alpha for s in self.last_stats.values()],
+                     "stable_rank": [s.stable_rank for s in self.last_stats.values()],
+                     "norm_stable_rank": [s.norm_stable_rank for s in self.last_stats.values()],
+                     "multiplier": [self.schedule.target[n] for n in self.names]}
+            self.log.append_spectra(step, allocated, stats, eig_table)
+
+    def _gather_owned(self, params: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Full tensors of the matrices this rank owns; TP shards are gathered to their owner."""
+        tp_ranks = dist.get_process_group_ranks(self.tp_group) if self._tp_sharded() else []
+        full = {}
+        for i, info in enumerate(self.matrices):
+            param = params[info.name].detach()
+            if info.partition_dim is None:
+                if self.owner[i] == self.rank:
+                    full[i] = param
+                continue
+            owner = dist.get_global_rank(self.group, self.owner[i])
+            if owner not in tp_ranks:  # another TP group holds the owner and gathers it
+                continue
+            shard = param.to(torch.float32).contiguous()
+            parts = [torch.empty_like(shard) for _ in tp_ranks] if owner == dist.get_rank() else None
+            dist.gather(shard, parts, dst=owner, group=self.tp_group)
+            if parts is not None:  # gather_list follows TP rank order, i.e. shard order
+                full[i] = torch.cat(parts, dim=info.partition_dim)
+        return full
+
+    def _tp_sharded(self) -> bool:
+        return any(m.partition_dim is not None for m in self.matrices)
+
+    def _all_gather(self, rows: list[tuple], eigs: list[torch.Tensor]):
+        """Every matrix's (α, stable rank, normalised stable rank) on every rank, in fp64; also
+        the eigenvalues by name when they are logged."""
+        counts = [self.owner.count(r) for r in range(self.world_size)]
+        width = max(counts, default=0)
+        n_eig = max((min(m.full_shape) for m in self.matrices), default=0)
+        n_eig = n_eig if self.config.log_eigenvalues else 0
+        device = self._collective_device()
+        local = torch.full((width, 3 + n_eig), math.nan, dtype=torch.float64)
+        for row, (stats, lam) in enumerate(zip(rows, eigs)):
+            local[row, :3] = torch.tensor(stats, dtype=torch.float64)
+            if n_eig and lam.numel():
+                local[row, 3:3 + lam.numel()] = lam.cpu()
+        if self.world_size > 1:
+            gathered = torch.empty((self.world_size * width, 3 + n_eig), dtype=torch.float64,
+                                   device=device)
+            dist.all_gather_into_tensor(gathered, local.to(device), group=self.group)
+            gathered = gathered.cpu()
+        else:
+            gathered = local
+        slot, position = [], [0] * self.world_size
+        for r in self.owner:  # rank r's rows are its matrices in index order, like ``mine``
+            slot.append(r * width + position[r])
+            position[r] += 1
+        table = [tuple(gathered[s, :3].tolist()) for s in slot]
+        eig_table = None
+        if n_eig:
+            eig_table = {m.name: gathered[s, 3:3 + min(m.full_shape)].numpy()
+                         for m, s in zip(self.matrices, slot)}
+        return table, eig_table
+
+    def _collective_device(self) -> torch.device:
+        if self._distributed and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check_same_matrices_on_all_ranks(self) -> None:
+        mine = [(m.name, m.full_shape) for m in self.matrices]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if any(other != mine for other in everyone):
+            raise ValueError("ALRS needs the same matrices on every rank of its group; pipeline or "
+                             "expert parallelism is not supported")
