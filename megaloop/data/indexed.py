@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,11 +37,21 @@ def idx_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
+def mcore_indexed():
+    """megatron-core's indexed_dataset module, imported without its unrelated import warnings.
+
+    Importing it imports all of megatron.core, which warns that Transformer Engine and Apex are
+    missing: noise for a tool that only writes data files.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
 def token_dtype(vocab_size: int) -> type[numpy.number]:
     """The smallest dtype megatron-core uses for a vocab (its ``DType.optimal_dtype``)."""
-    from megatron.core.datasets.indexed_dataset import DType
-
-    return DType.optimal_dtype(vocab_size)
+    return mcore_indexed().DType.optimal_dtype(vocab_size)
 
 
 class AtomicIndexedWriter:
@@ -51,13 +62,11 @@ class AtomicIndexedWriter:
     """
 
     def __init__(self, prefix: str, dtype: type[numpy.number]):
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
         self.prefix = prefix
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         # The pid keeps concurrent writers (MPI ranks on a shared filesystem) apart.
         self.tmp_prefix = f"{prefix}.partial-{os.getpid()}"
-        self.builder = IndexedDatasetBuilder(bin_path(self.tmp_prefix), dtype=dtype)
+        self.builder = mcore_indexed().IndexedDatasetBuilder(bin_path(self.tmp_prefix), dtype=dtype)
         self.committed = False
 
     def add_document(self, tokens: numpy.ndarray, lengths: Sequence[int]) -> None:
@@ -87,8 +96,11 @@ class AtomicIndexedWriter:
                     os.remove(path)
 
 
-def merge_indexed(prefixes: Sequence[str], out_prefix: str) -> None:
-    """Concatenate datasets (same dtype) into one, in the given order, atomically."""
+def merge_indexed(prefixes: Sequence[str], out_prefix: str, max_docs: int | None = None) -> int:
+    """Concatenate datasets (same dtype) into one, in order, atomically; returns the documents.
+
+    With ``max_docs``, only the first ``max_docs`` documents of the concatenation are kept.
+    """
     if not prefixes:
         raise DataError(f"{out_prefix}: nothing to merge")
     summaries = [validate_indexed(p) for p in prefixes]
@@ -96,10 +108,25 @@ def merge_indexed(prefixes: Sequence[str], out_prefix: str) -> None:
     if len(dtypes) > 1:
         names = ", ".join(f"{s.prefix} ({numpy.dtype(s.dtype).name})" for s in summaries)
         raise DataError(f"cannot merge datasets with different token dtypes: {names}")
+    left = max_docs if max_docs is not None else sum(s.num_documents for s in summaries)
     with AtomicIndexedWriter(out_prefix, summaries[0].dtype) as writer:
-        for prefix in prefixes:
-            writer.add_index(prefix)
+        for summary in summaries:
+            if left >= summary.num_documents:
+                writer.add_index(summary.prefix)  # whole files, copied in bulk
+                left -= summary.num_documents
+            elif left > 0:
+                _add_first_documents(writer, summary.prefix, left)
+                left = 0
         writer.commit()
+    return (max_docs if max_docs is not None else sum(s.num_documents for s in summaries)) - left
+
+
+def _add_first_documents(writer: AtomicIndexedWriter, prefix: str, count: int) -> None:
+    dataset = mcore_indexed().IndexedDataset(prefix)
+    bounds = dataset.document_indices
+    for doc in range(count):
+        sequences = [dataset[i] for i in range(bounds[doc], bounds[doc + 1])]
+        writer.add_document(numpy.concatenate(sequences), [len(s) for s in sequences])
 
 
 @dataclass(frozen=True)

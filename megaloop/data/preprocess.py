@@ -78,13 +78,12 @@ def output_prefix(prefix: str, key: str) -> str:
 # Per-process state, set once by _init_worker so each task only ships a chunk.
 _tokenizer: TextTokenizer | None = None
 _options: PreprocessOptions | None = None
-_dtype: type[numpy.number] | None = None
 
 
-def _init_worker(options: PreprocessOptions, dtype: type[numpy.number]) -> None:
-    global _tokenizer, _options, _dtype
+def _init_worker(options: PreprocessOptions) -> None:
+    global _tokenizer, _options
     _tokenizer = load_tokenizer(options.tokenizer_type, options.tokenizer_model)
-    _options, _dtype = options, dtype
+    _options = options
 
 
 def encode_chunk(chunk: Chunk) -> EncodedChunk:
@@ -97,7 +96,8 @@ def encode_chunk(chunk: Chunk) -> EncodedChunk:
             for doc_ids in ids:
                 doc_ids.append(_tokenizer.eod)
         lengths[key] = numpy.fromiter(map(len, ids), dtype=numpy.int64, count=len(ids))
-        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(ids), dtype=_dtype, count=int(lengths[key].sum()))
+        # int32 here; the builder narrows to the file's dtype (uint16 for most vocabs) on write.
+        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(ids), dtype=numpy.int32, count=int(lengths[key].sum()))
     return EncodedChunk(tokens, lengths, len(parsed.docs), chunk.nbytes, parsed.filtered, parsed.bad)
 
 
@@ -134,20 +134,22 @@ def preprocess(
     from megaloop.data.indexed import AtomicIndexedWriter, token_dtype
 
     tokenizer = check_tokenizer(options)
-    dtype = token_dtype(tokenizer.vocab_size)
     keys = options.record_filter.keys
     chunks = iter_chunks(ranges, options.record_filter.columns(), options.chunk_records, options.chunk_bytes)
     stats = PreprocessStats()
-    start = time.perf_counter()
-    writers = {key: AtomicIndexedWriter(output_prefix(prefix, key), dtype) for key in keys}
-    pool = None
+    pool, writers = None, {}
     try:
         if options.workers == 0:
-            _init_worker(options, dtype)
+            _init_worker(options)
             results = map(encode_chunk, chunks)
         else:
-            pool = multiprocessing.get_context("spawn").Pool(options.workers, _init_worker, (options, dtype))
+            pool = multiprocessing.get_context("spawn").Pool(options.workers, _init_worker, (options,))
             results = _ordered_bounded_map(encode_chunk, chunks, pool, 2 * options.workers + 2)
+        # After starting the pool, so megatron-core's slow import overlaps the workers' start-up.
+        dtype = token_dtype(tokenizer.vocab_size)
+        writers = {key: AtomicIndexedWriter(output_prefix(prefix, key), dtype) for key in keys}
+        # Rates count from here, after start-up, as Megatron-LM's log lines do.
+        start = time.perf_counter()
         for encoded in results:
             if options.strict and encoded.bad.total:
                 raise DataError(f"{encoded.bad.examples[0]} (--strict)")
@@ -174,7 +176,6 @@ def preprocess(
             pool.join()
         for writer in writers.values():
             writer.__exit__(None, None, None)
-    stats.seconds = time.perf_counter() - start
     return stats
 
 
