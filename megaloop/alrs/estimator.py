@@ -18,6 +18,9 @@ logger = logging.getLogger("megaloop.alrs")
 EigenMethod = Literal["gram64", "svd32"]
 EIGEN_METHODS = ("gram64", "svd32")
 
+# A tail whose largest eigenvalue exceeds xmin by less than this relative amount is flat up to
+# rounding (e.g. an orthogonal matrix): its α would exceed 1e6 and only measure rounding noise.
+FLAT_RTOL = 1e-6
 # Below this fraction of λ_max an eigenvalue counts as numerically zero. Measured noise floors of
 # both methods on exactly rank-deficient fp32 matrices up to 32128x768 stay <= 1e-13·λ_max, while
 # genuine median eigenvalues of heavy-tailed matrices sit many orders of magnitude above 1e-12.
@@ -43,6 +46,8 @@ def eigenvalues(weight: torch.Tensor, method: EigenMethod = "gram64") -> torch.T
     """
     if weight.ndim != 2:
         raise ValueError(f"ALRS analyses 2-D weights, got shape {tuple(weight.shape)}")
+    if not bool(torch.isfinite(weight).all()):  # LAPACK either fails or returns garbage on NaN/Inf
+        return torch.full((min(weight.shape),), math.nan, dtype=torch.float64, device=weight.device)
     if method == "gram64":
         tall = weight if weight.shape[0] >= weight.shape[1] else weight.T
         tall = tall.detach().to(torch.float64)
@@ -70,7 +75,7 @@ def degeneracy(eigs: torch.Tensor) -> str | None:
     xmin = float(eigs[eigs.numel() // 2])
     if xmin <= ZERO_RTOL * lam_max:
         return "zero eigenvalues at or above the median (rank below N/2)"
-    if xmin == lam_max:  # no tail at all: α would be +inf and break the linear map
+    if lam_max <= xmin * (1.0 + FLAT_RTOL):
         return "flat spectrum above the median"
     return None
 

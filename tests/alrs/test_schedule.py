@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(s1=3.0, s2=2.0), "s1"), (dict(s1=0.0), "s1"), (dict(fraction=0.0), "fraction"),
+    (dict(fraction=1.5), "fraction"), (dict(interval=0), "interval"),
+    (dict(transition=-1), "transition"), (dict(mode="sgd"), "mode"),
+    (dict(embedding_head="drop"), "embedding_head"), (dict(eig_method="qr"), "eig_method"),
+    (dict(decoder_boost=0.0), "decoder_boost"),
+])
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field) as err:
+        ALRSConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_allocation_steps_of_the_60m_run():
+    config = ALRSConfig()
+    steps = [s for s in range(1, 3201) if config.allocates_at(s, 3200)]
+    assert steps == [1, 100, 200, 300, 400, 500, 600]  # the reference's 7 updates at T = 3200
+
+
+def test_ramp_reaches_target_after_transition_steps():
+    sched = MultiplierSchedule({"a": 1.0, "b": 1.0}, transition=50)
+    sched.retarget(100, {"a": 5.0, "b": 1.0})
+    assert sched.at(100) == {"a": 1.0, "b": 1.0}
+    assert sched.at(125) == {"a": 3.0, "b": 1.0}
+    assert sched.at(149)["a"] < 5.0 and sched.at(150) == {"a": 5.0, "b": 1.0}
+    sched.retarget(130, {"a": 1.0, "b": 2.0})  # a new target mid-ramp starts from where it is
+    assert sched.at(130) == {"a": 3.4, "b": 1.0} and sched.at(180) == {"a": 1.0, "b": 2.0}
+    with pytest.raises(ValueError, match="targets"):
+        sched.retarget(200, {"a": 1.0})
+
+
+def _spread_model(spreads):
+    """Linear layers whose weights have eigenvalue spectra λ_j = j^spread (different α each)."""
+    model = torch.nn.ModuleDict()
+    for i, spread in enumerate(spreads):
+        layer = torch.nn.Linear(32, 32, bias=False)
+        _set_spectrum(layer.weight, spread, seed=i)
+        model[f"l{i}"] = layer
+    return model
+
+
+def _set_spectrum(weight, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(32, 32, generator=g))
+    sigma = torch.arange(1, 33, dtype=torch.float32) ** (spread / 2)
+    with torch.no_grad():
+        weight.copy_((u * sigma) @ u.T)
+
+
+def test_schedule_shape_freeze_and_lr_equals_multiplier_times_base_lr(tmp_path):
+    model = _spread_model([1.0, 2.0, 4.0])
+    total, base = 1000, lambda t: 1e-3 * (1 + t / 1000)
+    alrs = ALRS(model, total, ALRSConfig(s1=1.0, s2=5.0, interval=100, fraction=0.2, transition=50),
+                log_path=str(tmp_path / "alrs.zarr"))
+    history = {}
+    for t in range(1, total + 1):
+        if t == 150:  # the spectra change: the allocation at 200 must retarget
+            _set_spectrum(model["l0"].weight, 4.0, seed=0)
+            _set_spectrum(model["l2"].weight, 1.0, seed=2)
+        if t == 300:  # after 0.2·T nothing may change any more
+            _set_spectrum(model["l1"].weight, 8.0, seed=1)
+        history[t] = alrs.step(t, base(t))
+    alrs.close()
+    l0, l2 = [[history[t][f"l{i}.weight"] for t in range(1, total + 1)] for i in (0, 2)]
+    # Steeper spectrum = heavier tail = smaller α = smaller LR.
+    assert l0[51 - 1] == 5.0 and l2[51 - 1] == 1.0
+    changed = [t for t in range(2, total + 1) if history[t] != history[t - 1]]
+    assert changed == list(range(2, 52)) + list(range(201, 251))  # two 50-step ramps, then frozen
+    assert l0[250 - 1] == 1.0 and l2[250 - 1] == 5.0 and history[total] == history[250]
+    from megaloop.alrs import read_log
+    log = read_log(tmp_path / "alrs.zarr")
+    assert log.lr_step.tolist() == list(range(1, total + 1))
+    col = log.lr_groups.index("l2.weight")
+    assert log.lr_value[-1, col] == pytest.approx(5.0 * base(total), rel=1e-15)
+    assert log.lr_value[-1, log.lr_groups.index("base")] == base(total)
+    assert log.allocated[log.spectra_step <= 200].all() and not log.allocated[log.spectra_step > 200].any()
+
+
+def test_resume_from_state_dict_is_exact():
+    model = _spread_model([1.0, 2.0, 3.0])
+    config = ALRSConfig(interval=10, transition=8, fraction=0.5)
+    first = ALRS(model, 100, config)
+    for t in range(1, 15):
+        first.step(t)
+    state = first.state_dict()
+    second = ALRS(model, 100, config)
+    second.load_state_dict(state)
+    for t in range(15, 60):
+        assert second.step(t) == first.step(t)

@@ -1,0 +1,165 @@
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from megaloop.alrs import ALRS, ALRSConfig, balance_by_cost, physical_matrices, spectral_stats
+from megaloop.alrs import sharded
+from tests.distributed import run_distributed
+
+SHAPES = {
+    "embedding.word_embeddings.weight": (200, 24),
+    "encoder.layers.0.self_attention.linear_qkv.weight": (72, 24),
+    "encoder.layers.0.mlp.linear_fc1.weight": (96, 24),
+    "decoder.layers.0.self_attention.linear_proj.weight": (24, 24),
+    "decoder.layers.0.mlp.linear_fc2.weight": (24, 48),
+    "decoder.layers.0.self_attention.linear_kv_global.weight": (48, 24),
+    "output_layer.weight": (200, 24),
+}
+
+
+def _params(seed: int = 0) -> dict[str, nn.Parameter]:
+    """Gaussian entries times Pareto scales of different exponents, so α spreads out."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        scale = torch.rand(shape, generator=g) ** (-1.0 / (1.0 + i))
+        out[name] = nn.Parameter(torch.randn(shape, generator=g) * scale)
+    return out
+
+
+def test_physical_matrices_counts_shared_and_tied_weights_once():
+    emb = nn.Embedding(50, 16)
+    head = nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight  # tied
+    layer = nn.Linear(16, 16)
+    model = nn.ModuleDict({"embedding": emb, "decoder": nn.ModuleList([layer, layer, layer]),
+                           "output_layer": head, "router": nn.Linear(16, 4), "norm": nn.LayerNorm(16)})
+    names = [m.name for m in physical_matrices(model.named_parameters(), ALRSConfig(exclude=("router",)))]
+    assert names == ["embedding.weight", "decoder.0.weight"]
+    duplicated = model.named_parameters(remove_duplicate=False)
+    names = [m.name for m in physical_matrices(duplicated, ALRSConfig())]
+    assert names == ["embedding.weight", "decoder.0.weight", "router.weight"]
+
+
+def test_balance_by_cost_is_longest_processing_time_first():
+    assert balance_by_cost([10, 8, 7, 3, 2], 2) == [0, 1, 1, 0, 0]
+    assert balance_by_cost([5, 5, 5], 1) == [0, 0, 0]
+    assert balance_by_cost([], 3) == []
+
+
+def test_hook_failures_never_reach_training(monkeypatch, caplog):
+    params = _params()
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("parameters went away")
+        return params.items()
+
+    alrs = ALRS(flaky, 100, ALRSConfig(interval=10))
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        assert set(alrs.step(1).values()) == {1.0}
+    assert "analysis at step 1 failed" in caplog.text and "parameters went away" in caplog.text
+
+    def broken(weight, name, method):
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(sharded, "spectral_stats", broken)
+    caplog.clear()
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10))
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        assert set(alrs.step(1).values()) == {1.0}
+    assert "did not converge" in caplog.text
+    assert all(math.isnan(s.alpha) for s in alrs.last_stats.values())
+
+
+def test_dead_matrix_keeps_its_previous_multiplier(caplog):
+    params = _params()
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10, transition=0, fraction=1.0))
+    before = alrs.step(1)
+    assert len(set(before.values())) > 2
+    dead = "encoder.layers.0.mlp.linear_fc1.weight"
+    with torch.no_grad():
+        params[dead].fill_(math.nan)
+        params["decoder.layers.0.mlp.linear_fc2.weight"].mul_(torch.rand(24, 48) ** -2)
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        after = alrs.step(10)
+    assert dead in caplog.text and math.isnan(alrs.last_stats[dead].alpha)
+    assert after[dead] == before[dead]
+    assert after != before  # the others were re-allocated
+
+
+def _spread_body(rank, world_size):
+    computed = []
+
+    def counting(weight, name, method):
+        computed.append(name)
+        return spectral_stats(weight, name, method)
+
+    original, sharded.spectral_stats = sharded.spectral_stats, counting
+    try:
+        params = _params()
+        alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10))
+        multipliers = alrs.step(1)
+        multipliers = alrs.step(51)  # the end of the first ramp: the targets themselves
+    finally:
+        sharded.spectral_stats = original
+    alphas = {n: s.alpha for n, s in alrs.last_stats.items()}
+    return multipliers, alphas, computed
+
+
+def test_two_ranks_share_the_work_and_apply_identical_multipliers():
+    results = run_distributed(_spread_body, world_size=2)
+    (mult0, alpha0, done0), (mult1, alpha1, done1) = results
+    assert mult0 == mult1 and alpha0 == alpha1  # bit-identical floats
+    assert done0 and done1 and not set(done0) & set(done1)
+    assert sorted(done0 + done1) == sorted(SHAPES)
+    single = ALRS(lambda: _params().items(), 100, ALRSConfig(interval=10))
+    single.step(1)
+    expected = single.step(51)
+    assert mult0 == pytest.approx(expected, rel=1e-12)
+    assert len(set(mult0.values())) > 2
+
+
+def _full_matrices():
+    g = torch.Generator().manual_seed(7)
+    col = torch.randn(48, 24, generator=g) * torch.rand(48, 24, generator=g) ** -0.7
+    row = torch.randn(24, 48, generator=g) * torch.rand(24, 48, generator=g) ** -0.4
+    plain = torch.randn(24, 24, generator=g)
+    return {"decoder.layers.0.mlp.linear_fc1.weight": (col, 0),
+            "decoder.layers.0.mlp.linear_fc2.weight": (row, 1),
+            "decoder.layers.0.router.weight": (plain, None)}
+
+
+def _tp_body(rank, world_size):
+    import torch.distributed as dist
+
+    tp_group = dist.new_group(list(range(world_size)))
+    params = {}
+    for name, (full, dim) in _full_matrices().items():
+        if dim is None:
+            params[name] = nn.Parameter(full.clone())
+            continue
+        shard = nn.Parameter(full.chunk(world_size, dim=dim)[rank].clone())
+        shard.tensor_model_parallel, shard.partition_dim = True, dim  # as megatron-core marks them
+        params[name] = shard
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), tp_group=tp_group)
+    alrs.step(1)
+    return ({m.name: m.full_shape for m in alrs.matrices},
+            {n: s.alpha for n, s in alrs.last_stats.items()})
+
+
+def test_tp_sharded_alpha_is_that_of_the_full_matrix():
+    (shapes0, alpha0), (shapes1, alpha1) = run_distributed(_tp_body, world_size=2)
+    assert alpha0 == alpha1 and shapes0 == shapes1
+    for name, (full, dim) in _full_matrices().items():
+        assert shapes0[name] == tuple(full.shape)
+        expected = spectral_stats(full, name)[0].alpha
+        assert alpha0[name] == pytest.approx(expected, rel=1e-10)
+        if dim is not None:  # a shard's α differs, so using one would fail the line above
+            shard_alpha = spectral_stats(full.chunk(2, dim=dim)[0], name)[0].alpha
+            assert abs(shard_alpha - expected) > 1e-2
