@@ -138,6 +138,12 @@ class IndexedSummary:
     num_tokens: int
 
 
+def sequence_lengths(summary: IndexedSummary) -> numpy.ndarray:
+    """Tokens per sequence of a validated dataset, memory-mapped from its .idx."""
+    index = numpy.memmap(idx_path(summary.prefix), mode="r")
+    return numpy.frombuffer(index, numpy.int32, summary.num_sequences, _PREAMBLE)
+
+
 def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bool = False) -> IndexedSummary:
     """Check a .bin/.idx pair is whole and consistent; raise DataError naming the bad file.
 

@@ -336,7 +336,7 @@ def _decode_record(raw, kind: str, keys: Sequence[str]) -> tuple[dict | None, st
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
-        return None, "malformed JSON", err.msg
+        return None, "malformed JSON", f"{err.msg} (column {err.colno})"
     if not isinstance(record, dict):
         return None, "malformed JSON", f"expected an object, got {type(record).__name__}"
     return record, "", ""

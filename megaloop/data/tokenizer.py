@@ -83,6 +83,10 @@ class HuggingFaceTextTokenizer:
             self._tok = Tokenizer.from_file(self.path)
         except Exception as err:  # tokenizers raises a bare Exception on a malformed file
             raise TokenizerError(f"{self.path}: not an HF tokenizer.json ({_first_line(err)})")
+        # Saved tokenizer.json files often carry a model's max_length truncation (GPT-2's: 1024),
+        # which would silently cut every longer document.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = eod_id if eod_id is not None else self._find_eod(p.parent)
 

@@ -1,0 +1,223 @@
+"""Train/valid/test GPT datasets from Megatron .bin/.idx prefixes, via megatron-core.
+
+``build_gpt_datasets`` wraps megatron-core's ``GPTDataset`` and ``BlendedMegatronDatasetBuilder``
+(splits, weighted blends, seeded shuffling, EOD-aware masks) and adds what they leave to the
+caller:
+
+- every prefix is validated first (``indexed.validate_indexed``), so a truncated or mismatched
+  .bin/.idx fails with one error naming the file rather than deep inside a sampler;
+- a split that would get no tokens is refused: megatron-core's ``_get_num_epochs`` loops forever
+  on it;
+- the cached shuffle/sample indices are written atomically: megatron-core ``numpy.save``s them in
+  place, and a run killed mid-write leaves a truncated .npy that later runs load as a cache hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import numpy
+
+from megaloop.data.indexed import sequence_lengths, validate_indexed
+from megaloop.data.readers import DataError
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class DatasetTokenizer:
+    """The part of a tokenizer GPTDataset uses: vocab size, EOD id and a cache identity.
+
+    ``unique_identifiers`` feeds megatron-core's cache key, so two tokenizers never share indices.
+    """
+
+    def __init__(self, vocab_size: int, eod: int, name: str):
+        self.vocab_size, self.eod = vocab_size, eod
+        self.unique_identifiers = OrderedDict(cls=type(self).__name__, name=name, vocab_size=vocab_size, eod=eod)
+
+    @classmethod
+    def from_text_tokenizer(cls, tokenizer) -> DatasetTokenizer:
+        """From a ``megaloop.data.tokenizer.load_tokenizer`` result."""
+        if tokenizer.eod is None:
+            raise DataError(f"{tokenizer.path}: the tokenizer has no end-of-text token to use as EOD")
+        return cls(tokenizer.vocab_size, tokenizer.eod, os.path.basename(tokenizer.path))
+
+
+def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron-LM's ``--data-path``: ``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]``."""
+    items = [str(x) for x in data_path]
+    if not items:
+        raise DataError("empty data blend: give at least one dataset prefix")
+    if len(items) % 2 == 1 or not _is_number(items[0]):
+        return items, None
+    weights, prefixes = items[0::2], items[1::2]
+    for w in weights:
+        if not _is_number(w) or float(w) < 0:
+            raise DataError(f"data blend: weight {w!r} is not a non-negative number")
+    if sum(map(float, weights)) <= 0:
+        raise DataError("data blend: weights sum to zero")
+    return prefixes, [float(w) for w in weights]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def build_gpt_datasets(
+    data_path: Sequence[str] | None,
+    tokenizer: DatasetTokenizer,
+    seq_length: int,
+    num_samples: Sequence[int | None] = (None, None, None),
+    *,
+    split: str = "969,30,1",
+    per_split_data_paths: Sequence[Sequence[str] | None] | None = None,
+    seed: int = 1234,
+    cache_dir: str | None = None,
+    eod_mask_loss: bool = False,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    create_attention_mask: bool = False,
+    check_token_ids: bool = False,
+    is_built_on_rank: Callable[[], bool] = lambda: True,
+) -> list:
+    """Build ``[train, valid, test]`` datasets (an entry is None for an empty split).
+
+    Either ``data_path`` (one blend, cut into splits by ``split``, e.g. "969,30,1") or
+    ``per_split_data_paths`` (a blend per split, used whole) names the data. ``num_samples`` is
+    the samples wanted per split; None takes one epoch (then blend weights must be absent, as
+    megatron-core requires). Samples are dicts of ``tokens, labels, loss_mask, position_ids``
+    (and ``attention_mask`` when asked), each ``seq_length`` long. ``cache_dir`` (default:
+    ``cache/`` beside the first prefix) holds the shuffle indices, keyed by every setting here.
+    Blends of several datasets need torch.distributed initialised (a world of 1 is fine).
+    """
+    import torch
+
+    mcore = _import_mcore_datasets()
+    if (data_path is None) == (per_split_data_paths is None):
+        raise DataError("give exactly one of data_path and per_split_data_paths")
+    blend = parse_blend(data_path) if data_path is not None else None
+    blend_per_split = None
+    if per_split_data_paths is not None:
+        blend_per_split = [parse_blend(p) if p else None for p in per_split_data_paths]
+    prefixes = blend[0] if blend else [p for b in blend_per_split if b for p in b[0]]
+    summaries = {p: validate_indexed(p, tokenizer.vocab_size, check_token_ids) for p in prefixes}
+    if blend is not None:
+        _check_splits_have_tokens(summaries, split, num_samples, mcore)
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    if len(prefixes) > 1 and not torch.distributed.is_initialized():
+        raise DataError(
+            "blending several datasets needs torch.distributed initialised (megatron-core's "
+            "BlendedDataset asks for the rank); a world of 1 is fine"
+        )
+    config = mcore.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split if blend is not None else None,
+        tokenizer=tokenizer,
+        path_to_cache=cache_dir,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    builder = mcore.BlendedMegatronDatasetBuilder(mcore.GPTDataset, list(num_samples), is_built_on_rank, config)
+    with _atomic_npy_writes():
+        return builder.build()
+
+
+def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence[int | None], mcore) -> None:
+    """Refuse a split that megatron-core would carve as empty yet must draw samples from."""
+    matrix = mcore.convert_split_vector_to_split_matrix(mcore.parse_and_normalize_split(split))
+    for prefix, summary in summaries.items():
+        lengths = sequence_lengths(summary)
+        n = summary.num_sequences  # GPTDataset splits by sequence, as numel_low_level_dataset says
+        for i, bounds in enumerate(matrix):
+            if bounds is None or num_samples[i] == 0:
+                continue
+            # The same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+            beg, end = int(round(bounds[0] * float(n))), int(round(bounds[1] * float(n)))
+            if int(lengths[beg:end].sum()) == 0:
+                raise DataError(
+                    f"{prefix}: split {split!r} gives the {SPLIT_NAMES[i]} split {end - beg} of its "
+                    f"{n} documents and no tokens; use more data or a split such as '100,0,0'"
+                )
+
+
+def _import_mcore_datasets():
+    """megatron-core's dataset classes, with its C++ index helpers compiled if the wheel lacks them."""
+    import types
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex missing: irrelevant here
+        from megatron.core.datasets import blended_megatron_dataset_config as cfg
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    _ensure_helpers()
+    return types.SimpleNamespace(
+        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,
+        GPTDataset=GPTDataset,
+        GPTDatasetConfig=GPTDatasetConfig,
+        convert_split_vector_to_split_matrix=cfg.convert_split_vector_to_split_matrix,
+        parse_and_normalize_split=cfg.parse_and_normalize_split,
+    )
+
+
+def _ensure_helpers() -> None:
+    # megatron-core 0.16.1's wheel ships helpers_cpp; source installs need it built with `make`.
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import torch
+    from megatron.core.datasets.utils import compile_helpers
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        try:
+            compile_helpers()
+        except SystemExit:  # compile_helpers exits the process on failure
+            raise RuntimeError("could not compile megatron-core's dataset helpers (needs make, g++ and Python headers)")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _atomic_npy_writes():
+    """Make ``numpy.save`` to a path write a temporary file and rename it into place.
+
+    megatron-core caches indices with plain ``numpy.save(path, ...)``, and judges a cache hit by
+    the files existing. Routing its saves through a rename means a killed run never leaves a
+    truncated .npy behind. Only saves made while building datasets are affected.
+    """
+    original = numpy.save
+
+    def atomic_save(file, arr, *args, **kwargs):
+        if not isinstance(file, (str, os.PathLike)):
+            return original(file, arr, *args, **kwargs)
+        path = os.fspath(file)
+        path = path if path.endswith(".npy") else path + ".npy"
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                original(f, arr, *args, **kwargs)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    numpy.save = atomic_save
+    try:
+        yield
+    finally:
+        numpy.save = original

@@ -1,0 +1,69 @@
+"""Fixtures for the data pipeline tests: the shared offline corpus and a tokenized copy of it."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[2]
+SHARED_DATA = REPO.parent / "shared" / "data"
+SP_MODEL = SHARED_DATA / "llama2_tokenizer.model"
+HF_TOKENIZER = SHARED_DATA / "gpt2_tokenizer.json"
+ARTICLES = SHARED_DATA / "wikitext2_raw_test_articles.jsonl"
+
+
+def _load_tool(name: str):
+    path = REPO / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tool_{name.replace('/', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def sp_model() -> Path:
+    if not SP_MODEL.is_file():
+        pytest.skip(f"{SP_MODEL} not available")
+    return SP_MODEL
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer() -> Path:
+    if not HF_TOKENIZER.is_file():
+        pytest.skip(f"{HF_TOKENIZER} not available")
+    return HF_TOKENIZER
+
+
+@pytest.fixture(scope="session")
+def articles() -> list[dict]:
+    if not ARTICLES.is_file():
+        pytest.skip(f"{ARTICLES} not available")
+    return [json.loads(line) for line in ARTICLES.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="session")
+def articles_path(articles) -> Path:
+    return ARTICLES
+
+
+@pytest.fixture(scope="session")
+def tokenized_articles(tmp_path_factory, sp_model, articles_path) -> str:
+    """The WikiText articles tokenized with EOD, once per session; returns the dataset prefix."""
+    from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
+
+    prefix = str(tmp_path_factory.mktemp("tokenized") / "wiki")
+    options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True, workers=0)
+    preprocess(whole_files([str(articles_path)]), prefix, options)
+    return output_prefix(prefix, "text")
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """Import a script under tools/ as a module (tools/ is not a package)."""
+    return _load_tool
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,103 @@
+import os
+import shutil
+
+import numpy
+import pytest
+
+from megaloop.data.indexed import AtomicIndexedWriter, merge_indexed, validate_indexed
+from megaloop.data.readers import DataError
+
+
+def _write(prefix, docs, dtype=numpy.uint16):
+    with AtomicIndexedWriter(str(prefix), dtype) as writer:
+        for doc in docs:
+            writer.add_document(numpy.array(doc), [len(doc)])
+        writer.commit()
+    return str(prefix)
+
+
+def _copy(prefix, tmp_path, name):
+    out = str(tmp_path / name)
+    for suffix in (".bin", ".idx"):
+        shutil.copy(prefix + suffix, out + suffix)
+    return out
+
+
+DOCS = [[5, 6, 7, 2], [8, 2], [9, 10, 11, 12, 2]]
+
+
+def test_megatron_core_reads_what_the_writer_wrote(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = _write(tmp_path / "d", DOCS)
+    ds = IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(len(ds))] == DOCS
+    assert validate_indexed(prefix, vocab_size=32000, scan_tokens=True).num_tokens == 11
+
+
+def test_failed_write_leaves_no_files(tmp_path):
+    with pytest.raises(RuntimeError):
+        with AtomicIndexedWriter(str(tmp_path / "d"), numpy.uint16) as writer:
+            writer.add_document(numpy.array([1, 2]), [2])
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == []
+
+
+def test_truncated_or_corrupt_idx_names_the_file(tmp_path):
+    prefix = _write(tmp_path / "d", DOCS)
+    idx = prefix + ".idx"
+    data = open(idx, "rb").read()
+    open(idx, "wb").write(data[:-5])
+    with pytest.raises(DataError, match=f"{idx}: size .* truncated or corrupt"):
+        validate_indexed(prefix)
+    open(idx, "wb").write(b"garbage" + data[7:])
+    with pytest.raises(DataError, match=f"{idx}: not a Megatron .idx file"):
+        validate_indexed(prefix)
+    open(idx, "wb").write(data[:20])
+    with pytest.raises(DataError, match=f"{idx}: not a Megatron .idx file"):
+        validate_indexed(prefix)
+
+
+def test_short_bin_and_mismatched_pair_name_the_bin(tmp_path):
+    prefix = _write(tmp_path / "d", DOCS)
+    bin_path = prefix + ".bin"
+    with open(bin_path, "r+b") as f:
+        f.truncate(os.path.getsize(bin_path) - 2)
+    with pytest.raises(DataError, match=f"{bin_path}: 20 bytes, shorter than the 22 bytes its .idx describes"):
+        validate_indexed(prefix)
+    other = _write(tmp_path / "other", DOCS + [[1] * 50])
+    shutil.copy(other + ".bin", bin_path)  # a .bin from another dataset
+    with pytest.raises(DataError, match=f"{bin_path}: .* longer than"):
+        validate_indexed(prefix)
+
+
+def test_vocab_larger_than_the_dtype_or_ids_past_the_vocab(tmp_path):
+    prefix = _write(tmp_path / "d", DOCS)
+    with pytest.raises(DataError, match=f"{prefix}.bin: token dtype uint16 holds ids up to 65535, but the tokenizer has 128256 tokens"):
+        validate_indexed(prefix, vocab_size=128256)
+    with pytest.raises(DataError, match=f"{prefix}.bin: token id 12 is outside the tokenizer's 10-token vocab"):
+        validate_indexed(prefix, vocab_size=10, scan_tokens=True)
+
+
+def test_missing_half_of_a_pair(tmp_path):
+    prefix = _write(tmp_path / "d", DOCS)
+    os.remove(prefix + ".bin")
+    with pytest.raises(DataError, match=f"{prefix}.bin: not found"):
+        validate_indexed(prefix)
+
+
+def test_merge_concatenates_in_order_and_can_stop_early(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    a = _write(tmp_path / "a", DOCS)
+    b = _write(tmp_path / "b", [[100, 101], [102]])
+    whole = _write(tmp_path / "whole", DOCS + [[100, 101], [102]])
+    assert merge_indexed([a, b], str(tmp_path / "m")) == 5
+    for suffix in (".bin", ".idx"):
+        assert open(str(tmp_path / "m") + suffix, "rb").read() == open(whole + suffix, "rb").read()
+    assert merge_indexed([a, b], str(tmp_path / "cut"), max_docs=4) == 4
+    ds = IndexedDataset(str(tmp_path / "cut"))
+    assert [ds[i].tolist() for i in range(len(ds))] == DOCS + [[100, 101]]
+    wide = _write(tmp_path / "wide", DOCS, dtype=numpy.int32)
+    with pytest.raises(DataError, match="different token dtypes"):
+        merge_indexed([a, wide], str(tmp_path / "bad"))

@@ -1,0 +1,139 @@
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from megaloop.data.preprocess import shard_ranges
+from megaloop.data.readers import (
+    BadRecords,
+    DataError,
+    RecordFilter,
+    count_records,
+    expand_inputs,
+    iter_chunks,
+    iter_documents,
+    parse_chunk,
+)
+
+RECORDS = [{"id": i, "text": f"document {i}\nsecond line é", "int_score": i % 4, "score": i / 10} for i in range(40)]
+
+
+def _jsonl_bytes(records) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def _write_all_formats(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(_jsonl_bytes(RECORDS))
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(_jsonl_bytes(RECORDS)))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl_bytes(RECORDS)))
+    pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / "d.parquet", row_group_size=7)
+    return ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet"]
+
+
+def _parse_all(path, record_filter=RecordFilter(), max_records=5):
+    docs, bad, filtered = [], BadRecords(), 0
+    for chunk in iter_chunks([(str(path), 0, None)], record_filter.columns(), max_records=max_records):
+        parsed = parse_chunk(chunk, record_filter)
+        docs += [d[0] for d in parsed.docs]
+        bad.merge(parsed.bad)
+        filtered += parsed.filtered
+    return docs, bad, filtered
+
+
+def test_every_format_yields_the_same_documents(tmp_path):
+    expected = [r["text"] for r in RECORDS]
+    for name in _write_all_formats(tmp_path):
+        docs, bad, _ = _parse_all(tmp_path / name)
+        assert docs == expected, name
+        assert bad.total == 0
+        assert count_records(str(tmp_path / name)) == len(RECORDS)
+
+
+def test_plain_text_documents_are_lines_or_paragraphs(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("para one\nstill one\n\npara two\n\n\npara three\n")
+    docs, _, _ = _parse_all(path)
+    assert docs == ["para one\nstill one", "para two", "para three"]
+
+
+def test_score_filters_and_doc_limit(tmp_path):
+    _write_all_formats(tmp_path)
+    for name in ("a.jsonl", "d.parquet"):
+        docs, _, filtered = _parse_all(tmp_path / name, RecordFilter(min_int_score=3))
+        assert docs == [r["text"] for r in RECORDS if r["int_score"] >= 3]
+        assert filtered == len(RECORDS) - len(docs)
+        docs, _, _ = _parse_all(tmp_path / name, RecordFilter(min_score=2.5))
+        assert docs == [r["text"] for r in RECORDS if r["score"] >= 2.5]
+    limited = list(iter_documents(str(tmp_path / "d.parquet"), RecordFilter(min_int_score=2), max_docs=3))
+    assert limited == [r["text"] for r in RECORDS if r["int_score"] >= 2][:3]
+
+
+def test_bad_records_are_counted_and_located(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [
+        b'{"text": "good one"}',
+        b'{"text": "broken',  # malformed JSON
+        b'{"title": "no text"}',  # missing key
+        b'{"text": "   "}',  # empty text
+        b'{"text": "caf\xe9"}',  # invalid UTF-8 (latin-1 byte)
+        b'{"text": 42}',  # not a string
+        b'{"text": "\\ud800 lone surrogate"}',
+        b"",  # blank line: not a record
+        b'{"text": "good two"}',
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    docs, bad, _ = _parse_all(path, max_records=3)
+    assert docs == ["good one", "good two"]
+    assert bad.counts == {"malformed JSON": 1, "missing key": 1, "empty text": 1, "invalid UTF-8": 2, "non-string text": 1}
+    assert bad.examples[:5] == [
+        f"{path}:2: malformed JSON (Invalid control character at (column 17))",
+        f"{path}:3: missing key ('text')",
+        f"{path}:4: empty text ('text')",
+        f"{path}:5: invalid UTF-8 (byte 13)",
+        f"{path}:6: non-string text ('text' is int)",
+    ]
+
+
+def test_truncated_gzip_is_one_bad_record_after_the_last_good_line(tmp_path):
+    data = gzip.compress(_jsonl_bytes(RECORDS))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    docs, bad, _ = _parse_all(path)
+    assert 0 < len(docs) < len(RECORDS)
+    assert docs == [r["text"] for r in RECORDS[: len(docs)]]
+    assert bad.counts.get("truncated compressed file") == 1
+    assert any("truncated compressed file" in e and e.startswith(f"{path}:") for e in bad.examples)
+
+
+def test_parquet_without_the_text_column_counts_every_row(tmp_path):
+    path = tmp_path / "notext.parquet"
+    pq.write_table(pa.Table.from_pylist([{"body": "x"}] * 9), path)
+    docs, bad, _ = _parse_all(path)
+    assert docs == [] and bad.counts == {"missing key": 9}
+    assert bad.examples == [f"{path}:row 1: missing key ('text')"]
+
+
+def test_expand_inputs_directories_globs_and_errors(tmp_path):
+    names = _write_all_formats(tmp_path)
+    (tmp_path / "notes.md").write_text("ignored")
+    assert expand_inputs(str(tmp_path)) == sorted(str(tmp_path / n) for n in names)
+    assert expand_inputs(str(tmp_path / "*.jsonl*")) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst")]
+    with pytest.raises(DataError, match="missing.jsonl: input not found"):
+        expand_inputs(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DataError, match=r"\*.parquet2: glob matches no files"):
+        expand_inputs(str(tmp_path / "*.parquet2"))
+    with pytest.raises(DataError, match="notes.md: unsupported input type"):
+        expand_inputs(str(tmp_path / "notes.md"))
+
+
+def test_shards_partition_the_global_order(tmp_path):
+    counts = [("a", 5), ("b", 0), ("c", 12), ("d", 3)]
+    for world in (1, 2, 3, 7):
+        covered = []
+        for rank in range(world):
+            for path, start, stop in shard_ranges(counts, world, rank):
+                covered += [(path, i) for i in range(start, stop)]
+        assert covered == [(p, i) for p, n in counts for i in range(n)]
