@@ -109,6 +109,10 @@ def build_gpt_datasets(
         blend_per_split = [parse_blend(p) if p else None for p in per_split_data_paths]
     prefixes = blend[0] if blend else [p for b in blend_per_split if b for p in b[0]]
     summaries = {p: validate_indexed(p, tokenizer.vocab_size, check_token_ids) for p in prefixes}
+    weighted = [b for b in ([blend] if blend else blend_per_split) if b and b[1] is not None]
+    if weighted and any(n is None for n in num_samples):
+        # megatron-core only asserts this deep inside its builder.
+        raise DataError("a weighted blend needs a sample count for every split (0 for an unused one), not None")
     if blend is not None:
         _check_splits_have_tokens(summaries, split, num_samples, mcore)
     if cache_dir is None:

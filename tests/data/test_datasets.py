@@ -1,0 +1,93 @@
+import os
+import shutil
+
+import numpy
+import pytest
+import torch
+
+from megaloop.data.datasets import DatasetTokenizer, _atomic_npy_writes, build_gpt_datasets, parse_blend
+from megaloop.data.readers import DataError
+
+TOKENIZER = DatasetTokenizer(vocab_size=32000, eod=2, name="llama2_tokenizer.model")
+
+
+def _tokens(dataset, n=5):
+    return [dataset[i]["tokens"].tolist() for i in range(n)]
+
+
+def test_splits_samples_and_deterministic_shuffle(tmp_path, tokenized_articles):
+    kwargs = dict(split="90,8,2", cache_dir=str(tmp_path / "cache"))
+    train, valid, test = build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (200, 20, None), **kwargs)
+    assert len(train) >= 200 and len(valid) >= 20 and len(test) > 0
+    sample = train[0]
+    assert sample["tokens"].shape == (64,) and sample["labels"].shape == (64,)
+    assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])  # labels are the next tokens
+    again = build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (200, 20, None), **kwargs)[0]
+    assert _tokens(train) == _tokens(again)
+    other_seed = build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (200, 20, None), seed=7, **kwargs)[0]
+    assert _tokens(train) != _tokens(other_seed)
+    assert not [f for f in os.listdir(tmp_path / "cache") if ".tmp-" in f]
+
+
+def test_eod_mask_loss(tmp_path, tokenized_articles):
+    train = build_gpt_datasets([tokenized_articles], TOKENIZER, 4096, (None, None, None), split="100,0,0",
+                               eod_mask_loss=True, cache_dir=str(tmp_path))[0]
+    sample = train[0]
+    eod = sample["tokens"] == TOKENIZER.eod
+    assert eod.any()
+    assert (sample["loss_mask"][eod] == 0).all() and (sample["loss_mask"][~eod] == 1).all()
+
+
+def test_split_with_no_documents_is_refused(tmp_path, tokenized_articles):
+    with pytest.raises(DataError, match=f"{tokenized_articles}: split '99,1,0.01' gives the test split 0 of its 62 documents"):
+        build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (10, 10, 10), split="99,1,0.01", cache_dir=str(tmp_path))
+
+
+def test_corrupt_dataset_is_refused_naming_the_file(tmp_path, tokenized_articles):
+    prefix = str(tmp_path / "copy")
+    shutil.copy(tokenized_articles + ".idx", prefix + ".idx")
+    with open(tokenized_articles + ".bin", "rb") as src, open(prefix + ".bin", "wb") as dst:
+        dst.write(src.read()[:1000])
+    with pytest.raises(DataError, match=f"{prefix}.bin: 1000 bytes, shorter than"):
+        build_gpt_datasets([prefix], TOKENIZER, 64, (10, None, None), cache_dir=str(tmp_path))
+    big_vocab = DatasetTokenizer(vocab_size=128256, eod=2, name="llama3")
+    with pytest.raises(DataError, match="holds ids up to 65535"):
+        build_gpt_datasets([tokenized_articles], big_vocab, 64, (10, None, None), cache_dir=str(tmp_path))
+
+
+def test_weighted_blend_draws_from_both(tmp_path, tokenized_articles):
+    other = str(tmp_path / "other")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tokenized_articles + suffix, other + suffix)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        train = build_gpt_datasets(["0.25", tokenized_articles, "0.75", other], TOKENIZER, 64, (400, 0, 0),
+                                   split="100,0,0", cache_dir=str(tmp_path / "cache"))[0]
+    finally:
+        torch.distributed.destroy_process_group()
+    counts = numpy.bincount(numpy.asarray(train.dataset_index), minlength=2)
+    assert counts.sum() == len(train) and abs(counts[0] / counts.sum() - 0.25) < 0.02
+
+
+def test_weighted_blend_needs_every_split_size(tokenized_articles):
+    with pytest.raises(DataError, match="sample count for every split"):
+        build_gpt_datasets(["1", tokenized_articles], TOKENIZER, 64, (10, None, None))
+
+
+def test_blend_parsing():
+    assert parse_blend(["a", "b"]) == (["a", "b"], None)
+    assert parse_blend(["30", "a", "70", "b"]) == (["a", "b"], [30.0, 70.0])
+    with pytest.raises(DataError, match="weight '-1' is not a non-negative number"):
+        parse_blend(["-1", "a", "2", "b"])
+
+
+def test_cache_writes_are_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "x.npy"
+    with _atomic_npy_writes():
+        numpy.save(str(path), numpy.arange(5))
+        with pytest.raises(ValueError):
+            numpy.save(str(tmp_path / "y.npy"), numpy.array([object()]), allow_pickle=False)
+    assert numpy.load(path).tolist() == [0, 1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["x.npy"]  # the failed save left nothing behind
+    assert numpy.save.__module__ == "numpy"  # restored

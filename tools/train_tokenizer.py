@@ -1,0 +1,106 @@
+"""Train a SentencePiece tokenizer (BPE or unigram) on the same inputs preprocess_data.py reads.
+
+    python tools/train_tokenizer.py --input data/fineweb-edu/ --output tok.model --vocab-size 32000
+
+Documents are fed line by line (SentencePiece caps a training "sentence" at a few KB and would
+drop whole documents), streamed from .jsonl(.gz/.zst), parquet or text via megaloop.data.readers.
+The model is written atomically. The report gives the embedding size padded for tensor
+parallelism (32000 -> 32128 with --pad-multiple 128); HF tokenizer.json files are for use only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+from typing import Iterator
+
+from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
+from megaloop.data.tokenizer import padded_vocab_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, nargs="+", help="files, directories or globs")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to train on")
+    p.add_argument("--output", required=True, help="path of the .model file to write")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode unseen characters as bytes instead of <unk> (default: on)")
+    p.add_argument("--special-tokens", nargs="*", default=[], help="extra pieces kept whole, e.g. <|im_start|>")
+    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument("--max-sentences", type=int, default=10_000_000, help="lines sampled for training")
+    p.add_argument("--max-docs", type=int, help="read at most this many documents")
+    p.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--pad-multiple", type=int, default=128, help="report the vocab padded to this multiple")
+    return p
+
+
+def training_lines(args: argparse.Namespace, bad: BadRecords) -> Iterator[str]:
+    for key in args.json_keys:
+        record_filter = RecordFilter((key,), args.min_int_score)
+        for doc in iter_documents(args.input, record_filter, args.max_docs, bad):
+            for line in doc.splitlines():
+                if line.strip():
+                    yield line
+
+
+def train(args: argparse.Namespace) -> dict:
+    import sentencepiece as spm
+
+    bad = BadRecords()
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=training_lines(args, bad),
+            model_writer=model,
+            model_type=args.model_type,
+            vocab_size=args.vocab_size,
+            byte_fallback=args.byte_fallback,
+            user_defined_symbols=args.special_tokens,
+            character_coverage=args.character_coverage,
+            input_sentence_size=args.max_sentences,
+            shuffle_input_sentence=True,
+            num_threads=args.threads,
+            # LLaMA's settings, so decode(encode(text)) == text: no Unicode normalization, spaces
+            # kept as written, digits split; unk=0, bos=1, eos=2 (the EOD preprocess appends).
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            minloglevel=2,
+        )
+    except RuntimeError as err:  # e.g. a vocab larger than the corpus allows
+        raise DataError(f"sentencepiece training failed: {str(err).strip().splitlines()[-1]}")
+    tmp = f"{args.output}.partial-{os.getpid()}"
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(model.getvalue())
+        os.replace(tmp, args.output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return {"vocab_size": args.vocab_size, "padded_vocab_size": padded_vocab_size(args.vocab_size, args.pad_multiple), "bad": bad}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = train(args)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if report["bad"].total:
+        print(f"warning: {report['bad'].summary()}: {'; '.join(report['bad'].examples)}", file=sys.stderr)
+    print(f"wrote {args.output}: {args.model_type}, vocab {report['vocab_size']} "
+          f"(padded to {report['padded_vocab_size']} for a multiple of {args.pad_multiple})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
