@@ -37,6 +37,8 @@ logger = logging.getLogger("megaloop.alrs")
 
 BASE_GROUP = "base"  # LR-log name of everything ALRS does not scale (norms, biases, excluded)
 NamedParameters = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases only have the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class ALRS:
         if self.world_size > 1:
             gathered = torch.empty((self.world_size * width, 3 + n_eig), dtype=torch.float64,
                                    device=device)
-            dist.all_gather_into_tensor(gathered, local.to(device), group=self.group)
+            _all_gather_single(gathered, local.to(device), group=self.group)
             gathered = gathered.cpu()
         else:
             gathered = local

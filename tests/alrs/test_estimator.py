@@ -120,3 +120,12 @@ def test_rejects_non_matrices_and_unknown_methods():
         eigenvalues(torch.ones(3))
     with pytest.raises(ValueError, match="eig_method"):
         eigenvalues(torch.ones(3, 3), "svd16")
+
+
+def test_powerlaw_with_fixed_median_xmin_is_the_same_estimator():
+    powerlaw = pytest.importorskip("powerlaw")
+    rng = np.random.default_rng(3)
+    for lam in (np.sort(rng.pareto(1.5, 500) + 1.0), np.sort(rng.lognormal(size=301))):
+        fit = powerlaw.Fit(lam, xmin=float(lam[len(lam) // 2]), verbose=False,
+                           parameter_ranges={"alpha": [1.0, 1e6]})  # the default range clips at 3
+        assert median_hill_alpha(torch.from_numpy(lam)) == pytest.approx(fit.power_law.alpha, abs=1e-6)

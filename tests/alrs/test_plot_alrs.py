@@ -1,0 +1,46 @@
+import torch
+from torch import nn
+
+from megaloop.alrs import ALRS, ALRSConfig
+from tools import plot_alrs
+
+
+def test_classify_megatron_names():
+    assert plot_alrs.classify("encoder.layers.0.self_attention.linear_qkv.weight") == ("encoder", "attention")
+    assert plot_alrs.classify("decoder.layers.1.self_attention.linear_kv_global.weight") == ("decoder", "attention")
+    assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc2.weight") == ("decoder", "ffn")
+    assert plot_alrs.classify("embedding.word_embeddings.weight") is None
+    assert plot_alrs.classify("output_layer.weight") is None
+
+
+def _run(path, mode):
+    g = torch.Generator().manual_seed(0)
+    names = ["encoder.layers.0.self_attention.linear_qkv.weight", "encoder.layers.0.mlp.linear_fc1.weight",
+             "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+    params = {n: nn.Parameter(torch.randn(24, 16, generator=g) * torch.rand(24, 16, generator=g) ** -(i / 2))
+              for i, n in enumerate(names)}
+    alrs = ALRS(lambda: params.items(), 60, ALRSConfig(mode=mode, interval=5, transition=3, fraction=0.5),
+                log_path=str(path))
+    for t in range(1, 61):
+        alrs.step(t, 1e-3)
+    alrs.close()
+
+
+def test_figures_are_written_from_logs(tmp_path):
+    _run(tmp_path / "a.zarr", "alrs")
+    _run(tmp_path / "u.zarr", "uniform")
+    written = plot_alrs.main(["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "u.zarr"),
+                              "--out", str(tmp_path / "plots")])
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_group_means_over_matching_matrices():
+    import numpy as np
+
+    names = ["encoder.layers.0.mlp.linear_fc1.weight", "encoder.layers.1.mlp.linear_fc2.weight",
+             "decoder.layers.0.mlp.linear_fc1.weight", "base"]
+    means = plot_alrs.group_means(np.array([[1.0, 3.0, 5.0, 7.0]]), names)
+    assert means.keys() == {("encoder", "ffn"), ("decoder", "ffn")}
+    assert means["encoder", "ffn"].tolist() == [2.0] and means["decoder", "ffn"].tolist() == [5.0]

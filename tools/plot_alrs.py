@@ -1,0 +1,120 @@
+"""Plots of ALRS zarr logs, as in the AsymLoop paper (Appendix B):
+
+- Figure 3 (``fig3_lr.png``): mean LR over steps of encoder vs decoder matrices, for attention and
+  FFN, and the decoder/encoder ratio.
+- Figure 4 (``fig4_stable_rank.png``): mean normalised stable rank of encoder and decoder attention
+  and FFN matrices over steps, ALRS (solid) against a uniform-LR run (dashed) when one is given.
+
+Matrices are grouped by megatron-core parameter name (``encoder.layers.0.self_attention.*`` is
+encoder attention, ``decoder.layers.1.mlp.*`` decoder FFN); embedding and output head are not part of
+either figure. Dense and Full Loop name every layer ``decoder``: their plots have no encoder curves.
+
+    python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
+
+SECTIONS = ("encoder", "decoder")
+MODULES = ("attention", "ffn")
+
+
+def classify(name: str) -> tuple[str, str] | None:
+    """(section, module) of a layer matrix name, or None for embedding, head and anything else."""
+    section = name.split(".", 1)[0]
+    if section not in SECTIONS:
+        return None
+    if ".self_attention." in name:
+        return section, "attention"
+    if ".mlp." in name:
+        return section, "ffn"
+    return None
+
+
+def _columns(names: list[str], section: str, module: str) -> list[int]:
+    return [i for i, n in enumerate(names) if classify(n) == (section, module)]
+
+
+def group_means(values: np.ndarray, names: list[str]) -> dict[tuple[str, str], np.ndarray]:
+    """Mean over the matrices of each (section, module) present, per row of ``values``."""
+    out = {}
+    for section in SECTIONS:
+        for module in MODULES:
+            cols = _columns(names, section, module)
+            if cols:
+                out[section, module] = np.nanmean(values[:, cols], axis=1)
+    return out
+
+
+def plot_lr(log: ALRSLogData, path: str) -> None:
+    means = group_means(log.lr_value, log.lr_groups)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, module in zip(axes, MODULES):
+        for section in SECTIONS:
+            if (section, module) in means:
+                ax.plot(log.lr_step, means[section, module], label=section)
+        ax.set(title=f"mean LR, {module}", xlabel="step", ylabel="learning rate")
+        ax.legend()
+    ratio_ax = axes[2]
+    for module in MODULES:
+        if ("encoder", module) in means and ("decoder", module) in means:
+            ratio_ax.plot(log.lr_step, means["decoder", module] / means["encoder", module],
+                          label=module)
+    ratio_ax.set(title="decoder / encoder mean LR", xlabel="step", ylabel="ratio")
+    if ratio_ax.lines:
+        ratio_ax.legend()
+    else:
+        ratio_ax.text(0.5, 0.5, "no encoder in this model", ha="center", transform=ratio_ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
+    styles = {"ALRS": "-", "uniform": "--"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, module in zip(axes, MODULES):
+        for run, log in runs.items():
+            means = group_means(log.norm_stable_rank, log.matrices)
+            for color, section in zip(("C0", "C1"), SECTIONS):
+                if (section, module) in means:
+                    ax.plot(log.spectra_step, means[section, module], styles[run], color=color,
+                            label=f"{section}, {run}")
+        ax.set(title=f"normalised stable rank, {module}", xlabel="step",
+               ylabel="stable rank / min(m, n)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description="Figures 3 and 4 of the paper from ALRS logs")
+    parser.add_argument("--alrs", required=True, help="zarr log of the ALRS run")
+    parser.add_argument("--uniform", help="zarr log of the uniform-LR run, for Figure 4")
+    parser.add_argument("--out", default=".", help="directory for the PNG files")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    alrs = read_log(args.alrs)
+    runs = {"ALRS": alrs}
+    if args.uniform:
+        runs["uniform"] = read_log(args.uniform)
+    written = [os.path.join(args.out, "fig3_lr.png"), os.path.join(args.out, "fig4_stable_rank.png")]
+    plot_lr(alrs, written[0])
+    plot_stable_rank(runs, written[1])
+    print("\n".join(written))
+    return written
+
+
+if __name__ == "__main__":
+    main()
