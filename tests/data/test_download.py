@@ -1,0 +1,70 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tool(load_tool):
+    return load_tool("download_fineweb_edu")
+
+
+@pytest.fixture
+def mirror(tmp_path):
+    """A local directory laid out like the HuggingFaceFW/fineweb-edu repository."""
+    root = tmp_path / "mirror"
+    files = {
+        "sample/10BT/000_00000.parquet": os.urandom(3000),
+        "sample/10BT/001_00000.parquet": os.urandom(5000),
+        "sample/100BT/000_00000.parquet": os.urandom(100),
+        "data/CC-MAIN-2024-10/train-00000-of-00002.parquet": os.urandom(700),
+        "data/CC-MAIN-2024-10/train-00001-of-00002.parquet": os.urandom(800),
+        "README.md": b"card",
+    }
+    for path, data in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    return root, files
+
+
+def _run(tool, capsys, *args):
+    code = tool.main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def test_named_subset_downloads_resumes_and_skips(tmp_path, capsys, tool, mirror):
+    root, files = mirror
+    out = tmp_path / "out"
+    wanted = ["sample/10BT/000_00000.parquet", "sample/10BT/001_00000.parquet"]
+    # An interrupted earlier run left half of the second file.
+    partial = out / (wanted[1] + ".incomplete")
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(files[wanted[1]][:2000])
+    code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", out, "--source", root)
+    assert code == 0, err
+    for path in wanted:
+        assert (out / path).read_bytes() == files[path]
+    assert not partial.exists() and not (out / "sample/100BT").exists()
+    code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", out, "--source", root)
+    assert code == 0 and err.count("complete, skipped") == 2 and "0 fetched now" in err
+
+
+def test_wrong_size_file_is_fetched_again(tmp_path, capsys, tool, mirror):
+    root, files = mirror
+    path = "data/CC-MAIN-2024-10/train-00000-of-00002.parquet"
+    stale = tmp_path / "out" / path
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"stale")
+    code, err = _run(tool, capsys, "--shards", "data/CC-MAIN-2024-10/*", "--max-files", 1, "--output", tmp_path / "out", "--source", root)
+    assert code == 0, err
+    assert stale.read_bytes() == files[path]
+    assert not (tmp_path / "out" / "data/CC-MAIN-2024-10/train-00001-of-00002.parquet").exists()
+
+
+def test_unknown_subset_and_missing_source_are_clear_errors(tmp_path, capsys, tool, mirror):
+    root, _ = mirror
+    code, err = _run(tool, capsys, "--name", "sample-1T", "--output", tmp_path / "o", "--source", root)
+    assert code == 2 and err.startswith("error: unknown subset 'sample-1T'")
+    code, err = _run(tool, capsys, "--shards", "nothing/*", "--output", tmp_path / "o", "--source", root)
+    assert code == 2 and "no parquet files match nothing/*" in err
+    code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", tmp_path / "o", "--source", tmp_path / "absent")
+    assert code == 2 and "source directory not found" in err
