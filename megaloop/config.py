@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import os
 import tempfile
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
@@ -78,6 +79,13 @@ class ModelConfig:
     @property
     def uses_global_kv(self) -> bool:
         return self.arch == "asymloop" and self.injection == "global_kv"
+
+    @property
+    def decoder_attention(self) -> str:
+        """Attention role of decoder layers: "plain", "joint" [Global; Local] or "global_only"."""
+        if not self.uses_global_kv:
+            return "plain"
+        return "joint" if self.local_kv else "global_only"
 
     def resolve(self) -> "ModelConfig":
         """Fills derived defaults; idempotent."""
@@ -202,7 +210,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             allowed = ", ".join(repr(a) for a in get_args(hint))
             raise ConfigError(f"{where}={value!r}: must be one of {allowed}")
         return value
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
         if value is None and len(args) < len(get_args(hint)):
             return None

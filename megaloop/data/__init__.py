@@ -1,1 +1,30 @@
+"""Data pipeline: text -> Megatron .bin/.idx (tools/preprocess_data.py) -> megatron-core GPT datasets.
 
+Training builds its datasets with::
+
+    from megaloop.data import DatasetTokenizer, build_gpt_datasets, load_tokenizer
+
+    tokenizer = DatasetTokenizer.from_text_tokenizer(load_tokenizer("SentencePieceTokenizer", "tok.model"))
+    train, valid, test = build_gpt_datasets(["0.7", "data/a_text_document", "0.3", "data/b_text_document"],
+                                            tokenizer, seq_length=2048, num_samples=(n_train, n_valid, 0))
+
+Nothing here imports torch or megatron-core at import time: preprocessing workers import this
+package in fresh processes.
+"""
+
+from megaloop.data.datasets import DatasetTokenizer, build_gpt_datasets, parse_blend
+from megaloop.data.indexed import merge_indexed, validate_indexed
+from megaloop.data.readers import DataError
+from megaloop.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab_size
+
+__all__ = [
+    "DataError",
+    "DatasetTokenizer",
+    "TokenizerError",
+    "build_gpt_datasets",
+    "load_tokenizer",
+    "merge_indexed",
+    "padded_vocab_size",
+    "parse_blend",
+    "validate_indexed",
+]

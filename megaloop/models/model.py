@@ -105,8 +105,7 @@ class LoopedLM(LanguageModule):
                                             params_dtype)
             self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
                                             post_layer_norm=False)
-        self.decoder = TransformerBlock(dec_config, specs.layer_spec(cfg, specs.decoder_role(cfg),
-                                                                     use_te),
+        self.decoder = TransformerBlock(dec_config, specs.layer_spec(cfg, cfg.decoder_attention, use_te),
                                         post_layer_norm=False)
         self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=dec_config,
                                             hidden_size=cfg.hidden_size, eps=cfg.norm_eps)

@@ -114,11 +114,5 @@ def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
     )
 
 
-def decoder_role(cfg: ModelConfig) -> Role:
-    if not cfg.uses_global_kv:
-        return "plain"
-    return "joint" if cfg.local_kv else "global_only"
-
-
 def final_norm_spec(use_te: bool):
     return _backend(use_te).layer_norm(rms_norm=True, for_qk=False)

@@ -1,0 +1,31 @@
+"""Shared fixtures: one in-process gloo group with megatron-core model-parallel state (TP=1)."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def mcore():
+    """Initialises torch.distributed (world size 1) and megatron-core's parallel groups once."""
+    from megaloop.platform.distributed import init_distributed
+
+    init_distributed(seed=1234)
+    return True
+
+
+@pytest.fixture
+def seeded(mcore):
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
