@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule
+from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule, read_log
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -73,7 +73,6 @@ def test_schedule_shape_freeze_and_lr_equals_multiplier_times_base_lr(tmp_path):
     changed = [t for t in range(2, total + 1) if history[t] != history[t - 1]]
     assert changed == list(range(2, 52)) + list(range(201, 251))  # two 50-step ramps, then frozen
     assert l0[250 - 1] == 1.0 and l2[250 - 1] == 5.0 and history[total] == history[250]
-    from megaloop.alrs import read_log
     log = read_log(tmp_path / "alrs.zarr")
     assert log.lr_step.tolist() == list(range(1, total + 1))
     col = log.lr_groups.index("l2.weight")
