@@ -24,9 +24,12 @@ from megaloop.data.tokenizer import TOKENIZER_TYPES, TokenizerError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, nargs="+", help="files, directories or globs (.jsonl[.gz|.zst], .parquet, .txt)")
+    g.add_argument("--input", required=True, nargs="+",
+                   help="files, directories or globs (.jsonl[.gz|.zst], .parquet, .txt)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output per key")
     g.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
     g.add_argument("--min-score", type=float, help="FineWeb-Edu: keep records with score >= this")
@@ -105,7 +108,8 @@ class ProgressReporter:
 
     def __call__(self, stats) -> None:
         if self.progress:
-            self.progress.update(self.task, completed=stats.bytes, rates=f"{stats.docs:,} docs | {stats.rates()}")
+            rates = f"{stats.docs:,} docs | {stats.rates()}"
+            self.progress.update(self.task, completed=stats.bytes, rates=rates)
         elif stats.docs >= self.next_log:
             self.console.print(f"{self.label}processed {stats.docs:,} documents ({stats.rates()})", highlight=False, soft_wrap=True)
             self.next_log = (stats.docs // self.log_interval + 1) * self.log_interval
@@ -146,7 +150,8 @@ def run_mpi(args: argparse.Namespace, comm) -> int:
             total.merge(other)
         shards = [f"{args.output_prefix}.shard{r:05d}-of-{world:05d}" for r in range(world)]
         for key in args.json_keys:
-            total.docs = merge_indexed([output_prefix(s, key) for s in shards], output_prefix(args.output_prefix, key), args.max_docs)
+            parts = [output_prefix(s, key) for s in shards]
+            total.docs = merge_indexed(parts, output_prefix(args.output_prefix, key), args.max_docs)
             for s in shards:
                 for suffix in (".bin", ".idx"):
                     os.remove(output_prefix(s, key) + suffix)
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             comm.Abort(2)  # the other ranks would wait forever in a collective
         return 2
     except KeyboardInterrupt:
-        print("interrupted: no output written", file=sys.stderr)
+        print("interrupted: partial output removed", file=sys.stderr)
         return 130
     print(f"total wall time {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return code

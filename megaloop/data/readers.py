@@ -98,8 +98,8 @@ class RecordFilter:
     min_score: float | None = None
 
     def columns(self) -> list[str]:
-        extra = [c for c, v in (("int_score", self.min_int_score), ("score", self.min_score)) if v is not None]
-        return list(self.keys) + extra
+        thresholds = (("int_score", self.min_int_score), ("score", self.min_score))
+        return list(self.keys) + [column for column, value in thresholds if value is not None]
 
 
 def input_kind(path: str | os.PathLike) -> str:
@@ -119,7 +119,8 @@ def expand_inputs(inputs: str | Sequence[str]) -> list[str]:
     files: set[str] = set()
     for spec in map(str, specs):
         if os.path.isdir(spec):
-            found = [p for p in Path(spec).rglob("*") if p.is_file() and str(p).lower().endswith(SUPPORTED_SUFFIXES)]
+            found = [p for p in Path(spec).rglob("*")
+                     if p.is_file() and str(p).lower().endswith(SUPPORTED_SUFFIXES)]
             if not found:
                 raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
             files.update(map(str, found))
@@ -273,18 +274,22 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
             lo, hi = max(start - row, 0), batch.num_rows if stop is None else min(stop - row, batch.num_rows)
             if lo < hi:
                 part = batch.slice(lo, hi - lo)
-                nbytes = sum(_text_bytes(part.column(c)) for c in columns if pa.types.is_string(part.column(c).type) or pa.types.is_large_string(part.column(c).type))
-                yield Chunk(path, "parquet", row + lo + 1, part, nbytes)
+                yield Chunk(path, "parquet", row + lo + 1, part, _text_bytes(part))
             row += batch.num_rows
             if stop is not None and row >= stop:
                 return
     except (OSError, pa.ArrowException) as err:
-        yield Chunk(path, "parquet", start + 1, pa.RecordBatch.from_pylist([]), 0, error=("unreadable data", _first_line(err), 1))
+        empty = pa.RecordBatch.from_pylist([])
+        yield Chunk(path, "parquet", start + 1, empty, 0, error=("unreadable data", _first_line(err), 1))
 
 
-def _text_bytes(column) -> int:
-    # Size of the string payload (offsets excluded), i.e. the text bytes the user thinks of.
-    return column.buffers()[2].size if column.buffers()[2] is not None else 0
+def _text_bytes(batch) -> int:
+    """UTF-8 bytes in a batch's string columns: the text size users think of, for MB/s."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    strings = [c for c in batch.columns if pa.types.is_string(c.type) or pa.types.is_large_string(c.type)]
+    return sum(pc.sum(pc.binary_length(c)).as_py() or 0 for c in strings)
 
 
 def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:

@@ -177,3 +177,19 @@ def test_workers_must_be_positive(tool):
 
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
+
+
+def test_fineweb_style_parquet_with_score_filter_and_limit(tmp_path, run, sp_model):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megaloop.data.tokenizer import load_tokenizer
+
+    rows = [{"text": f"Document number {i} about education.", "int_score": i % 5, "score": i % 5 + 0.5} for i in range(30)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "000_00000.parquet", row_group_size=4)
+    code, err = run("--input", tmp_path / "*.parquet", "--output-prefix", tmp_path / "fw", "--workers", 2,
+                    "--min-int-score", 3, "--max-docs", 5, *_sp_args(sp_model))
+    assert code == 0, err
+    ds = IndexedDataset(str(tmp_path / "fw_text_document"))
+    tok = load_tokenizer("SentencePieceTokenizer", sp_model)
+    kept = [r["text"] for r in rows if r["int_score"] >= 3][:5]
+    assert [tok.decode(ds[i].tolist()[:-1]) for i in range(len(ds))] == kept
