@@ -61,7 +61,9 @@ class ModelConfig:
 
     @property
     def num_encoder_layers(self) -> int:
-        return self.encoder_layers if self.arch == "asymloop" else 0
+        if self.arch != "asymloop":
+            return 0
+        return self.num_layers // 2 if self.encoder_layers is None else self.encoder_layers
 
     @property
     def num_decoder_layers(self) -> int:
@@ -221,6 +223,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return from_dict(hint, value, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, float, str, bool) and not isinstance(value, hint) or (
         hint is int and isinstance(value, bool)
     ):

@@ -204,7 +204,11 @@ class LoopedTransformerLayer(TransformerLayer):
         if isinstance(attention, JointSelfAttention) and rotary_pos_emb is not None:
             # Queries rotate by their position; the 2N keys [Global; Local] by theirs (i and i).
             rotary_pos_emb = (rotary_pos_emb, torch.cat([rotary_pos_emb, rotary_pos_emb], dim=0))
-        attention.global_kv = context[self.layer_number - 1]
+        # index_select copies this layer's slice instead of viewing it: under activation
+        # recomputation the first forward runs in no-grad mode, where a view of a tensor that
+        # requires grad has no grad_fn and trips module-level autograd hooks (FlopCounterMode).
+        index = torch.tensor([self.layer_number - 1], device=context.device)
+        attention.global_kv = context.index_select(0, index).squeeze(0)
         try:
             return super()._forward_attention(hidden_states, *args, context=context,
                                               rotary_pos_emb=rotary_pos_emb, **kwargs)

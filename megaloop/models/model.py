@@ -44,6 +44,9 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels,
         normalization="RMSNorm",
+        # Tells finalize_model_grads to sum QK-norm weight gradients over tensor-parallel ranks
+        # (each rank sees only its own heads).
+        qk_layernorm=bool(cfg.qk_norm),
         layernorm_epsilon=cfg.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -105,8 +108,8 @@ class LoopedLM(LanguageModule):
                                             params_dtype)
             self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
                                             post_layer_norm=False)
-        self.decoder = TransformerBlock(dec_config, specs.layer_spec(cfg, cfg.decoder_attention, use_te),
-                                        post_layer_norm=False)
+        decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te)
+        self.decoder = TransformerBlock(dec_config, decoder_spec, post_layer_norm=False)
         self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=dec_config,
                                             hidden_size=cfg.hidden_size, eps=cfg.norm_eps)
         self.output_layer = tensor_parallel.ColumnParallelLinear(

@@ -1,0 +1,38 @@
+"""The analytical FLOP count agrees with torch's FlopCounterMode, term by term (forward, backward,
+recompute), for every architecture."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megaloop.config import ParallelConfig
+from megaloop.models.flops import (executed_backward_flops, forward_flops, model_flops_per_token,
+                                   register_cpu_flash_flop_formulas)
+from megaloop.models.model import build_model
+from tests.models.variants import small_config
+
+
+@pytest.mark.parametrize("variant", ["dense", "fullloop_olmo", "asymloop", "asymloop_no_local_kv",
+                                     "asymloop_additive", "asymloop_tied_gqa1"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_counted_flops_equal_analytical(seeded, variant, recompute):
+    register_cpu_flash_flop_formulas()
+    cfg = small_config(variant)
+    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none"))
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    tokens = x.numel()
+    with FlopCounterMode(display=False) as counter:
+        loss = model(x, labels=x).mean()
+    assert counter.get_total_flops() / tokens == forward_flops(cfg).total
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    assert counter.get_total_flops() / tokens == executed_backward_flops(cfg, recompute)
+
+
+def test_model_flops_are_three_forwards():
+    cfg = small_config("asymloop")
+    assert model_flops_per_token(cfg) == 3 * forward_flops(cfg).total
+    deeper = dataclasses.replace(cfg, iterations=5)
+    assert forward_flops(deeper).total > forward_flops(cfg).total

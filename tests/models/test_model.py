@@ -1,0 +1,106 @@
+"""Behaviour of the canonical megatron-core LoopedLM that users rely on."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megaloop.config import ParallelConfig
+from megaloop.models.flops import parameter_count
+from megaloop.models.model import build_model
+from tests.models.variants import VARIANTS, small_config
+
+
+def _tokens(cfg, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_changing_token_t_changes_no_logit_before_t(seeded, variant):
+    cfg = small_config(variant)
+    model = build_model(cfg).eval()
+    x = _tokens(cfg)
+    t = 9
+    y = x.clone()
+    y[:, t] = (y[:, t] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :t], b[:, :t], atol=0, rtol=0)
+    assert (a[:, t:] - b[:, t:]).abs().max() > 1e-6, "token t must influence its own logits"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parameter_count_matches_analytical_and_ignores_iterations(seeded, variant):
+    cfg = small_config(variant)
+    counts = {k: sum(p.numel() for p in build_model(dataclasses.replace(cfg, iterations=k))
+                     .parameters())
+              for k in ((1,) if cfg.arch == "dense" else (1, 2, 5))}
+    assert len(set(counts.values())) == 1, f"weights must be tied across iterations: {counts}"
+    assert counts[1] == parameter_count(cfg)
+
+
+@pytest.mark.parametrize("variant", ["fullloop", "asymloop", "asymloop_additive"])
+def test_decoder_weight_gradient_is_the_sum_over_iterations(seeded, variant):
+    """The tied decoder's fc2 weight is used K times; its gradient is the sum of K contributions."""
+    cfg = small_config(variant, iterations=3)
+    model = build_model(cfg)
+    fc2 = model.decoder.layers[-1].mlp.linear_fc2
+    inputs, grads = [], []
+    fc2.register_forward_hook(lambda m, inp, out: inputs.append(inp[0].detach()))
+    fc2.register_full_backward_hook(lambda m, gin, gout: grads.append(gout[0].detach()))
+    model(_tokens(cfg), labels=_tokens(cfg, seed=1)).sum().backward()
+    assert len(inputs) == len(grads) == 3
+    per_iteration = [torch.einsum("sbo,sbi->oi", g, x) for g, x in zip(reversed(grads), inputs)]
+    torch.testing.assert_close(fc2.weight.grad, sum(per_iteration), atol=1e-5, rtol=1e-4)
+    assert all(p.abs().sum() > 0 for p in per_iteration)
+
+
+@pytest.mark.parametrize("iterations", [1, 3, 5])
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv"])
+def test_global_kv_is_projected_once_per_forward(seeded, variant, iterations):
+    cfg = small_config(variant, iterations=iterations)
+    model = build_model(cfg)
+    calls = []
+    for layer in model.decoder.layers:
+        layer.self_attention.linear_kv_global.register_forward_hook(
+            lambda m, i, o: calls.append(m))
+    model(_tokens(cfg))
+    assert len(calls) == cfg.num_decoder_layers
+    assert len({id(m) for m in calls}) == cfg.num_decoder_layers
+
+
+def test_test_time_depth_override(seeded):
+    cfg = small_config("asymloop", iterations=3)
+    model = build_model(cfg).eval()
+    deeper = build_model(dataclasses.replace(cfg, iterations=5)).eval()
+    deeper.load_state_dict(model.state_dict())
+    x = _tokens(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, num_iterations=5), deeper(x), atol=0, rtol=0)
+        assert (model(x, num_iterations=5) - model(x)).abs().max() > 1e-6
+    with pytest.raises(ValueError, match="num_iterations=0"):
+        model(x, num_iterations=0)
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "fullloop_olmo"])
+def test_full_recompute_gives_identical_loss_and_gradients(seeded, variant):
+    cfg = small_config(variant)
+    plain = build_model(cfg)
+    recomputed = build_model(cfg, ParallelConfig(recompute="full"))
+    recomputed.load_state_dict(plain.state_dict())
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    for m in (plain, recomputed):
+        m(x, labels=labels).mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_loss_is_per_token_cross_entropy(seeded):
+    cfg = small_config("asymloop")
+    model = build_model(cfg)
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    logits = model(x)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                 reduction="none").view_as(labels)
+    torch.testing.assert_close(model(x, labels=labels), expected, atol=1e-5, rtol=1e-5)

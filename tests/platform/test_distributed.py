@@ -1,0 +1,60 @@
+"""Launcher detection (torchrun, SLURM, MPI) and multi-process initialisation."""
+
+import pytest
+import torch
+
+from megaloop.platform.distributed import detect_launch_env, expand_slurm_nodelist
+from tests.distributed import run_distributed
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("gpu01", ["gpu01"]),
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("a[8-10],login5", ["a8", "a9", "a10", "login5"]),
+])
+def test_expand_slurm_nodelist(nodelist, hosts):
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+def test_torchrun_environment():
+    env = detect_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                             "MASTER_ADDR": "node7", "MASTER_PORT": "6000"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("torchrun", 3, 8, 1)
+    assert (env.master_addr, env.master_port) == ("node7", 6000)
+
+
+def test_slurm_environment_uses_first_node_and_job_port():
+    env = detect_launch_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                             "SLURM_JOB_NODELIST": "h100-[004-005]", "SLURM_JOB_ID": "123"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("slurm", 9, 16, 1)
+    assert env.master_addr == "h100-004" and env.master_port == 20123
+
+
+@pytest.mark.parametrize("keys", [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                                  ("PMI_RANK", "PMI_SIZE")])
+def test_mpi_environment(keys):
+    env = detect_launch_env({keys[0]: "1", keys[1]: "2", "MASTER_PORT": "7000"})
+    assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 2)
+    with pytest.raises(RuntimeError, match="set MASTER_ADDR and MASTER_PORT"):
+        detect_launch_env({keys[0]: "1", keys[1]: "2"})
+
+
+def test_single_process_default():
+    env = detect_launch_env({})
+    assert (env.launcher, env.rank, env.world_size) == ("single", 0, 1)
+    assert env.master_port > 0
+
+
+def _ranks_and_groups(rank, world_size):
+    from megatron.core import parallel_state
+
+    from megaloop.platform.distributed import init_distributed
+
+    init_distributed(tensor_parallel=2)
+    value = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(value, group=parallel_state.get_tensor_model_parallel_group())
+    return parallel_state.get_tensor_model_parallel_rank(), value.item()
+
+
+def test_model_parallel_groups_on_gloo():
+    assert run_distributed(_ranks_and_groups, world_size=2) == [(0, 3.0), (1, 3.0)]

@@ -1,0 +1,81 @@
+"""Typed configs: YAML round trip, dotted overrides and one-line validation errors."""
+
+import pytest
+
+from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, apply_overrides,
+                             load_yaml, save_yaml)
+
+
+def test_yaml_round_trip_preserves_every_field(tmp_path):
+    cfg = apply_overrides(RunConfig(), ["model.arch=fullloop", "model.iterations=2",
+                                        "model.block=olmo", "train.lr=3e-4",
+                                        "parallel.tensor=2", "model.num_query_groups=2"])
+    path = tmp_path / "run.yaml"
+    save_yaml(cfg, path)
+    assert load_yaml(path) == cfg
+    assert not list(tmp_path.glob(".config-*")), "no temporary file may be left behind"
+
+
+def test_dotted_overrides_are_typed():
+    cfg = apply_overrides(RunConfig(), ["train.lr=1", "model.qk_norm=false",
+                                        "model.encoder_layers=null"])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.model.qk_norm is False and cfg.model.encoder_layers is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.hiden_size=64"], "unknown field model.hiden_size (did you mean hidden_size?)"),
+    (["model.arch=loop"], "model.arch='loop': must be one of 'dense', 'fullloop', 'asymloop'"),
+    (["model.iterations=three"], "model.iterations='three': must be of type int"),
+    (["model.iterations=true"], "model.iterations=True: must be of type int"),
+    (["modelhidden_size"], "expected the form section.field=value"),
+    (["model.hidden_size.x=1"], "model.hidden_size is not a section"),
+])
+def test_bad_overrides_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(arch="asymloop", num_layers=4, encoder_layers=4),
+     "model.encoder_layers=4: must be in [1, 3] so that E + D = num_layers=4"),
+    (dict(arch="asymloop", iterations=0), "model.iterations=0: must be >= 1"),
+    (dict(arch="dense", iterations=2), "model.iterations=2: must be 1 for arch=dense"),
+    (dict(hidden_size=130, num_attention_heads=4), "model.hidden_size=130: must be a multiple"),
+    (dict(num_attention_heads=4, num_query_groups=3), "model.num_query_groups=3: must be a divisor"),
+    (dict(arch="asymloop", injection="none", local_kv=False), "model.local_kv=False"),
+    (dict(arch="fullloop", iterations=2, injection="additive"), "model.injection='additive'"),
+])
+def test_model_validation_errors_are_one_line(fields, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**fields).validate()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_parallel_validation_checks_divisibility():
+    model = ModelConfig(num_attention_heads=4, num_query_groups=2).resolve()
+    with pytest.raises(ConfigError, match=r"parallel.tensor=4: must be a divisor of "
+                                          r"model.num_query_groups=2"):
+        ParallelConfig(tensor=4).validate(model)
+    ParallelConfig(tensor=2).validate(model)
+
+
+def test_derived_defaults():
+    asym = ModelConfig(arch="asymloop", num_layers=6, iterations=3).resolve()
+    assert (asym.num_encoder_layers, asym.num_decoder_layers, asym.effective_depth) == (3, 3, 12)
+    assert asym.qk_norm is True
+    full = ModelConfig(arch="fullloop", num_layers=6, iterations=2).resolve()
+    assert (full.num_encoder_layers, full.effective_depth, full.qk_norm) == (0, 12, False)
+
+
+def test_yaml_file_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_yaml(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_yaml(bad)

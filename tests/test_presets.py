@@ -1,0 +1,44 @@
+import pytest
+
+from megaloop.config import ConfigError
+from megaloop.models.flops import forward_flops
+from megaloop.presets import PRESETS, no_global_kv_wide, preset
+from megaloop.models.flops import parameter_count
+
+
+def _overhead(name):
+    asym = forward_flops(preset(name, arch="asymloop", iterations=3)).total
+    full = forward_flops(preset(name, arch="fullloop", iterations=2)).total
+    return 100 * (asym / full - 1)
+
+
+def test_flops_overhead_reproduces_the_paper_endpoints():
+    """Paper (App. D, Table 9): +15.23% at 135M and +9.38% at 1B over Full Loop at matched depth."""
+    assert _overhead("135M") == pytest.approx(15.23, abs=0.005)
+    assert _overhead("1B") == pytest.approx(9.38, abs=0.005)
+    assert _overhead("60M") > _overhead("350M") > _overhead("1B")
+
+
+def test_matched_effective_depth_defaults():
+    assert preset("135M", arch="asymloop").effective_depth == 24
+    assert preset("135M", arch="fullloop").effective_depth == 24
+
+
+def test_every_preset_validates_and_olmo_is_a_block_variant():
+    for name in PRESETS:
+        for arch in ("dense", "fullloop", "asymloop"):
+            preset(name, arch=arch)
+    assert preset("olmo", arch="fullloop").block == "olmo"
+    assert preset("olmo", arch="fullloop").qk_norm is True
+
+
+def test_unknown_preset_is_a_clear_error():
+    with pytest.raises(ConfigError, match="preset '2B': unknown; choose one of tiny, 60M"):
+        preset("2B")
+
+
+def test_no_global_kv_wide_matches_parameters_within_a_percent():
+    asym = preset("135M", arch="asymloop")
+    wide = no_global_kv_wide(asym)
+    assert wide.injection == "none" and wide.decoder_ffn_hidden_size > asym.ffn_hidden_size
+    assert abs(parameter_count(wide) / parameter_count(asym) - 1) < 0.001
