@@ -71,9 +71,11 @@ class _JointFlashAttention(torch.autograd.Function):
 
 
 def joint_attention_fused(q, k_glob, v_glob, k_loc, v_loc, scale: float):
-    """Joint causal attention over [Global; Local] keys. All tensors [B, H, N, D], equal heads.
+    """Joint causal attention over [Global; Local] keys. All tensors [B, H, N, D] (any strides),
+    equal head counts.
 
     Returns [B, H, N, D]. Equal to megaloop.reference.modeling_asymloop.joint_attention.
     """
-    q, k_glob, v_glob, k_loc, v_loc = (t.contiguous() for t in (q, k_glob, v_glob, k_loc, v_loc))
+    # The flash kernels take strided inputs, so megatron-core's [N, B, H, D] tensors arrive as
+    # permuted views without copies.
     return _JointFlashAttention.apply(q, k_glob, v_glob, k_loc, v_loc, scale)

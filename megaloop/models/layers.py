@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -60,20 +61,28 @@ class CausalCoreAttention(MegatronModule):
 
 
 class JointCoreAttention(CausalCoreAttention):
-    """Keys/values arrive as [Global; Local] along the sequence (2N); one softmax over both halves.
+    """Attends to [Global; Local] under one softmax, causal on each half.
+
+    Local keys/values arrive through the CoreAttention call; the layer's (pre-rotated) Global
+    keys/values through ``self.global_kv``, which ``JointSelfAttention`` sets for this one call.
+    Keeping the halves apart avoids concatenating 2N keys in every iteration.
 
     ``impl="fused"`` runs two causal flash calls merged by log-sum-exp with an exact hand-written
     backward; ``impl="masked"`` is the exact [N, 2N] masked softmax of the reference model.
     """
+
+    global_kv: tuple | None = None
 
     def __init__(self, *args, impl: str = "fused", **kwargs):
         super().__init__(*args, **kwargs)
         self.kernel = joint_attention_fused if impl == "fused" else joint_attention_masked
 
     def _attend(self, q, k, v):
-        n = q.shape[2]
-        assert k.shape[2] == 2 * n, f"joint attention expects 2N={2 * n} keys, got {k.shape[2]}"
-        return self.kernel(q, k[:, :, :n], v[:, :, :n], k[:, :, n:], v[:, :, n:], self.softmax_scale)
+        assert self.global_kv is not None, "Global KV missing: JointSelfAttention sets it per call"
+        (k_glob, v_glob), self.global_kv = self.global_kv, None
+        n_heads = q.shape[1]
+        k_glob, v_glob = self._heads_first(k_glob, n_heads), self._heads_first(v_glob, n_heads)
+        return self.kernel(q, k_glob, v_glob, k, v, self.softmax_scale)
 
 
 @dataclass
@@ -107,13 +116,17 @@ class GlobalKVMixin:
             is_expert=False, tp_comm_buffer_name="kv_global", tp_group=self.pg_collection.tp,
         )
 
-    def project_global_kv(self, encoder_output: torch.Tensor) -> torch.Tensor:
-        """[N, B, h] -> [N, B, groups_per_partition, 2 * head_dim] (QK-normed keys, values)."""
+    def project_global_kv(self, encoder_output: torch.Tensor,
+                          rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:
+        """[N, B, h] -> [N, B, groups_per_partition, 2 * head_dim]: keys QK-normed and rotated
+        (Global key j sits at position j, fixed across iterations, so it is rotated once), values."""
         kv, _ = self.linear_kv_global(self.global_kv_layernorm(encoder_output))
         kv = kv.view(*kv.shape[:2], self.num_query_groups_per_partition, -1)
         k, v = kv.split(self.hidden_size_per_attention_head, dim=-1)
         if self.k_layernorm is not None:
             k = self.k_layernorm(k)
+        if rotary_pos_emb is not None:
+            k = apply_rotary_pos_emb(k, rotary_pos_emb, config=self.config)
         return torch.cat([k, v], dim=-1)
 
     def _global_keys_values(self):
@@ -122,7 +135,7 @@ class GlobalKVMixin:
 
 
 class JointSelfAttention(GlobalKVMixin, SelfAttention):
-    """AsymLoop decoder attention: keys/values are [Global; Local], length 2N."""
+    """AsymLoop decoder attention: one softmax over [Global; Local] keys/values."""
 
     def __init__(self, config, submodules: GlobalKVSubmodules, layer_number, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
@@ -130,9 +143,10 @@ class JointSelfAttention(GlobalKVMixin, SelfAttention):
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate=False, split_qkv=True):
-        query, key, value = super().get_query_key_value_tensors(hidden_states, None, False, True)
-        k_glob, v_glob = self._global_keys_values()
-        return query, torch.cat([k_glob, key], dim=0), torch.cat([v_glob, value], dim=0)
+        # Local q/k/v go through megatron-core's RoPE as usual; the Global half is handed to the
+        # core attention of this same call.
+        self.core_attention.global_kv = self._global_keys_values()
+        return super().get_query_key_value_tensors(hidden_states, None, False, True)
 
 
 class GlobalOnlyAttention(GlobalKVMixin, Attention):
@@ -201,9 +215,9 @@ class LoopedTransformerLayer(TransformerLayer):
         if not isinstance(attention, GlobalKVMixin):
             return super()._forward_attention(hidden_states, *args, context=context,
                                               rotary_pos_emb=rotary_pos_emb, **kwargs)
-        if isinstance(attention, JointSelfAttention) and rotary_pos_emb is not None:
-            # Queries rotate by their position; the 2N keys [Global; Local] by theirs (i and i).
-            rotary_pos_emb = (rotary_pos_emb, torch.cat([rotary_pos_emb, rotary_pos_emb], dim=0))
+        if isinstance(attention, GlobalOnlyAttention) and rotary_pos_emb is not None:
+            # Its keys are the Global keys, already rotated: rotate only the queries.
+            rotary_pos_emb = (rotary_pos_emb, None)
         # index_select copies this layer's slice instead of viewing it: under activation
         # recomputation the first forward runs in no-grad mode, where a view of a tensor that
         # requires grad has no grad_fn and trips module-level autograd hooks (FlopCounterMode).

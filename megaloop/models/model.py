@@ -124,9 +124,9 @@ class LoopedLM(LanguageModule):
         # (ParallelConfig.validate refuses them); the schedules still call this hook.
         assert input_tensor is None or input_tensor == [None], "pipeline input not supported"
 
-    def global_kv(self, encoder_output: torch.Tensor) -> torch.Tensor:
+    def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
         """Global KV of every decoder layer, stacked on dim 0: [D, N, B, groups, 2 * head_dim]."""
-        return torch.stack([layer.self_attention.project_global_kv(encoder_output)
+        return torch.stack([layer.self_attention.project_global_kv(encoder_output, rotary_pos_emb)
                             for layer in self.decoder.layers])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -147,7 +147,7 @@ class LoopedLM(LanguageModule):
         if self.encoder is not None:
             hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
         cfg = self.cfg
-        context = self.global_kv(hidden) if cfg.uses_global_kv else None
+        context = self.global_kv(hidden, rope) if cfg.uses_global_kv else None
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
         hidden = iterate(self.decoder, hidden, steps, additive=additive, attention_mask=None,
                          context=context,
