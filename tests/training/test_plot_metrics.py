@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from megaloop.training.monitor import Monitor
+from tools import plot_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(run_dir, loss_scale, with_eval=True):
+    """A run directory written by the real Monitor: 6 train steps and, optionally, 2 evaluations."""
+    with Monitor(run_dir, is_writer=True, total_steps=6, tokens_per_step=1024, model_flops_per_token=1e6,
+                 world_size=1, tensorboard=False, progress=False, log_interval=3) as m:
+        for step in range(1, 7):
+            m.log_step(step, loss=loss_scale / step, lr=1e-3 * step / 6, grad_norm=1.0,
+                       step_time_s=0.1 * step, skipped=False)
+            if with_eval and step % 3 == 0:
+                m.log_eval(step, {"val_loss": loss_scale / step + 0.1, "val_ppl": 2.0})
+    return run_dir
+
+
+def _assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+
+
+def test_two_runs_give_one_png(tmp_path):
+    a = _run(tmp_path / "dense", 4.0)
+    b = _run(tmp_path / "asymloop", 3.0, with_eval=False)
+    out = tmp_path / "plots" / "curves.png"
+    assert plot_metrics.main([str(a), str(b), "--out", str(out)]) == str(out)
+    _assert_png(out)
+    assert [p.name for p in out.parent.iterdir()] == ["curves.png"]  # no .tmp left behind
+
+
+def test_loaded_series_follow_the_log(tmp_path):
+    train, evals = plot_metrics.load_run(_run(tmp_path / "dense", 6.0))
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in evals] == [3, 6]
+    steps, losses = plot_metrics._series(train, "loss")
+    assert steps == [1, 2, 3, 4, 5, 6] and losses == [6.0, 3.0, 2.0, 1.5, 1.2, 1.0]
+    assert plot_metrics._series(train, "tokens_per_s")[1][0] == pytest.approx(10240.0)
+
+
+def test_missing_file_is_a_one_line_error(tmp_path):
+    a = _run(tmp_path / "dense", 4.0)
+    with pytest.raises(SystemExit) as exc:
+        plot_metrics.main([str(a), str(tmp_path / "nope"), "--out", str(tmp_path / "c.png")])
+    message = str(exc.value)
+    assert message.startswith("plot_metrics: ") and "\n" not in message
+    assert f"{tmp_path / 'nope' / 'metrics.jsonl'}: no such file" in message
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_empty_and_garbled_files_are_one_line_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "metrics.jsonl").write_text("not json\n[1, 2]\n{\"kind\": \"train\"}\n")
+    with pytest.raises(SystemExit, match="empty/metrics.jsonl: file is empty"):
+        plot_metrics.main([str(tmp_path / "empty")])
+    with pytest.raises(SystemExit, match=r"garbled/metrics.jsonl: no readable metric lines \(3 malformed\)"):
+        plot_metrics.main([str(tmp_path / "garbled")])
+
+
+def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
+    run = _run(tmp_path / "crashed", 4.0)
+    with open(run / "metrics.jsonl", "a") as f:
+        skipped = {"kind": "train", "step": 7, "loss": None, "lr": 1e-3, "tokens_per_s": 9.0}
+        f.write(json.dumps(skipped) + "\n")
+        f.write('{"kind": "train", "step": 8, "loss": 0.')
+    out = tmp_path / "curves.png"
+    plot_metrics.main([str(run), "--out", str(out)])
+    _assert_png(out)
+    assert "crashed/metrics.jsonl: skipped 1 malformed line(s)" in capsys.readouterr().err
+    steps, losses = plot_metrics._series(plot_metrics.load_run(run)[0], "loss")
+    assert steps[-1] == 7 and losses[-1] != losses[-1]  # null -> NaN, a gap in the curve
+
+
+def test_labels_are_dir_names_unless_they_clash(tmp_path):
+    assert plot_metrics.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
+    assert plot_metrics.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
