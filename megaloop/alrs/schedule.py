@@ -79,17 +79,24 @@ class ALRSConfig:
         return asdict(self)
 
     def allocates_at(self, step: int, total_steps: int) -> bool:
-        """Whether multipliers are re-allocated from spectra at this step."""
-        return self.mode == "alrs" and self._on_cadence(step) and step <= self.fraction * total_steps
+        """Whether multipliers are re-allocated from spectra at this step.
+
+        Step 1 always allocates, even when fraction·T < 1 (a short debug run): otherwise such a
+        run would silently train with uniform LRs.
+        """
+        return self.mode == "alrs" and self._on_cadence(step) and self._in_window(step, total_steps)
 
     def analyses_at(self, step: int, total_steps: int) -> bool:
         """Whether spectra are computed (for allocation, or only for the log) at this step."""
         if not self._on_cadence(step):
             return False
-        return self.monitor_after_freeze or step <= self.fraction * total_steps
+        return self.monitor_after_freeze or self._in_window(step, total_steps)
 
     def _on_cadence(self, step: int) -> bool:
         return step == 1 or (step > 0 and step % self.interval == 0)
+
+    def _in_window(self, step: int, total_steps: int) -> bool:
+        return step == 1 or step <= self.fraction * total_steps
 
 
 class MultiplierSchedule:

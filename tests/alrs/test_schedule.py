@@ -23,6 +23,12 @@ def test_allocation_steps_of_the_60m_run():
     assert steps == [1, 100, 200, 300, 400, 500, 600]  # the reference's 7 updates at T = 3200
 
 
+def test_a_run_shorter_than_the_window_still_allocates_at_step_1():
+    config = ALRSConfig()  # fraction 0.2: the window 0.2·T holds no step at all when T < 5
+    assert [s for s in range(1, 5) if config.allocates_at(s, 4)] == [1]
+    assert not ALRSConfig(mode="uniform").allocates_at(1, 4)
+
+
 def test_ramp_reaches_target_after_transition_steps():
     sched = MultiplierSchedule({"a": 1.0, "b": 1.0}, transition=50)
     sched.retarget(100, {"a": 5.0, "b": 1.0})
