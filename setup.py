@@ -23,9 +23,12 @@ setup(
         "pyarrow",
         "zstandard",
         "nvidia-ml-py",
+        "tensorboard",
+        "matplotlib",  # tools/plot_metrics.py, tools/plot_alrs.py
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy", "powerlaw", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "scipy", "powerlaw"],
+        "wandb": ["wandb"],
         "mpi": ["mpi4py", "mpich"],
         "hf": ["transformers>=4.45", "safetensors", "huggingface_hub"],
         "eval": ["lm-eval>=0.4"],

@@ -18,6 +18,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from megaloop.alrs.schedule import ALRSConfig
+
 Arch = Literal["dense", "fullloop", "asymloop"]
 Block = Literal["llama", "olmo"]
 Injection = Literal["global_kv", "none", "additive"]
@@ -152,6 +154,12 @@ class ParallelConfig:
                  prefix, "tensor", tp, "a divisor of the FFN hidden sizes")
         _require(model.vocab_size % tp == 0, prefix, "tensor", tp,
                  f"a divisor of model.vocab_size={model.vocab_size} (pad the vocabulary)")
+        if self.pipeline > 1:
+            _require(model.arch == "dense", prefix, "pipeline", self.pipeline,
+                     "1 unless model.arch=dense (a loop cannot return to an earlier pipeline "
+                     "stage; use tensor/data parallelism)")
+            _require(model.num_layers % self.pipeline == 0, prefix, "pipeline", self.pipeline,
+                     f"a divisor of model.num_layers={model.num_layers}")
 
 
 @dataclass
@@ -168,14 +176,68 @@ class TrainConfig:
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks
+    use_alrs: bool = False  # layerwise LR multipliers from the `alrs` section
+    out_dir: str = "runs/default"
+    log_interval: int = 10
+    eval_interval: int = 0  # 0: evaluate at the end only
+    eval_iters: int = 10  # validation batches per evaluation
+    eval_depths: list[int] = field(default_factory=list)  # extra K for a test-time depth table
+    max_nonfinite_steps: int = 5  # consecutive NaN/Inf losses tolerated (skipped) before abort
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs auto, CPU none
 
     def validate(self, prefix: str = "train") -> None:
-        for name in ("micro_batch_size", "global_batch_size", "train_steps"):
+        for name in ("micro_batch_size", "global_batch_size", "train_steps", "log_interval",
+                     "eval_iters", "max_nonfinite_steps"):
             _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        _require(self.global_batch_size % self.micro_batch_size == 0, prefix,
+                 "global_batch_size", self.global_batch_size,
+                 f"a multiple of micro_batch_size={self.micro_batch_size}")
         _require(self.lr > 0, prefix, "lr", self.lr, "> 0")
         _require(0 <= self.min_lr_ratio <= 1, prefix, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         _require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
                  "in [0, 1)")
+        _require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
+        _require(all(k >= 1 for k in self.eval_depths), prefix, "eval_depths", self.eval_depths,
+                 "a list of iteration counts >= 1")
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron indexed datasets written by tools/preprocess_data.py."""
+
+    path: list[str] = field(default_factory=list)  # blend: [weight, prefix, ...] or [prefix, ...]
+    split: str = "969,30,1"  # train,valid,test proportions of the blend
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: str | None = None  # gives the EOD id and checks vocab_size
+    eod_id: int | None = None  # only without tokenizer_model
+    cache_dir: str | None = None  # shuffle-index cache; None: beside the first prefix
+    eod_mask_loss: bool = False
+
+    def validate(self, model: ModelConfig, prefix: str = "data") -> None:
+        _require(bool(self.path), prefix, "path", self.path,
+                 "a non-empty list of dataset prefixes (optionally weighted)")
+        _require((self.tokenizer_model is None) != (self.eod_id is None), prefix,
+                 "tokenizer_model", self.tokenizer_model, "given, or else data.eod_id (not both)")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <train.out_dir>/checkpoints
+    save_interval: int = 0  # 0: at the end (and on SIGTERM/SIGUSR1) only
+    keep_last: int = 3
+    resume: bool = True  # continue from the latest checkpoint in `dir` when there is one
+    load: str | None = None  # a checkpoint directory to start from when `dir` has none
+    # dp_reshardable: fast, fully parallel, reloadable only with the same TP/PP layout;
+    # fully_reshardable: gathers optimizer state at save so any TP/PP/DP layout can resume.
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    load_optimizer: bool = True  # False: weights only (fine-tuning, a new parallel layout)
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        _require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")
+        _require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
 
 
 @dataclass
@@ -183,11 +245,17 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    alrs: ALRSConfig = field(default_factory=ALRSConfig)
 
     def validate(self) -> "RunConfig":
+        """Everything a training run needs, checked before any heavy work."""
         self.model.validate()
         self.parallel.validate(self.model)
         self.train.validate()
+        self.data.validate(self.model)
+        self.checkpoint.validate()
         return self
 
 
@@ -201,7 +269,9 @@ def _require(ok: bool, prefix: str, name: str, value: Any, allowed: str) -> None
 # --------------------------------------------------------------------------------------------
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """Plain dict of a config; tuples become lists so that yaml.safe_dump can write it."""
+    return dataclasses.asdict(cfg, dict_factory=lambda items: {
+        k: list(v) if isinstance(v, tuple) else v for k, v in items})
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
@@ -247,7 +317,10 @@ def from_dict(cls, data: dict, where: str = ""):
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
             raise ConfigError(f"unknown field {path}{hint}")
         kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own __post_init__ checks (e.g. ALRSConfig)
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -266,7 +339,17 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return from_dict(RunConfig, data)
 
 
-def load_yaml(path: str | os.PathLike) -> RunConfig:
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _deep_merge(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConfig:
+    """Reads a (possibly partial) YAML run config; its fields replace those of ``base``."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
@@ -276,7 +359,10 @@ def load_yaml(path: str | os.PathLike) -> RunConfig:
         raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
-    return from_dict(RunConfig, data)
+    try:
+        return from_dict(RunConfig, _deep_merge(to_dict(base or RunConfig()), data))
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
 
 
 def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:

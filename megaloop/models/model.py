@@ -22,6 +22,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -79,7 +80,10 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
 
 class LoopedLM(LanguageModule):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
-                 use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True):
+                 use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True,
+                 pre_process: bool = True, post_process: bool = True):
+        """``pre_process`` / ``post_process``: this pipeline stage holds the embedding / the head
+        (both True without pipeline parallelism, which only Dense supports)."""
         cfg = dataclasses.replace(cfg).resolve()
         parallel = parallel or ParallelConfig()
         use_te = specs.transformer_engine_available() if use_te is None else use_te
@@ -88,16 +92,18 @@ class LoopedLM(LanguageModule):
                                         params_dtype)
         super().__init__(config=dec_config)
         self.cfg = cfg
-        self.pre_process = self.post_process = True
+        self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules expect
+        self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.vocab_size = cfg.vocab_size
         self.max_sequence_length = cfg.seq_length
 
-        self.embedding = LanguageModelEmbedding(
-            config=dec_config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
-            position_embedding_type="rope",
-        )
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=dec_config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+                position_embedding_type="rope",
+            )
         self.rotary_pos_emb = RotaryEmbedding(
             kv_channels=cfg.kv_channels, rotary_percent=1.0, rotary_base=cfg.rotary_base,
             use_cpu_initialization=dec_config.use_cpu_initialization,
@@ -109,20 +115,24 @@ class LoopedLM(LanguageModule):
             self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
                                             post_layer_norm=False)
         decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te)
-        self.decoder = TransformerBlock(dec_config, decoder_spec, post_layer_norm=False)
-        self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=dec_config,
-                                            hidden_size=cfg.hidden_size, eps=cfg.norm_eps)
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, cfg.vocab_size, config=dec_config, init_method=dec_config.init_method,
-            bias=False, skip_bias_add=False, gather_output=not parallel_output,
-            skip_weight_param_allocation=cfg.tie_embeddings,
-        )
+        self.decoder = TransformerBlock(dec_config, decoder_spec, post_layer_norm=False,
+                                        pre_process=pre_process, post_process=post_process)
+        if post_process:
+            self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=dec_config,
+                                                hidden_size=cfg.hidden_size, eps=cfg.norm_eps)
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                cfg.hidden_size, cfg.vocab_size, config=dec_config,
+                init_method=dec_config.init_method, bias=False, skip_bias_add=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and cfg.tie_embeddings,
+            )
         self.setup_embeddings_and_output_layer()
 
     def set_input_tensor(self, input_tensor) -> None:
-        # Pipeline stages other than the first are not supported for looped models yet
-        # (ParallelConfig.validate refuses them); the schedules still call this hook.
-        assert input_tensor is None or input_tensor == [None], "pipeline input not supported"
+        """Pipeline schedules hand a non-first stage its input activations here."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
 
     def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
         """Global KV of every decoder layer, stacked on dim 0: [D, N, B, groups, 2 * head_dim]."""
@@ -142,8 +152,10 @@ class LoopedLM(LanguageModule):
         steps = self.cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
-        hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [N, B, h]
-        rope = self.rotary_pos_emb(hidden.shape[0])
+        # A non-first pipeline stage gets None here; its decoder block reads the received tensor.
+        hidden = (self.embedding(input_ids=input_ids, position_ids=position_ids)  # [N, B, h]
+                  if self.pre_process else None)
+        rope = self.rotary_pos_emb(input_ids.shape[1])
         if self.encoder is not None:
             hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
         cfg = self.cfg
@@ -152,6 +164,8 @@ class LoopedLM(LanguageModule):
         hidden = iterate(self.decoder, hidden, steps, additive=additive, attention_mask=None,
                          context=context,
                          rotary_pos_emb=rope)
+        if not self.post_process:
+            return hidden
         hidden = self.final_layernorm(hidden)
         weight = self.shared_embedding_or_output_weight() if cfg.tie_embeddings else None
         logits, _ = self.output_layer(hidden, weight=weight)

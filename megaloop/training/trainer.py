@@ -1,0 +1,347 @@
+"""The training loop: megatron-core DDP, distributed optimizer and pipeline schedules around LoopedLM.
+
+Order of set-up (cheap checks first, so that a mistake costs seconds, not a model build):
+config validation -> process groups -> datasets (bad files fail here) -> resume source and its
+architecture check -> model -> DDP -> optimizer -> checkpoint load.
+
+One optimizer step (1-based ``step``): micro-batches run through ``get_forward_backward_func``
+(gradient accumulation, pipeline schedule), ``finalize_model_grads`` reduces gradients, a non-finite
+loss skips the update, the LR multipliers (ALRS) are applied, the optimizer steps and the scheduler
+advances. SIGTERM / SIGUSR1 (SLURM preemption) make the loop save a checkpoint and return at the end
+of the current step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaloop.config import ConfigError, RunConfig, to_dict
+from megaloop.training import checkpoint as ckpt
+from megaloop.training.data import MicroBatches, build_datasets
+
+log = logging.getLogger("megaloop.train")
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot go on; the message says why and which checkpoint is the last good one."""
+
+
+def _precision(cfg: RunConfig) -> str:
+    if cfg.train.precision != "auto":
+        return cfg.train.precision
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        from megatron.core import parallel_state as ps
+
+        from megaloop.platform.distributed import init_distributed
+
+        self.cfg = cfg.validate()
+        par = cfg.parallel
+        init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed)
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        micro_per_step = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
+        if micro_per_step * cfg.train.micro_batch_size * self.dp_size != cfg.train.global_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={cfg.train.global_batch_size}: must be a multiple of "
+                f"micro_batch_size x data-parallel size = {cfg.train.micro_batch_size * self.dp_size}")
+        self.num_microbatches = micro_per_step
+        self.out_dir = Path(cfg.train.out_dir)
+        self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
+        self.train_data, self.valid_data = build_datasets(cfg)
+        self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
+        if self.resume_path is not None:
+            ckpt.check_compatible(self.resume_path, cfg)
+
+        self.precision = _precision(cfg)
+        self._build_model()
+        from megaloop.training.optimizer import build_optimizer
+
+        self.optimizer, self.scheduler, self.lr_multipliers = build_optimizer(
+            [self.ddp], self.model, cfg)
+        self.alrs = self._build_alrs()
+        self.step = 0
+        self.consumed_samples = 0
+        self.skipped_steps = 0
+        self._stop_signal: int | None = None
+        if self.resume_path is not None:
+            self._load(self.resume_path)
+        self.monitor = self._build_monitor()
+
+    # ------------------------------------------------------------------ set-up
+    def _build_model(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
+
+        from megaloop.models.model import LoopedLM
+
+        cfg = self.cfg
+        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
+        model = LoopedLM(cfg.model, cfg.parallel, params_dtype=dtype,
+                         pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage())
+        if self.precision == "fp8":
+            model.config.fp8, model.config.fp8_recipe = "hybrid", "delayed"
+        self.model = model
+        if torch.cuda.is_available():
+            model.cuda()
+        config = model.config
+        config.pipeline_dtype = dtype
+        wrapped = Float16Module(config, model) if dtype == torch.bfloat16 else model
+        self.ddp = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=cfg.train.distributed_optimizer,
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            ),
+            wrapped,
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+
+    def _build_alrs(self):
+        if not self.cfg.train.use_alrs:
+            return None
+        from megatron.core import parallel_state as ps
+
+        from megaloop.alrs import ALRS
+
+        return ALRS(self.model, total_steps=self.cfg.train.train_steps, config=self.cfg.alrs,
+                    tp_group=ps.get_tensor_model_parallel_group(),
+                    log_path=self.out_dir / "alrs.zarr")
+
+    def _build_monitor(self):
+        from megaloop.models.flops import model_flops_per_token
+        from megaloop.training.monitor import Monitor
+
+        train = self.cfg.train
+        return Monitor(
+            out_dir=self.out_dir, total_steps=train.train_steps,
+            tokens_per_step=train.global_batch_size * self.cfg.model.seq_length,
+            model_flops_per_token=model_flops_per_token(self.cfg.model),
+            world_size=dist.get_world_size(), peak_tflops_per_device=train.peak_tflops,
+            precision=self.precision, tensorboard=train.tensorboard,
+            wandb_project=train.wandb_project, run_config=to_dict(self.cfg),
+            progress=True, log_interval=train.log_interval, is_writer=dist.get_rank() == 0,
+            resume_step=self.step + 1 if self.step else None,
+        )
+
+    # ------------------------------------------------------------------ one step
+    def _forward_step(self, data_iterator, model, num_iterations: int | None = None):
+        batch = next(data_iterator)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+        loss_mask = batch["loss_mask"].to(device).float()
+        output = model(tokens, batch["position_ids"].to(device), None, labels=labels,
+                       num_iterations=num_iterations)
+
+        def loss_func(per_token_loss):
+            total = (per_token_loss.float() * loss_mask).sum()
+            count = loss_mask.sum().to(torch.int)
+            return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
+
+        return output, loss_func
+
+    def _run_microbatches(self, data: MicroBatches, forward_only: bool,
+                          num_iterations: int | None = None):
+        """Returns the token-weighted mean loss over the global batch (identical on every rank)."""
+        from functools import partial
+
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        outputs = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, num_iterations=num_iterations),
+            data_iterator=data, model=[self.ddp], num_microbatches=self.num_microbatches,
+            seq_length=self.cfg.model.seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+        # Loss sums exist on the last pipeline stage only: reduce them so that every rank (all
+        # stages, all data-parallel replicas) agrees on the loss and on whether it is finite.
+        totals = torch.zeros(2)
+        for out in outputs:
+            totals += out["lm loss"].float().cpu()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def train_step(self, data: MicroBatches) -> tuple[float, float, float | None, bool]:
+        """(loss, base LR, grad norm, skipped) of optimizer step ``self.step`` (1-based, already
+        incremented)."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_microbatches(data, forward_only=False)
+        base_lr = self.current_lr()
+        if not math.isfinite(loss):
+            self.skipped_steps += 1
+            self._consecutive_nonfinite += 1
+            return loss, base_lr, None, True
+        self._consecutive_nonfinite = 0
+        if self.alrs is not None:
+            self.lr_multipliers.set(self.alrs.step(self.step, base_lr))
+        self.lr_multipliers.apply()
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return loss, base_lr, grad_norm, False
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        """Runs to ``train.train_steps`` (or a stop signal); returns the final metrics."""
+        cfg = self.cfg.train
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        self._consecutive_nonfinite = 0
+        data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
+                            self.consumed_samples, cfg.global_batch_size)
+        try:
+            while self.step < cfg.train_steps:
+                self.step += 1
+                start = time.perf_counter()
+                loss, lr, grad_norm, skipped = self.train_step(data)
+                self.consumed_samples += cfg.global_batch_size
+                self.monitor.log_step(self.step, loss=loss, lr=lr,
+                                      grad_norm=grad_norm, step_time_s=time.perf_counter() - start,
+                                      skipped=skipped)
+                if self._consecutive_nonfinite >= cfg.max_nonfinite_steps:
+                    latest = ckpt.latest_checkpoint(self.checkpoint_dir)
+                    raise TrainingAborted(
+                        f"loss was NaN/Inf for {self._consecutive_nonfinite} consecutive steps "
+                        f"(last at step {self.step}); updates were skipped and nothing was saved; "
+                        f"last good checkpoint: {latest or 'none'}")
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0:
+                    self.monitor.log_eval(self.step, self.evaluate())
+                interval = self.cfg.checkpoint.save_interval
+                if self._stop_requested():
+                    self.save()
+                    log.warning("stopped by signal %s after step %d; checkpoint saved",
+                                self._stop_signal, self.step)
+                    return {"step": self.step, "stopped_by_signal": self._stop_signal}
+                if interval and self.step % interval == 0:
+                    self.save()
+            final = self.evaluate()
+            for depth in cfg.eval_depths:
+                final.update({f"val_loss_k{depth}": v for k, v in
+                              self.evaluate(num_iterations=depth).items() if k == "val_loss"})
+            self.monitor.log_eval(self.step, final)
+            self.save()
+            return {"step": self.step, **final}
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if self.alrs is not None:
+                self.alrs.close()
+            self.monitor.close()
+
+    def current_lr(self) -> float:
+        """The base LR (multiplier 1) the next optimizer step will use."""
+        return self.scheduler.get_lr(self.optimizer.param_groups[0])
+
+    def evaluate(self, num_iterations: int | None = None) -> dict:
+        """Validation cross-entropy and perplexity on the fixed held-out batches."""
+        if self.valid_data is None:
+            return {}
+        self.ddp.eval()
+        cfg = self.cfg.train
+        data = MicroBatches(self.valid_data, cfg.micro_batch_size, self.dp_rank, self.dp_size, 0,
+                            cfg.global_batch_size)
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(cfg.eval_iters):
+                total += self._run_microbatches(data, forward_only=True,
+                                                num_iterations=num_iterations)
+        self.ddp.train()
+        loss = total / cfg.eval_iters
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def _stop_requested(self) -> bool:
+        """Agreed by all ranks, since each may have seen the signal at a different moment."""
+        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sharded_state(self, is_loading: bool) -> dict:
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_state = self.model.sharded_state_dict()
+        rng = ShardedObject(
+            "rng_state", ckpt.rng_state(),
+            (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+            replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+        )
+        state = {
+            "model": model_state,
+            "trainer": {"step": self.step, "consumed_samples": self.consumed_samples,
+                        "skipped_steps": self.skipped_steps},
+            "lr_multipliers": self.lr_multipliers.state_dict(),
+            "alrs": self.alrs.state_dict() if self.alrs is not None else {},
+            "rng_state": rng,
+        }
+        if not is_loading or self.cfg.checkpoint.load_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading,
+                metadata={"distrib_optim_sharding_type": self.cfg.checkpoint.optimizer_format})
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
+                                    self.cfg, self.cfg.checkpoint.keep_last)
+
+    def _materialise_optimizer_state(self) -> None:
+        """Without apex / Transformer Engine, megatron-core's DistributedOptimizer.state_dict()
+        reads the step counter from torch Adam's per-parameter state, which exists only after a
+        first step; a fresh optimizer about to be loaded into gets megatron-core's own zero-gradient
+        dummy step (at LR 0 before the scheduler has advanced, so nothing moves)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if isinstance(optimizer, DistributedOptimizer) and not optimizer.optimizer.state:
+                optimizer._init_optimizer_states_with_dummy_values()
+
+    def _load(self, path: Path) -> None:
+        if self.cfg.checkpoint.load_optimizer:
+            self._materialise_optimizer_state()
+        state = ckpt.load_checkpoint(path, self._sharded_state(is_loading=True))
+        self.model.load_state_dict(state["model"])
+        if not self.cfg.checkpoint.load_optimizer:  # weights only: a fresh run from them
+            log.info("loaded weights from %s (optimizer and progress not restored)", path)
+            return
+        with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        trainer = state["trainer"]
+        self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
+        self.skipped_steps = trainer["skipped_steps"]
+        self.lr_multipliers.load_state_dict(state["lr_multipliers"])
+        if self.alrs is not None and state["alrs"]:
+            self.alrs.load_state_dict(state["alrs"])
+        ckpt.set_rng_state(state["rng_state"])
+        log.info("resumed from %s at step %d", path, self.step)
+
+
+def replace_run(cfg: RunConfig, **sections) -> RunConfig:
+    """A copy of ``cfg`` with whole sections or their fields replaced (``train={"lr": 1e-3}``)."""
+    updates = {name: dataclasses.replace(getattr(cfg, name), **fields)
+               for name, fields in sections.items()}
+    return dataclasses.replace(cfg, **updates)
