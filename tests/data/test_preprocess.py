@@ -15,7 +15,6 @@ from megaloop.data import preprocess as pp
 from megaloop.data.readers import DataError
 
 
-
 @pytest.fixture(scope="module")
 def tool(load_tool):
     return load_tool("preprocess_data")
@@ -163,10 +162,17 @@ def test_max_docs_keeps_a_prefix_of_the_full_output(tmp_path, sp_model, articles
     assert all((cut[i] == full[i]).all() for i in range(7))
 
 
-def test_append_eod_needs_an_eod_token(tmp_path, sp_model):
-    options = pp.PreprocessOptions("HuggingFaceTokenizer", str(sp_model), append_eod=True)
-    with pytest.raises(Exception, match=str(sp_model)):
-        pp.check_tokenizer(options)  # not a tokenizer.json: named, before any reading
+def test_append_eod_needs_an_eod_token(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    no_eos = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    no_eos.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    no_eos.save(str(path))
+    assert pp.check_tokenizer(pp.PreprocessOptions("HuggingFaceTokenizer", str(path))).eod is None
+    options = pp.PreprocessOptions("HuggingFaceTokenizer", str(path), append_eod=True)
+    with pytest.raises(DataError, match=f"{path}: --append-eod given but the tokenizer has no end-of-text token"):
+        pp.check_tokenizer(options)
 
 
 def test_workers_must_be_positive(tool):
