@@ -16,6 +16,8 @@ import os
 import shutil
 import sys
 
+from megaloop.data.readers import first_line
+
 REPO_ID = "HuggingFaceFW/fineweb-edu"
 # Named subsets -> folder in the hub repository.
 SUBSETS = {"sample-10BT": "sample/10BT", "sample-100BT": "sample/100BT", "sample-350BT": "sample/350BT"}
@@ -37,7 +39,7 @@ class HubSource:
         try:
             info = self.api.dataset_info(self.repo_id, revision=self.revision, files_metadata=True)
         except Exception as err:  # network and HTTP errors: huggingface_hub has several families
-            raise DownloadError(f"{self.repo_id}: cannot list the hub repository ({_first_line(err)})")
+            raise DownloadError(f"{self.repo_id}: cannot list the hub repository ({first_line(err)})")
         return {s.rfilename: s.size for s in info.siblings if s.size is not None}
 
     def fetch(self, path: str, output: str) -> None:
@@ -46,12 +48,7 @@ class HubSource:
         try:
             hf_hub_download(self.repo_id, path, repo_type="dataset", revision=self.revision, local_dir=output)
         except Exception as err:
-            raise DownloadError(f"{self.repo_id}/{path}: download failed ({_first_line(err)}); rerun to resume")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+            raise DownloadError(f"{self.repo_id}/{path}: download failed ({first_line(err)}); rerun to resume")
 
 
 class LocalSource:

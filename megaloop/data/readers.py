@@ -247,10 +247,11 @@ def _line_chunks(path: str, start: int, stop: int | None, max_records: int, max_
 def _describe_read_error(err: BaseException) -> tuple[str, str, int]:
     if isinstance(err, EOFError):
         return "truncated compressed file", "", 1
-    return "unreadable data", _first_line(err), 1
+    return "unreadable data", first_line(err), 1
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An exception's message cut to one line (or its type name), for one-line errors."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
@@ -280,7 +281,7 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
                 return
     except (OSError, pa.ArrowException) as err:
         empty = pa.RecordBatch.from_pylist([])
-        yield Chunk(path, "parquet", start + 1, empty, 0, error=("unreadable data", _first_line(err), 1))
+        yield Chunk(path, "parquet", start + 1, empty, 0, error=("unreadable data", first_line(err), 1))
 
 
 def _text_bytes(batch) -> int:

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from megaloop.data.readers import first_line
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 HUGGINGFACE_TYPES = ("HuggingFaceTokenizer",)
 TOKENIZER_TYPES = SENTENCEPIECE_TYPES + HUGGINGFACE_TYPES
@@ -51,7 +53,7 @@ class SentencePieceTextTokenizer:
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
         except (OSError, RuntimeError) as err:
-            raise TokenizerError(f"{self.path}: not a SentencePiece model ({_first_line(err)})")
+            raise TokenizerError(f"{self.path}: not a SentencePiece model ({first_line(err)})")
         self.vocab_size = self._sp.vocab_size()
         eos = self._sp.eos_id()
         self.eod = eod_id if eod_id is not None else (eos if eos >= 0 else None)
@@ -82,7 +84,7 @@ class HuggingFaceTextTokenizer:
         try:
             self._tok = Tokenizer.from_file(self.path)
         except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-            raise TokenizerError(f"{self.path}: not an HF tokenizer.json ({_first_line(err)})")
+            raise TokenizerError(f"{self.path}: not an HF tokenizer.json ({first_line(err)})")
         # Saved tokenizer.json files often carry a model's max_length truncation (GPT-2's: 1024),
         # which would silently cut every longer document.
         self._tok.no_truncation()
@@ -94,7 +96,10 @@ class HuggingFaceTextTokenizer:
         names = list(_EOD_TOKEN_NAMES)
         config = directory / "tokenizer_config.json"
         if config.is_file():
-            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            try:
+                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            except (ValueError, AttributeError) as err:  # bad JSON, bad UTF-8, not an object
+                raise TokenizerError(f"{config}: unreadable tokenizer config ({first_line(err)})")
             if isinstance(eos, dict):  # AddedToken serialized as a dict
                 eos = eos.get("content")
             if isinstance(eos, str):
@@ -143,8 +148,3 @@ def _check_readable(path: str) -> None:
             f.read(1)
     except OSError as err:
         raise TokenizerError(f"{path}: tokenizer file unreadable ({err.strerror})")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

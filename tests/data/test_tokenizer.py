@@ -34,6 +34,14 @@ def test_unreadable_tokenizer_names_the_file(tmp_path, kind):
         load_tokenizer(kind, garbage)
 
 
+def test_malformed_tokenizer_config_names_the_file(tmp_path, hf_tokenizer):
+    (tmp_path / "tokenizer.json").write_bytes(hf_tokenizer.read_bytes())
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text('{"eos_token": ')
+    with pytest.raises(TokenizerError, match=f"{config}: unreadable tokenizer config"):
+        load_tokenizer("HuggingFaceTokenizer", tmp_path)
+
+
 def test_unknown_tokenizer_type():
     with pytest.raises(TokenizerError, match="unsupported tokenizer type 'GPT3'"):
         load_tokenizer("GPT3", "x")
