@@ -27,6 +27,9 @@ PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
 SUPPORTED_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
 MAX_EXAMPLES = 5  # bad records quoted with file:line; the rest are only counted
+# How a record is located in its file: jsonl lines (file:12), parquet rows (file:row 12), and
+# plain-text paragraphs (file:paragraph 12; blank-line separated, so not a line number).
+RECORD_UNITS = {"jsonl": "", "parquet": "row ", "text": "paragraph "}
 
 
 class DataError(ValueError):
@@ -71,7 +74,7 @@ class Chunk:
 
     path: str
     kind: str  # "jsonl" | "text" | "parquet"
-    first_line: int  # 1-based line (or row) number of items[0]
+    first_record: int  # 1-based number of items[0] in its file, in the unit of RECORD_UNITS
     items: object
     nbytes: int  # uncompressed bytes of the raw records, for MB/s
     error: tuple[str, str, int] | None = None
@@ -303,7 +306,7 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
     else:
         rows = chunk.items
     for offset, raw in enumerate(rows):
-        where = f"{chunk.path}:{'row ' if chunk.kind == 'parquet' else ''}{chunk.first_line + offset}"
+        where = _record_location(chunk, offset)
         record, reason, detail = _decode_record(raw, chunk.kind, record_filter.keys)
         if record is None:
             if reason:
@@ -323,9 +326,13 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         docs.append(texts)
     if chunk.error:
         reason, detail, count = chunk.error
-        row = "row " if chunk.kind == "parquet" else ""
-        bad.add(reason, f"{chunk.path}:{row}{chunk.first_line + len(rows)}", detail, count)
+        bad.add(reason, _record_location(chunk, len(rows)), detail, count)
     return ParsedChunk(docs, bad, filtered)
+
+
+def _record_location(chunk: Chunk, offset: int) -> str:
+    """``path:N`` of the record ``offset`` places after the chunk's first one."""
+    return f"{chunk.path}:{RECORD_UNITS[chunk.kind]}{chunk.first_record + offset}"
 
 
 def _decode_record(raw, kind: str, keys: Sequence[str]) -> tuple[dict | None, str, str]:

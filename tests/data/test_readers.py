@@ -59,6 +59,14 @@ def test_plain_text_documents_are_lines_or_paragraphs(tmp_path):
     assert docs == ["para one\nstill one", "para two", "para three"]
 
 
+def test_bad_plain_text_is_located_by_paragraph(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"fine\nstill fine\n\ncaf\xe9\n")  # the bad paragraph starts on line 4
+    docs, bad, _ = _parse_all(path)
+    assert docs == ["fine\nstill fine"]
+    assert bad.examples == [f"{path}:paragraph 2: invalid UTF-8 (byte 3)"]
+
+
 def test_score_filters_and_doc_limit(tmp_path):
     _write_all_formats(tmp_path)
     for name in ("a.jsonl", "d.parquet"):
