@@ -129,7 +129,7 @@ def run_single(args: argparse.Namespace) -> int:
 
 def run_mpi(args: argparse.Namespace, comm) -> int:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
-    from megaloop.data.indexed import merge_indexed
+    from megaloop.data.indexed import merge_indexed, validate_indexed
     from megaloop.data.preprocess import check_tokenizer, output_prefix, preprocess, shard_ranges
 
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -149,9 +149,12 @@ def run_mpi(args: argparse.Namespace, comm) -> int:
         for other in all_stats[1:]:
             total.merge(other)
         shards = [f"{args.output_prefix}.shard{r:05d}-of-{world:05d}" for r in range(world)]
+        total.tokens = 0  # the ranks' sum counts documents that --max-docs cuts in the merge
         for key in args.json_keys:
             parts = [output_prefix(s, key) for s in shards]
-            total.docs = merge_indexed(parts, output_prefix(args.output_prefix, key), args.max_docs)
+            merged = output_prefix(args.output_prefix, key)
+            total.docs = merge_indexed(parts, merged, args.max_docs)
+            total.tokens += validate_indexed(merged).num_tokens
             for s in shards:
                 for suffix in (".bin", ".idx"):
                     os.remove(output_prefix(s, key) + suffix)

@@ -97,6 +97,14 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
     assert result.returncode == 0, result.stderr[-2000:]
     assert _read(str(tmp_path / "mpi_text_document")) == _read(tokenized_articles)
     assert sorted(os.listdir(tmp_path)) == ["mpi_text_document.bin", "mpi_text_document.idx", "shards"]
+    # Each rank stops at --max-docs on its own; the merge cuts the total, and so must the report.
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    cut = 40  # more than rank 0's 31 documents: rank 1's first 9 complete the output
+    result = subprocess.run(cmd + ["--max-docs", str(cut)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    tokens = sum(len(IndexedDataset(tokenized_articles)[i]) for i in range(cut))
+    assert f"done: {cut} documents, {tokens:,} tokens" in result.stderr
 
 
 def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run, sp_model):
