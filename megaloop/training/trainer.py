@@ -228,7 +228,8 @@ class Trainer:
                     log.warning("stopped by signal %s after step %d; checkpoint saved",
                                 self._stop_signal, self.step)
                     return {"step": self.step, "stopped_by_signal": self._stop_signal}
-                if interval and self.step % interval == 0:
+                # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
+                if interval and self.step % interval == 0 and not self._consecutive_nonfinite:
                     self.save()
             final = self.evaluate()
             for depth in cfg.eval_depths:
@@ -319,6 +320,23 @@ class Trainer:
             if isinstance(optimizer, DistributedOptimizer) and not optimizer.optimizer.state:
                 optimizer._init_optimizer_states_with_dummy_values()
 
+    def _restore_torch_adam_steps(self, optimizer_state) -> None:
+        """torch Adam (used without apex / Transformer Engine) keeps a per-parameter step count
+        that megatron-core's dp_reshardable parameter state does not store, so the load leaves the
+        loading template's value; the true count is in the saved param groups."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        states = [optimizer_state] if len(inner) == 1 else [optimizer_state[i]
+                                                            for i in range(len(inner))]
+        for optimizer, saved in zip(inner, states):
+            if not isinstance(optimizer, DistributedOptimizer):
+                continue
+            steps = {g["step"] for g in saved["optimizer"]["param_groups"] if "step" in g}
+            for param_state in optimizer.optimizer.state.values():
+                if "step" in param_state and len(steps) == 1:
+                    param_state["step"] = torch.tensor(float(next(iter(steps))))
+
     def _load(self, path: Path) -> None:
         if self.cfg.checkpoint.load_optimizer:
             self._materialise_optimizer_state()
@@ -329,6 +347,7 @@ class Trainer:
             return
         with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
             self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_torch_adam_steps(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         trainer = state["trainer"]
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]

@@ -1,0 +1,117 @@
+"""Training behaviour users rely on: learning, exact resume, faults, and the data/config guards."""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from megaloop.config import ConfigError
+from megaloop.data import DataError
+from megaloop.training import checkpoint as ckpt
+from megaloop.training.trainer import Trainer, TrainingAborted
+from tests.training.conftest import tiny_run, train_losses
+
+
+@pytest.mark.parametrize("arch, iterations, layers", [("dense", 1, 4), ("fullloop", 2, 2),
+                                                      ("asymloop", 3, 4)])
+def test_loss_falls_for_every_architecture(mcore, pattern_data, tmp_path, arch, iterations, layers):
+    cfg = tiny_run(pattern_data, tmp_path, model=dict(arch=arch, iterations=iterations,
+                                                      num_layers=layers),
+                   train=dict(train_steps=30, lr=1e-2))
+    result = Trainer(cfg).train()
+    losses = train_losses(tmp_path)
+    first, last = (sum(losses[s] for s in steps) / 5 for steps in (range(1, 6), range(26, 31)))
+    assert last < 0.75 * first
+    assert result["val_loss"] < losses[1]
+    assert (tmp_path / "checkpoints" / "iter_0000030").is_dir()
+
+
+def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(mcore, pattern_data, tmp_path):
+    straight = tmp_path / "straight"
+    Trainer(tiny_run(pattern_data, straight, checkpoint=dict(save_interval=4))).train()
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "iter_0000004",
+                    resumed / "checkpoints" / "iter_0000004")
+    (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
+    trainer = Trainer(tiny_run(pattern_data, resumed))
+    assert trainer.step == 4 and trainer.consumed_samples == 16
+    trainer.train()
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == [5, 6, 7, 8]
+    assert [a[s] for s in b] == [b[s] for s in b]
+
+
+def test_nonfinite_losses_are_skipped_then_abort_keeps_last_good_checkpoint(mcore, pattern_data,
+                                                                          tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path, train=dict(train_steps=12, max_nonfinite_steps=3),
+                   checkpoint=dict(save_interval=2))
+    trainer = Trainer(cfg)
+    forward = trainer._forward_step
+    poisoned = {3, 6, 7, 8}  # one isolated NaN step, then three in a row
+
+    def maybe_nan(data_iterator, model, num_iterations=None):
+        output, loss_func = forward(data_iterator, model, num_iterations)
+        return (output * float("nan") if trainer.step in poisoned else output), loss_func
+
+    trainer._forward_step = maybe_nan
+    weights_before_3 = {}
+
+    def snapshot_at(step):
+        if trainer.step == step:
+            weights_before_3.update({n: p.detach().clone() for n, p in
+                                     trainer.model.named_parameters()})
+
+    original_step = trainer.train_step
+
+    def train_step(data):
+        snapshot_at(3)
+        result = original_step(data)
+        if trainer.step == 3:
+            for n, p in trainer.model.named_parameters():
+                assert torch.equal(p, weights_before_3[n]), f"{n} changed on a skipped step"
+        return result
+
+    trainer.train_step = train_step
+    with pytest.raises(TrainingAborted, match=r"3 consecutive steps \(last at step 8\).*"
+                                              r"iter_0000004"):
+        trainer.train()
+    assert trainer.skipped_steps == 4
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000004"
+    losses = train_losses(tmp_path)
+    assert losses[3] is None and losses[4] is not None and math.isfinite(losses[4])
+
+
+def test_resume_with_a_different_architecture_is_a_clear_error(mcore, pattern_data, tmp_path):
+    Trainer(tiny_run(pattern_data, tmp_path, train=dict(train_steps=2))).train()
+    with pytest.raises(ckpt.CheckpointError, match=r"different architecture: model.hidden_size=32 "
+                                                   r"in the checkpoint, 64 now"):
+        Trainer(tiny_run(pattern_data, tmp_path, model=dict(hidden_size=64)))
+    # Test-time depth is not architecture: a different K resumes.
+    Trainer(tiny_run(pattern_data, tmp_path, model=dict(iterations=4)))
+
+
+def test_missing_or_corrupt_data_fails_before_the_model_is_built(mcore, pattern_data, tmp_path,
+                                                                  monkeypatch):
+    import megaloop.models.model as model_module
+
+    def no_model(*a, **k):
+        raise AssertionError("the model must not be built")
+
+    monkeypatch.setattr(model_module, "LoopedLM", no_model)
+    with pytest.raises(DataError, match=r"missing\.(bin|idx): not found"):
+        Trainer(tiny_run(str(tmp_path / "missing"), tmp_path / "run"))
+    broken = tmp_path / "broken"
+    shutil.copy(pattern_data + ".bin", f"{broken}.bin")
+    shutil.copy(pattern_data + ".idx", f"{broken}.idx")
+    with open(f"{broken}.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DataError, match=r"broken\.bin"):
+        Trainer(tiny_run(str(broken), tmp_path / "run"))
+
+
+def test_batch_sizes_must_divide(mcore, pattern_data, tmp_path):
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=5: must be a multiple of "
+                                          r"micro_batch_size=2"):
+        Trainer(tiny_run(pattern_data, tmp_path, train=dict(global_batch_size=5)))
