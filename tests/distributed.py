@@ -57,8 +57,10 @@ class _Pool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [
+            # Not daemonic: dist_checkpointing's writer starts a multiprocessing Manager, and
+            # daemonic processes may not have children. close() (at exit too) ends them.
             ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
-                        daemon=True)
+                        daemon=False)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -67,6 +67,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,  # dtype of the activations pipeline stages exchange
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,

@@ -84,13 +84,27 @@ def step_of(path: Path) -> int:
     return int(match.group(1))
 
 
-def check_compatible(path: Path, cfg: RunConfig) -> None:
-    """Refuses, in one line, to resume a checkpoint of a different architecture."""
+def saved_config(path: Path) -> dict:
+    """The run config stored with a checkpoint, as a plain dict."""
     config_file = path / "config.yaml"
     try:
-        saved = yaml.safe_load(config_file.read_text())["model"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        saved = yaml.safe_load(config_file.read_text())
+        if not isinstance(saved.get("model"), dict) or not isinstance(saved.get("parallel"), dict):
+            raise KeyError("model/parallel sections")
+        return saved
+    except (OSError, yaml.YAMLError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{config_file}: unreadable checkpoint config ({e})") from None
+
+
+def same_parallel_layout(path: Path, cfg: RunConfig) -> bool:
+    saved = saved_config(path)["parallel"]
+    return (saved.get("tensor"), saved.get("pipeline")) == (cfg.parallel.tensor,
+                                                           cfg.parallel.pipeline)
+
+
+def check_compatible(path: Path, cfg: RunConfig) -> None:
+    """Refuses, in one line, to resume a checkpoint of a different architecture."""
+    saved = saved_config(path)["model"]
     current = dict(vars(cfg.model.resolve()))
     differences = [f"model.{k}={saved.get(k)!r} in the checkpoint, {current[k]!r} now"
                    for k in ARCHITECTURE_FIELDS if saved.get(k) != current[k]]

@@ -98,7 +98,6 @@ class Trainer:
         if torch.cuda.is_available():
             model.cuda()
         config = model.config
-        config.pipeline_dtype = dtype
         wrapped = Float16Module(config, model) if dtype == torch.bfloat16 else model
         self.ddp = DistributedDataParallel(
             config,
@@ -279,41 +278,51 @@ class Trainer:
         return bool(flag.item())
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state(self, is_loading: bool) -> dict:
+    def _sharded_state(self, is_loading: bool = False, weights_only: bool = False,
+                       with_rng: bool = True) -> dict:
+        """What a checkpoint holds: the model, then (unless ``weights_only``) the optimizer,
+        scheduler, progress, LR multipliers and ALRS state, then the RNG states, which are
+        per (pipeline, tensor) rank and so only reload into the same layout."""
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         model_state = self.model.sharded_state_dict()
-        rng = ShardedObject(
-            "rng_state", ckpt.rng_state(),
-            (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-            replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
-        )
-        state = {
-            "model": model_state,
-            "trainer": {"step": self.step, "consumed_samples": self.consumed_samples,
-                        "skipped_steps": self.skipped_steps},
-            "lr_multipliers": self.lr_multipliers.state_dict(),
-            "alrs": self.alrs.state_dict() if self.alrs is not None else {},
-            "rng_state": rng,
-        }
-        if not is_loading or self.cfg.checkpoint.load_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(
+        state = {"model": model_state}
+        if weights_only:
+            return state
+        state.update(
+            optimizer=self.optimizer.sharded_state_dict(
                 model_state, is_loading=is_loading,
-                metadata={"distrib_optim_sharding_type": self.cfg.checkpoint.optimizer_format})
-            state["scheduler"] = self.scheduler.state_dict()
+                metadata={"distrib_optim_sharding_type": self.cfg.checkpoint.optimizer_format}),
+            scheduler=self.scheduler.state_dict(),
+            trainer={"step": self.step, "consumed_samples": self.consumed_samples,
+                     "skipped_steps": self.skipped_steps},
+            lr_multipliers=self.lr_multipliers.state_dict(),
+            alrs=self.alrs.state_dict() if self.alrs is not None else {},
+        )
+        if with_rng:
+            state["rng_state"] = ShardedObject(
+                "rng_state", ckpt.rng_state(),
+                (ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_tensor_model_parallel_world_size()),
+                (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+            )
         return state
 
     def save(self) -> Path:
+        """Saves a checkpoint of the current step (collective). At step 0 it is a seed checkpoint:
+        the initial weights, from which runs with other parallel layouts can start identically."""
+        self._materialise_optimizer_state()
         return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
                                     self.cfg, self.cfg.checkpoint.keep_last)
 
     def _materialise_optimizer_state(self) -> None:
         """Without apex / Transformer Engine, megatron-core's DistributedOptimizer.state_dict()
         reads the step counter from torch Adam's per-parameter state, which exists only after a
-        first step; a fresh optimizer about to be loaded into gets megatron-core's own zero-gradient
-        dummy step (at LR 0 before the scheduler has advanced, so nothing moves)."""
+        first step; a fresh optimizer (about to be loaded into, or saved at step 0) gets
+        megatron-core's own zero-gradient dummy step, at the scheduler's initial LR of 0 so that no
+        weight moves."""
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -338,11 +347,14 @@ class Trainer:
                     param_state["step"] = torch.tensor(float(next(iter(steps))))
 
     def _load(self, path: Path) -> None:
-        if self.cfg.checkpoint.load_optimizer:
+        weights_only = not self.cfg.checkpoint.load_optimizer
+        same_layout = ckpt.same_parallel_layout(path, self.cfg)
+        if not weights_only:
             self._materialise_optimizer_state()
-        state = ckpt.load_checkpoint(path, self._sharded_state(is_loading=True))
+        state = ckpt.load_checkpoint(path, self._sharded_state(
+            is_loading=True, weights_only=weights_only, with_rng=same_layout))
         self.model.load_state_dict(state["model"])
-        if not self.cfg.checkpoint.load_optimizer:  # weights only: a fresh run from them
+        if weights_only:  # a fresh run from these weights
             log.info("loaded weights from %s (optimizer and progress not restored)", path)
             return
         with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
@@ -355,7 +367,11 @@ class Trainer:
         self.lr_multipliers.load_state_dict(state["lr_multipliers"])
         if self.alrs is not None and state["alrs"]:
             self.alrs.load_state_dict(state["alrs"])
-        ckpt.set_rng_state(state["rng_state"])
+        if same_layout:
+            ckpt.set_rng_state(state["rng_state"])
+        else:
+            log.warning("%s was saved with another tensor/pipeline layout: RNG states not restored",
+                        path)
         log.info("resumed from %s at step %d", path, self.step)
 
 
