@@ -6,6 +6,8 @@ Input: the WikiText articles JSONL repeated ``--copies`` times (40 copies = 52 M
 Megatron-LM anchor in DESIGN.md section 2: 2.9 MB/s with 1 worker, 2.8 MB/s with 2, LLaMA-2
 SentencePiece). Rates exclude start-up, as Megatron-LM's own log lines do; wall time includes it.
 Peak RSS is the largest sum over the tool's process tree (main process plus workers), sampled.
+Encoder CPU seconds (sampled every 50 ms, so the last instants of each worker are missed) separate
+the tokenizer's own speed from time lost to other load on these shared 2-core machines.
 Prints one JSON object.
 """
 
@@ -37,10 +39,14 @@ def run_tool(input_path: str, tokenizer_model: str, workers: int, out_dir: str) 
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tree, peak = psutil.Process(proc.pid), 0
+    child_cpu: dict[int, float] = {}  # last CPU seconds seen per child (workers, resource tracker)
     while proc.poll() is None:
         try:
-            rss = sum(p.memory_info().rss for p in [tree, *tree.children(recursive=True)])
-            peak = max(peak, rss)
+            children = tree.children(recursive=True)
+            peak = max(peak, sum(p.memory_info().rss for p in [tree, *children]))
+            for child in children:
+                times = child.cpu_times()
+                child_cpu[child.pid] = times.user + times.system
         except psutil.Error:  # a process exited between listing and reading
             pass
         time.sleep(0.05)
@@ -56,6 +62,10 @@ def run_tool(input_path: str, tokenizer_model: str, workers: int, out_dir: str) 
         "docs_per_s": round(docs / seconds, 1), "tokens_per_s": round(tokens / seconds),
         "MB_per_s": round(size / seconds / 1e6, 2), "seconds": round(seconds, 2), "wall_s": round(wall, 2),
         "peak_rss_MB": round(peak / 2**20),
+        # CPU time is what the encoders got, whatever else ran on the shared cores: MB per encoder
+        # CPU-second far above MB_per_s / workers means the workers were waiting or descheduled.
+        "encoder_cpu_s": round(sum(child_cpu.values()), 2),
+        "MB_per_encoder_cpu_s": round(size / max(sum(child_cpu.values()), 1e-9) / 1e6, 2),
     }
 
 
