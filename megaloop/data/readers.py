@@ -79,9 +79,6 @@ class Chunk:
     nbytes: int  # uncompressed bytes of the raw records, for MB/s
     error: tuple[str, str, int] | None = None
 
-    def __len__(self) -> int:
-        return self.items.num_rows if self.kind == "parquet" else len(self.items)
-
 
 @dataclass
 class ParsedChunk:
