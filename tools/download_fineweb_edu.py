@@ -71,9 +71,13 @@ class LocalSource:
         dest = os.path.join(output, path)
         partial = dest + ".incomplete"
         os.makedirs(os.path.dirname(dest), exist_ok=True)
+        source = os.path.join(self.root, path)
         done = os.path.getsize(partial) if os.path.exists(partial) else 0
-        with open(os.path.join(self.root, path), "rb") as src, open(partial, "ab") as dst:
-            src.seek(done)
+        # A partial file longer than the source belongs to another version of it: appending to it
+        # would fail the size check on every rerun, so start that one again.
+        resume = done <= os.path.getsize(source)
+        with open(source, "rb") as src, open(partial, "ab" if resume else "wb") as dst:
+            src.seek(done if resume else 0)
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(partial, dest)
 

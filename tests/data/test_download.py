@@ -68,3 +68,14 @@ def test_unknown_subset_and_missing_source_are_clear_errors(tmp_path, capsys, to
     assert code == 2 and "no parquet files match nothing/*" in err
     code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", tmp_path / "o", "--source", tmp_path / "absent")
     assert code == 2 and "source directory not found" in err
+
+
+def test_partial_file_longer_than_the_source_is_fetched_again(tmp_path, capsys, tool, mirror):
+    root, files = mirror
+    path = "sample/10BT/000_00000.parquet"
+    partial = tmp_path / "out" / (path + ".incomplete")
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(os.urandom(len(files[path]) + 10))  # left by an older, larger version
+    code, err = _run(tool, capsys, "--shards", path, "--output", tmp_path / "out", "--source", root)
+    assert code == 0, err
+    assert (tmp_path / "out" / path).read_bytes() == files[path] and not partial.exists()
