@@ -6,7 +6,8 @@ Takes Megatron-LM's tools/preprocess_data.py flags and writes the same files,
     python tools/preprocess_data.py --input data/fineweb-edu/ --output-prefix data/fwe \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 8
 
-Differences from Megatron-LM: memory stays flat (streaming), any number of input files works with
+Differences from Megatron-LM: text is streamed, so memory grows only by the ~80 bytes per document
+megatron-core's builder keeps for the index, any number of input files works with
 any number of workers, the output bytes do not depend on ``--workers``, bad records are counted and
 skipped (``--strict`` aborts), and ``mpiexec -n N`` splits the work across ranks and merges one
 output identical to a single-process run. ``--partitions`` is accepted but not needed.
