@@ -1,0 +1,105 @@
+"""Preemption and crashes, in real processes: SIGTERM saves and exits cleanly; a kill -9 in the
+middle of a save leaves the previous checkpoint as the one resumed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from megaloop.config import save_yaml
+from megaloop.training import checkpoint as ckpt
+from tests.training.conftest import tiny_run
+
+REPO = Path(__file__).parents[2]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _train_lines(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+    return [x for x in lines if x["kind"] == "train"]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(mcore, pattern_data, tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "megaloop.train", "--config",
+                             str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while len(_train_lines(tmp_path)) < 3:
+        assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
+        assert time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    log.close()
+    latest = ckpt.latest_checkpoint(tmp_path / "checkpoints")
+    last_logged = _train_lines(tmp_path)[-1]["step"]
+    assert latest is not None and ckpt.step_of(latest) == last_logged >= 3
+    assert last_logged < 10_000
+
+
+KILL_DURING_SECOND_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    from megatron.core import dist_checkpointing
+    from megaloop.config import load_yaml
+    from megaloop.training.trainer import Trainer
+
+    original, calls = dist_checkpointing.save, []
+
+    def save_then_die(state, directory, *args, **kwargs):
+        calls.append(directory)
+        original(state, directory, *args, **kwargs)  # every file of the checkpoint is written...
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # ...but the rename never happens
+
+    dist_checkpointing.save = save_then_die
+    if __name__ == "__main__":
+        Trainer(load_yaml(sys.argv[1])).train()
+""")
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pattern_data,
+                                                                      tmp_path):
+    from megaloop.training.trainer import Trainer
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 6},
+                   checkpoint={"save_interval": 2})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    (tmp_path / "crash.py").write_text(KILL_DURING_SECOND_SAVE)
+    log = tmp_path / "crash.log"
+    with open(log, "w") as out:
+        # Own session: the killed trainer's helper processes (dist_checkpointing's writer
+        # manager) are orphaned, and killing the group cleans them up.
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "crash.py"),
+                                 str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert returncode == -signal.SIGKILL, log.read_text()[-2000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "iter_0000004.tmp").is_dir()
+    assert not (checkpoints / "iter_0000004").exists()
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000002"
+
+    trainer = Trainer(cfg)
+    assert trainer.step == 2
+    trainer.train()
+    assert not list(checkpoints.glob("*.tmp")), "the next save clears a killed save's leftovers"
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000006"
