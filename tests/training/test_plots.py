@@ -3,6 +3,7 @@ import json
 import pytest
 
 from megaloop.training.monitor import Monitor
+from megaloop.training import plots
 from tools import plot_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -35,11 +36,11 @@ def test_two_runs_give_one_png(tmp_path):
 
 
 def test_loaded_series_follow_the_log(tmp_path):
-    train, evals = plot_metrics.load_run(_run(tmp_path / "dense", 6.0))
+    train, evals = plots.load_run(_run(tmp_path / "dense", 6.0))
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in evals] == [3, 6]
-    steps, losses = plot_metrics._series(train, "loss")
+    steps, losses = plots._series(train, "loss")
     assert steps == [1, 2, 3, 4, 5, 6] and losses == [6.0, 3.0, 2.0, 1.5, 1.2, 1.0]
-    assert plot_metrics._series(train, "tokens_per_s")[1][0] == pytest.approx(10240.0)
+    assert plots._series(train, "tokens_per_s")[1][0] == pytest.approx(10240.0)
 
 
 def test_missing_file_is_a_one_line_error(tmp_path):
@@ -73,10 +74,10 @@ def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
     plot_metrics.main([str(run), "--out", str(out)])
     _assert_png(out)
     assert "crashed/metrics.jsonl: skipped 1 malformed line(s)" in capsys.readouterr().err
-    steps, losses = plot_metrics._series(plot_metrics.load_run(run)[0], "loss")
+    steps, losses = plots._series(plots.load_run(run)[0], "loss")
     assert steps[-1] == 7 and losses[-1] != losses[-1]  # null -> NaN, a gap in the curve
 
 
 def test_labels_are_dir_names_unless_they_clash(tmp_path):
-    assert plot_metrics.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
-    assert plot_metrics.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
+    assert plots.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
+    assert plots.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
