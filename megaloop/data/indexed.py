@@ -50,12 +50,8 @@ def mcore_indexed():
 
 
 def token_dtype(vocab_size: int) -> type[numpy.number]:
-    """The token dtype megatron-core picks for a vocab (its ``DType.optimal_dtype``).
-
-    Repeated here, with a test against megatron-core's, because preprocessing workers narrow their
-    results to it (half the bytes through the result pipe) and must not import megatron-core.
-    """
-    return numpy.uint16 if vocab_size < 65500 else numpy.int32
+    """The smallest dtype megatron-core uses for a vocab (its ``DType.optimal_dtype``)."""
+    return mcore_indexed().DType.optimal_dtype(vocab_size)
 
 
 class AtomicIndexedWriter:

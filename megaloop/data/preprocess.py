@@ -24,7 +24,6 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy
 
-from megaloop.data.indexed import AtomicIndexedWriter, token_dtype
 from megaloop.data.readers import BadRecords, Chunk, DataError, RecordFilter, expand_inputs, iter_chunks, parse_chunk
 from megaloop.data.tokenizer import TextTokenizer, load_tokenizer
 
@@ -82,14 +81,12 @@ def output_prefix(prefix: str, key: str) -> str:
 # Per-process state, set once by _init_worker so each task only ships a chunk.
 _tokenizer: TextTokenizer | None = None
 _options: PreprocessOptions | None = None
-_dtype: type[numpy.number] | None = None
 
 
 def _init_worker(options: PreprocessOptions) -> None:
-    global _tokenizer, _options, _dtype
+    global _tokenizer, _options
     _tokenizer = load_tokenizer(options.tokenizer_type, options.tokenizer_model)
     _options = options
-    _dtype = token_dtype(_tokenizer.vocab_size)
 
 
 def encode_chunk(chunk: Chunk) -> EncodedChunk:
@@ -102,9 +99,8 @@ def encode_chunk(chunk: Chunk) -> EncodedChunk:
             for doc_ids in ids:
                 doc_ids.append(_tokenizer.eod)
         lengths[key] = numpy.fromiter(map(len, ids), dtype=numpy.int64, count=len(ids))
-        # Already the file's dtype (uint16 for most vocabs): the result pickles and crosses the
-        # pipe at half the size of int32, and the builder's cast on write is a plain copy.
-        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(ids), dtype=_dtype, count=int(lengths[key].sum()))
+        # int32 here; the builder narrows to the file's dtype (uint16 for most vocabs) on write.
+        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(ids), dtype=numpy.int32, count=int(lengths[key].sum()))
     return EncodedChunk(tokens, lengths, len(parsed.docs), chunk.nbytes, parsed.filtered, parsed.bad)
 
 
@@ -138,6 +134,8 @@ def preprocess(
     ``ranges`` is ``[(path, start, stop)]`` as ``readers.iter_chunks`` takes; use
     ``whole_files(inputs)`` for everything. Raises DataError on the first bad record if strict.
     """
+    from megaloop.data.indexed import AtomicIndexedWriter, token_dtype
+
     tokenizer = check_tokenizer(options)
     keys = options.record_filter.keys
     chunks = iter_chunks(ranges, options.record_filter.columns(), options.chunk_records, options.chunk_bytes)
