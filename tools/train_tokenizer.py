@@ -11,13 +11,13 @@ parallelism (32000 -> 32128 with --pad-multiple 128); HF tokenizer.json files ar
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 from typing import Iterator
 
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
 from megaloop.data.tokenizer import padded_vocab_size
+from megaloop.data.tokenizer_training import train_sentencepiece
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,43 +49,14 @@ def training_lines(args: argparse.Namespace, bad: BadRecords) -> Iterator[str]:
 
 
 def train(args: argparse.Namespace) -> dict:
-    import sentencepiece as spm
-
     bad = BadRecords()
-    model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=training_lines(args, bad),
-            model_writer=model,
-            model_type=args.model_type,
-            vocab_size=args.vocab_size,
-            byte_fallback=args.byte_fallback,
-            user_defined_symbols=args.special_tokens,
-            character_coverage=args.character_coverage,
-            input_sentence_size=args.max_sentences,
-            shuffle_input_sentence=True,
-            num_threads=args.threads,
-            # LLaMA's settings, so decode(encode(text)) == text: no Unicode normalization, spaces
-            # kept as written, digits split; unk=0, bos=1, eos=2 (the EOD preprocess appends).
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-            minloglevel=2,
-        )
-    except RuntimeError as err:  # e.g. a vocab larger than the corpus allows
-        raise DataError(f"sentencepiece training failed: {str(err).strip().splitlines()[-1]}")
-    tmp = f"{args.output}.partial-{os.getpid()}"
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(model.getvalue())
-        os.replace(tmp, args.output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return {"vocab_size": args.vocab_size, "padded_vocab_size": padded_vocab_size(args.vocab_size, args.pad_multiple), "bad": bad}
+    train_sentencepiece(training_lines(args, bad), args.output, vocab_size=args.vocab_size,
+                        model_type=args.model_type, byte_fallback=args.byte_fallback,
+                        special_tokens=args.special_tokens,
+                        character_coverage=args.character_coverage,
+                        max_sentences=args.max_sentences, threads=args.threads)
+    return {"vocab_size": args.vocab_size,
+            "padded_vocab_size": padded_vocab_size(args.vocab_size, args.pad_multiple), "bad": bad}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,60 @@
+"""Training a SentencePiece tokenizer from a stream of text lines (used by tools/train_tokenizer.py
+and the quickstart).
+
+The settings keep text round-trippable (decode(encode(text)) == text): no normalisation, spaces kept
+as they are, digits split, byte fallback for unseen characters. The model file is written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Iterable, Sequence
+
+from megaloop.data.readers import DataError
+
+
+def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, vocab_size: int,
+                        model_type: str = "bpe", byte_fallback: bool = True,
+                        special_tokens: Sequence[str] = (), character_coverage: float = 0.9995,
+                        max_sentences: int = 10_000_000, threads: int | None = None,
+                        hard_vocab_limit: bool = True) -> None:
+    """Trains on ``lines`` and writes the model to ``output``; raises DataError on failure.
+
+    ``hard_vocab_limit=False`` makes ``vocab_size`` a ceiling: a small corpus then gets the pieces it
+    supports instead of an error."""
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            model_type=model_type,
+            vocab_size=vocab_size,
+            byte_fallback=byte_fallback,
+            user_defined_symbols=list(special_tokens),
+            character_coverage=character_coverage,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            num_threads=threads or os.cpu_count() or 1,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            hard_vocab_limit=hard_vocab_limit,
+            minloglevel=2,
+        )
+    except RuntimeError as err:  # e.g. a vocab larger than the corpus allows
+        raise DataError(f"sentencepiece training failed: {str(err).strip().splitlines()[-1]}")
+    output = os.fspath(output)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp = f"{output}.partial-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(model.getvalue())
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
