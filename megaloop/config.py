@@ -256,6 +256,9 @@ class RunConfig:
         self.train.validate()
         self.data.validate(self.model)
         self.checkpoint.validate()
+        # ALRS analyses every matrix on every rank's group; pipeline stages hold different ones.
+        _require(not (self.train.use_alrs and self.parallel.pipeline > 1), "train", "use_alrs",
+                 self.train.use_alrs, "false when parallel.pipeline > 1 (not supported yet)")
         return self
 
 

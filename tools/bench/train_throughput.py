@@ -1,0 +1,162 @@
+"""Training throughput of megaloop's Dense Trainer against a plain megatron-core GPTModel loop on the
+same config, data, optimizer and schedule, in one process. Prints JSON.
+
+    python tools/bench/train_throughput.py [--hidden 256 --layers 4 --seq 256 --steps 6 --rounds 3]
+
+Both loops use DDP, the distributed optimizer and get_forward_backward_func over the same
+megatron-core GPTDataset. They run in alternating blocks of ``--steps`` steps so that machine noise
+hits both; the figure is the median step time. The megaloop side includes its per-step monitoring.
+The plain GPTModel is measured twice: with megatron-core's own local spec (DotProductAttention,
+which builds the full score matrix) and with the same SDPA core attention megaloop's local spec
+uses, so that the second ratio isolates framework overhead. Goal: ratio >= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def write_dataset(prefix: Path, vocab: int, documents: int = 2000) -> str:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(documents):
+        doc = rng.integers(1, vocab, size=int(rng.integers(100, 600)))
+        builder.add_item(torch.from_numpy(np.append(doc, 0).astype(np.int64)))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+class PlainGPTLoop:
+    """The reference: megatron-core's GPTModel trained the way its own examples do."""
+
+    def __init__(self, trainer, sdpa_attention: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from megaloop.models.layers import CausalCoreAttention
+        from megaloop.training.optimizer import build_optimizer
+
+        cfg = trainer.cfg
+        config = trainer.model.config  # same TransformerConfig fields as megaloop's Dense
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        if sdpa_attention:
+            spec.submodules.self_attention.submodules.core_attention = CausalCoreAttention
+        model = GPTModel(config, spec, vocab_size=cfg.model.vocab_size,
+                         max_sequence_length=cfg.model.seq_length, position_embedding_type="rope")
+        self.ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                  grad_reduce_in_fp32=True), model)
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer, self.scheduler, _ = build_optimizer([self.ddp], model, cfg)
+        n = cfg.model.seq_length
+        self.mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
+        self.cfg, self.num_microbatches = cfg, trainer.num_microbatches
+
+    def forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], self.mask, labels=batch["labels"])
+
+        def loss_func(per_token):
+            total = per_token.float().sum()
+            return total, torch.tensor(per_token.numel()), {"lm loss": total.detach()}
+
+        return output, loss_func
+
+    def step(self, data) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=self.forward_step, data_iterator=data, model=[self.ddp],
+            num_microbatches=self.num_microbatches, seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=False)
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per loop")
+    args = parser.parse_args(argv)
+
+    from megaloop.config import (CheckpointConfig, DataConfig, ModelConfig, RunConfig,
+                                 TrainConfig)
+    from megaloop.train import _quiet_third_party_warnings
+    from megaloop.training.data import MicroBatches
+    from megaloop.training.trainer import Trainer
+
+    _quiet_third_party_warnings()
+    total_steps = 2 * args.steps * args.rounds + 10
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = write_dataset(Path(tmp) / "bench", args.vocab)
+        cfg = RunConfig(
+            model=ModelConfig(arch="dense", iterations=1, num_layers=args.layers,
+                              hidden_size=args.hidden, ffn_hidden_size=int(2.6875 * args.hidden),
+                              num_attention_heads=args.heads, vocab_size=args.vocab,
+                              seq_length=args.seq),
+            train=TrainConfig(micro_batch_size=4, global_batch_size=8, train_steps=total_steps,
+                              out_dir=str(Path(tmp) / "run"), tensorboard=False,
+                              log_interval=10**6),
+            data=DataConfig(path=[prefix], split="100,0,0", eod_id=0),
+            checkpoint=CheckpointConfig(resume=False),
+        )
+        trainer = Trainer(cfg)
+        loops = {"plain_mcore_local_spec": PlainGPTLoop(trainer, sdpa_attention=False),
+                 "plain_mcore_sdpa": PlainGPTLoop(trainer, sdpa_attention=True)}
+
+        def megaloop_step(data):
+            trainer.step += 1
+            start = time.perf_counter()
+            loss, lr, grad_norm, skipped = trainer.train_step(data)
+            trainer.monitor.log_step(trainer.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                                     step_time_s=time.perf_counter() - start, skipped=skipped)
+
+        steppers = {"megaloop": megaloop_step, **{k: v.step for k, v in loops.items()}}
+        trainer._consecutive_nonfinite = 0
+        data = {name: MicroBatches(trainer.train_data, 4, 0, 1, 0, 8) for name in steppers}
+        times = {name: [] for name in steppers}
+        for name, step in steppers.items():  # warm-up
+            step(data[name])
+        for _ in range(args.rounds):
+            for name, step in steppers.items():
+                for _ in range(args.steps):
+                    start = time.perf_counter()
+                    step(data[name])
+                    times[name].append(time.perf_counter() - start)
+        trainer.monitor.close()
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    median = {name: statistics.median(t) for name, t in times.items()}
+    result = {
+        "config": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq,
+                   "vocab": args.vocab, "global_batch": cfg.train.global_batch_size},
+        "tokens_per_s": {name: tokens / t for name, t in median.items()},
+        "ratio_vs_plain_mcore_sdpa": median["plain_mcore_sdpa"] / median["megaloop"],
+        "ratio_vs_plain_mcore_local_spec": median["plain_mcore_local_spec"] / median["megaloop"],
+    }
+    result["goal_met"] = result["ratio_vs_plain_mcore_sdpa"] >= 0.95
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
