@@ -8,7 +8,7 @@ The embedded corpus is generated: short programs of interleaved variable-binding
 e.g. ``k = 4 ; p = 9 ; q = k ; b = q ; r = p ; ? b = 4``. Answering takes as many lookups as the
 chain has hops (pointer chasing past distractor chains), the kind of depth looped models are built
 for. Names and chain-head values are random, so the cross-entropy has a floor well above zero (about
-1.2 nats/token); a few hundred CPU steps learn the program syntax and the references, not yet
+1.5 nats/token here); a few hundred CPU steps learn the program syntax and the references, not yet
 reliable pointer chasing, so the three models land close together. Everything runs in one
 process with megatron-core on gloo; nothing is downloaded and nothing outside the output directory
 is read.
