@@ -27,4 +27,9 @@ def build(preset_name: str = "tiny", *, seed: int = 1234, **overrides):
     cfg = preset(preset_name, **overrides)
     if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
         init_distributed(seed=seed)
+    # Reseeded on every call: the same seed gives the same weights however often build() is called.
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return build_model(cfg)

@@ -1,8 +1,9 @@
 """Typed run configuration: dataclasses that round-trip through YAML and take dotted overrides.
 
-A run is ``RunConfig(model=ModelConfig, parallel=ParallelConfig, train=TrainConfig)``. Every field has
-a default or is derived in ``resolve()``; ``validate()`` runs before any heavy work and turns a user's
-mistake into one ``ConfigError`` line that names the field, the value and what is allowed.
+A run is a ``RunConfig`` of six sections: model, parallel, train, data, checkpoint and alrs. Every
+field has a default or is derived in ``resolve()``; ``validate()`` runs before any heavy work and
+turns a user's mistake into one ``ConfigError`` line that names the field, the value and what is
+allowed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ Arch = Literal["dense", "fullloop", "asymloop"]
 Block = Literal["llama", "olmo"]
 Injection = Literal["global_kv", "none", "additive"]
 JointImpl = Literal["fused", "masked"]
+
+
+# The paper's headline comparison at matched effective depth J = 2L: AsymLoop K = 3, Full Loop R = 2.
+DEFAULT_ITERATIONS = {"dense": 1, "fullloop": 2, "asymloop": 3}
 
 
 class ConfigError(ValueError):
@@ -49,7 +54,7 @@ class ModelConfig:
     vocab_size: int = 32128
     seq_length: int = 128
     encoder_layers: int | None = None  # asymloop E; None: L // 2
-    iterations: int = 3  # K (asymloop) or R (fullloop); 1 for dense
+    iterations: int | None = None  # K (asymloop) or R (fullloop); None: DEFAULT_ITERATIONS[arch]
     block: Block = "llama"  # "olmo": RMSNorm on sublayer outputs inside the residual, QK-norm
     qk_norm: bool | None = None  # None: on for asymloop and the olmo block
     injection: Injection = "global_kv"  # asymloop: how the decoder sees the encoder output
@@ -74,7 +79,11 @@ class ModelConfig:
     @property
     def effective_depth(self) -> int:
         """J = E + K * D (dense: L; fullloop: R * L)."""
-        return self.num_encoder_layers + self.iterations * self.num_decoder_layers
+        return self.num_encoder_layers + self.num_iterations * self.num_decoder_layers
+
+    @property
+    def num_iterations(self) -> int:
+        return DEFAULT_ITERATIONS[self.arch] if self.iterations is None else self.iterations
 
     @property
     def kv_channels(self) -> int:
@@ -95,6 +104,8 @@ class ModelConfig:
         """Fills derived defaults; idempotent."""
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.iterations is None:
+            self.iterations = DEFAULT_ITERATIONS[self.arch]
         if self.arch == "asymloop" and self.encoder_layers is None:
             self.encoder_layers = self.num_layers // 2
         if self.qk_norm is None:
@@ -154,6 +165,10 @@ class ParallelConfig:
                  prefix, "tensor", tp, "a divisor of the FFN hidden sizes")
         _require(model.vocab_size % tp == 0, prefix, "tensor", tp,
                  f"a divisor of model.vocab_size={model.vocab_size} (pad the vocabulary)")
+        _require(not self.sequence_parallel or tp > 1, prefix, "sequence_parallel",
+                 self.sequence_parallel, "false unless tensor > 1 (it splits the sequence over TP)")
+        _require(self.expert == 1, prefix, "expert", self.expert,
+                 "1 (no mixture-of-experts model exists yet)")
         if self.pipeline > 1:
             _require(model.arch == "dense", prefix, "pipeline", self.pipeline,
                      "1 unless model.arch=dense (a loop cannot return to an earlier pipeline "
@@ -216,7 +231,7 @@ class DataConfig:
     cache_dir: str | None = None  # shuffle-index cache; None: beside the first prefix
     eod_mask_loss: bool = False
 
-    def validate(self, model: ModelConfig, prefix: str = "data") -> None:
+    def validate(self, prefix: str = "data") -> None:
         _require(bool(self.path), prefix, "path", self.path,
                  "a non-empty list of dataset prefixes (optionally weighted)")
         _require((self.tokenizer_model is None) != (self.eod_id is None), prefix,
@@ -254,7 +269,7 @@ class RunConfig:
         self.model.validate()
         self.parallel.validate(self.model)
         self.train.validate()
-        self.data.validate(self.model)
+        self.data.validate()
         self.checkpoint.validate()
         # ALRS analyses every matrix on every rank's group; pipeline stages hold different ones.
         _require(not (self.train.use_alrs and self.parallel.pipeline > 1), "train", "use_alrs",
@@ -290,6 +305,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if value is None and len(args) < len(get_args(hint)):
             return None
         return _coerce(value, args[0], where)
+    if origin is list:
+        item = get_args(hint)[0]
+        if not isinstance(value, list):  # a single value where a list is expected
+            value = [value]
+        if item is str:  # blend weights in a data path arrive as YAML numbers
+            value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                     for v in value]
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: must be a mapping of {hint.__name__} fields")
@@ -338,7 +361,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             if not isinstance(node.get(part), dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
             node = node[part]
-        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML (quote it, or "
+                              "write lists as [a, b])") from None
     return from_dict(RunConfig, data)
 
 

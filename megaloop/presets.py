@@ -34,17 +34,11 @@ for _name in ("60M", "135M", "350M", "1B"):
     PRESETS[_name] = dataclasses.replace(PRESETS[_name], vocab_size=PAPER_VOCAB, seq_length=PAPER_SEQ)
 PRESETS["olmo"] = dataclasses.replace(PRESETS["olmo"], seq_length=PAPER_SEQ)
 
-# Default iterations per architecture when a preset is built without an explicit count: the paper's
-# headline comparison at matched effective depth J = 2L (AsymLoop K = 3, Full Loop R = 2).
-MATCHED_ITERATIONS = {"dense": 1, "fullloop": 2, "asymloop": 3}
-
-
 def preset(name: str, **overrides) -> ModelConfig:
-    """A resolved copy of preset ``name`` with field overrides, e.g. ``arch="fullloop"``."""
+    """A resolved copy of preset ``name`` with field overrides, e.g. ``arch="fullloop"``; the
+    iteration count defaults per architecture (config.DEFAULT_ITERATIONS)."""
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
-    arch = overrides.get("arch", PRESETS[name].arch)
-    overrides.setdefault("iterations", MATCHED_ITERATIONS.get(arch, 1))
     cfg = dataclasses.replace(PRESETS[name], **overrides)
     cfg.validate()
     return cfg

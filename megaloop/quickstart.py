@@ -124,10 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.training.plots import load_run, plot_runs
     from megaloop.training.trainer import Trainer
 
+    from megaloop.config import ConfigError
+    from megaloop.data import DataError
+
     out = Path(args.out)
     inputs = args.input or [str(write_corpus(out / "data" / "multi_hop.jsonl", args.documents))]
     print(f"[1/3] tokenizer (up to {VOCAB} pieces) and indexed dataset from {', '.join(inputs)}")
-    prefix, tokenizer = prepare_data(inputs, out / "data")
+    try:
+        prefix, tokenizer = prepare_data(inputs, out / "data")
+    except (DataError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     results = {}
     for index, name in enumerate(RUNS, start=1):
         cfg = run_config(name, prefix, tokenizer, out, args.steps)

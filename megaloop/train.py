@@ -17,7 +17,11 @@ import os
 import sys
 import warnings
 
+import torch
+
 from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml, save_yaml
+
+EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal after saving a checkpoint
 
 
 def _quiet_third_party_warnings() -> None:
@@ -63,17 +67,19 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             trainer = Trainer(cfg)
-            if int(os.environ.get("RANK", "0")) == 0:
+            if torch.distributed.get_rank() == 0:
                 os.makedirs(cfg.train.out_dir, exist_ok=True)
                 save_yaml(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
-            trainer.train()
+            result = trainer.train()
         except (DataError, CheckpointError, TrainingAborted) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2 if not isinstance(e, TrainingAborted) else 3
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    # Stopped early by SIGTERM/SIGUSR1 with a checkpoint saved: "try again later", so that a job
+    # script can requeue (slurm/asymloop_7b.sh does) while a finished run exits 0.
+    return EXIT_RESUMABLE if result.get("stopped_by_signal") else 0
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
 #   DATA=/lustre/fwe/fwe_text_document TOKENIZER=/lustre/tok/tokenizer.model \
 #   IMAGE=/lustre/images/megaloop.sqsh sbatch --nodes 16 slurm/asymloop_7b.sh
 #
-# Preemption: SLURM sends SIGUSR1 120 s before the time limit (--signal); megaloop saves a
-# checkpoint at the end of the current step and exits, and --requeue restarts the job, which
-# resumes from checkpoint.dir automatically.
+# Preemption and time limits: SLURM sends SIGUSR1 10 minutes before the time limit (--signal);
+# megaloop saves a checkpoint at the end of the current step and exits with 75, on which this
+# script requeues the job; the next run resumes from checkpoint.dir automatically. --requeue also
+# covers node failures and scheduler preemption.
 #SBATCH --job-name=asymloop-7b
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=8
@@ -16,15 +17,15 @@
 #SBATCH --time=48:00:00
 #SBATCH --exclusive
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@120
-#SBATCH --output=logs/%x-%j.out
+#SBATCH --signal=B:USR1@600
+#SBATCH --output=%x-%j.out
 set -euo pipefail
 
 : "${DATA:?set DATA to the dataset prefix (or a blend file) from tools/preprocess_data.py}"
 : "${TOKENIZER:?set TOKENIZER to the SentencePiece model}"
 IMAGE="${IMAGE:-megaloop:latest}"
 RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"
-mkdir -p logs "$RUN_DIR"
+mkdir -p "$RUN_DIR"
 
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
@@ -45,4 +46,8 @@ rc=0
 while kill -0 "$srun_pid" 2>/dev/null; do
   wait "$srun_pid" && rc=0 || rc=$?
 done
+if [ "$rc" -eq 75 ]; then  # stopped early with a checkpoint: continue in a new allocation
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
 exit "$rc"

@@ -61,12 +61,37 @@ def test_parallel_validation_checks_divisibility():
     ParallelConfig(tensor=2).validate(model)
 
 
+def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
+    cfg = apply_overrides(RunConfig(), ["train.eval_depths=3", "data.path=/data/fwe_text_document"])
+    assert cfg.train.eval_depths == [3] and cfg.data.path == ["/data/fwe_text_document"]
+    blend = apply_overrides(RunConfig(), ["data.path=[0.7, /a, 0.3, /b]"]).data.path
+    assert blend == ["0.7", "/a", "0.3", "/b"]
+    with pytest.raises(ConfigError, match=r"train.eval_depths\[1\]='a': must be of type int"):
+        apply_overrides(RunConfig(), ["train.eval_depths=[1, a]"])
+    with pytest.raises(ConfigError, match="override 'train.lr=\\[': the value is not valid YAML"):
+        apply_overrides(RunConfig(), ["train.lr=["])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(expert=2), "parallel.expert=2: must be 1 (no mixture-of-experts model exists yet)"),
+    (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),
+    (dict(pipeline=2), "parallel.pipeline=2: must be 1 unless model.arch=dense"),
+])
+def test_parallel_mistakes(fields, message):
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(**fields).validate(ModelConfig(arch="asymloop").resolve())
+    assert message in str(err.value)
+
+
 def test_derived_defaults():
     asym = ModelConfig(arch="asymloop", num_layers=6, iterations=3).resolve()
     assert (asym.num_encoder_layers, asym.num_decoder_layers, asym.effective_depth) == (3, 3, 12)
     assert asym.qk_norm is True
     full = ModelConfig(arch="fullloop", num_layers=6, iterations=2).resolve()
     assert (full.num_encoder_layers, full.effective_depth, full.qk_norm) == (0, 12, False)
+    # Iterations default per architecture to the paper's matched depth J = 2L (dense: 1).
+    assert [ModelConfig(arch=a, num_layers=6).resolve().effective_depth
+            for a in ("dense", "fullloop", "asymloop")] == [6, 12, 12]
 
 
 def test_yaml_file_errors_are_one_line(tmp_path):

@@ -16,6 +16,15 @@ def test_layers_preset_then_yaml_then_overrides(tmp_path):
     assert cfg.train.lr == 1e-4  # the command line wins
 
 
+def test_cli_and_api_presets_agree_on_iterations():
+    from megaloop.presets import preset
+
+    for arch in ("dense", "fullloop", "asymloop"):
+        cfg, _ = build_config(["--preset", "135M", f"model.arch={arch}", "data.path=[x]",
+                               "data.eod_id=0"])
+        assert cfg.model.iterations == preset("135M", arch=arch).iterations
+
+
 @pytest.mark.parametrize("argv, message", [
     (["model.hiden_size=3"], "error: unknown field model.hiden_size (did you mean hidden_size?)"),
     ([], "error: data.path=[]: must be a non-empty list of dataset prefixes"),

@@ -23,6 +23,10 @@ _TOP_LEVEL = {
 _LAYER_RENAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "pre_mlp_layernorm.weight": "mlp_norm.weight",
+    # Transformer Engine fuses the pre-norms into the next linear (TE spec checkpoints).
+    "self_attention.linear_qkv.layer_norm_weight": "attn_norm.weight",
+    "self_attention.linear_q.layer_norm_weight": "attn_norm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "mlp_norm.weight",
     "self_attention.linear_proj.weight": "attn.o_proj.weight",
     "self_attention.linear_proj.linear.weight": "attn.o_proj.weight",
     "self_attention.linear_proj.norm.weight": "attn_norm.weight",  # OLMo post-norm

@@ -74,8 +74,13 @@ def joint_attention_fused(q, k_glob, v_glob, k_loc, v_loc, scale: float):
     """Joint causal attention over [Global; Local] keys. All tensors [B, H, N, D] (any strides),
     equal head counts.
 
-    Returns [B, H, N, D]. Equal to megaloop.reference.modeling_asymloop.joint_attention.
+    Returns [B, H, N, D]. Equal to megaloop.reference.modeling_asymloop.joint_attention. CUDA's
+    flash kernel takes only fp16/bf16, so fp32 on a GPU uses that exact masked formula instead.
     """
+    if q.is_cuda and q.dtype == torch.float32:
+        from megaloop.reference.modeling_asymloop import joint_attention
+
+        return joint_attention(q, k_glob, v_glob, k_loc, v_loc, scale)
     # The flash kernels take strided inputs, so megatron-core's [N, B, H, D] tensors arrive as
     # permuted views without copies.
     return _JointFlashAttention.apply(q, k_glob, v_glob, k_loc, v_loc, scale)

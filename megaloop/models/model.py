@@ -33,8 +33,12 @@ from megaloop.models.recurrence import iterate
 
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: int,
-                       ffn_hidden_size: int, params_dtype=torch.float32) -> TransformerConfig:
-    """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers."""
+                       ffn_hidden_size: int, params_dtype=torch.float32,
+                       fp8: bool = False) -> TransformerConfig:
+    """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers.
+
+    ``fp8`` (Transformer Engine only) selects E4M3 forward / E5M2 backward with delayed scaling;
+    megatron-core's TransformerBlock then runs each call of the block under fp8_autocast."""
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute == "full"
     return TransformerConfig(
@@ -76,13 +80,15 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        fp8="hybrid" if fp8 else None,
+        fp8_recipe="delayed",
     )
 
 
 class LoopedLM(LanguageModule):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True,
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True, fp8: bool = False):
         """``pre_process`` / ``post_process``: this pipeline stage holds the embedding / the head
         (both True without pipeline parallelism, which only Dense supports)."""
         cfg = dataclasses.replace(cfg).resolve()
@@ -90,7 +96,7 @@ class LoopedLM(LanguageModule):
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
         dec_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
-                                        params_dtype)
+                                        params_dtype, fp8)
         super().__init__(config=dec_config)
         self.cfg = cfg
         self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules expect
@@ -112,7 +118,7 @@ class LoopedLM(LanguageModule):
         self.encoder = None
         if enc_layers:
             enc_config = transformer_config(cfg, parallel, enc_layers, cfg.ffn_hidden_size,
-                                            params_dtype)
+                                            params_dtype, fp8)
             self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
                                             post_layer_norm=False)
         decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te)

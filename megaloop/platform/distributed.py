@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megaloop.config import ConfigError
 from megaloop.platform import cpu_compat
 
 
@@ -64,13 +65,16 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
             addr, port or 29500, "torchrun",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    # Only srun sets SLURM_STEP_NUM_TASKS: a plain `python` in an sbatch script (or a notebook in
+    # an allocation) also sees SLURM_PROCID/SLURM_NTASKS, and must not wait for absent peers.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
             addr = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])[0]
         # A job-derived port keeps concurrent jobs sharing a node from colliding.
         default_port = 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000
         return LaunchEnv(
-            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+            int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]),
+            int(env.get("SLURM_LOCALID", 0)),
             addr, port or default_port, "slurm",
         )
     for rank_key, size_key, local_key in (
@@ -80,7 +84,7 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     ):
         if rank_key in env and size_key in env:
             if int(env[size_key]) > 1 and not port:
-                raise RuntimeError(
+                raise ConfigError(
                     "MPI launch: set MASTER_ADDR and MASTER_PORT (e.g. `mpiexec -genv MASTER_PORT "
                     "29500 ...`) so that every rank rendezvous at the same address"
                 )
@@ -114,6 +118,11 @@ def init_distributed(
             world_size=launch.world_size,
         )
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel):
+        raise ConfigError(f"parallel.tensor={tensor_parallel} x parallel.pipeline="
+                          f"{pipeline_parallel} must divide the {world} launched processes")
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

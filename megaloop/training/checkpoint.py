@@ -125,8 +125,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: R
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("iter_*.tmp"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save)
-            shutil.rmtree(final)
+        if final.exists():
+            if latest_checkpoint(directory) == final:
+                raise CheckpointError(f"{final}: already the latest checkpoint; refusing to "
+                                      "overwrite it in place")
+            shutil.rmtree(final)  # an older run's, not pointed to: safe to replace
         tmp.mkdir()
     _barrier()
     dist_checkpointing.save(state, str(tmp))
@@ -135,8 +138,10 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: R
         save_yaml(cfg, tmp / "config.yaml")
         os.replace(tmp, final)
         _write_text_atomic(directory / LATEST, final.name + "\n")
-        complete = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
-        for old in complete[:-keep_last]:
+        # Keep the newest keep_last by step, and always the one just written (a run restarted
+        # with resume=false may share the directory with higher-numbered checkpoints).
+        complete = sorted(p for p in directory.iterdir() if _NAME.match(p.name) and p != final)
+        for old in complete[:max(len(complete) - (keep_last - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final

@@ -34,7 +34,19 @@ class TrainingAborted(RuntimeError):
     """Training cannot go on; the message says why and which checkpoint is the last good one."""
 
 
+def _device() -> torch.device:
+    """Where collectives' tensors live: NCCL only takes CUDA tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def _precision(cfg: RunConfig) -> str:
+    if cfg.train.precision == "fp8":
+        from megaloop.models.specs import transformer_engine_available
+
+        if not transformer_engine_available():
+            raise ConfigError("train.precision='fp8': needs Transformer Engine on a CUDA GPU "
+                              "(use bf16 or fp32 here)")
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if torch.cuda.is_available() else "fp32"
@@ -47,6 +59,13 @@ class Trainer:
         from megaloop.platform.distributed import init_distributed
 
         self.cfg = cfg.validate()
+        # Installed before anything slow (checkpoint loading) so that a preemption signal during
+        # set-up is remembered, not fatal; train() acts on it after its first step.
+        self._stop_signal: int | None = None
+        self._previous_handlers = {s: signal.signal(s, self._on_signal)
+                                   for s in (signal.SIGTERM, signal.SIGUSR1)}
+        self._consecutive_nonfinite = 0
+        self._last_saved_step: int | None = None
         par = cfg.parallel
         init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -64,6 +83,12 @@ class Trainer:
             ckpt.check_compatible(self.resume_path, cfg)
 
         self.precision = _precision(cfg)
+        if cfg.parallel.sequence_parallel:
+            from megaloop.models.specs import transformer_engine_available
+
+            if not transformer_engine_available():  # megatron-core's torch norms refuse it
+                raise ConfigError("parallel.sequence_parallel=True: needs Transformer Engine "
+                                  "norms on a CUDA GPU")
         self._build_model()
         from megaloop.training.optimizer import build_optimizer
 
@@ -73,7 +98,6 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
-        self._stop_signal: int | None = None
         if self.resume_path is not None:
             self._load(self.resume_path)
         self.monitor = self._build_monitor()
@@ -90,10 +114,9 @@ class Trainer:
         cfg = self.cfg
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         model = LoopedLM(cfg.model, cfg.parallel, params_dtype=dtype,
+                         fp8=self.precision == "fp8",
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage())
-        if self.precision == "fp8":
-            model.config.fp8, model.config.fp8_recipe = "hybrid", "delayed"
         self.model = model
         if torch.cuda.is_available():
             model.cuda()
@@ -134,7 +157,9 @@ class Trainer:
             precision=self.precision, tensorboard=train.tensorboard,
             wandb_project=train.wandb_project, run_config=to_dict(self.cfg),
             progress=True, log_interval=train.log_interval, is_writer=dist.get_rank() == 0,
-            resume_step=self.step + 1 if self.step else None,
+            # The first step this process logs: earlier lines of a crashed or previous run at and
+            # after it are dropped (a fresh run starts the file over).
+            resume_step=self.step + 1,
         )
 
     # ------------------------------------------------------------------ one step
@@ -169,9 +194,9 @@ class Trainer:
         )
         # Loss sums exist on the last pipeline stage only: reduce them so that every rank (all
         # stages, all data-parallel replicas) agrees on the loss and on whether it is finite.
-        totals = torch.zeros(2)
+        totals = torch.zeros(2, device=_device())
         for out in outputs:
-            totals += out["lm loss"].float().cpu()
+            totals += out["lm loss"].float().to(totals.device)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
@@ -200,8 +225,6 @@ class Trainer:
     def train(self) -> dict:
         """Runs to ``train.train_steps`` (or a stop signal); returns the final metrics."""
         cfg = self.cfg.train
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        self._consecutive_nonfinite = 0
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)
         try:
@@ -238,7 +261,7 @@ class Trainer:
             self.save()
             return {"step": self.step, **final}
         finally:
-            for s, handler in previous.items():
+            for s, handler in self._previous_handlers.items():
                 signal.signal(s, handler)
             if self.alrs is not None:
                 self.alrs.close()
@@ -271,7 +294,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """Agreed by all ranks, since each may have seen the signal at a different moment."""
-        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0])
+        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM
@@ -310,12 +333,17 @@ class Trainer:
             )
         return state
 
-    def save(self) -> Path:
-        """Saves a checkpoint of the current step (collective). At step 0 it is a seed checkpoint:
-        the initial weights, from which runs with other parallel layouts can start identically."""
+    def save(self) -> Path | None:
+        """Saves a checkpoint of the current step (collective) unless this step is saved already.
+        At step 0 it is a seed checkpoint: the initial weights, from which runs with other
+        parallel layouts can start identically."""
+        if self._last_saved_step == self.step:
+            return None
         self._materialise_optimizer_state()
-        return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
+        path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
                                     self.cfg, self.cfg.checkpoint.keep_last)
+        self._last_saved_step = self.step
+        return path
 
     def _materialise_optimizer_state(self) -> None:
         """Without apex / Transformer Engine, megatron-core's DistributedOptimizer.state_dict()
@@ -328,6 +356,14 @@ class Trainer:
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if isinstance(optimizer, DistributedOptimizer) and not optimizer.optimizer.state:
                 optimizer._init_optimizer_states_with_dummy_values()
+
+    def _apply_configured_lr_range(self) -> None:
+        """The run's config, not the checkpoint, sets peak and floor LR (so a resumed run can change
+        train.lr); param groups reloaded from a checkpoint carry the saved ones."""
+        train = self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
+        self.lr_multipliers.apply()
 
     def _restore_torch_adam_steps(self, optimizer_state) -> None:
         """torch Adam (used without apex / Transformer Engine) keeps a per-parameter step count
@@ -355,14 +391,20 @@ class Trainer:
             is_loading=True, weights_only=weights_only, with_rng=same_layout))
         self.model.load_state_dict(state["model"])
         if weights_only:  # a fresh run from these weights
+            # With bf16 params the optimizer keeps fp32 main copies made at construction; without
+            # this they would overwrite the loaded weights at the first step.
+            self.optimizer.reload_model_params()
             log.info("loaded weights from %s (optimizer and progress not restored)", path)
             return
         with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_torch_adam_steps(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_configured_lr_range()
         trainer = state["trainer"]
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
+        if path.parent.resolve() == self.checkpoint_dir.resolve():
+            self._last_saved_step = self.step  # this very checkpoint: no need to write it again
         self.skipped_steps = trainer["skipped_steps"]
         self.lr_multipliers.load_state_dict(state["lr_multipliers"])
         if self.alrs is not None and state["alrs"]:

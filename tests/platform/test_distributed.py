@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megaloop.config import ConfigError
 from megaloop.platform.distributed import detect_launch_env, expand_slurm_nodelist
 from tests.distributed import run_distributed
 
@@ -25,6 +26,7 @@ def test_torchrun_environment():
 
 def test_slurm_environment_uses_first_node_and_job_port():
     env = detect_launch_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                             "SLURM_STEP_NUM_TASKS": "16",
                              "SLURM_JOB_NODELIST": "h100-[004-005]", "SLURM_JOB_ID": "123"})
     assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("slurm", 9, 16, 1)
     assert env.master_addr == "h100-004" and env.master_port == 20123
@@ -35,8 +37,13 @@ def test_slurm_environment_uses_first_node_and_job_port():
 def test_mpi_environment(keys):
     env = detect_launch_env({keys[0]: "1", keys[1]: "2", "MASTER_PORT": "7000"})
     assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 2)
-    with pytest.raises(RuntimeError, match="set MASTER_ADDR and MASTER_PORT"):
+    with pytest.raises(ConfigError, match="set MASTER_ADDR and MASTER_PORT"):
         detect_launch_env({keys[0]: "1", keys[1]: "2"})
+
+
+def test_sbatch_batch_step_without_srun_is_a_single_process():
+    env = detect_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "5"})
+    assert (env.launcher, env.world_size) == ("single", 1)
 
 
 def test_single_process_default():
@@ -66,7 +73,9 @@ from megaloop.platform.distributed import init_distributed
 env = init_distributed()
 value = torch.tensor([float(env.rank + 1)])
 dist.all_reduce(value)
-print(env.launcher, env.rank, env.world_size, value.item())
+import sys
+with open(f"{sys.argv[1]}/rank{env.rank}.txt", "w") as f:  # one file a rank: no interleaving
+    f.write(f"{env.launcher} {env.rank} {env.world_size} {value.item()}")
 """
 
 
@@ -87,8 +96,8 @@ def test_mpiexec_launch(tmp_path):
            "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], env=env,
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("mpi"))
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert lines == ["mpi 0 2 3.0", "mpi 1 2 3.0"]

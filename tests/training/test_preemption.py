@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from megaloop.config import save_yaml
+from megaloop.train import EXIT_RESUMABLE
 from megaloop.training import checkpoint as ckpt
 from tests.training.conftest import tiny_run
 
@@ -29,7 +30,7 @@ def _train_lines(out_dir: Path) -> list[dict]:
     return [x for x in lines if x["kind"] == "train"]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(mcore, pattern_data, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_resumable(mcore, pattern_data, tmp_path):
     cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1})
     save_yaml(cfg, tmp_path / "run.yaml")
     log = open(tmp_path / "train.log", "w")
@@ -42,7 +43,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(mcore, pattern_data, tmp_p
         assert time.time() < deadline, "training did not start"
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=120) == EXIT_RESUMABLE
     log.close()
     latest = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     last_logged = _train_lines(tmp_path)[-1]["step"]

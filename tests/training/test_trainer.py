@@ -115,3 +115,40 @@ def test_batch_sizes_must_divide(mcore, pattern_data, tmp_path):
     with pytest.raises(ConfigError, match=r"train.global_batch_size=5: must be a multiple of "
                                           r"micro_batch_size=2"):
         Trainer(tiny_run(pattern_data, tmp_path, train=dict(global_batch_size=5)))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_weights_only_load_trains_from_the_loaded_weights(mcore, pattern_data, tmp_path, precision):
+    """In bf16 the optimizer holds fp32 main copies; a weights-only load must refresh them, or
+    the first step writes the new run's random initialisation back."""
+    seed = Trainer(tiny_run(pattern_data, tmp_path / "seed", train={"precision": precision}))
+    seed.save()
+    seed_weights = {n: p.detach().float().clone() for n, p in seed.model.named_parameters()}
+    cfg = tiny_run(pattern_data, tmp_path / "run",
+                   train={"precision": precision, "seed": 99, "train_steps": 1},
+                   checkpoint={"load": str(tmp_path / "seed" / "checkpoints"),
+                               "load_optimizer": False})
+    trainer = Trainer(cfg)
+    assert trainer.step == 0
+    trainer.train()
+    lr = cfg.train.lr
+    for name, p in trainer.model.named_parameters():
+        # One Adam step moves each weight by about lr at most (bf16 rounding aside).
+        assert (p.detach().float() - seed_weights[name]).abs().max() < 3 * lr, name
+
+
+def test_save_keeps_the_checkpoint_just_written_and_never_rewrites_latest(mcore, pattern_data,
+                                                                          tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 4},
+                   checkpoint={"save_interval": 2, "keep_last": 1})
+    Trainer(cfg).train()  # periodic save at 4 and the final save at 4 are one save
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["iter_0000004", "latest"]
+    # A fresh run in the same directory (resume off) keeps its own step-2 checkpoint even though
+    # a higher-numbered one exists.
+    fresh = tiny_run(pattern_data, tmp_path, train={"train_steps": 2},
+                     checkpoint={"save_interval": 2, "keep_last": 1, "resume": False})
+    Trainer(fresh).train()
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000002"
+    with pytest.raises(ckpt.CheckpointError, match="already the latest checkpoint"):
+        ckpt.save_checkpoint(tmp_path / "checkpoints", 2, {}, fresh, keep_last=1)

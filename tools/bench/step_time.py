@@ -1,7 +1,7 @@
 """Forward+backward step time of AsymLoop K=3 against Full Loop R=2 at matched effective depth, in one
 run, beside the analytical FLOP ratio. Prints JSON.
 
-    python tools/bench/step_time.py [--preset tiny --hidden 256 --seq 1024 --repeats 5]
+    python tools/bench/step_time.py [--hidden 256 --layers 4 --seq 1024 --repeats 5]
 
 Both models are megatron-core LoopedLMs on the same backend and attention kernel family; the two are
 timed alternately so that machine noise hits both. Goal (issue 2): measured overhead <= analytical
@@ -24,7 +24,6 @@ from megaloop.presets import preset
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="tiny")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=688)
     parser.add_argument("--heads", type=int, default=4)
@@ -41,14 +40,18 @@ def main(argv=None):
     init_distributed()
     size = dict(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
                 num_layers=args.layers, seq_length=args.seq, vocab_size=args.vocab)
-    configs = {"asymloop_k3": preset(args.preset, arch="asymloop", iterations=3, **size),
-               "fullloop_r2": preset(args.preset, arch="fullloop", iterations=2, **size)}
-    models = {name: build_model(cfg) for name, cfg in configs.items()}
-    x = torch.randint(0, args.vocab, (args.batch, args.seq))
+    configs = {"asymloop_k3": preset("tiny", arch="asymloop", iterations=3, **size),
+               "fullloop_r2": preset("tiny", arch="fullloop", iterations=2, **size)}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA flash needs bf16/fp16
+    models = {name: build_model(cfg, params_dtype=dtype) for name, cfg in configs.items()}
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     def step(model):
         model.zero_grad(set_to_none=True)
-        model(x, labels=x).mean().backward()
+        model(x, labels=x).float().mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()  # time the kernels, not their launch
 
     times = {name: [] for name in models}
     for model in models.values():

@@ -14,6 +14,7 @@ uses, so that the second ratio isolates framework overhead. Goal: ratio >= 0.95.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -51,7 +52,9 @@ class PlainGPTLoop:
         from megaloop.training.optimizer import build_optimizer
 
         cfg = trainer.cfg
-        config = trainer.model.config  # same TransformerConfig fields as megaloop's Dense
+        # Same TransformerConfig fields as megaloop's Dense; a copy, since the loop's hooks below
+        # must not replace the megaloop trainer's.
+        config = copy.copy(trainer.model.config)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         if sdpa_attention:
             spec.submodules.self_attention.submodules.core_attention = CausalCoreAttention
@@ -61,6 +64,7 @@ class PlainGPTLoop:
             config, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                   grad_reduce_in_fp32=True), model)
         config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
         self.optimizer, self.scheduler, _ = build_optimizer([self.ddp], model, cfg)
         n = cfg.model.seq_length
         self.mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
