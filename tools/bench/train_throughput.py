@@ -137,7 +137,6 @@ def main(argv=None):
                                      step_time_s=time.perf_counter() - start, skipped=skipped)
 
         steppers = {"megaloop": megaloop_step, **{k: v.step for k, v in loops.items()}}
-        trainer._consecutive_nonfinite = 0
         data = {name: MicroBatches(trainer.train_data, 4, 0, 1, 0, 8) for name in steppers}
         times = {name: [] for name in steppers}
         for name, step in steppers.items():  # warm-up
