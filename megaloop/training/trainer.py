@@ -242,7 +242,8 @@ class Trainer:
                         f"loss was NaN/Inf for {self._consecutive_nonfinite} consecutive steps "
                         f"(last at step {self.step}); updates were skipped and nothing was saved; "
                         f"last good checkpoint: {latest or 'none'}")
-                if cfg.eval_interval and self.step % cfg.eval_interval == 0:
+                if (cfg.eval_interval and self.step % cfg.eval_interval == 0
+                        and self.valid_data is not None):
                     self.monitor.log_eval(self.step, self.evaluate())
                 interval = self.cfg.checkpoint.save_interval
                 if self._stop_requested():
@@ -257,7 +258,8 @@ class Trainer:
             for depth in cfg.eval_depths:
                 final.update({f"val_loss_k{depth}": v for k, v in
                               self.evaluate(num_iterations=depth).items() if k == "val_loss"})
-            self.monitor.log_eval(self.step, final)
+            if final:  # empty when the split leaves no validation data
+                self.monitor.log_eval(self.step, final)
             self.save()
             return {"step": self.step, **final}
         finally:

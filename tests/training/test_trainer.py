@@ -152,3 +152,12 @@ def test_save_keeps_the_checkpoint_just_written_and_never_rewrites_latest(mcore,
     assert ckpt.latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000002"
     with pytest.raises(ckpt.CheckpointError, match="already the latest checkpoint"):
         ckpt.save_checkpoint(tmp_path / "checkpoints", 2, {}, fresh, keep_last=1)
+
+
+def test_a_split_without_validation_data_trains_and_skips_evaluation(mcore, pattern_data,
+                                                                      tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2, "eval_interval": 1})
+    cfg.data.split = "100,0,0"
+    result = Trainer(cfg).train()
+    assert result == {"step": 2}
+    assert sorted(train_losses(tmp_path)) == [1, 2]
