@@ -407,6 +407,12 @@ class Trainer:
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
         if path.parent.resolve() == self.checkpoint_dir.resolve():
             self._last_saved_step = self.step  # this very checkpoint: no need to write it again
+        saved = ckpt.saved_config(path)
+        order = ("path", "split", "eod_mask_loss")  # what decides the sample order
+        if ([saved["train"].get("seed")] + [saved.get("data", {}).get(k) for k in order]
+                != [self.cfg.train.seed] + [getattr(self.cfg.data, k) for k in order]):
+            log.warning("%s was trained with another data blend or seed: the sample order from "
+                        "step %d on is not the one the saved run would have seen", path, self.step)
         self.skipped_steps = trainer["skipped_steps"]
         self.lr_multipliers.load_state_dict(state["lr_multipliers"])
         if self.alrs is not None and state["alrs"]:
