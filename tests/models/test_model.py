@@ -104,3 +104,23 @@ def test_loss_is_per_token_cross_entropy(seeded):
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                                  reduction="none").view_as(labels)
     torch.testing.assert_close(model(x, labels=labels), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_global_kv", "asymloop_additive"])
+def test_decoder_starts_from_the_unnormalised_encoder_output(seeded, variant):
+    """Design choice: z_0 = H_E as the encoder block leaves it (no final norm in between); the
+    Global KV projections see it through their own RMSNorm. Additive injection starts from 0."""
+    cfg = small_config(variant)
+    model = build_model(cfg)
+    seen = {}
+
+    def encoder_out(module, inputs, output):
+        seen["encoded"] = output
+
+    def first_decoder_input(module, args, kwargs):
+        seen.setdefault("z0", args[0] if args else kwargs["hidden_states"])
+
+    model.encoder.register_forward_hook(encoder_out)
+    model.decoder.register_forward_pre_hook(first_decoder_input, with_kwargs=True)
+    model(_tokens(cfg))
+    assert torch.equal(seen["z0"], seen["encoded"])  # additive: 0 + H_E on the first step
