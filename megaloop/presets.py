@@ -9,6 +9,7 @@ Appendix E) stay visible.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from megaloop.config import ConfigError, ModelConfig
 
@@ -39,6 +40,12 @@ def preset(name: str, **overrides) -> ModelConfig:
     iteration count defaults per architecture (config.DEFAULT_ITERATIONS)."""
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            raise ConfigError(f"unknown field model.{key}"
+                              + (f" (did you mean {close[0]}?)" if close else ""))
     cfg = dataclasses.replace(PRESETS[name], **overrides)
     cfg.validate()
     return cfg
