@@ -170,11 +170,16 @@ class ParallelConfig:
         _require(self.expert == 1, prefix, "expert", self.expert,
                  "1 (no mixture-of-experts model exists yet)")
         if self.pipeline > 1:
-            _require(model.arch == "dense", prefix, "pipeline", self.pipeline,
-                     "1 unless model.arch=dense (a loop cannot return to an earlier pipeline "
-                     "stage; use tensor/data parallelism)")
-            _require(model.num_layers % self.pipeline == 0, prefix, "pipeline", self.pipeline,
-                     f"a divisor of model.num_layers={model.num_layers}")
+            # A loop cannot return to an earlier stage: Full Loop has no split point, AsymLoop
+            # has exactly one (encoder | decoder loop), Dense splits evenly.
+            _require(model.arch != "fullloop", prefix, "pipeline", self.pipeline,
+                     "1 for model.arch=fullloop (its loop spans every layer; use tensor/data "
+                     "parallelism)")
+            _require(model.arch != "asymloop" or self.pipeline == 2, prefix, "pipeline",
+                     self.pipeline, "1 or 2 for model.arch=asymloop (stages: encoder | decoder "
+                     "loop)")
+            _require(model.arch != "dense" or model.num_layers % self.pipeline == 0, prefix,
+                     "pipeline", self.pipeline, f"a divisor of model.num_layers={model.num_layers}")
 
 
 @dataclass

@@ -75,12 +75,21 @@ def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
 @pytest.mark.parametrize("fields, message", [
     (dict(expert=2), "parallel.expert=2: must be 1 (no mixture-of-experts model exists yet)"),
     (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),
-    (dict(pipeline=2), "parallel.pipeline=2: must be 1 unless model.arch=dense"),
+    (dict(pipeline=4), "parallel.pipeline=4: must be 1 or 2 for model.arch=asymloop"),
 ])
 def test_parallel_mistakes(fields, message):
     with pytest.raises(ConfigError) as err:
         ParallelConfig(**fields).validate(ModelConfig(arch="asymloop").resolve())
     assert message in str(err.value)
+
+
+def test_pipeline_splits_only_where_no_loop_crosses_a_stage():
+    ParallelConfig(pipeline=2).validate(ModelConfig(arch="asymloop").resolve())
+    ParallelConfig(pipeline=4).validate(ModelConfig(arch="dense", num_layers=8).resolve())
+    with pytest.raises(ConfigError, match="parallel.pipeline=2: must be 1 for model.arch=fullloop"):
+        ParallelConfig(pipeline=2).validate(ModelConfig(arch="fullloop").resolve())
+    with pytest.raises(ConfigError, match="a divisor of model.num_layers=6"):
+        ParallelConfig(pipeline=4).validate(ModelConfig(arch="dense", num_layers=6).resolve())
 
 
 def test_derived_defaults():

@@ -89,18 +89,33 @@ class LoopedLM(LanguageModule):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True,
                  pre_process: bool = True, post_process: bool = True, fp8: bool = False):
-        """``pre_process`` / ``post_process``: this pipeline stage holds the embedding / the head
-        (both True without pipeline parallelism, which only Dense supports)."""
+        """``pre_process`` / ``post_process``: this pipeline stage holds the embedding / the head.
+
+        Pipeline parallelism: Dense splits its layers evenly over the stages; AsymLoop takes two
+        stages split where the recurrence starts, embedding + encoder on the first and Global KV +
+        the K-times decoder + head on the last, so that the loop never crosses a stage.
+        """
         cfg = dataclasses.replace(cfg).resolve()
         parallel = parallel or ParallelConfig()
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
-        dec_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
-                                        params_dtype, fp8)
-        super().__init__(config=dec_config)
+        self_contained_blocks = cfg.arch == "asymloop" and parallel.pipeline > 1
+        # Each block of a stage split lives whole on one stage: its own config says "no pipeline",
+        # so megatron-core builds all of its layers, numbered from 1 as without pipelining (and
+        # checkpoints keep the same keys in every layout).
+        block_parallel = (dataclasses.replace(parallel, pipeline=1) if self_contained_blocks
+                          else parallel)
+        model_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
+                                          params_dtype, fp8)
+        dec_config = (transformer_config(cfg, block_parallel, dec_layers,
+                                         cfg.decoder_ffn_hidden_size, params_dtype, fp8)
+                      if self_contained_blocks else model_config)
+        super().__init__(config=model_config)
         self.cfg = cfg
         self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules expect
         self.pre_process, self.post_process = pre_process, post_process
+        self.self_contained_blocks = self_contained_blocks
+        self.stage_input: torch.Tensor | None = None
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.vocab_size = cfg.vocab_size
@@ -108,28 +123,30 @@ class LoopedLM(LanguageModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=dec_config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+                config=model_config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                 position_embedding_type="rope",
             )
         self.rotary_pos_emb = RotaryEmbedding(
             kv_channels=cfg.kv_channels, rotary_percent=1.0, rotary_base=cfg.rotary_base,
-            use_cpu_initialization=dec_config.use_cpu_initialization,
+            use_cpu_initialization=model_config.use_cpu_initialization,
         )
-        self.encoder = None
-        if enc_layers:
-            enc_config = transformer_config(cfg, parallel, enc_layers, cfg.ffn_hidden_size,
+        self.encoder = self.decoder = None
+        if enc_layers and (pre_process or not self_contained_blocks):
+            enc_config = transformer_config(cfg, block_parallel, enc_layers, cfg.ffn_hidden_size,
                                             params_dtype, fp8)
             self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
                                             post_layer_norm=False)
-        decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te)
-        self.decoder = TransformerBlock(dec_config, decoder_spec, post_layer_norm=False,
-                                        pre_process=pre_process, post_process=post_process)
+        if post_process or not self_contained_blocks:
+            decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te)
+            self.decoder = TransformerBlock(
+                dec_config, decoder_spec, post_layer_norm=False,
+                pre_process=pre_process or self_contained_blocks, post_process=post_process)
         if post_process:
-            self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=dec_config,
+            self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=model_config,
                                                 hidden_size=cfg.hidden_size, eps=cfg.norm_eps)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                cfg.hidden_size, cfg.vocab_size, config=dec_config,
-                init_method=dec_config.init_method, bias=False, skip_bias_add=False,
+                cfg.hidden_size, cfg.vocab_size, config=model_config,
+                init_method=model_config.init_method, bias=False, skip_bias_add=False,
                 gather_output=not parallel_output,
                 skip_weight_param_allocation=pre_process and cfg.tie_embeddings,
             )
@@ -139,7 +156,10 @@ class LoopedLM(LanguageModule):
         """Pipeline schedules hand a non-first stage its input activations here."""
         if isinstance(input_tensor, (list, tuple)):
             input_tensor = input_tensor[0]
-        self.decoder.set_input_tensor(input_tensor)
+        if self.self_contained_blocks:
+            self.stage_input = input_tensor  # H_E from the encoder stage
+        elif self.decoder is not None:
+            self.decoder.set_input_tensor(input_tensor)
 
     def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
         """Global KV of every decoder layer, stacked on dim 0: [D, N, B, groups, 2 * head_dim]."""
@@ -159,12 +179,15 @@ class LoopedLM(LanguageModule):
         steps = self.cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
-        # A non-first pipeline stage gets None here; its decoder block reads the received tensor.
-        hidden = (self.embedding(input_ids=input_ids, position_ids=position_ids)  # [N, B, h]
-                  if self.pre_process else None)
+        if self.pre_process:
+            hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [N, B, h]
+        else:  # None for Dense: its decoder block reads the tensor the schedule handed over
+            hidden = self.stage_input
         rope = self.rotary_pos_emb(input_ids.shape[1])
         if self.encoder is not None:
             hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
+        if self.decoder is None:  # the encoder stage of a pipeline split sends H_E on
+            return hidden
         cfg = self.cfg
         context = self.global_kv(hidden, rope) if cfg.uses_global_kv else None
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"

@@ -1,4 +1,5 @@
-"""Parallel layouts change nothing: DP=2 and (Dense) PP=2 train to the same losses as one process,
+"""Parallel layouts change nothing: DP=2, TP=2 and PP=2 (Dense, and AsymLoop split at its encoder)
+train to the same losses as one process,
 and a TP=2 checkpoint loads into TP=1 with the same logits."""
 
 from pathlib import Path
@@ -31,6 +32,7 @@ def data(tmp_path_factory):
 @pytest.mark.parametrize("name, model, parallel", [
     ("dp2_asymloop", {}, {}),
     ("pp2_dense", {"arch": "dense", "iterations": 1}, {"pipeline": 2}),
+    ("pp2_asymloop", {}, {"pipeline": 2}),  # encoder | Global KV + decoder loop + head
     ("tp2_asymloop", {}, {"tensor": 2}),
 ])
 def test_parallel_layout_matches_single_process(mcore, data, tmp_path, name, model, parallel):
