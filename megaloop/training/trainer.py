@@ -54,16 +54,33 @@ def _precision(cfg: RunConfig) -> str:
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
-        from megatron.core import parallel_state as ps
-
-        from megaloop.platform.distributed import init_distributed
-
         self.cfg = cfg.validate()
+        self.precision = _precision(cfg)
+        if cfg.parallel.sequence_parallel:
+            from megaloop.models.specs import transformer_engine_available
+
+            if not transformer_engine_available():  # megatron-core's torch norms refuse it
+                raise ConfigError("parallel.sequence_parallel=True: needs Transformer Engine "
+                                  "norms on a CUDA GPU")
         # Installed before anything slow (checkpoint loading) so that a preemption signal during
-        # set-up is remembered, not fatal; train() acts on it after its first step.
+        # set-up is remembered, not fatal; train() acts on it after its first step. A failed
+        # set-up puts the previous handlers back.
         self._stop_signal: int | None = None
         self._previous_handlers = {s: signal.signal(s, self._on_signal)
                                    for s in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            self._set_up()
+        except BaseException:
+            self._restore_signal_handlers()
+            raise
+
+    def _set_up(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megaloop.platform.distributed import init_distributed
+        from megaloop.training.optimizer import build_optimizer
+
+        cfg = self.cfg
         self._consecutive_nonfinite = 0
         self._last_saved_step: int | None = None
         par = cfg.parallel
@@ -82,16 +99,7 @@ class Trainer:
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
 
-        self.precision = _precision(cfg)
-        if cfg.parallel.sequence_parallel:
-            from megaloop.models.specs import transformer_engine_available
-
-            if not transformer_engine_available():  # megatron-core's torch norms refuse it
-                raise ConfigError("parallel.sequence_parallel=True: needs Transformer Engine "
-                                  "norms on a CUDA GPU")
         self._build_model()
-        from megaloop.training.optimizer import build_optimizer
-
         self.optimizer, self.scheduler, self.lr_multipliers = build_optimizer(
             [self.ddp], self.model, cfg)
         self.alrs = self._build_alrs()
@@ -101,6 +109,10 @@ class Trainer:
         if self.resume_path is not None:
             self._load(self.resume_path)
         self.monitor = self._build_monitor()
+
+    def _restore_signal_handlers(self) -> None:
+        for s, handler in self._previous_handlers.items():
+            signal.signal(s, handler)
 
     # ------------------------------------------------------------------ set-up
     def _build_model(self) -> None:
@@ -263,8 +275,7 @@ class Trainer:
             self.save()
             return {"step": self.step, **final}
         finally:
-            for s, handler in self._previous_handlers.items():
-                signal.signal(s, handler)
+            self._restore_signal_handlers()
             if self.alrs is not None:
                 self.alrs.close()
             self.monitor.close()

@@ -161,3 +161,12 @@ def test_a_split_without_validation_data_trains_and_skips_evaluation(mcore, patt
     result = Trainer(cfg).train()
     assert result == {"step": 2}
     assert sorted(train_losses(tmp_path)) == [1, 2]
+
+
+def test_a_failed_set_up_puts_the_signal_handlers_back(mcore, tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(DataError):
+        Trainer(tiny_run(str(tmp_path / "missing"), tmp_path / "run"))
+    assert signal.getsignal(signal.SIGTERM) is before
