@@ -13,7 +13,6 @@ of the current step.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import signal
@@ -434,10 +433,3 @@ class Trainer:
             log.warning("%s was saved with another tensor/pipeline layout: RNG states not restored",
                         path)
         log.info("resumed from %s at step %d", path, self.step)
-
-
-def replace_run(cfg: RunConfig, **sections) -> RunConfig:
-    """A copy of ``cfg`` with whole sections or their fields replaced (``train={"lr": 1e-3}``)."""
-    updates = {name: dataclasses.replace(getattr(cfg, name), **fields)
-               for name, fields in sections.items()}
-    return dataclasses.replace(cfg, **updates)

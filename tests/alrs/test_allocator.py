@@ -1,7 +1,5 @@
 import math
 
-import pytest
-
 from megaloop.alrs.allocator import allocate, initial_multipliers, linear_map
 from megaloop.alrs.schedule import ALRSConfig
 

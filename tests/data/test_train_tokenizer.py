@@ -15,7 +15,7 @@ def test_trains_a_usable_model_with_special_tokens(tmp_path, capsys, tool, artic
                       "--vocab-size", "600", "--special-tokens", "<|im_start|>", "--max-docs", "20", "--threads", "2"])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert f"vocab 600 (padded to 640 for a multiple of 128)" in err
+    assert "vocab 600 (padded to 640 for a multiple of 128)" in err
     tok = load_tokenizer("SentencePieceTokenizer", out)
     assert tok.vocab_size == 600 and tok.eod == 2
     text = articles[30]["text"] + " naïve 東京 <|im_start|>"  # unseen characters need byte fallback

@@ -19,7 +19,6 @@ import json
 import statistics
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
