@@ -68,8 +68,9 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
     ratio_ax = axes[2]
     for module in MODULES:
         if ("encoder", module) in means and ("decoder", module) in means:
-            ratio_ax.plot(log.lr_step, means["decoder", module] / means["encoder", module],
-                          label=module)
+            with np.errstate(divide="ignore", invalid="ignore"):  # LR 0 at the first warmup step
+                ratio = means["decoder", module] / means["encoder", module]
+            ratio_ax.plot(log.lr_step, ratio, label=module)
     ratio_ax.set(title="decoder / encoder mean LR", xlabel="step", ylabel="ratio")
     if ratio_ax.lines:
         ratio_ax.legend()
