@@ -96,8 +96,9 @@ def saved_config(path: Path) -> dict:
         raise CheckpointError(f"{config_file}: unreadable checkpoint config ({e})") from None
 
 
-def same_parallel_layout(path: Path, cfg: RunConfig) -> bool:
-    saved = saved_config(path)["parallel"]
+def same_parallel_layout(saved: dict, cfg: RunConfig) -> bool:
+    """Whether a checkpoint's ``saved_config`` has this run's tensor/pipeline layout."""
+    saved = saved["parallel"]
     return (saved.get("tensor"), saved.get("pipeline")) == (cfg.parallel.tensor,
                                                            cfg.parallel.pipeline)
 

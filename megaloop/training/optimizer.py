@@ -46,10 +46,10 @@ class LRMultipliers:
         if bad:
             raise ValueError(f"LR multipliers must be finite and > 0, got {bad}")
         self.multipliers.update(multipliers)
-        self.apply()
 
     def apply(self) -> None:
-        """Sets every group's LR from the scheduler's base LR at its current step."""
+        """Sets every group's LR from the scheduler's base LR at its current step. The trainer
+        calls it before every optimizer step, which is when ``set`` takes effect."""
         for group, name in zip(self.optimizer.param_groups, self.group_names):
             group[_GROUP_KEY] = name
             group["lr"] = self.scheduler.get_lr(group) * self.multipliers.get(name, 1.0)
@@ -63,7 +63,6 @@ class LRMultipliers:
 
     def load_state_dict(self, state: dict) -> None:
         self.multipliers = dict(state["multipliers"])
-        self.apply()
 
 
 def matrix_names(model: torch.nn.Module) -> list[str]:

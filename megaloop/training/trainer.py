@@ -227,7 +227,7 @@ class Trainer:
         self._consecutive_nonfinite = 0
         if self.alrs is not None:
             self.lr_multipliers.set(self.alrs.step(self.step, base_lr))
-        self.lr_multipliers.apply()
+        self.lr_multipliers.apply()  # the group LRs of this step, multipliers included
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return loss, base_lr, grad_norm, False
@@ -375,7 +375,6 @@ class Trainer:
         train = self.cfg.train
         for group in self.optimizer.param_groups:
             group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
-        self.lr_multipliers.apply()
 
     def _restore_torch_adam_steps(self, optimizer_state) -> None:
         """torch Adam (used without apex / Transformer Engine) keeps a per-parameter step count
@@ -396,7 +395,8 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         weights_only = not self.cfg.checkpoint.load_optimizer
-        same_layout = ckpt.same_parallel_layout(path, self.cfg)
+        saved = ckpt.saved_config(path)
+        same_layout = ckpt.same_parallel_layout(saved, self.cfg)
         if not weights_only:
             self._materialise_optimizer_state()
         state = ckpt.load_checkpoint(path, self._sharded_state(
@@ -417,7 +417,6 @@ class Trainer:
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
         if path.parent.resolve() == self.checkpoint_dir.resolve():
             self._last_saved_step = self.step  # this very checkpoint: no need to write it again
-        saved = ckpt.saved_config(path)
         order = ("path", "split", "eod_mask_loss")  # what decides the sample order
         if ([saved["train"].get("seed")] + [saved.get("data", {}).get(k) for k in order]
                 != [self.cfg.train.seed] + [getattr(self.cfg.data, k) for k in order]):
