@@ -77,14 +77,13 @@ def write_corpus(path: Path, documents: int, seed: int = 0) -> Path:
 def prepare_data(inputs: list[str], data_dir: Path) -> tuple[str, Path]:
     """Trains the tokenizer and writes the indexed dataset; returns (dataset prefix, model path)."""
     from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
-    from megaloop.data.readers import BadRecords, RecordFilter, iter_documents
-    from megaloop.data.tokenizer_training import train_sentencepiece
+    from megaloop.data.readers import BadRecords, RecordFilter
+    from megaloop.data.tokenizer_training import document_lines, train_sentencepiece
 
     record_filter = RecordFilter(("text",))
     tokenizer = data_dir / "tokenizer.model"
-    lines = (line for doc in iter_documents(inputs, record_filter, None, BadRecords())
-             for line in doc.splitlines() if line.strip())
-    train_sentencepiece(lines, tokenizer, vocab_size=VOCAB, hard_vocab_limit=False)
+    train_sentencepiece(document_lines(inputs, record_filter, None, BadRecords()), tokenizer,
+                        vocab_size=VOCAB, hard_vocab_limit=False)
     prefix = str(data_dir / "corpus")
     options = PreprocessOptions("SentencePieceTokenizer", str(tokenizer), record_filter,
                                 append_eod=True, workers=0)

@@ -15,9 +15,9 @@ import os
 import sys
 from typing import Iterator
 
-from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
+from megaloop.data.readers import BadRecords, DataError, RecordFilter
 from megaloop.data.tokenizer import padded_vocab_size
-from megaloop.data.tokenizer_training import train_sentencepiece
+from megaloop.data.tokenizer_training import document_lines, train_sentencepiece
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,11 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def training_lines(args: argparse.Namespace, bad: BadRecords) -> Iterator[str]:
     for key in args.json_keys:
-        record_filter = RecordFilter((key,), args.min_int_score)
-        for doc in iter_documents(args.input, record_filter, args.max_docs, bad):
-            for line in doc.splitlines():
-                if line.strip():
-                    yield line
+        yield from document_lines(args.input, RecordFilter((key,), args.min_int_score),
+                                  args.max_docs, bad)
 
 
 def train(args: argparse.Namespace) -> dict:

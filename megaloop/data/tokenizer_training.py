@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
-from megaloop.data.readers import DataError
+from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
+
+
+def document_lines(inputs, record_filter: RecordFilter, max_docs: int | None,
+                   bad: BadRecords) -> Iterator[str]:
+    """The non-blank lines of every document: SentencePiece caps a training "sentence" at a few
+    KB and would drop whole documents fed as one."""
+    for doc in iter_documents(inputs, record_filter, max_docs, bad):
+        for line in doc.splitlines():
+            if line.strip():
+                yield line
 
 
 def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, vocab_size: int,
