@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
-import tempfile
+import re
+import secrets
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
@@ -222,6 +225,8 @@ class TrainConfig:
         _require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
         _require(all(k >= 1 for k in self.eval_depths), prefix, "eval_depths", self.eval_depths,
                  "a list of iteration counts >= 1")
+        _require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
+                 "a directory path (metrics, config.yaml and by default checkpoints go there)")
 
 
 @dataclass
@@ -237,10 +242,30 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def validate(self, prefix: str = "data") -> None:
+        from megaloop.data.tokenizer import TOKENIZER_TYPES
+
         _require(bool(self.path), prefix, "path", self.path,
                  "a non-empty list of dataset prefixes (optionally weighted)")
         _require((self.tokenizer_model is None) != (self.eod_id is None), prefix,
                  "tokenizer_model", self.tokenizer_model, "given, or else data.eod_id (not both)")
+        _require(self.tokenizer_type in TOKENIZER_TYPES, prefix, "tokenizer_type",
+                 self.tokenizer_type, f"one of {', '.join(TOKENIZER_TYPES)}")
+        _require(split_weights(self.split) is not None, prefix, "split", self.split,
+                 "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'")
+
+
+def split_weights(split: str) -> list[float] | None:
+    """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
+    when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
+    0,0,0, then divides by zero)."""
+    parts = re.split(r"[,/]", split.strip())
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        return None
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights):
+        return None
+    return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
 
 
 @dataclass
@@ -250,6 +275,12 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: bool = True  # continue from the latest checkpoint in `dir` when there is one
     load: str | None = None  # a checkpoint directory to start from when `dir` has none
+    # On resume the config's LR schedule (train_steps, warmup, lr, floor, Adam betas, weight
+    # decay) replaces the checkpoint's, each change logged; true keeps the checkpoint's.
+    keep_schedule: bool = False
+    # A damaged checkpoint to resume from is an error naming the file; true resumes from the
+    # newest earlier complete checkpoint instead (the damaged one is renamed *.damaged).
+    fallback_to_previous: bool = False
     # dp_reshardable: fast, fully parallel, reloadable only with the same TP/PP layout;
     # fully_reshardable: gathers optimizer state at save so any TP/PP/DP layout can resume.
     optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
@@ -279,6 +310,9 @@ class RunConfig:
         # ALRS analyses every matrix on every rank's group; pipeline stages hold different ones.
         _require(not (self.train.use_alrs and self.parallel.pipeline > 1), "train", "use_alrs",
                  self.train.use_alrs, "false when parallel.pipeline > 1 (not supported yet)")
+        _require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
+                 "eval_depths", self.train.eval_depths,
+                 "empty for model.arch=dense (a Dense model has no depth to vary)")
         return self
 
 
@@ -400,14 +434,23 @@ def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConf
         raise ConfigError(f"config file {path}: {e}") from None
 
 
-def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:
-    """Writes atomically: a temporary file in the same directory, then rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".config-", suffix=".yaml")
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes a temporary file in the same directory, then renames it over ``path``. The file gets
+    the permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), not
+    ``tempfile.mkstemp``'s 0600, so that teammates can read a shared run."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        with open(tmp, "x") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Writes atomically (``write_text_atomic``)."""
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -6,6 +6,13 @@
 Configuration is layered: defaults < ``--preset`` (model size) < ``--config`` YAML < dotted
 overrides. The resolved config is validated before anything heavy runs and written to
 ``<train.out_dir>/config.yaml``. Launch under torchrun, srun or mpiexec for more than one process.
+
+Exit codes: 0 finished; 2 a configuration, data, storage or checkpoint problem (one line on
+stderr); 3 training aborted (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 with a checkpoint saved
+(resumable). torchrun reports any failed worker as 1, so requeue-on-75 needs srun or a direct launch.
+
+Only the standard library is imported at module level: the stop-signal handlers go in before torch
+loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143.
 """
 
 from __future__ import annotations
@@ -17,9 +24,7 @@ import os
 import sys
 import warnings
 
-import torch
-
-from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml, save_yaml
+from megaloop.training.signals import StopSignals
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal after saving a checkpoint
 
@@ -36,7 +41,10 @@ def _quiet_third_party_warnings() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter INFO lists
 
 
-def build_config(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
+def build_config(argv: list[str] | None = None):
+    """(validated RunConfig, parsed arguments)."""
+    from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml
+
     parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", help="model size preset (tiny, 60M, 135M, 350M, 1B, 7B, olmo)")
     parser.add_argument("--config", help="YAML run config (sections model, parallel, train, data, "
@@ -57,18 +65,29 @@ def build_config(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_signals = StopSignals()  # first: see the module docstring
+    try:
+        return _run(argv, stop_signals)
+    finally:
+        stop_signals.restore()
+
+
+def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     _quiet_third_party_warnings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from megaloop.config import ConfigError, save_yaml
+
     try:
         cfg, _ = build_config(argv)
+        import torch
+
         from megaloop.data import DataError
         from megaloop.training.checkpoint import CheckpointError
         from megaloop.training.trainer import Trainer, TrainingAborted
 
         try:
-            trainer = Trainer(cfg)
+            trainer = Trainer(cfg, stop_signals)
             if torch.distributed.get_rank() == 0:
-                os.makedirs(cfg.train.out_dir, exist_ok=True)
                 save_yaml(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
             result = trainer.train()
         except (DataError, CheckpointError, TrainingAborted) as e:
@@ -77,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Stopped early by SIGTERM/SIGUSR1 with a checkpoint saved: "try again later", so that a job
-    # script can requeue (slurm/asymloop_7b.sh does) while a finished run exits 0.
+    # Stopped early by SIGTERM/SIGUSR1 (with a checkpoint of any step run): "try again later", so
+    # that a job script can requeue (slurm/asymloop_7b.sh does) while a finished run exits 0.
     return EXIT_RESUMABLE if result.get("stopped_by_signal") else 0
 
 

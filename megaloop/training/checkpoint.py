@@ -4,37 +4,55 @@ Layout of ``<dir>``::
 
     iter_0000100/          a complete checkpoint (dist_checkpointing files + config.yaml)
     iter_0000200.tmp/      a save in progress, or one killed mid-way: never loaded, removed later
+    iter_0000300.damaged*  a damaged checkpoint set aside by checkpoint.fallback_to_previous
     latest                 text file naming the newest complete checkpoint, replaced atomically
 
 A save writes into ``iter_N.tmp``, and only when every rank has finished does rank 0 rename it to
 ``iter_N`` and then repoint ``latest``. A ``kill -9`` at any moment therefore leaves ``latest`` on
-the previous complete checkpoint. Checkpoints beyond ``keep_last`` are deleted after the pointer
-moves. The state dicts hold only plain types and tensors, so megatron-core's ``torch.load``
-(``weights_only=True`` by default in torch >= 2.6) reads them.
+the previous complete checkpoint, and so does a save that fails (full disk, any OSError): it is a
+one-line ``CheckpointError`` naming the path. Checkpoints beyond ``keep_last`` are deleted after
+the pointer moves. The state dicts hold only plain types and tensors, so megatron-core's
+``torch.load`` (``weights_only=True`` by default in torch >= 2.6) reads them.
+
+Before a resume, rank 0 checks that every file the checkpoint needs is there and long enough
+(``verify_checkpoint``) and all ranks agree on the outcome, so that a damaged checkpoint is one
+line naming the file instead of megatron-core's multi-rank traceback.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
-import tempfile
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import ConfigError, RunConfig, save_yaml
+from megaloop.config import ConfigError, RunConfig, save_yaml, write_text_atomic
+from megaloop.training.collective import is_rank0, rank0_decides
+
+log = logging.getLogger("megaloop.train")
 
 LATEST = "latest"
 _NAME = re.compile(r"^iter_(\d{7})$")
-# Model fields that decide parameter shapes or what the weights mean; anything else (iterations,
-# joint_attention kernel, sequence length) may change between a save and a resume.
+# Model fields that decide parameter shapes or what the weights mean: a resume that changes one is
+# refused. Every other ModelConfig field is in RESUMABLE_MODEL_FIELDS (tests hold the two lists to
+# ModelConfig, so that a new field has to be placed in one of them).
 ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size",
                        "num_attention_heads", "num_query_groups", "vocab_size", "encoder_layers",
                        "block", "qk_norm", "injection", "local_kv", "decoder_ffn_hidden_size",
                        "tie_embeddings")
+# Test-time depth, the attention kernel, the context length (warned: it changes the sample order),
+# RoPE base and norm epsilon (context extension, fine-tuning) and the initialisation scale (used
+# only before a load).
+RESUMABLE_MODEL_FIELDS = ("iterations", "joint_attention", "seq_length", "rotary_base",
+                          "norm_eps", "init_std")
 
 
 class CheckpointError(RuntimeError):
@@ -45,22 +63,19 @@ def checkpoint_name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _one_line(error: BaseException) -> str:
+    """The first line of what went wrong; for torch's CheckpointException (a BaseException that
+    wraps every rank's traceback) that of the first failing rank's own exception."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and failures:
+        error = next(iter(failures.values()))[0]
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -75,6 +90,51 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         raise CheckpointError(f"{pointer}: names {name!r}, which is not a complete checkpoint "
                               f"directory in {directory}")
     return path
+
+
+def complete_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The renamed (complete) ``iter_N`` directories of ``directory``, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir())
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raises a CheckpointError naming the first missing or truncated file of checkpoint ``path``:
+    config.yaml, metadata.json, common.pt, the torch_dist ``.metadata`` and every ``.distcp``
+    file it indexes (present, and as long as the byte ranges it records). Reads only metadata and
+    file sizes, not the shards. Damage inside a shard of the right length is not detectable:
+    torch_dist stores no checksums."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved_config(path)
+    marker = path / "metadata.json"
+    try:
+        json.loads(marker.read_text())["sharded_backend"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker}: missing or unreadable ({_one_line(e)})") from None
+    common = path / "common.pt"
+    try:
+        torch.load(common, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, pickle errors, OSError...
+        raise CheckpointError(f"{common}: missing or truncated ({_one_line(e)})") from None
+    index = path / ".metadata"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{index}: missing or truncated ({_one_line(e)})") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: missing (listed in {index.name})")
+        size = shard.stat().st_size
+        if size < end:
+            raise CheckpointError(f"{shard}: truncated ({size} bytes, {index.name} records {end})")
 
 
 def step_of(path: Path) -> int:
@@ -116,36 +176,74 @@ def check_compatible(path: Path, cfg: RunConfig) -> None:
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: RunConfig,
                     keep_last: int) -> Path:
-    """Collective: every rank calls it with its sharded state dict."""
+    """Collective: every rank calls it with its sharded state dict. A failed save raises a
+    CheckpointError naming the path, leaving ``latest`` where it was."""
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     final = directory / checkpoint_name(step)
     tmp = directory / (checkpoint_name(step) + ".tmp")
-    if _is_rank0():
+    try:
+        previous = latest_checkpoint(directory)
+    except CheckpointError:  # a pointer to nothing: this save repoints it
+        previous = None
+    if is_rank0():
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("iter_*.tmp"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
         if final.exists():
-            if latest_checkpoint(directory) == final:
+            if previous == final:
                 raise CheckpointError(f"{final}: already the latest checkpoint; refusing to "
                                       "overwrite it in place")
-            shutil.rmtree(final)  # an older run's, not pointed to: safe to replace
+            shutil.rmtree(final)  # complete but never pointed to (a failed pointer move)
         tmp.mkdir()
     _barrier()
-    dist_checkpointing.save(state, str(tmp))
+    try:
+        dist_checkpointing.save(state, str(tmp))
+    except (Exception, CheckpointException) as e:  # every rank sees the failure of any rank
+        free = _free_space(directory)
+        _discard(tmp)
+        raise CheckpointError(f"{tmp}: saving step {step} failed ({_one_line(e)}; {free} free "
+                              f"on its filesystem); latest is still "
+                              f"{previous.name if previous else 'none'}") from None
     _barrier()
-    if _is_rank0():
-        save_yaml(cfg, tmp / "config.yaml")
-        os.replace(tmp, final)
-        _write_text_atomic(directory / LATEST, final.name + "\n")
-        # Keep the newest keep_last by step, and always the one just written (a run restarted
-        # with resume=false may share the directory with higher-numbered checkpoints).
-        complete = sorted(p for p in directory.iterdir() if _NAME.match(p.name) and p != final)
+    if is_rank0():
+        try:
+            save_yaml(cfg, tmp / "config.yaml")
+            os.replace(tmp, final)
+        except OSError as e:
+            _discard(tmp)
+            raise CheckpointError(f"{e.filename or tmp}: saving step {step} failed "
+                                  f"({e.strerror or e}); latest is still "
+                                  f"{previous.name if previous else 'none'}") from None
+        try:
+            write_text_atomic(directory / LATEST, final.name + "\n")
+        except OSError as e:
+            raise CheckpointError(f"{directory / LATEST}: not moved to {final.name} "
+                                  f"({e.strerror or e}); it still names "
+                                  f"{previous.name if previous else 'nothing'}") from None
+        # Keep the newest keep_last by step, and always the one just written.
+        complete = [p for p in complete_checkpoints(directory) if p != final]
         for old in complete[:max(len(complete) - (keep_last - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _free_space(directory: Path) -> str:
+    """Space left for unprivileged writes: a full disk often surfaces as some other error (torch's
+    zip writer says "unexpected pos")."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return "unknown space"
+    return f"{stats.f_bavail * stats.f_frsize / 2**20:.1f} MiB"
+
+
+def _discard(tmp: Path) -> None:
+    """Removes a failed save's directory (it frees the space a full disk needs back)."""
+    if is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, sharded_state: dict) -> dict:
@@ -156,9 +254,8 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
         raise CheckpointError(f"{path}: missing metadata.json, not a dist_checkpointing checkpoint")
     try:
         return dist_checkpointing.load(sharded_state, str(path))
-    except (RuntimeError, ValueError, KeyError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: cannot be loaded into this run ({first})") from e
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{path}: cannot be loaded into this run ({_one_line(e)})") from None
 
 
 def rng_state() -> dict:
@@ -182,11 +279,23 @@ def set_rng_state(state: dict) -> None:
 
 
 def resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
-    """Where a run starts from: the latest checkpoint of its own directory, else checkpoint.load."""
-    if cfg.checkpoint.resume:
-        latest = latest_checkpoint(checkpoint_dir)
-        if latest is not None:
-            return latest
+    """Where a run starts from (the same answer on every rank): the checkpoint ``latest`` names in
+    its own directory, else the newest complete one there (a lost ``latest``), else
+    ``checkpoint.load``, else None. The checkpoint is verified first; a damaged one is an error
+    naming the file, or with ``checkpoint.fallback_to_previous`` is set aside for the newest
+    earlier one that verifies."""
+    return rank0_decides(lambda: _find_resume_source(cfg, Path(checkpoint_dir)),
+                         (CheckpointError, ConfigError))
+
+
+def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
+    complete = complete_checkpoints(checkpoint_dir)
+    if cfg.checkpoint.resume and (complete or (checkpoint_dir / LATEST).exists()):
+        return _verified_own_checkpoint(checkpoint_dir, complete, cfg.checkpoint.fallback_to_previous)
+    if complete:
+        raise ConfigError(f"checkpoint.resume=false: {checkpoint_dir} holds another run's "
+                          f"checkpoints (newest {complete[-1].name}) that this run would "
+                          "overwrite; use another checkpoint.dir or remove them")
     if cfg.checkpoint.load:
         path = Path(cfg.checkpoint.load)
         if path.is_dir() and (path / LATEST).exists():
@@ -194,5 +303,49 @@ def resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
         if not (path / "config.yaml").is_file():
             raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: no checkpoint there "
                               "(expected a directory with config.yaml, or one with a 'latest' file)")
+        verify_checkpoint(path)
         return path
     return None
+
+
+def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bool) -> Path:
+    pointer = directory / LATEST
+    if pointer.exists():
+        name = pointer.read_text().strip()
+        named = directory / name
+        if not _NAME.match(name) or not named.is_dir():
+            candidate, problem = None, f"{pointer}: names {name!r}, which is not a checkpoint " \
+                                       f"directory in {directory}"
+        else:
+            candidate, problem = named, None
+    else:
+        candidate, problem = complete[-1], None
+        log.warning("%s: no 'latest' pointer; resuming from the newest complete checkpoint %s",
+                    directory, candidate.name)
+    if candidate is not None:
+        try:
+            verify_checkpoint(candidate)
+            return candidate
+        except CheckpointError as e:
+            problem = str(e)
+    earlier = [p for p in complete if candidate is None or step_of(p) < step_of(candidate)]
+    if not fallback:
+        hint = (f"; checkpoint.fallback_to_previous=true resumes from {earlier[-1].name}"
+                if earlier else "")
+        raise CheckpointError(problem + hint)
+    for older in reversed(earlier):
+        try:
+            verify_checkpoint(older)
+        except CheckpointError as e:
+            log.warning("%s", e)
+            continue
+        if candidate is not None:
+            damaged = candidate.with_name(f"{candidate.name}.damaged-{int(time.time())}")
+            os.replace(candidate, damaged)
+            problem += f" (set aside as {damaged.name})"
+        write_text_atomic(pointer, older.name + "\n")
+        log.warning("%s; resuming from %s instead (checkpoint.fallback_to_previous)", problem,
+                    older.name)
+        return older
+    raise CheckpointError(f"{problem}; no earlier complete checkpoint in {directory} to fall "
+                          "back to")

@@ -8,17 +8,28 @@ parallel rank r takes the ``micro_batch_size`` samples at s*G + (m*dp + r)*micro
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import numpy
 import torch
 
 from megaloop.config import ConfigError, RunConfig
-from megaloop.data import DatasetTokenizer, build_gpt_datasets, load_tokenizer
+from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
+                           load_tokenizer, parse_blend, validate_indexed)
+from megaloop.training.collective import rank0_decides
+
+_SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
 
 
 def dataset_tokenizer(cfg: RunConfig) -> DatasetTokenizer:
     data, model = cfg.data, cfg.model
     if data.tokenizer_model is not None:
-        tokenizer = DatasetTokenizer.from_text_tokenizer(
-            load_tokenizer(data.tokenizer_type, data.tokenizer_model))
+        try:
+            text_tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_model)
+        except TokenizerError as e:
+            raise ConfigError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
+        tokenizer = DatasetTokenizer.from_text_tokenizer(text_tokenizer)
     else:
         tokenizer = DatasetTokenizer(model.vocab_size, data.eod_id, name=f"eod{data.eod_id}")
     if tokenizer.vocab_size > model.vocab_size:
@@ -38,7 +49,49 @@ def build_datasets(cfg: RunConfig):
     )
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
+    prefixes = parse_blend(cfg.data.path)[0]
+    cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
+    rank0_decides(lambda: check_token_ids(prefixes, cfg.model.vocab_size, cache_dir),
+                  (DataError,))
     return train, valid
+
+
+def check_token_ids(prefixes: list[str], vocab_size: int, cache_dir: str | os.PathLike) -> None:
+    """Refuses data holding a token id >= ``model.vocab_size`` (made with another tokenizer),
+    which would otherwise be an IndexError inside step 1 on CPU and a device-side assert on GPU.
+    Free when the token dtype cannot hold such an id; otherwise one pass over the .bin, done once
+    per file version: the maximum is cached as ``max_token_id-*`` files in the shuffle-index
+    cache directory, keyed by the file's size and modification time."""
+    for prefix in prefixes:
+        summary = validate_indexed(prefix)
+        if numpy.iinfo(summary.dtype).max < vocab_size:
+            continue
+        top = _max_token_id(prefix + ".bin", summary, cache_dir)
+        if top >= vocab_size:
+            raise DataError(f"{prefix}.bin: token id {top} is outside the model's vocabulary "
+                            f"(model.vocab_size={vocab_size}); the data was tokenized with "
+                            "another tokenizer, or the vocabulary is too small")
+
+
+def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:
+    stat = os.stat(bin_file)
+    directory = Path(cache_dir)
+    cached = directory / (f"max_token_id-{Path(bin_file).name}-{stat.st_size}-"
+                          f"{stat.st_mtime_ns}.txt")
+    try:
+        return int(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    tokens = numpy.memmap(bin_file, dtype=summary.dtype, mode="r")
+    top = max((int(tokens[i:i + _SCAN_CHUNK].max())
+               for i in range(0, summary.num_tokens, _SCAN_CHUNK)), default=-1)
+    del tokens
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cached.write_text(f"{top}\n")
+    except OSError:  # a read-only cache only costs the scan again next time
+        pass
+    return top
 
 
 class MicroBatches:

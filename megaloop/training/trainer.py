@@ -1,14 +1,18 @@
 """The training loop: megatron-core DDP, distributed optimizer and pipeline schedules around LoopedLM.
 
 Order of set-up (cheap checks first, so that a mistake costs seconds, not a model build):
-config validation -> process groups -> datasets (bad files fail here) -> resume source and its
-architecture check -> model -> DDP -> optimizer -> checkpoint load.
+config validation -> stop-signal handlers -> process groups -> run directories (probe writes, run
+lock) -> datasets (bad files and token ids beyond the vocabulary fail here) -> resume source
+(verified) and its architecture check -> model -> DDP -> optimizer -> checkpoint load.
 
 One optimizer step (1-based ``step``): micro-batches run through ``get_forward_backward_func``
 (gradient accumulation, pipeline schedule), ``finalize_model_grads`` reduces gradients, a non-finite
 loss skips the update, the LR multipliers (ALRS) are applied, the optimizer steps and the scheduler
-advances. SIGTERM / SIGUSR1 (SLURM preemption) make the loop save a checkpoint and return at the end
-of the current step.
+advances. The loss is summed over the global batch's unmasked tokens and megatron-core divides the
+gradients by their total count (``calculate_per_token_loss``), so the gradient is that of the
+token-weighted mean loss whatever the micro-batch split and however many tokens the loss mask
+drops from each micro-batch. SIGTERM / SIGUSR1 (SLURM preemption) make the loop save a checkpoint
+and return at the end of the current step (or at once, before the first step).
 """
 
 from __future__ import annotations
@@ -25,8 +29,14 @@ import torch.distributed as dist
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.data import MicroBatches, build_datasets
+from megaloop.training.run_dir import prepare_run_dirs
+from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
+
+# Train fields that shape the LR schedule and the optimizer's update, compared on resume.
+SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weight_decay",
+                   "adam_beta1", "adam_beta2")
 
 
 class TrainingAborted(RuntimeError):
@@ -52,7 +62,15 @@ def _precision(cfg: RunConfig) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    """``Trainer(cfg).train()`` runs a whole training; ``close()`` (which ``train`` calls) releases
+    the run lock, the signal handlers and the monitor of a Trainer used without ``train``.
+
+    ``stop_signals``: handlers the caller installed earlier (``megaloop-train`` does so before
+    importing torch); by default the Trainer installs its own and restores the previous ones when
+    it closes.
+    """
+
+    def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg.validate()
         self.precision = _precision(cfg)
         if cfg.parallel.sequence_parallel:
@@ -61,16 +79,15 @@ class Trainer:
             if not transformer_engine_available():  # megatron-core's torch norms refuse it
                 raise ConfigError("parallel.sequence_parallel=True: needs Transformer Engine "
                                   "norms on a CUDA GPU")
-        # Installed before anything slow (checkpoint loading) so that a preemption signal during
-        # set-up is remembered, not fatal; train() acts on it after its first step. A failed
-        # set-up puts the previous handlers back.
-        self._stop_signal: int | None = None
-        self._previous_handlers = {s: signal.signal(s, self._on_signal)
-                                   for s in (signal.SIGTERM, signal.SIGUSR1)}
+        # Installed before anything slow so that a preemption signal during set-up is remembered,
+        # not fatal; train() acts on it before its first step. A failed set-up closes the Trainer.
+        self._own_signals = stop_signals is None
+        self.stop_signals = StopSignals() if stop_signals is None else stop_signals
+        self._locks, self.monitor, self.alrs = [], None, None
         try:
             self._set_up()
         except BaseException:
-            self._restore_signal_handlers()
+            self.close()
             raise
 
     def _set_up(self) -> None:
@@ -93,6 +110,7 @@ class Trainer:
         self.num_microbatches = micro_per_step
         self.out_dir = Path(cfg.train.out_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
+        self._locks = prepare_run_dirs(self.out_dir, self.checkpoint_dir)
         self.train_data, self.valid_data = build_datasets(cfg)
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         if self.resume_path is not None:
@@ -109,9 +127,18 @@ class Trainer:
             self._load(self.resume_path)
         self.monitor = self._build_monitor()
 
-    def _restore_signal_handlers(self) -> None:
-        for s, handler in self._previous_handlers.items():
-            signal.signal(s, handler)
+    def close(self) -> None:
+        """Releases what the Trainer holds (idempotent): the signal handlers it installed, the
+        ALRS log, the monitor's files and the run lock."""
+        if self._own_signals:
+            self.stop_signals.restore()
+        if self.alrs is not None:
+            self.alrs.close()
+        if self.monitor is not None:
+            self.monitor.close()
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
 
     # ------------------------------------------------------------------ set-up
     def _build_model(self) -> None:
@@ -239,6 +266,10 @@ class Trainer:
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)
         try:
+            if self._stop_requested():  # during set-up: nothing new to save
+                log.warning("stopped by signal %s before the first step; nothing to save",
+                            self.stop_signals.received)
+                return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
             while self.step < cfg.train_steps:
                 self.step += 1
                 start = time.perf_counter()
@@ -260,8 +291,8 @@ class Trainer:
                 if self._stop_requested():
                     self.save()
                     log.warning("stopped by signal %s after step %d; checkpoint saved",
-                                self._stop_signal, self.step)
-                    return {"step": self.step, "stopped_by_signal": self._stop_signal}
+                                self.stop_signals.received, self.step)
+                    return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
                 # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
                 if interval and self.step % interval == 0 and not self._consecutive_nonfinite:
                     self.save()
@@ -274,10 +305,7 @@ class Trainer:
             self.save()
             return {"step": self.step, **final}
         finally:
-            self._restore_signal_handlers()
-            if self.alrs is not None:
-                self.alrs.close()
-            self.monitor.close()
+            self.close()
 
     def current_lr(self) -> float:
         """The base LR (multiplier 1) the next optimizer step will use."""
@@ -301,15 +329,13 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     # ------------------------------------------------------------------ signals
-    def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
-
     def _stop_requested(self) -> bool:
         """Agreed by all ranks, since each may have seen the signal at a different moment."""
-        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=_device())
+        signals = self.stop_signals
+        flag = torch.tensor([1.0 if signals.received is not None else 0.0], device=_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM
+        if flag.item() and signals.received is None:
+            signals.received = signal.SIGTERM
         return bool(flag.item())
 
     # ------------------------------------------------------------------ checkpoints
@@ -369,12 +395,31 @@ class Trainer:
             if isinstance(optimizer, DistributedOptimizer) and not optimizer.optimizer.state:
                 optimizer._init_optimizer_states_with_dummy_values()
 
-    def _apply_configured_lr_range(self) -> None:
-        """The run's config, not the checkpoint, sets peak and floor LR (so a resumed run can change
-        train.lr); param groups reloaded from a checkpoint carry the saved ones."""
-        train = self.cfg.train
-        for group in self.optimizer.param_groups:
-            group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
+    def _resume_schedule(self, saved_train: dict, scheduler_state: dict, path: Path) -> None:
+        """The LR schedule after a resume: the config's (each change from the checkpoint logged
+        in one line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups
+        reloaded from a checkpoint carry its peak/floor LR and Adam betas, and megatron-core's
+        scheduler would take its warmup, decay length and weight decay from the checkpoint."""
+        train, keep = self.cfg.train, self.cfg.checkpoint.keep_schedule
+        for name in SCHEDULE_FIELDS:
+            before, now = saved_train.get(name), getattr(train, name)
+            if before is None or before == now:
+                continue
+            if keep:
+                log.warning("resume: train.%s=%r, but %s's schedule (%r) is kept "
+                            "(checkpoint.keep_schedule=true)", name, now, path.name, before)
+            else:
+                log.warning("resume: train.%s changed from %r to %r; the LR schedule follows the "
+                            "config from step %d (checkpoint.keep_schedule=true keeps %s's)",
+                            name, before, now, self.step, path.name)
+        scheduler = self.scheduler
+        scheduler.use_checkpoint_opt_param_scheduler = keep
+        scheduler.override_opt_param_scheduler = not keep
+        if not keep:
+            for group in self.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
+                group["betas"] = (train.adam_beta1, train.adam_beta2)
+        scheduler.load_state_dict(scheduler_state)
 
     def _restore_torch_adam_steps(self, optimizer_state) -> None:
         """torch Adam (used without apex / Transformer Engine) keeps a per-parameter step count
@@ -411,17 +456,22 @@ class Trainer:
         with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_torch_adam_steps(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._apply_configured_lr_range()
         trainer = state["trainer"]
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
+        self._resume_schedule(saved["train"], state["scheduler"], path)
         if path.parent.resolve() == self.checkpoint_dir.resolve():
             self._last_saved_step = self.step  # this very checkpoint: no need to write it again
-        order = ("path", "split", "eod_mask_loss")  # what decides the sample order
-        if ([saved["train"].get("seed")] + [saved.get("data", {}).get(k) for k in order]
-                != [self.cfg.train.seed] + [getattr(self.cfg.data, k) for k in order]):
-            log.warning("%s was trained with another data blend or seed: the sample order from "
-                        "step %d on is not the one the saved run would have seen", path, self.step)
+        cfg = self.cfg
+        sample_order = {  # what decides which samples the following steps read
+            "train.seed": (saved["train"].get("seed"), cfg.train.seed),
+            "model.seq_length": (saved["model"].get("seq_length"), cfg.model.seq_length),
+            **{f"data.{k}": (saved.get("data", {}).get(k), getattr(cfg.data, k))
+               for k in ("path", "split", "eod_mask_loss")}}
+        changed = [name for name, (before, now) in sample_order.items() if before != now]
+        if changed:
+            log.warning("resume: %s differ from %s's: the sample order from step %d on is not "
+                        "the one the saved run would have seen", ", ".join(changed), path,
+                        self.step)
         self.skipped_steps = trainer["skipped_steps"]
         self.lr_multipliers.load_state_dict(state["lr_multipliers"])
         if self.alrs is not None and state["alrs"]:

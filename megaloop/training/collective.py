@@ -1,0 +1,47 @@
+"""Decisions that every rank must share: a check that fails on one rank alone would leave the others
+waiting in the next collective until the process-group timeout (30 minutes by default)."""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def rank0_decides(compute: Callable[[], T], errors: tuple[type[Exception], ...]) -> T:
+    """Runs ``compute()`` on rank 0 only (file checks that need not run N times) and returns its
+    result on every rank; one of ``errors`` raised there is raised on every rank with the same
+    one-line message. An OSError becomes the first of ``errors``, naming the file."""
+    outcome: list = [None]
+    if is_rank0():
+        try:
+            outcome[0] = (None, compute())
+        except errors as e:
+            outcome[0] = (errors.index(type(e)) if type(e) in errors else 0, str(e))
+        except OSError as e:
+            outcome[0] = (0, f"{e.filename}: {e.strerror or e}")
+    if _world() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind is None:
+        return value
+    raise errors[kind](value)
+
+
+def first_error(error: str | None) -> str | None:
+    """Collective: the first error message any rank reports, on every rank (None if none)."""
+    if _world() == 1:
+        return error
+    gathered: list[str | None] = [None] * _world()
+    dist.all_gather_object(gathered, error)
+    return next((e for e in gathered if e), None)

@@ -1,0 +1,298 @@
+"""Checkpoints a user can trust: a failed save never moves `latest`, damaged or unpointed checkpoints
+are found before the model is built and named in one line, nothing is overwritten, and what is
+written can be read by teammates."""
+
+import errno
+import logging
+import os
+import shutil
+import stat
+
+import pytest
+
+from megaloop.config import ConfigError, ModelConfig, RunConfig, save_yaml
+from megaloop.training import checkpoint as ckpt
+from megaloop.training.trainer import Trainer
+from tests.training.conftest import tiny_run, train_losses
+
+STEPS = 4
+
+
+def _cfg(data, out, **checkpoint):
+    return tiny_run(data, out, train={"train_steps": STEPS},
+                    checkpoint={"save_interval": 2, **checkpoint})
+
+
+@pytest.fixture(scope="module")
+def saved_run(mcore, pattern_data, tmp_path_factory):
+    """A finished run with complete checkpoints at steps 2 and 4 (`latest` on 4)."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    Trainer(_cfg(pattern_data, out)).train()
+    return out
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _one_line(error) -> str:
+    text = str(error.value)
+    assert "\n" not in text and "Traceback" not in text, text
+    return text
+
+
+def _no_model(monkeypatch):
+    import megaloop.models.model as model_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model must not be built")
+
+    monkeypatch.setattr(model_module, "LoopedLM", refuse)
+
+
+# ----------------------------------------------------------------------- atomic `latest` (13.5)
+
+def _fail_rename_of_a_checkpoint(monkeypatch):
+    """os.replace of `iter_N.tmp` -> `iter_N` fails (other renames, such as the temporary file
+    of an atomic write, go through)."""
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if str(src).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(src))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+
+
+def _fail_pointer_move(monkeypatch):
+    real = ckpt.write_text_atomic
+
+    def write(path, text):
+        if os.path.basename(path) == ckpt.LATEST:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path, text)
+
+    monkeypatch.setattr(ckpt, "write_text_atomic", write)
+
+
+@pytest.mark.parametrize("inject", [_fail_rename_of_a_checkpoint, _fail_pointer_move],
+                         ids=["rename_fails", "pointer_move_fails"])
+def test_a_failed_second_save_resumes_exactly_from_the_first(saved_run, pattern_data, tmp_path,
+                                                             monkeypatch, inject):
+    out = tmp_path / "run"
+    trainer = Trainer(_cfg(pattern_data, out))
+    save = trainer.save
+
+    def save_then_break(*args, **kwargs):  # the first save (step 2) works, the next fails
+        path = save(*args, **kwargs)
+        inject(monkeypatch)
+        return path
+
+    trainer.save = save_then_break
+    with pytest.raises(ckpt.CheckpointError) as error:
+        trainer.train()
+    message = _one_line(error)
+    assert str(out / "checkpoints") in message and "iter_0000002" in message, message
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(out / "checkpoints").name == "iter_0000002"
+    resumed = Trainer(_cfg(pattern_data, out))
+    assert resumed.step == 2
+    resumed.train()
+    expected, got = train_losses(saved_run), train_losses(out)
+    assert [got[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]
+    assert ckpt.latest_checkpoint(out / "checkpoints").name == "iter_0000004"
+
+
+def _mount_tmpfs(directory, size_bytes):
+    import subprocess
+
+    directory.mkdir(parents=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                             str(directory)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip("needs permission to mount a small tmpfs (a real full disk)")
+
+
+def _unmount(directory):
+    """dist_checkpointing's writer process may still be closing its files for a moment."""
+    import subprocess
+    import time
+
+    for _ in range(20):
+        if subprocess.run(["umount", str(directory)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.25)
+    subprocess.run(["umount", "--lazy", str(directory)], check=True)
+
+
+def test_a_full_disk_at_save_time_is_one_line_naming_the_path(saved_run, pattern_data, tmp_path):
+    one_checkpoint = sum(f.stat().st_size for f in (saved_run / "checkpoints" /
+                                                    "iter_0000004").iterdir())
+    disk = tmp_path / "small_disk"
+    _mount_tmpfs(disk, int(1.5 * one_checkpoint))  # room for the first checkpoint, not a second
+    try:
+        cfg = _cfg(pattern_data, tmp_path / "run", dir=str(disk))
+        with pytest.raises(ckpt.CheckpointError) as error:
+            Trainer(cfg).train()
+        message = _one_line(error)
+        # torch's writer reports ENOSPC in its own words ("unexpected pos"): the free space says it.
+        assert message.startswith(f"{disk}/iter_0000004.tmp: saving step 4 failed"), message
+        assert "free on its filesystem" in message
+        assert "latest is still iter_0000002" in message
+        assert ckpt.latest_checkpoint(disk).name == "iter_0000002"
+        assert not (disk / "iter_0000004.tmp").exists(), "the failed save's files are removed"
+    finally:
+        _unmount(disk)
+
+
+# ----------------------------------------------------------------------- damaged checkpoints
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("__0_0.distcp", _truncate), ("__0_0.distcp", os.remove),
+    (".metadata", _truncate), (".metadata", os.remove),
+    ("common.pt", _truncate), ("common.pt", os.remove),
+    ("metadata.json", os.remove), ("config.yaml", os.remove),
+])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(saved_run, pattern_data, tmp_path,
+                                                          monkeypatch, name, damage):
+    out = _copy(saved_run, tmp_path)
+    damaged = out / "checkpoints" / "iter_0000004" / name
+    damage(damaged)
+    _no_model(monkeypatch)
+    with pytest.raises(ckpt.CheckpointError) as error:
+        Trainer(_cfg(pattern_data, out))
+    message = _one_line(error)
+    assert message.startswith(str(damaged)), message
+    assert "checkpoint.fallback_to_previous=true resumes from iter_0000002" in message
+
+
+def test_fallback_resumes_from_the_previous_complete_checkpoint(saved_run, pattern_data,
+                                                                tmp_path, caplog):
+    out = _copy(saved_run, tmp_path)
+    checkpoints = out / "checkpoints"
+    shard = checkpoints / "iter_0000004" / "__0_0.distcp"
+    _truncate(shard)
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        trainer = Trainer(_cfg(pattern_data, out, fallback_to_previous=True))
+    assert trainer.step == 2
+    assert any(str(shard) in r.message and "resuming from iter_0000002" in r.message
+               for r in caplog.records), caplog.text
+    set_aside = [p.name for p in checkpoints.iterdir() if ".damaged" in p.name]
+    assert len(set_aside) == 1 and set_aside[0].startswith("iter_0000004.damaged")
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000002"
+    trainer.train()
+    expected, got = train_losses(saved_run), train_losses(out)
+    assert [got[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]
+
+
+# ----------------------------------------------------------------------- lost `latest`
+
+def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint(saved_run, pattern_data,
+                                                                   tmp_path, caplog):
+    out = _copy(saved_run, tmp_path)
+    checkpoints = out / "checkpoints"
+    (checkpoints / "latest").unlink()
+    shutil.copytree(checkpoints / "iter_0000004", checkpoints / "iter_0000006.tmp")  # killed
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        trainer = Trainer(tiny_run(pattern_data, out, train={"train_steps": 6},
+                                   checkpoint={"save_interval": 2}))
+    assert trainer.step == 4, "resumed from the newest complete checkpoint, not from scratch"
+    assert "no 'latest' pointer; resuming from the newest complete checkpoint iter_0000004" \
+        in caplog.text
+    trainer.train()
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("iter")) == \
+        ["iter_0000002", "iter_0000004", "iter_0000006"]
+
+
+def test_resume_false_refuses_a_directory_holding_checkpoints(saved_run, pattern_data, tmp_path,
+                                                               monkeypatch):
+    out = _copy(saved_run, tmp_path)
+    (out / "checkpoints" / "latest").unlink()
+    _no_model(monkeypatch)
+    with pytest.raises(ConfigError) as error:
+        Trainer(_cfg(pattern_data, out, resume=False))
+    assert "checkpoint.resume=false" in _one_line(error) and "iter_0000004" in str(error.value)
+
+
+# ----------------------------------------------------------------------- permissions
+
+def test_latest_and_config_are_readable_by_others_like_the_shards(saved_run, pattern_data,
+                                                                  tmp_path):
+    previous = os.umask(0o022)
+    try:
+        Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 1})).train()
+    finally:
+        os.umask(previous)
+    checkpoint = tmp_path / "checkpoints" / "iter_0000001"
+
+    def mode(path):
+        return stat.S_IMODE(path.stat().st_mode)
+
+    assert mode(checkpoint / "__0_0.distcp") == 0o644
+    for path in (tmp_path / "checkpoints" / "latest", checkpoint / "config.yaml"):
+        assert mode(path) == 0o644, path
+
+
+# ----------------------------------------------------------------------- architecture (13.6)
+
+# Each architecture-defining field with a value different from the saved run's, as a user would
+# set it; every other ModelConfig field may change on resume.
+ARCHITECTURE_CHANGES = {
+    "arch": "fullloop", "num_layers": 6, "hidden_size": 64, "ffn_hidden_size": 96,
+    "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 256, "encoder_layers": 1,
+    "block": "olmo", "qk_norm": False, "injection": "additive", "local_kv": False,
+    "decoder_ffn_hidden_size": 96, "tie_embeddings": True,
+}
+RESUMABLE_CHANGES = {"iterations": 5, "joint_attention": "masked", "seq_length": 64,
+                     "rotary_base": 500000.0, "norm_eps": 1e-6, "init_std": 0.01}
+
+
+def test_every_model_field_is_either_architecture_or_resumable():
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(ARCHITECTURE_CHANGES) | set(RESUMABLE_CHANGES) == fields
+    assert set(ckpt.ARCHITECTURE_FIELDS) == set(ARCHITECTURE_CHANGES)
+    assert set(ckpt.RESUMABLE_MODEL_FIELDS) == set(RESUMABLE_CHANGES)
+
+
+@pytest.fixture
+def saved_config(tmp_path):
+    """A checkpoint directory's config.yaml (all check_compatible reads)."""
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    model = ModelConfig(arch="asymloop", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                        num_attention_heads=4, num_query_groups=2, vocab_size=128)
+    save_yaml(RunConfig(model=model.resolve()), path / "config.yaml")  # saved resolved, as runs do
+    return path
+
+
+@pytest.mark.parametrize("field, value", sorted(ARCHITECTURE_CHANGES.items()))
+def test_each_architecture_field_changed_alone_is_refused(saved_config, field, value):
+    import dataclasses
+
+    cfg = RunConfig(model=dataclasses.replace(ckpt_model(saved_config), **{field: value}))
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_compatible(saved_config, cfg)
+    assert f"model.{field}=" in _one_line(error)
+
+
+@pytest.mark.parametrize("field, value", sorted(RESUMABLE_CHANGES.items()))
+def test_resumable_model_fields_may_change(saved_config, field, value):
+    import dataclasses
+
+    cfg = RunConfig(model=dataclasses.replace(ckpt_model(saved_config), **{field: value}))
+    ckpt.check_compatible(saved_config, cfg)
+
+
+def ckpt_model(path) -> ModelConfig:
+    from megaloop.config import from_dict
+
+    return from_dict(ModelConfig, ckpt.saved_config(path)["model"])
