@@ -2,6 +2,8 @@
 
 import pytest
 
+from tests.training.conftest import pattern_data  # noqa: F401  (a fixture)
+
 from megaloop.config import save_yaml, RunConfig, ModelConfig
 from megaloop.train import build_config, main
 
@@ -25,15 +27,32 @@ def test_cli_and_api_presets_agree_on_iterations():
         assert cfg.model.iterations == preset("135M", arch=arch).iterations
 
 
+DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["model.hiden_size=3"], "error: unknown field model.hiden_size (did you mean hidden_size?)"),
     ([], "error: data.path=[]: must be a non-empty list of dataset prefixes"),
     (["--preset", "2B"], "error: --preset '2B': unknown"),
     (["data.path=[/nonexistent/prefix]", "data.eod_id=0", "train.out_dir=OUT"],
      "error: /nonexistent/prefix.idx: not found"),
+    (["data.path=[DATA]", "data.tokenizer_model=/nonexistent/tok.model", "train.out_dir=OUT"],
+     "error: data.tokenizer_model='/nonexistent/tok.model': /nonexistent/tok.model: tokenizer "
+     "file not found"),
+    (DATA + ["data.tokenizer_type=GPT2BPETokenizer"],
+     "error: data.tokenizer_type='GPT2BPETokenizer': must be one of SentencePieceTokenizer"),
+    (DATA + ["data.split=90;10"], "error: data.split='90;10': must be up to three non-negative"),
+    (DATA + ["data.split=-1,2"], "error: data.split='-1,2': must be up to three non-negative"),
+    (DATA + ["data.split=0,1,0"], "error: data.split='0,1,0': must be up to three non-negative"),
+    (DATA + ["train.out_dir="], "error: train.out_dir='': must be a directory path"),
+    (DATA + ["model.arch=dense", "model.iterations=1", "train.eval_depths=[1,2]"],
+     "error: train.eval_depths=[1, 2]: must be empty for model.arch=dense"),
+    (DATA + ["model.vocab_size=64", "model.hidden_size=64", "data.split=90,10,0"],
+     "error: DATA.bin: token id 120 is outside the model's vocabulary (model.vocab_size=64)"),
 ])
-def test_user_mistakes_are_one_line_errors(capsys, tmp_path, argv, message):
-    argv = [a.replace("OUT", str(tmp_path)) for a in argv]
+def test_user_mistakes_are_one_line_errors(capsys, tmp_path, pattern_data, argv, message):
+    argv = [a.replace("OUT", str(tmp_path)).replace("DATA", pattern_data) for a in argv]
+    message = message.replace("DATA", pattern_data)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message), err

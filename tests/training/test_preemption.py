@@ -104,3 +104,34 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pat
     trainer.train()
     assert not list(checkpoints.glob("*.tmp")), "the next save clears a killed save's leftovers"
     assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000006"
+
+
+SIGTERM_DURING_START_UP = textwrap.dedent("""
+    import runpy, signal, sys
+
+    class ReportFirstTorchImport:  # a meta-path finder that only watches
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                sys.meta_path.remove(self)
+                handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+                print(f"importing torch; SIGTERM handled: {handled}", flush=True)
+                signal.raise_signal(signal.SIGTERM)  # preempted in the first second
+            return None
+
+    sys.meta_path.insert(0, ReportFirstTorchImport())
+    sys.argv = ["megaloop-train", "--config", sys.argv[1]]
+    runpy.run_module("megaloop.train", run_name="__main__")
+""")
+
+
+def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_data, tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    (tmp_path / "start_up.py").write_text(SIGTERM_DURING_START_UP)
+    proc = subprocess.run([sys.executable, str(tmp_path / "start_up.py"),
+                           str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert "importing torch; SIGTERM handled: True" in proc.stdout, proc.stdout
+    assert proc.returncode == EXIT_RESUMABLE, proc.stderr[-2000:]
+    assert "stopped by signal 15 before the first step; nothing to save" in proc.stderr
+    assert not (tmp_path / "checkpoints" / "latest").exists()

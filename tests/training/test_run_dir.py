@@ -1,0 +1,143 @@
+"""Storage faults are found before training, and one directory serves one live run at a time."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megaloop.config import ConfigError
+from megaloop.training.run_dir import LOCK_FILE
+from megaloop.training.trainer import Trainer
+from tests.distributed import run_distributed
+from tests.training.conftest import tiny_run
+
+REPO = Path(__file__).parents[2]
+
+
+def _one_line(error) -> str:
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import megaloop.models.model as model_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model must not be built")
+
+    monkeypatch.setattr(model_module, "LoopedLM", refuse)
+
+
+@pytest.mark.parametrize("field", ["train.out_dir", "checkpoint.dir"])
+def test_a_directory_below_a_file_is_refused_before_the_model_is_built(
+        mcore, pattern_data, tmp_path, no_model, field):
+    blocker = tmp_path / "results.txt"
+    blocker.write_text("not a directory")
+    target = blocker / "run"
+    cfg = tiny_run(pattern_data, tmp_path / "run")
+    if field == "train.out_dir":
+        cfg.train.out_dir = str(target)
+    else:
+        cfg.checkpoint.dir = str(target)
+    with pytest.raises(ConfigError) as error:
+        Trainer(cfg)
+    assert _one_line(error) == f"{field}={str(target)!r}: {blocker} is a file, not a directory"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write to: a chmod, or for root (whom permissions do not
+    stop) a read-only tmpfs mount."""
+    path = tmp_path / "read_only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("running as root without permission to mount a read-only tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_checkpoint_dir_fails_before_step_one(mcore, pattern_data, tmp_path,
+                                                          read_only_dir, no_model):
+    # save_interval=0: the first save would come only after the whole run.
+    cfg = tiny_run(pattern_data, tmp_path / "run", checkpoint={"dir": str(read_only_dir),
+                                                                "save_interval": 0})
+    with pytest.raises(ConfigError) as error:
+        Trainer(cfg)
+    message = _one_line(error)
+    assert message.startswith(f"checkpoint.dir={str(read_only_dir)!r}: not writable"), message
+
+
+def test_a_second_trainer_on_a_directory_in_use_is_refused(mcore, pattern_data, tmp_path):
+    first = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 1}))
+    with pytest.raises(ConfigError) as error:
+        Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 1}))
+    assert f"pid {os.getpid()} on " in _one_line(error) and "in use by another run" in str(
+        error.value)
+    # A different out_dir sharing the checkpoint directory is refused too.
+    with pytest.raises(ConfigError, match=r"checkpoint.dir=.*in use by another run"):
+        Trainer(tiny_run(pattern_data, tmp_path / "other", train={"train_steps": 1},
+                         checkpoint={"dir": str(tmp_path / "checkpoints")}))
+    first.close()
+    Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 1})).close()
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from megaloop.training.run_dir import RunLock
+lock = RunLock(Path(sys.argv[1]), "train.out_dir")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_live_run_in_another_process_blocks_and_a_killed_one_does_not(mcore, pattern_data,
+                                                                        tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {holder.pid} on "):
+            Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 1}))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    # The crashed holder's lock file is still there, stating a dead pid: it does not block.
+    assert f"pid {holder.pid}" in (tmp_path / LOCK_FILE).read_text()
+    start = time.perf_counter()
+    Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 1})).train()
+    assert time.perf_counter() - start < 120
+
+
+def _refused_on_every_rank(rank, world_size, data_prefix, out_dir):
+    cfg = tiny_run(data_prefix, Path(out_dir))
+    try:
+        Trainer(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_every_rank_raises_rank_zeros_storage_error(mcore, pattern_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    messages = run_distributed(_refused_on_every_rank, world_size=2, data_prefix=pattern_data,
+                               out_dir=str(blocker / "run"))
+    assert messages[0] == messages[1] and "is a file, not a directory" in messages[0]
