@@ -3,7 +3,7 @@
 import pytest
 
 from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, apply_overrides,
-                             load_yaml, save_yaml)
+                             load_yaml, save_yaml, split_weights, write_text_atomic)
 
 
 def test_yaml_round_trip_preserves_every_field(tmp_path):
@@ -13,7 +13,7 @@ def test_yaml_round_trip_preserves_every_field(tmp_path):
     path = tmp_path / "run.yaml"
     save_yaml(cfg, path)
     assert load_yaml(path) == cfg
-    assert not list(tmp_path.glob(".config-*")), "no temporary file may be left behind"
+    assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"], "no temporary file left behind"
 
 
 def test_dotted_overrides_are_typed():
@@ -113,3 +113,58 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_yaml(bad)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_writes_get_the_permissions_of_a_plain_open(tmp_path, umask, mode):
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        write_text_atomic(tmp_path / "latest", "iter_0000001\n")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "latest").stat().st_mode) == mode
+    assert (tmp_path / "latest").read_text() == "iter_0000001\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    import os
+
+    target = tmp_path / "latest"
+    target.write_text("old\n")
+
+    def no_rename(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(OSError):
+        write_text_atomic(target, "new\n")
+    monkeypatch.undo()
+    assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+@pytest.mark.parametrize("split, weights", [
+    ("969,30,1", [969, 30, 1]), ("90/10", [90, 10, 0]), ("100", [100, 0, 0]),
+    (" 0.9, 0.1 ,0 ", [0.9, 0.1, 0]),
+    ("90;10", None), ("-1,2", None), ("0,1,0", None), ("1,2,3,4", None), ("abc", None),
+    ("", None), ("nan,1", None),
+])
+def test_split_strings(split, weights):
+    assert split_weights(split) == weights
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.out_dir=' '"], "train.out_dir=' ': must be a directory path"),
+    (["data.tokenizer_type=tiktoken"], "data.tokenizer_type='tiktoken': must be one of"),
+    (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
+    (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
+     "train.eval_depths=[2]: must be empty for model.arch=dense"),
+])
+def test_run_validation_errors_are_one_line(overrides, message):
+    cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert message in str(err.value) and "\n" not in str(err.value)
