@@ -420,6 +420,7 @@ class Trainer:
                 group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
                 group["betas"] = (train.adam_beta1, train.adam_beta2)
         scheduler.load_state_dict(scheduler_state)
+        scheduler.step(0)  # load_state_dict sets the groups' weight decay before loading its own
 
     def _restore_torch_adam_steps(self, optimizer_state) -> None:
         """torch Adam (used without apex / Transformer Engine) keeps a per-parameter step count
