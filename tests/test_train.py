@@ -64,3 +64,24 @@ def test_config_file_errors_name_the_file(capsys, tmp_path):
     save_yaml(RunConfig(model=ModelConfig(hidden_size=130)), path)
     assert main(["--config", str(path), "data.path=[x]", "data.eod_id=0"]) == 2
     assert "model.hidden_size=130: must be a multiple of num_attention_heads" in capsys.readouterr().err
+
+
+def test_a_run_saves_its_resolved_config_readable_by_others(tmp_path, pattern_data):
+    import os
+    import stat
+
+    from megaloop.config import load_yaml
+
+    argv = [f"data.path=[{pattern_data}]", "data.eod_id=0", f"train.out_dir={tmp_path}",
+            "data.split=90,10,0", "model.vocab_size=128", "model.hidden_size=32",
+            "model.ffn_hidden_size=64", "model.seq_length=32", "train.train_steps=1",
+            "train.eval_iters=1", "train.tensorboard=false"]
+    previous = os.umask(0o022)
+    try:
+        assert main(argv) == 0
+    finally:
+        os.umask(previous)
+    expected, _ = build_config(argv)
+    assert load_yaml(tmp_path / "config.yaml") == expected
+    assert expected.model.encoder_layers == 2, "saved resolved"
+    assert stat.S_IMODE((tmp_path / "config.yaml").stat().st_mode) == 0o644

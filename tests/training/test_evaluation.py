@@ -77,3 +77,17 @@ def test_each_eval_depth_equals_an_evaluation_of_the_model_at_that_depth(mcore, 
     # The depths really differ (the trained model has K=2): no column of copies.
     losses = [result["val_loss"]] + [result[f"val_loss_k{k}"] for k in depths]
     assert len(set(losses)) == len(losses), losses
+
+
+def test_evaluation_runs_every_eval_interval_and_at_the_end(mcore, pattern_data, tmp_path):
+    import json
+    import math
+
+    result = Trainer(tiny_run(pattern_data, tmp_path,
+                              train={"train_steps": 4, "eval_interval": 3})).train()
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [3, 4]
+    for e in evals:
+        assert e["val_ppl"] == pytest.approx(math.exp(e["val_loss"]), rel=1e-9)
+    assert evals[-1]["val_loss"] == result["val_loss"] and evals[0]["val_loss"] != result["val_loss"]

@@ -135,3 +135,23 @@ def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_da
     assert proc.returncode == EXIT_RESUMABLE, proc.stderr[-2000:]
     assert "stopped by signal 15 before the first step; nothing to save" in proc.stderr
     assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp_path):
+    """SLURM's --signal=B:USR1@600 warning: the step in flight completes, then a checkpoint."""
+    from megaloop.training.trainer import Trainer
+
+    before = signal.getsignal(signal.SIGUSR1)
+    trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 10}))
+    train_step = trainer.train_step
+
+    def signalled_during_step_3(data):
+        if trainer.step == 3:
+            signal.raise_signal(signal.SIGUSR1)
+        return train_step(data)
+
+    trainer.train_step = signalled_during_step_3
+    result = trainer.train()
+    assert result == {"step": 3, "stopped_by_signal": signal.SIGUSR1}
+    assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "checkpoints")) == 3
+    assert signal.getsignal(signal.SIGUSR1) is before, "the handlers are put back"
