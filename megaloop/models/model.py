@@ -58,9 +58,6 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # The trainer's loss function returns token sums and counts; megatron-core then divides
-        # gradients by the global batch's token count (MoE routers read this at construction).
-        calculate_per_token_loss=True,
         init_method=init_method_normal(cfg.init_std),
         # Residual-branch outputs are scaled by the *effective* depth, the number of layer
         # applications the residual stream accumulates, not the physical layer count.

@@ -61,6 +61,20 @@ def _precision(cfg: RunConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
+def _use_per_token_loss(model: torch.nn.Module) -> None:
+    """Switches megatron-core to per-token loss scaling: the loss function returns token sums and
+    counts, schedules stop dividing by micro-batch count, DDP sums over data-parallel ranks and
+    finalize_model_grads divides by the global batch's token count. Set on every block's config
+    (DDP and the schedules read the model's; MoE routers copy theirs at construction, so their
+    copies are set too) here rather than in the model, where plain DDP users expect averaging."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(config, "calculate_per_token_loss"):
+            config.calculate_per_token_loss = True
+        if hasattr(module, "calculate_per_token_loss"):
+            module.calculate_per_token_loss = True
+
+
 class Trainer:
     """``Trainer(cfg).train()`` runs a whole training; ``close()`` (which ``train`` calls) releases
     the run lock, the signal handlers and the monitor of a Trainer used without ``train``.
@@ -159,6 +173,7 @@ class Trainer:
         if torch.cuda.is_available():
             model.cuda()
         config = model.config
+        _use_per_token_loss(model)
         wrapped = Float16Module(config, model) if dtype == torch.bfloat16 else model
         self.ddp = DistributedDataParallel(
             config,
