@@ -291,7 +291,8 @@ def resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
 def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
     complete = complete_checkpoints(checkpoint_dir)
     if cfg.checkpoint.resume and (complete or (checkpoint_dir / LATEST).exists()):
-        return _verified_own_checkpoint(checkpoint_dir, complete, cfg.checkpoint.fallback_to_previous)
+        return _verified_own_checkpoint(checkpoint_dir, complete,
+                                        cfg.checkpoint.fallback_to_previous)
     if complete:
         raise ConfigError(f"checkpoint.resume=false: {checkpoint_dir} holds another run's "
                           f"checkpoints (newest {complete[-1].name}) that this run would "

@@ -1,17 +1,18 @@
-"""The directories a run writes to (``train.out_dir`` and ``checkpoint.dir``): proven writable before
-training starts, and locked against a second run.
+"""The directories a run writes to (``train.out_dir`` and ``checkpoint.dir``): proven writable
+before training starts, and locked against a second run.
 
-Storage: rank 0 creates each directory and writes and removes a probe file in it, so that a path below
-a file, a read-only mount or a missing permission is a one-line ConfigError before the model is
-built, not a lost run at its first save. Every other rank then checks that it sees the checkpoint
+Storage: rank 0 creates each directory and writes and removes a probe file in it, so that a path
+below a file, a read-only mount or a missing permission is a one-line ConfigError before the model
+is built, not a lost run at its first save. Every other rank then checks that it sees the checkpoint
 directory as a writable directory: dist_checkpointing writes from every rank, so on several nodes
 it must be on a filesystem they share.
 
 Lock: rank 0 holds an exclusive ``flock`` on ``<dir>/.megaloop.lock`` in each directory for the
 run's lifetime; a second run on either directory is refused with the holder's host and pid (which
 the file records). The kernel releases a flock when its process ends, however it ends (kill -9,
-OOM, node reboot for a local disk; an NFSv4 or Lustre server when the client's lease lapses), so
-a crashed run's lock never blocks the next one and there is no stale-lock cleanup. Only rank 0
+OOM); on a network filesystem the server releases a dead client's locks when its lease expires or
+it is evicted (NFSv4: about 90 s). So a crashed run's lock does not block the next one, and there
+is no stale-lock cleanup to get wrong. Only rank 0
 locks: the other ranks of a run start together under one launcher and write only into the
 checkpoint's ``.tmp`` directory, which rank 0 owns. A filesystem without lock support (Lustre
 mounted ``noflock``) gets a warning and no lock.

@@ -1,6 +1,6 @@
-"""Checkpoints a user can trust: a failed save never moves `latest`, damaged or unpointed checkpoints
-are found before the model is built and named in one line, nothing is overwritten, and what is
-written can be read by teammates."""
+"""Checkpoints a user can trust: a failed save never moves `latest`, damaged or unpointed
+checkpoints are found before the model is built and named in one line, nothing is overwritten, and
+what is written can be read by teammates."""
 
 import errno
 import logging

@@ -53,7 +53,8 @@ def test_the_config_schedule_wins_on_resume_and_each_change_is_one_line(
         trainer = Trainer(tiny_run(pattern_data, out, train=CHANGED))
     assert trainer.step == 4
     for name, value in CHANGED.items():
-        lines = [r.getMessage() for r in caplog.records if f"train.{name} changed" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records
+                 if f"train.{name} changed" in r.getMessage()]
         assert len(lines) == 1 and "\n" not in lines[0] and repr(value) in lines[0], (name, lines)
     # Before the fix, extending train_steps pinned the LR at the old floor (0.1 x 3e-3).
     expected = cosine_lr(4, total=12, warmup=3, peak=2e-3, floor=1e-3)
