@@ -41,6 +41,7 @@ class ReferenceConfig:
     qk_norm: bool = True
     injection: str = "global_kv"  # global_kv | none | additive
     local_kv: bool = True
+    global_kv_norm: bool = True  # RMSNorm of H_E before the Global K/V projections
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         if global_kv:
-            self.global_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+            self.global_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.global_kv_norm else nn.Identity()
             self.global_k_proj = nn.Linear(d, self.groups * hd, bias=False)
             self.global_v_proj = nn.Linear(d, self.groups * hd, bias=False)
 

@@ -33,8 +33,8 @@ _NAME = re.compile(r"^iter_(\d{7})$")
 # joint_attention kernel, sequence length) may change between a save and a resume.
 ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size",
                        "num_attention_heads", "num_query_groups", "vocab_size", "encoder_layers",
-                       "block", "qk_norm", "injection", "local_kv", "decoder_ffn_hidden_size",
-                       "tie_embeddings")
+                       "block", "qk_norm", "injection", "local_kv", "global_kv_norm",
+                       "decoder_ffn_hidden_size", "tie_embeddings")
 
 
 class CheckpointError(RuntimeError):
@@ -154,7 +154,11 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
 
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path}: missing metadata.json, not a dist_checkpointing checkpoint")
+    from megaloop.models.specs import load_absent_extra_state_as_fresh
+
     try:
+        # A local-spec (CPU) checkpoint lacks Transformer Engine's _extra_state entries.
+        sharded_state = load_absent_extra_state_as_fresh(sharded_state, str(path))
         return dist_checkpointing.load(sharded_state, str(path))
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -16,6 +16,7 @@ VARIANTS = {
     "asymloop_no_global_kv": dict(arch="asymloop", iterations=3, injection="none"),
     "asymloop_no_local_kv": dict(arch="asymloop", iterations=3, local_kv=False),
     "asymloop_no_qk_norm": dict(arch="asymloop", iterations=3, qk_norm=False),
+    "asymloop_no_global_kv_norm": dict(arch="asymloop", iterations=3, global_kv_norm=False),
     "asymloop_additive": dict(arch="asymloop", iterations=3, injection="additive"),
     "asymloop_wide_ffn": dict(arch="asymloop", iterations=2, injection="none",
                               decoder_ffn_hidden_size=128),
