@@ -86,6 +86,7 @@ def rope_tables(n, head_dim, base, device):
 
 
 def apply_rope(x, cos, sin):
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 tables would promote bf16 activations
     return x * cos + rotate_half(x) * sin
 
 
