@@ -27,3 +27,15 @@ VARIANTS = {
 
 def small_config(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**SMALL, **VARIANTS[name], **overrides})
+
+
+def assert_causal(model, tokens, t: int) -> None:
+    """Changing token t changes no logit before t, and does change the logits from t on."""
+    import torch
+
+    changed = tokens.clone()
+    changed[:, t] = (changed[:, t] + 1) % model.cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], atol=0, rtol=0)
+    assert (a[:, t:] - b[:, t:]).abs().max() > 0, "token t must influence its own logits"

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from megaloop.config import ConfigError, apply_overrides, RunConfig
+from megaloop.config import ConfigError, RunConfig, apply_overrides
 from megaloop.models import specs
 from megaloop.platform.fp8 import check_fp8_support
 
