@@ -13,6 +13,9 @@ and ``n_lr``) last. zarr's local store replaces files atomically, so a crash lea
 or the new count, and readers never look past the count. Rows past it are overwritten by the next
 append. LR rows are buffered and flushed every ``flush_every`` steps, so a crash loses at most that
 many LR rows, never the store.
+
+zarr is imported only when a log is opened, so that megaloop (and ALRS without a log) works on a
+machine without zarr; opening a log there is one clear ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import zarr
 
 FORMAT = "megaloop.alrs.log/1"
 _STAT_FIELDS = ("alpha", "multiplier", "stable_rank", "norm_stable_rank")
 _ROWS_PER_CHUNK = 256
+
+
+def require_zarr():
+    """The zarr module, or a one-line error saying how to get it."""
+    try:
+        import zarr
+    except ImportError:
+        from megaloop.config import ConfigError  # here: megaloop.config imports this package
+
+        raise ConfigError("the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is written "
+                          "with zarr, which is not installed: pip install 'zarr>=3'") from None
+    return zarr
 
 
 @dataclass
@@ -58,6 +72,7 @@ class ALRSLog:
         self.path = os.fspath(path)
         self.flush_every = flush_every
         self._pending: list[tuple[int, list[float]]] = []
+        zarr = require_zarr()
         existing = None
         if os.path.exists(os.path.join(self.path, "zarr.json")):
             existing = zarr.open_group(self.path, mode="r").attrs.get("format")
@@ -159,7 +174,7 @@ class ALRSLog:
 
 def read_log(path: str | os.PathLike) -> ALRSLogData:
     """Reads the committed rows of an ALRS log (read-only)."""
-    root = zarr.open_group(os.fspath(path), mode="r")
+    root = require_zarr().open_group(os.fspath(path), mode="r")
     attrs = root.attrs
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{os.fspath(path)} is not an ALRS log (format {attrs.get('format')!r})")
