@@ -31,15 +31,21 @@ _STAT_FIELDS = ("alpha", "multiplier", "stable_rank", "norm_stable_rank")
 _ROWS_PER_CHUNK = 256
 
 
+def config_error(message: str) -> ValueError:
+    """megaloop.config.ConfigError(message): one line, caught by the training entry point."""
+    from megaloop.config import ConfigError  # here: megaloop.config imports this package
+
+    return ConfigError(message)
+
+
 def require_zarr():
     """The zarr module, or a one-line error saying how to get it."""
     try:
         import zarr
     except ImportError:
-        from megaloop.config import ConfigError  # here: megaloop.config imports this package
-
-        raise ConfigError("the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is written "
-                          "with zarr, which is not installed: pip install 'zarr>=3'") from None
+        raise config_error("the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is "
+                            "written with zarr, which is not installed: pip install 'zarr>=3'"
+                            ) from None
     return zarr
 
 
@@ -77,7 +83,7 @@ class ALRSLog:
         if os.path.exists(os.path.join(self.path, "zarr.json")):
             existing = zarr.open_group(self.path, mode="r").attrs.get("format")
             if existing not in (None, FORMAT):
-                raise ValueError(f"{self.path} is not an ALRS log (format {existing!r})")
+                raise config_error(f"{self.path} is not an ALRS log (format {existing!r})")
         # A store without "format" is an interrupted creation: start it again.
         self.root = zarr.open_group(self.path, mode="a" if existing else "w")
         if existing:
@@ -115,7 +121,9 @@ class ALRSLog:
         if (list(attrs["matrices"]) != list(matrices)
                 or [tuple(s) for s in attrs["shapes"]] != [tuple(map(int, s)) for s in shapes]
                 or list(attrs["lr_groups"]) != list(lr_groups)):
-            raise ValueError(f"ALRS log {self.path} belongs to a model with other matrices or groups")
+            raise config_error(f"ALRS log {self.path} belongs to a run with other matrices (another "
+                                "model, alrs.granularity or alrs.exclude): use another "
+                                "train.out_dir")
 
     def append_spectra(self, step: int, allocated: bool, stats: Mapping[str, Sequence[float]],
                        eigenvalues: Mapping[str, np.ndarray] | None = None) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 from megaloop.alrs.allocator import allocate, initial_multipliers
 from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
-from megaloop.alrs.log import ALRSLog, require_zarr
+from megaloop.alrs.log import ALRSLog, config_error, require_zarr
 from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule
 
 logger = logging.getLogger("megaloop.alrs")
@@ -141,9 +141,7 @@ class ALRS:
     def load_state_dict(self, state: dict) -> None:
         """Restores the exact multipliers; log rows after the checkpoint's step are forgotten."""
         if list(state["names"]) != self.names:
-            from megaloop.config import ConfigError  # here: megaloop.config imports this package
-
-            raise ConfigError(
+            raise config_error(
                 f"the checkpoint's ALRS state names other matrices than this model (e.g. "
                 f"{next(iter(set(state['names']) ^ set(self.names)), '-')!r}): a checkpoint "
                 f"saved with another alrs.granularity (now {self.config.granularity!r}), "
