@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megaloop.alrs.schedule import config_error
+
 
 @dataclass(frozen=True)
 class RowSplit:
@@ -102,7 +104,8 @@ def fused_layouts(model: nn.Module) -> dict[str, RowSplit]:
     Modules are recognised by megatron-core's attributes, so the local and Transformer Engine specs
     (whose fused linears keep the names ``linear_qkv`` / ``linear_fc1``) are both covered. A weight
     whose rows do not fit the expected layout exactly (e.g. with an attention output gate, or with
-    TP larger than the number of query groups) raises instead of being split wrongly.
+    TP larger than the number of query groups) raises a one-line ConfigError instead of being split
+    wrongly.
     """
     layouts: dict[str, RowSplit] = {}
     for prefix, module in model.named_modules():
@@ -124,10 +127,10 @@ def fused_layouts(model: nn.Module) -> dict[str, RowSplit]:
                 sizes = [size for _, _, size in split.parts]
                 if (param.shape[0] != units * split.period or sum(sizes) != split.period
                         or min(sizes) < 1):
-                    raise ValueError(
+                    raise config_error(
                         f"ALRS cannot split {full_name} (shape {tuple(param.shape)}) into "
-                        f"{[p for p, _, _ in split.parts]}: expected {units} x {split.period} rows; "
-                        "set alrs.granularity=parameter")
+                        f"{[p for p, _, _ in split.parts]}: expected {units} x {split.period} "
+                        "rows; set alrs.granularity=parameter")
                 layouts[full_name] = split
     return layouts
 

@@ -26,16 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megaloop.alrs.schedule import config_error
+
 FORMAT = "megaloop.alrs.log/1"
 _STAT_FIELDS = ("alpha", "multiplier", "stable_rank", "norm_stable_rank")
 _ROWS_PER_CHUNK = 256
-
-
-def config_error(message: str) -> ValueError:
-    """megaloop.config.ConfigError(message): one line, caught by the training entry point."""
-    from megaloop.config import ConfigError  # here: megaloop.config imports this package
-
-    return ConfigError(message)
 
 
 def require_zarr():
@@ -44,8 +39,8 @@ def require_zarr():
         import zarr
     except ImportError:
         raise config_error("the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is "
-                            "written with zarr, which is not installed: pip install 'zarr>=3'"
-                            ) from None
+                           "written with zarr, which is not installed: pip install 'zarr>=3'"
+                           ) from None
     return zarr
 
 
@@ -121,9 +116,9 @@ class ALRSLog:
         if (list(attrs["matrices"]) != list(matrices)
                 or [tuple(s) for s in attrs["shapes"]] != [tuple(map(int, s)) for s in shapes]
                 or list(attrs["lr_groups"]) != list(lr_groups)):
-            raise config_error(f"ALRS log {self.path} belongs to a run with other matrices (another "
-                                "model, alrs.granularity or alrs.exclude): use another "
-                                "train.out_dir")
+            raise config_error(f"ALRS log {self.path} belongs to a run with other matrices "
+                               "(another model, alrs.granularity or alrs.exclude): use another "
+                               "train.out_dir")
 
     def append_spectra(self, step: int, allocated: bool, stats: Mapping[str, Sequence[float]],
                        eigenvalues: Mapping[str, np.ndarray] | None = None) -> None:

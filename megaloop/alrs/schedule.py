@@ -5,8 +5,9 @@ optimizer step is step 1). Allocation happens at step 1 and at every multiple of
 step <= fraction·T. The first allocation holds at once, from step 1 (in the reference its ramp
 coincides with the LR warmup from 0, so the full multiplier is in effect from the start). Each later
 allocation at step a starts a linear ramp from the multipliers in effect at step a to the new
-targets, reached at step a + transition; after the last ramp the multipliers are frozen. The LR of matrix i is lr_i(t) = m_i(t)·base_lr(t): the base schedule (warmup, cosine) runs
-underneath unchanged. The reference instead ramps the absolute LR towards s_i·base_lr(a + transition)
+targets, reached at step a + transition; after the last ramp the multipliers are frozen. The LR of
+matrix i is lr_i(t) = m_i(t)·base_lr(t): the base schedule (warmup, cosine) runs underneath
+unchanged. The reference instead ramps the absolute LR towards s_i·base_lr(a + transition)
 and then restarts its cosine; both end at s_i·base_lr(t), ours without a kink at the ramp's end.
 
 AdamW's decoupled weight decay is multiplied by the group LR in torch (p -= lr·wd·p), so a matrix
@@ -22,6 +23,13 @@ from megaloop.alrs.estimator import EIGEN_METHODS
 MODES = ("alrs", "uniform", "decoder_boost")
 EMBEDDING_HEAD_TREATMENTS = ("pin_s2", "exclude", "include")
 GRANULARITIES = ("block", "parameter")
+
+
+def config_error(message: str) -> ValueError:
+    """megaloop.config.ConfigError(message): one line, which the training entry point prints."""
+    from megaloop.config import ConfigError  # here: megaloop.config imports this module
+
+    return ConfigError(message)
 
 
 @dataclass

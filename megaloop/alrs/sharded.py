@@ -34,8 +34,8 @@ from torch import nn
 from megaloop.alrs.allocator import allocate, initial_multipliers
 from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
-from megaloop.alrs.log import ALRSLog, config_error, require_zarr
-from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule
+from megaloop.alrs.log import ALRSLog, require_zarr
+from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule, config_error
 
 logger = logging.getLogger("megaloop.alrs")
 

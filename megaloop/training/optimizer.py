@@ -80,7 +80,8 @@ def _scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, start: int, cols: 
     first_full = (start + head) // cols
     full = (n - head) // cols
     if full:
-        flat[head:head + full * cols].view(full, cols).mul_(row_scale[first_full:first_full + full, None])
+        rows = row_scale[first_full:first_full + full, None]
+        flat[head:head + full * cols].view(full, cols).mul_(rows)
     if head + full * cols < n:
         flat[head + full * cols:].mul_(row_scale[first_full + full])
 
@@ -97,6 +98,7 @@ class _Target:
             row_block[block.local_rows(model_param.shape[0])] = i
         assert bool((row_block >= 0).all()), f"{self.names}: the blocks do not cover every row"
         self.row_block = row_block.to(main.device)
+        self.scales: list[float] = [1.0] * len(blocks)
         self.row_scale: torch.Tensor | None = None  # None: every block at multiplier 1
         self.before: torch.Tensor | None = None
 
@@ -134,6 +136,9 @@ class BlockUpdateScaling:
         """Multipliers by block name (missing: 1), used from the next optimizer step on."""
         for target in self.targets:
             scales = [multipliers.get(name, 1.0) for name in target.names]
+            if scales == target.scales:  # no host-to-device copy while the multipliers stand
+                continue
+            target.scales = scales
             if all(s == 1.0 for s in scales):
                 target.row_scale = None
             else:

@@ -124,3 +124,27 @@ def test_block_lrs_equal_unfused_param_groups_in_parallel(mcore, pattern_data, t
         _check(differences, grad_norms)
     if distributed_optimizer:
         assert any(cut for _, _, cut in results), "no shard boundary inside a block: weak test"
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_bf16_main_params_are_paired_with_their_model_params(mcore, pattern_data, tmp_path,
+                                                             distributed_optimizer):
+    """With bf16 weights the optimizer steps fp32 main copies (megatron-core's Float16Optimizer, or
+    the distributed optimizer's fp32 shards): the update scaling must find each fused weight's."""
+    from megaloop.training.trainer import Trainer
+
+    trainer = Trainer(tiny_run(pattern_data, tmp_path, model=MODEL, train={
+        "precision": "bf16", "distributed_optimizer": distributed_optimizer}))
+    targets = trainer.lr_multipliers.scaling.targets
+    fused = {id(p) for n, p in trainer.model.named_parameters()
+             if n.endswith(("linear_qkv.weight", "linear_fc1.weight", "linear_kv_global.weight"))}
+    assert len(targets) == len(fused) == 3 * 6 // 2 + 6
+    params = {id(p): p for p in trainer.model.parameters()}
+    for target in targets:
+        assert target.main.dtype == torch.float32
+        model_param = next(params[i] for i in fused
+                           if params[i].shape[0] == target.row_block.numel()
+                           and torch.equal(params[i].float().view(-1)[
+                               target.start:target.start + target.main.numel()],
+                               target.main.view(-1)))
+        assert model_param.dtype == torch.bfloat16
