@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
 
 SECTIONS = ("encoder", "decoder")
+SECTION_COLORS = ("C0", "C1")  # the same in every panel (Global KV has a decoder curve only)
 MODULES = ("attention", "global_kv", "ffn")
 
 
@@ -73,9 +74,9 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
                              squeeze=False)
     axes = axes[0]
     for ax, module in zip(axes, modules):
-        for section in SECTIONS:
+        for color, section in zip(SECTION_COLORS, SECTIONS):
             if (section, module) in means:
-                ax.plot(log.lr_step, means[section, module], label=section)
+                ax.plot(log.lr_step, means[section, module], color=color, label=section)
         ax.set(title=f"mean LR, {module}", xlabel="step", ylabel="learning rate")
         ax.legend()
     ratio_ax = axes[-1]
@@ -102,7 +103,7 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
     for ax, module in zip(axes[0], modules):
         for run, log in runs.items():
             means = means_of[run]
-            for color, section in zip(("C0", "C1"), SECTIONS):
+            for color, section in zip(SECTION_COLORS, SECTIONS):
                 if (section, module) in means:
                     ax.plot(log.spectra_step, means[section, module], styles[run], color=color,
                             label=f"{section}, {run}")
