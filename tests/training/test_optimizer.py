@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.alrs.unfused import full_state_dict, reference_model, reference_name
+from tests.alrs.unfused import reference_model, reference_name
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
 
