@@ -28,6 +28,11 @@ Arch = Literal["dense", "fullloop", "asymloop"]
 Block = Literal["llama", "olmo"]
 Injection = Literal["global_kv", "none", "additive"]
 JointImpl = Literal["fused", "masked"]
+# Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
+# "delayed" (amax history) and "mxfp8" (block scaling, Blackwell GPUs).
+Fp8Recipe = Literal["current", "delayed", "mxfp8"]
+# Head dimensions the CUDA flash kernel behind the fused joint attention takes.
+FLASH_HEAD_DIM_MULTIPLE, FLASH_MAX_HEAD_DIM = 8, 256
 
 
 # The paper's headline comparison at matched effective depth J = 2L: AsymLoop K = 3, Full Loop R = 2.
@@ -62,6 +67,9 @@ class ModelConfig:
     qk_norm: bool | None = None  # None: on for asymloop and the olmo block
     injection: Injection = "global_kv"  # asymloop: how the decoder sees the encoder output
     local_kv: bool = True  # asymloop ablation: False makes the decoder attend to Global KV only
+    # RMSNorm of H_E before each decoder layer's Global K/V projection: megaloop's choice (the
+    # paper does not state one); False projects the un-normalised encoder output.
+    global_kv_norm: bool = True
     decoder_ffn_hidden_size: int | None = None  # None: ffn_hidden_size (set for widened ablations)
     joint_attention: JointImpl = "fused"
     rotary_base: float = 10000.0
@@ -130,6 +138,14 @@ class ModelConfig:
                  f"a divisor of num_attention_heads={self.num_attention_heads}")
         _require(self.kv_channels % 2 == 0, prefix, "hidden_size", self.hidden_size,
                  "such that the head dim is even (RoPE rotates pairs)")
+        if self.decoder_attention == "joint" and self.joint_attention == "fused":
+            head_dim = self.kv_channels
+            _require(head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and head_dim <= FLASH_MAX_HEAD_DIM,
+                     prefix, "hidden_size", self.hidden_size,
+                     f"such that the head dim (here {head_dim}) is a multiple of "
+                     f"{FLASH_HEAD_DIM_MULTIPLE} and at most {FLASH_MAX_HEAD_DIM}, the limits of "
+                     "the CUDA flash kernel behind joint_attention=fused (or use "
+                     "joint_attention=masked)")
         if self.arch == "dense":
             _require(self.iterations == 1, prefix, "iterations", self.iterations,
                      "1 for arch=dense (use arch=fullloop to loop the stack)")
@@ -199,6 +215,8 @@ class TrainConfig:
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # Only with precision=fp8; None: "current". "delayed" keeps an amax history of 2K calls (max).
+    fp8_recipe: Fp8Recipe | None = None
     distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks
     use_alrs: bool = False  # layerwise LR multipliers from the `alrs` section
     out_dir: str = "runs/default"
@@ -227,6 +245,15 @@ class TrainConfig:
                  "a list of iteration counts >= 1")
         _require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
                  "a directory path (metrics, config.yaml and by default checkpoints go there)")
+        _require(self.fp8_recipe is None or self.precision == "fp8", prefix, "fp8_recipe",
+                 self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
+
+    @property
+    def resolved_fp8_recipe(self) -> str | None:
+        """The FP8 recipe a run uses, None without FP8."""
+        if self.precision != "fp8":
+            return None
+        return self.fp8_recipe or "current"
 
 
 @dataclass
@@ -313,6 +340,13 @@ class RunConfig:
         _require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
                  "eval_depths", self.train.eval_depths,
                  "empty for model.arch=dense (a Dense model has no depth to vary)")
+        # Transformer Engine's recompute replays delayed-scaling state first in, first out, but a
+        # weight-tied block recomputes its K calls last to first: call K would get call 1's scales.
+        _require(not (self.train.resolved_fp8_recipe == "delayed"
+                      and self.parallel.recompute == "full" and self.model.num_iterations > 1),
+                 "train", "fp8_recipe", self.train.fp8_recipe,
+                 "'current' or 'mxfp8' with parallel.recompute=full and a looped model "
+                 "(delayed scaling would recompute iteration K with iteration 1's scales)")
         return self
 
 

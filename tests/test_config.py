@@ -168,3 +168,47 @@ def test_run_validation_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     assert message in str(err.value) and "\n" not in str(err.value)
+@pytest.mark.parametrize("fields, head_dim", [
+    (dict(hidden_size=48, num_attention_heads=4), 12),    # not a multiple of 8
+    (dict(hidden_size=528, num_attention_heads=2), 264),  # above 256
+])
+def test_head_dims_the_cuda_flash_kernel_cannot_take_are_refused(fields, head_dim):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(arch="asymloop", **fields).validate()
+    message = str(err.value)
+    assert f"head dim (here {head_dim}) is a multiple of 8 and at most 256" in message
+    assert "\n" not in message
+    # The masked kernel and the plain attention roles have no such limit.
+    ModelConfig(arch="asymloop", joint_attention="masked", **fields).validate()
+    ModelConfig(arch="dense", iterations=1, **fields).validate()
+
+
+def test_fp8_recipe_needs_fp8_precision_and_defaults_to_current_scaling():
+    with pytest.raises(ConfigError, match=r"^train.fp8_recipe='delayed': must be unset unless "
+                                          r"train.precision='fp8'$"):
+        apply_overrides(RunConfig(), ["train.fp8_recipe=delayed"]).train.validate()
+    assert apply_overrides(RunConfig(), ["train.precision=fp8"]).train.resolved_fp8_recipe == \
+        "current"
+    assert RunConfig().train.resolved_fp8_recipe is None
+    with pytest.raises(ConfigError, match="must be one of 'current', 'delayed', 'mxfp8'"):
+        apply_overrides(RunConfig(), ["train.fp8_recipe=hybrid"])
+
+
+@pytest.mark.parametrize("arch, iterations, refused", [
+    ("asymloop", 3, True), ("fullloop", 2, True), ("asymloop", 1, False), ("dense", 1, False)])
+def test_delayed_fp8_with_full_recompute_of_a_looped_block_is_refused(arch, iterations, refused):
+    """Transformer Engine replays delayed-scaling state first in, first out during recompute;
+    a weight-tied block recomputes its calls last to first."""
+    cfg = apply_overrides(RunConfig(), [f"model.arch={arch}", f"model.iterations={iterations}",
+                                        "train.precision=fp8", "train.fp8_recipe=delayed",
+                                        "parallel.recompute=full", "data.path=[/d]",
+                                        "data.eod_id=0"])
+    if not refused:
+        cfg.validate()
+        return
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert str(err.value).startswith("train.fp8_recipe='delayed': must be 'current' or 'mxfp8' "
+                                     "with parallel.recompute=full and a looped model")
+    for fix in (["train.fp8_recipe=current"], ["parallel.recompute=none"]):
+        apply_overrides(cfg, fix).validate()

@@ -1,13 +1,16 @@
 """Plots of ALRS zarr logs, as in the AsymLoop paper (Appendix B):
 
-- Figure 3 (``fig3_lr.png``): mean LR over steps of encoder vs decoder matrices, for attention and
-  FFN, and the decoder/encoder ratio.
-- Figure 4 (``fig4_stable_rank.png``): mean normalised stable rank of encoder and decoder attention
-  and FFN matrices over steps, ALRS (solid) against a uniform-LR run (dashed) when one is given.
+- Figure 3 (``fig3_lr.png``): mean LR over steps of encoder vs decoder matrices, for attention,
+  Global KV and FFN, and the decoder/encoder ratio.
+- Figure 4 (``fig4_stable_rank.png``): mean normalised stable rank of the same groups over steps,
+  ALRS (solid) against a uniform-LR run (dashed) when one is given.
 
-Matrices are grouped by megatron-core parameter name (``encoder.layers.0.self_attention.*`` is
-encoder attention, ``decoder.layers.1.mlp.*`` decoder FFN); embedding and output head are not part of
-either figure. Dense and Full Loop name every layer ``decoder``: their plots have no encoder curves.
+Matrices are grouped by their megatron-core name (ALRS block names such as
+``decoder.layers.1.self_attention.linear_qkv.weight:k``). "attention" is the mean over the local
+attention matrices Q, K, V and O, as in the paper; the decoder's Global K and V
+(``linear_kv_global``), which the paper's LLaMA does not have, are their own group; "ffn" is gate,
+up and down. Embedding and output head are in no figure. Dense and Full Loop name every layer
+``decoder``: their plots have no encoder curves.
 
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 """
@@ -26,7 +29,8 @@ import numpy as np  # noqa: E402
 from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
 
 SECTIONS = ("encoder", "decoder")
-MODULES = ("attention", "ffn")
+SECTION_COLORS = ("C0", "C1")  # the same in every panel (Global KV has a decoder curve only)
+MODULES = ("attention", "global_kv", "ffn")
 
 
 def classify(name: str) -> tuple[str, str] | None:
@@ -34,6 +38,8 @@ def classify(name: str) -> tuple[str, str] | None:
     section = name.split(".", 1)[0]
     if section not in SECTIONS:
         return None
+    if ".self_attention.linear_kv_global." in name:
+        return section, "global_kv"
     if ".self_attention." in name:
         return section, "attention"
     if ".mlp." in name:
@@ -56,16 +62,24 @@ def group_means(values: np.ndarray, names: list[str]) -> dict[tuple[str, str], n
     return out
 
 
+def _present(means: dict) -> list[str]:
+    """The modules with at least one curve (no Global KV panel for Dense, Full Loop)."""
+    return [m for m in MODULES if any((s, m) in means for s in SECTIONS)]
+
+
 def plot_lr(log: ALRSLogData, path: str) -> None:
     means = group_means(log.lr_value, log.lr_groups)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, module in zip(axes, MODULES):
-        for section in SECTIONS:
+    modules = _present(means)
+    fig, axes = plt.subplots(1, len(modules) + 1, figsize=(5 * (len(modules) + 1), 4),
+                             squeeze=False)
+    axes = axes[0]
+    for ax, module in zip(axes, modules):
+        for color, section in zip(SECTION_COLORS, SECTIONS):
             if (section, module) in means:
-                ax.plot(log.lr_step, means[section, module], label=section)
+                ax.plot(log.lr_step, means[section, module], color=color, label=section)
         ax.set(title=f"mean LR, {module}", xlabel="step", ylabel="learning rate")
         ax.legend()
-    ratio_ax = axes[2]
+    ratio_ax = axes[-1]
     for module in MODULES:
         if ("encoder", module) in means and ("decoder", module) in means:
             with np.errstate(divide="ignore", invalid="ignore"):  # LR 0 at the first warmup step
@@ -83,11 +97,13 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
 
 def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
     styles = {"ALRS": "-", "uniform": "--"}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, module in zip(axes, MODULES):
+    means_of = {run: group_means(log.norm_stable_rank, log.matrices) for run, log in runs.items()}
+    modules = _present(means_of["ALRS"])
+    fig, axes = plt.subplots(1, len(modules), figsize=(5.5 * len(modules), 4), squeeze=False)
+    for ax, module in zip(axes[0], modules):
         for run, log in runs.items():
-            means = group_means(log.norm_stable_rank, log.matrices)
-            for color, section in zip(("C0", "C1"), SECTIONS):
+            means = means_of[run]
+            for color, section in zip(SECTION_COLORS, SECTIONS):
                 if (section, module) in means:
                     ax.plot(log.spectra_step, means[section, module], styles[run], color=color,
                             label=f"{section}, {run}")

@@ -13,6 +13,9 @@ and ``n_lr``) last. zarr's local store replaces files atomically, so a crash lea
 or the new count, and readers never look past the count. Rows past it are overwritten by the next
 append. LR rows are buffered and flushed every ``flush_every`` steps, so a crash loses at most that
 many LR rows, never the store.
+
+zarr is imported only when a log is opened, so that megaloop (and ALRS without a log) works on a
+machine without zarr; opening a log there is one clear ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import zarr
+
+from megaloop.alrs.schedule import config_error
 
 FORMAT = "megaloop.alrs.log/1"
 _STAT_FIELDS = ("alpha", "multiplier", "stable_rank", "norm_stable_rank")
 _ROWS_PER_CHUNK = 256
+
+
+def require_zarr():
+    """The zarr module, or a one-line error saying how to get it."""
+    try:
+        import zarr
+    except ImportError:
+        raise config_error("the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is "
+                           "written with zarr, which is not installed: pip install 'zarr>=3'"
+                           ) from None
+    return zarr
 
 
 @dataclass
@@ -58,11 +73,12 @@ class ALRSLog:
         self.path = os.fspath(path)
         self.flush_every = flush_every
         self._pending: list[tuple[int, list[float]]] = []
+        zarr = require_zarr()
         existing = None
         if os.path.exists(os.path.join(self.path, "zarr.json")):
             existing = zarr.open_group(self.path, mode="r").attrs.get("format")
             if existing not in (None, FORMAT):
-                raise ValueError(f"{self.path} is not an ALRS log (format {existing!r})")
+                raise config_error(f"{self.path} is not an ALRS log (format {existing!r})")
         # A store without "format" is an interrupted creation: start it again.
         self.root = zarr.open_group(self.path, mode="a" if existing else "w")
         if existing:
@@ -100,7 +116,9 @@ class ALRSLog:
         if (list(attrs["matrices"]) != list(matrices)
                 or [tuple(s) for s in attrs["shapes"]] != [tuple(map(int, s)) for s in shapes]
                 or list(attrs["lr_groups"]) != list(lr_groups)):
-            raise ValueError(f"ALRS log {self.path} belongs to a model with other matrices or groups")
+            raise config_error(f"ALRS log {self.path} belongs to a run with other matrices "
+                               "(another model, alrs.granularity or alrs.exclude): use another "
+                               "train.out_dir")
 
     def append_spectra(self, step: int, allocated: bool, stats: Mapping[str, Sequence[float]],
                        eigenvalues: Mapping[str, np.ndarray] | None = None) -> None:
@@ -159,7 +177,7 @@ class ALRSLog:
 
 def read_log(path: str | os.PathLike) -> ALRSLogData:
     """Reads the committed rows of an ALRS log (read-only)."""
-    root = zarr.open_group(os.fspath(path), mode="r")
+    root = require_zarr().open_group(os.fspath(path), mode="r")
     attrs = root.attrs
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{os.fspath(path)} is not an ALRS log (format {attrs.get('format')!r})")

@@ -2,10 +2,12 @@
 
 Step numbering: ``step`` is the 1-based index of the optimizer step about to be applied (the first
 optimizer step is step 1). Allocation happens at step 1 and at every multiple of ``interval`` while
-step <= fraction·T. Each allocation at step a starts a linear ramp from the multipliers in effect at
-step a to the new targets, reached at step a + transition; after the last ramp the multipliers are
-frozen. The LR of matrix i is lr_i(t) = m_i(t)·base_lr(t): the base schedule (warmup, cosine) runs
-underneath unchanged. The reference instead ramps the absolute LR towards s_i·base_lr(a + transition)
+step <= fraction·T. The first allocation holds at once, from step 1 (in the reference its ramp
+coincides with the LR warmup from 0, so the full multiplier is in effect from the start). Each later
+allocation at step a starts a linear ramp from the multipliers in effect at step a to the new
+targets, reached at step a + transition; after the last ramp the multipliers are frozen. The LR of
+matrix i is lr_i(t) = m_i(t)·base_lr(t): the base schedule (warmup, cosine) runs underneath
+unchanged. The reference instead ramps the absolute LR towards s_i·base_lr(a + transition)
 and then restarts its cosine; both end at s_i·base_lr(t), ours without a kink at the ramp's end.
 
 AdamW's decoupled weight decay is multiplied by the group LR in torch (p -= lr·wd·p), so a matrix
@@ -20,6 +22,14 @@ from megaloop.alrs.estimator import EIGEN_METHODS
 
 MODES = ("alrs", "uniform", "decoder_boost")
 EMBEDDING_HEAD_TREATMENTS = ("pin_s2", "exclude", "include")
+GRANULARITIES = ("block", "parameter")
+
+
+def config_error(message: str) -> ValueError:
+    """megaloop.config.ConfigError(message): one line, which the training entry point prints."""
+    from megaloop.config import ConfigError  # here: megaloop.config imports this module
+
+    return ConfigError(message)
 
 
 @dataclass
@@ -27,17 +37,23 @@ class ALRSConfig:
     """All ALRS options. Defaults follow the paper's runs (s in [1, 5], every 100 steps, 50-step
     ramps, first 20% of training).
 
+    granularity: ``block`` (the reference's) gives every logical matrix its own α and LR: Q, K, V
+      split out of megatron-core's fused ``linear_qkv``, Global K and V out of ``linear_kv_global``,
+      gate and up out of ``linear_fc1`` (``megaloop.alrs.blocks``); ``parameter`` treats each fused
+      weight as one matrix.
     mode: ``alrs`` allocates from spectra; ``uniform`` keeps every multiplier at 1 (spectra are still
       logged, for the uniform-vs-ALRS plots); ``decoder_boost`` gives every decoder matrix the constant
       ``decoder_boost`` from step 1 and everything else 1.
     embedding_head: ``pin_s2`` gives embedding and output head s2 without letting their α set the
       range (the reference); ``exclude`` keeps them at 1; ``include`` treats them like any matrix.
     exclude: substrings of parameter names never analysed nor scaled (e.g. ``"router"``).
-    monitor_after_freeze: keep logging spectra every ``interval`` steps after the allocation window
-      (multipliers stay frozen), so the logs cover the whole run.
+    monitor_after_freeze: keep computing and logging spectra every ``interval`` steps after the
+      allocation window (multipliers stay frozen), so the logs cover the whole run. Off by default:
+      the reference computes no spectra after the freeze (7 analyses at T=3200, not 33).
     """
 
     mode: str = "alrs"
+    granularity: str = "block"
     s1: float = 1.0
     s2: float = 5.0
     interval: int = 100
@@ -50,7 +66,7 @@ class ALRSConfig:
     exclude: tuple[str, ...] = ()
     eig_method: str = "gram64"
     log_eigenvalues: bool = False
-    monitor_after_freeze: bool = True
+    monitor_after_freeze: bool = False
 
     def __post_init__(self) -> None:
         self.embedding_head_prefixes = tuple(self.embedding_head_prefixes)
@@ -69,6 +85,9 @@ class ALRSConfig:
             raise ValueError(f"ALRS transition must be >= 0, got transition={self.transition}")
         if not self.decoder_boost > 0:
             raise ValueError(f"ALRS decoder_boost must be > 0, got decoder_boost={self.decoder_boost}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"ALRS granularity must be one of {GRANULARITIES}, "
+                             f"got {self.granularity!r}")
         if self.embedding_head not in EMBEDDING_HEAD_TREATMENTS:
             raise ValueError(f"ALRS embedding_head must be one of {EMBEDDING_HEAD_TREATMENTS}, "
                              f"got {self.embedding_head!r}")
@@ -100,13 +119,15 @@ class ALRSConfig:
 
 
 class MultiplierSchedule:
-    """Per-name multipliers as piecewise-linear ramps between allocations."""
+    """Per-name multipliers as piecewise-linear ramps between allocations; the first allocation
+    holds at once."""
 
     def __init__(self, initial: dict[str, float], transition: int):
         self.transition = transition
         self.start = dict(initial)
         self.target = dict(initial)
         self.ramp_step = 0
+        self.allocated = False
 
     def at(self, step: int) -> dict[str, float]:
         """Multipliers in effect at ``step`` (m(a) = start, m(a + transition) = target)."""
@@ -116,16 +137,18 @@ class MultiplierSchedule:
         return {k: self.start[k] + (self.target[k] - self.start[k]) * frac for k in self.target}
 
     def retarget(self, step: int, targets: dict[str, float]) -> None:
-        """Start a new ramp at ``step`` from the current multipliers to ``targets``."""
+        """Start a new ramp at ``step`` from the current multipliers to ``targets``; the first
+        allocation sets ``targets`` at once."""
         if targets.keys() != self.target.keys():
             raise ValueError("ALRS targets must name exactly the scheduled matrices")
-        self.start = self.at(step)
+        self.start = self.at(step) if self.allocated else dict(targets)
         self.target = dict(targets)
         self.ramp_step = step
+        self.allocated = True
 
     def state_dict(self) -> dict:
         return {"start": dict(self.start), "target": dict(self.target), "ramp_step": self.ramp_step,
-                "transition": self.transition}
+                "transition": self.transition, "allocated": self.allocated}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state["target"]) != set(self.target):
@@ -134,3 +157,5 @@ class MultiplierSchedule:
         self.target = dict(state["target"])
         self.ramp_step = int(state["ramp_step"])
         self.transition = int(state["transition"])
+        # Checkpoints written before "allocated" existed had allocated iff a ramp had started.
+        self.allocated = bool(state.get("allocated", self.ramp_step > 0))

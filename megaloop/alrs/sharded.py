@@ -1,9 +1,13 @@
-"""The ALRS training hook: spectra computed once per physical matrix, spread over ranks by cost.
+"""The ALRS training hook: spectra computed once per logical matrix, spread over ranks by cost.
 
-Per analysis step every rank of ``group`` (default: the whole world) does the same:
-1. TP-sharded matrices (megatron-core marks them ``tensor_model_parallel=True`` with a
-   ``partition_dim``) are gathered over ``tp_group`` onto the rank that owns them, because α must be
-   that of the full matrix, never of a shard.
+The matrices are ``WeightBlock``s (``megaloop.alrs.blocks``): by default Q, K, V, Global K, Global V,
+gate and up are split out of megatron-core's fused weights, as the reference analyses them; a
+weight-tied decoder matrix is analysed once. Per analysis step every rank of ``group`` (default:
+the whole world) does the same:
+1. Each TP rank cuts its part of every block out of its shard of the parameter (megatron-core marks
+   TP-sharded parameters ``tensor_model_parallel=True`` with a ``partition_dim``); the parts are
+   gathered over ``tp_group`` onto the rank that owns the block and concatenated in TP rank order,
+   because α must be that of the full block, never of a shard.
 2. Each rank computes the statistics of the matrices it owns. Owners come from a greedy
    longest-processing-time assignment on m·n·min(m, n), identical on every rank.
 3. One all-gather of the small per-matrix (α, stable rank, normalised stable rank) table in fp64.
@@ -22,16 +26,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megaloop.alrs.allocator import allocate, initial_multipliers
+from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
-from megaloop.alrs.log import ALRSLog
-from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule
+from megaloop.alrs.log import ALRSLog, require_zarr
+from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule, config_error
 
 logger = logging.getLogger("megaloop.alrs")
 
@@ -39,39 +43,6 @@ BASE_GROUP = "base"  # LR-log name of everything ALRS does not scale (norms, bia
 NamedParameters = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass(frozen=True)
-class MatrixInfo:
-    name: str
-    full_shape: tuple[int, int]
-    partition_dim: int | None  # the TP shard dimension; None when every rank holds it whole
-
-    @property
-    def cost(self) -> int:
-        m, n = self.full_shape
-        return m * n * min(m, n)
-
-
-def physical_matrices(named_parameters: Iterable[tuple[str, torch.Tensor]], config: ALRSConfig,
-                      tp_size: int = 1) -> list[MatrixInfo]:
-    """The 2-D weights, each physical tensor once, in first-seen order.
-
-    ``nn.Module.named_parameters`` already yields a shared Parameter once (a layer applied K times,
-    a tied embedding/head); tensors seen twice from another iterable are skipped here as well.
-    """
-    seen, out = set(), []
-    for name, param in named_parameters:
-        if id(param) in seen or param.ndim != 2 or any(s in name for s in config.exclude):
-            continue
-        seen.add(id(param))
-        shape = list(param.shape)
-        dim = None
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            dim = int(param.partition_dim)
-            shape[dim] *= tp_size
-        out.append(MatrixInfo(name, (shape[0], shape[1]), dim))
-    return out
 
 
 def balance_by_cost(costs: list[int], n_ranks: int) -> list[int]:
@@ -86,20 +57,25 @@ def balance_by_cost(costs: list[int], n_ranks: int) -> list[int]:
 
 
 class ALRS:
-    """Heavy-tail-guided layerwise LR multipliers, one per physical weight matrix.
+    """Heavy-tail-guided layerwise LR multipliers, one per logical weight matrix.
 
     Args:
         named_parameters: the model, or a callable returning its (name, parameter) pairs. It is
-            called at each analysis, so the hook always reads the live tensors.
+            called at each analysis, so the hook always reads the live tensors. Fused weights are
+            split into blocks (``config.granularity="block"``) only when the model is given: a
+            callable's parameters are analysed whole.
         total_steps: T, the number of optimizer steps of the run.
         config: ALRS options (default: the paper's).
         group: the ranks that share the work (default: the world when torch.distributed is up).
         tp_group: megatron-core's tensor-parallel group, needed when TP > 1.
-        log_path: zarr store for spectra and LRs, written by global rank 0 only.
+        log_path: zarr store for spectra and LRs, written by global rank 0 only (every rank
+            checks that zarr is installed, so that all fail alike when it is not).
 
     Call ``step(step, base_lr)`` once per optimizer step (1-based), after backward and before the
-    optimizer step, on every rank; it returns ``{param_name: multiplier}`` for the analysed matrices.
-    Set each matrix's group LR to multiplier·base_lr; other parameters keep base_lr.
+    optimizer step, on every rank; it returns ``{block_name: multiplier}`` for the analysed blocks
+    (``WeightBlock.name``: the parameter name, plus ``:q`` etc. for a part of a fused weight).
+    Each block's LR is multiplier·base_lr; ``megaloop.training.optimizer.LRMultipliers`` applies
+    that exactly, also inside fused parameters. Other parameters keep base_lr.
     """
 
     def __init__(self, named_parameters: nn.Module | NamedParameters, total_steps: int,
@@ -117,8 +93,13 @@ class ALRS:
         self.rank = dist.get_rank(self.group) if self._distributed else 0
         self.tp_group = tp_group
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        self.matrices = physical_matrices(self._named_parameters(), self.config, tp_size)
+        layouts = (fused_layouts(named_parameters) if isinstance(named_parameters, nn.Module)
+                   and self.config.granularity == "block" else {})
+        self.matrices = weight_blocks(self._named_parameters(), layouts, self.config.exclude,
+                                      tp_size)
         self.names = [m.name for m in self.matrices]
+        if log_path is not None:
+            require_zarr()
         if self.world_size > 1:
             self._check_same_matrices_on_all_ranks()
         self.owner = balance_by_cost([m.cost for m in self.matrices], self.world_size)
@@ -160,7 +141,11 @@ class ALRS:
     def load_state_dict(self, state: dict) -> None:
         """Restores the exact multipliers; log rows after the checkpoint's step are forgotten."""
         if list(state["names"]) != self.names:
-            raise ValueError("ALRS checkpoint names different matrices than this model")
+            raise config_error(
+                f"the checkpoint's ALRS state names other matrices than this model (e.g. "
+                f"{next(iter(set(state['names']) ^ set(self.names)), '-')!r}): a checkpoint "
+                f"saved with another alrs.granularity (now {self.config.granularity!r}), "
+                "alrs.exclude or model")
         self.schedule.load_state_dict(state["schedule"])
         self._last_analysis = int(state["last_analysis"])
         self._last_step = int(state["last_step"])
@@ -201,23 +186,22 @@ class ALRS:
             self.log.append_spectra(step, allocated, stats, eig_table)
 
     def _gather_owned(self, params: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Full tensors of the matrices this rank owns; TP shards are gathered to their owner."""
+        """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner."""
         tp_ranks = dist.get_process_group_ranks(self.tp_group) if self._tp_sharded() else []
         full = {}
-        for i, info in enumerate(self.matrices):
-            param = params[info.name].detach()
-            if info.partition_dim is None:
+        for i, block in enumerate(self.matrices):
+            if block.partition_dim is None:
                 if self.owner[i] == self.rank:
-                    full[i] = param
+                    full[i] = block.local(params[block.param].detach())
                 continue
             owner = dist.get_global_rank(self.group, self.owner[i])
             if owner not in tp_ranks:  # another TP group holds the owner and gathers it
                 continue
-            shard = param.to(torch.float32).contiguous()
+            shard = block.local(params[block.param].detach()).to(torch.float32).contiguous()
             parts = [torch.empty_like(shard) for _ in tp_ranks] if owner == dist.get_rank() else None
             dist.gather(shard, parts, dst=owner, group=self.tp_group)
             if parts is not None:  # gather_list follows TP rank order, i.e. shard order
-                full[i] = torch.cat(parts, dim=info.partition_dim)
+                full[i] = torch.cat(parts, dim=block.partition_dim)
         return full
 
     def _tp_sharded(self) -> bool:

@@ -109,7 +109,7 @@ def parameter_count(cfg: ModelConfig) -> int:
 
     def layer(ffn: int, role: str) -> int:
         qkv = d * q if role == "global_only" else d * (q + 2 * g)
-        global_kv = d * 2 * g + d if role != "plain" else 0
+        global_kv = d * 2 * g + (d if cfg.global_kv_norm else 0) if role != "plain" else 0
         return 2 * d + qkv + q * d + qk_norms + 3 * d * ffn + global_kv
 
     total = cfg.num_encoder_layers * layer(cfg.ffn_hidden_size, "plain")

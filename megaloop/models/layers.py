@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -39,6 +40,12 @@ class CausalCoreAttention(MegatronModule):
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__(config=config)
+        # Causality comes from the layer spec, as for Transformer Engine's core attention, so that
+        # a role whose spec is not causal fails here on CPU instead of attending to the future on
+        # a GPU.
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"{type(self).__name__} is causal only; the layer spec asks for "
+                             f"attn_mask_type={attn_mask_type}")
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
     @staticmethod
@@ -218,11 +225,13 @@ class LoopedTransformerLayer(TransformerLayer):
         if isinstance(attention, GlobalOnlyAttention) and rotary_pos_emb is not None:
             # Its keys are the Global keys, already rotated: rotate only the queries.
             rotary_pos_emb = (rotary_pos_emb, None)
-        # index_select copies this layer's slice instead of viewing it: under activation
-        # recomputation the first forward runs in no-grad mode, where a view of a tensor that
-        # requires grad has no grad_fn and trips module-level autograd hooks (FlopCounterMode).
-        index = torch.tensor([self.layer_number - 1], device=context.device)
-        attention.global_kv = context.index_select(0, index).squeeze(0)
+        # This layer's slice, selected by a Python index: a view, with no index tensor to copy
+        # from the host (that copy synchronised the GPU once per layer call, D x K per forward).
+        global_kv = context[self.layer_number - 1]
+        # Without grad mode (the first pass of activation recomputation, evaluation) a view of a
+        # tensor that requires grad still claims to require it but has no grad_fn, which trips
+        # module-level autograd hooks (FlopCounterMode); nothing needs its gradient there.
+        attention.global_kv = global_kv if torch.is_grad_enabled() else global_kv.detach()
         try:
             return super()._forward_attention(hidden_states, *args, context=context,
                                               rotary_pos_emb=rotary_pos_emb, **kwargs)

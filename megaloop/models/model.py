@@ -32,15 +32,30 @@ from megaloop.models import specs
 from megaloop.models.recurrence import iterate
 
 
+# megaloop's FP8 recipe names (config.Fp8Recipe) -> megatron-core's.
+_MCORE_FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
+
+
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: int,
                        ffn_hidden_size: int, params_dtype=torch.float32,
-                       fp8: bool = False) -> TransformerConfig:
+                       fp8: str | None = None) -> TransformerConfig:
     """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers.
 
-    ``fp8`` (Transformer Engine only) selects E4M3 forward / E5M2 backward with delayed scaling;
-    megatron-core's TransformerBlock then runs each call of the block under fp8_autocast."""
+    ``fp8`` (Transformer Engine only; None: off) names the scaling recipe, E4M3 forward / E5M2
+    backward; megatron-core's TransformerBlock then runs each call of the block under
+    fp8_autocast. A looped block is called K times per forward, and delayed scaling updates its
+    scales after every call: its amax history spans 2K calls and takes their maximum, so that
+    iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1)."""
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute == "full"
+    fp8_settings = {}
+    if fp8 is not None:
+        if fp8 not in _MCORE_FP8_RECIPES:
+            raise ValueError(f"fp8={fp8!r}: must be one of {', '.join(_MCORE_FP8_RECIPES)} or None")
+        fp8_settings = dict(fp8="hybrid", fp8_recipe=_MCORE_FP8_RECIPES[fp8])
+        if fp8 == "delayed":
+            fp8_settings.update(fp8_amax_history_len=2 * cfg.num_iterations,
+                                fp8_amax_compute_algo="max")
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=cfg.hidden_size,
@@ -80,15 +95,14 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        fp8="hybrid" if fp8 else None,
-        fp8_recipe="delayed",
+        **fp8_settings,
     )
 
 
 class LoopedLM(LanguageModule):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True,
-                 pre_process: bool = True, post_process: bool = True, fp8: bool = False):
+                 pre_process: bool = True, post_process: bool = True, fp8: str | None = None):
         """``pre_process`` / ``post_process``: this pipeline stage holds the embedding / the head.
 
         Pipeline parallelism: Dense splits its layers evenly over the stages; AsymLoop takes two

@@ -77,10 +77,10 @@ def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
     attention_sub = dict(core_attention=core, linear_proj=output_proj, q_layernorm=qk_norm,
                          k_layernorm=qk_norm)
     if role == "plain":
-        attention = ModuleSpec(SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                               submodules=SelfAttentionSubmodules(linear_qkv=column, **attention_sub))
+        module, sub = SelfAttention, SelfAttentionSubmodules(linear_qkv=column, **attention_sub)
     else:
-        global_kv = dict(global_kv_layernorm=norm, linear_kv_global=backend.column_parallel_linear())
+        global_kv = dict(global_kv_layernorm=norm if cfg.global_kv_norm else IdentityOp,
+                         linear_kv_global=backend.column_parallel_linear())
         if role == "joint":
             module, sub = JointSelfAttention, GlobalKVSubmodules(linear_qkv=column, **global_kv,
                                                                  **attention_sub)
@@ -88,10 +88,11 @@ def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
             module, sub = GlobalOnlyAttention, GlobalKVSubmodules(linear_qkv=None, linear_q=column,
                                                                   **global_kv,
                                                                   **attention_sub)
-        # "arbitrary": the 2N-key joint softmax is not megatron-core's square causal mask; the core
-        # attention module applies its own causality.
-        attention = ModuleSpec(module, params={"attn_mask_type": AttnMaskType.arbitrary},
-                               submodules=sub)
+    # Every role is causal, and says so in the one place every backend reads: Transformer Engine's
+    # core attention masks by this type (it never receives a mask tensor), and so do megaloop's.
+    # Queries and keys are N x N for every role; the joint role's core attention applies it to
+    # each N x N half of its [Global; Local] keys.
+    attention = ModuleSpec(module, params={"attn_mask_type": AttnMaskType.causal}, submodules=sub)
 
     keys_map = {}
     if not olmo:
@@ -116,3 +117,27 @@ def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
 
 def final_norm_spec(use_te: bool):
     return _backend(use_te).layer_norm(rms_norm=True, for_qk=False)
+
+
+def load_absent_extra_state_as_fresh(sharded_state_dict: dict, checkpoint_dir: str) -> dict:
+    """Lets a checkpoint lacking some modules' ``_extra_state`` load into a model that has them.
+
+    Transformer Engine modules (norms, core attention, linears) carry ``_extra_state``, their FP8
+    scaling state; a local-spec (CPU) checkpoint has it only where megatron-core's local linears
+    write an empty one. Every requested ``_extra_state`` the checkpoint lacks is loaded as None,
+    which Transformer Engine reads as "keep the fresh state", instead of failing the load. The
+    other direction needs nothing: entries a model does not request are not read.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = {item.key for item in load_sharded_metadata(str(checkpoint_dir)).values()}
+
+    def fresh_if_absent(value):
+        if (isinstance(value, ShardedObject) and value.key.endswith("_extra_state")
+                and value.key not in saved):
+            return LocalNonpersistentObject(None)
+        return value
+
+    return dict_list_map_inplace(fresh_if_absent, sharded_state_dict)

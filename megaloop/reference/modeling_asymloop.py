@@ -41,6 +41,7 @@ class ReferenceConfig:
     qk_norm: bool = True
     injection: str = "global_kv"  # global_kv | none | additive
     local_kv: bool = True
+    global_kv_norm: bool = True  # RMSNorm of H_E before the Global K/V projections
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -85,6 +86,7 @@ def rope_tables(n, head_dim, base, device):
 
 
 def apply_rope(x, cos, sin):
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 tables would promote bf16 activations
     return x * cos + rotate_half(x) * sin
 
 
@@ -102,7 +104,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         if global_kv:
-            self.global_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+            self.global_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.global_kv_norm else nn.Identity()
             self.global_k_proj = nn.Linear(d, self.groups * hd, bias=False)
             self.global_v_proj = nn.Linear(d, self.groups * hd, bias=False)
 

@@ -46,8 +46,8 @@ _NAME = re.compile(r"^iter_(\d{7})$")
 # ModelConfig, so that a new field has to be placed in one of them).
 ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size",
                        "num_attention_heads", "num_query_groups", "vocab_size", "encoder_layers",
-                       "block", "qk_norm", "injection", "local_kv", "decoder_ffn_hidden_size",
-                       "tie_embeddings")
+                       "block", "qk_norm", "injection", "local_kv", "global_kv_norm",
+                       "decoder_ffn_hidden_size", "tie_embeddings")
 # Test-time depth, the attention kernel, the context length (warned: it changes the sample order),
 # RoPE base and norm epsilon (context extension, fine-tuning) and the initialisation scale (used
 # only before a load).
@@ -252,7 +252,11 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
 
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path}: missing metadata.json, not a dist_checkpointing checkpoint")
+    from megaloop.models.specs import load_absent_extra_state_as_fresh
+
     try:
+        # A local-spec (CPU) checkpoint lacks Transformer Engine's _extra_state entries.
+        sharded_state = load_absent_extra_state_as_fresh(sharded_state, str(path))
         return dist_checkpointing.load(sharded_state, str(path))
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{path}: cannot be loaded into this run ({_one_line(e)})") from None

@@ -3,8 +3,19 @@
 AdamW (decoupled weight decay: torch multiplies it by the group LR, so a matrix whose LR is scaled by
 s also decays s times faster, as in the ALRS reference), gradient clipping, the distributed optimizer
 over data-parallel ranks, and megatron-core's OptimizerParamScheduler (linear warmup, cosine decay to
-a floor). ``LRMultipliers`` gives every weight matrix its own parameter group so that its LR can be
-set to multiplier x base LR at any step; ALRS drives it.
+a floor). ``LRMultipliers`` sets the LR of every logical weight matrix (``megaloop.alrs.blocks``) to
+multiplier x base LR at any step; ALRS drives it.
+
+Blocks inside a fused weight (Q/K/V of ``linear_qkv``, gate/up of ``linear_fc1``, Global K/V) share
+one torch parameter and so one LR, and Adam ignores any scaling of their gradients. Their multipliers
+are applied inside the optimizer step instead (``BlockUpdateScaling``): an Adam/AdamW update is
+linear in the LR, p' = p - lr * (m_hat / (sqrt(v_hat) + eps) + wd * p), so scaling the update of
+each block's elements by its multiplier gives exactly the step of a parameter group with that LR,
+weight decay included. The other design, unfused Q/K/V/gate/up parameters, would change the model:
+three GEMMs instead of one, Transformer Engine's fused norm+linear lost, and checkpoints that no
+megatron-core tool reads. The cost here is one fp32 copy of the fused weights' optimizer shards
+(1/DP of them under the distributed optimizer) for the duration of the step, and three element-wise
+passes over them; nothing at all while every multiplier is 1.
 """
 
 from __future__ import annotations
@@ -17,57 +28,202 @@ from megatron.core.optimizer import (OptimizerConfig, ParamKey, get_megatron_opt
 from megatron.core.optimizer.optimizer_config import ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megaloop.config import RunConfig
+from megaloop.alrs.blocks import WeightBlock, fused_layouts, weight_blocks
+from megaloop.config import ConfigError, RunConfig
 
 _GROUP_KEY = "megaloop_matrix"  # copied into each per-matrix param group by megatron-core
 
 
-class LRMultipliers:
-    """Per-matrix learning-rate multipliers: lr_i(t) = m_i * base_lr(t).
+def _main_params(optimizer):
+    """(torch optimizer, main param, model param, offset) for every parameter the torch optimizers
+    update: the main param is the tensor stepped (the model param itself, its fp32 copy, or a
+    distributed-optimizer shard, which holds the model param's flattened elements from offset on)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
+                                                   FP32Optimizer)
 
-    The multipliers are megaloop's own state (saved in checkpoints), never read back from optimizer
-    param groups: megatron-core matches param groups on reload by a key that per-matrix groups share.
+    if isinstance(optimizer, ChainedOptimizer):
+        for inner in optimizer.chained_optimizers:
+            yield from _main_params(inner)
+    elif isinstance(optimizer, DistributedOptimizer):
+        for models, shards in ((optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+                               (optimizer.model_float16_groups,
+                                optimizer.shard_fp32_from_float16_groups)):
+            for model_group, shard_group in zip(models, shards):
+                for model_param, shard in zip(model_group, shard_group):
+                    start = optimizer._get_model_param_range_map(model_param)["param"].start
+                    yield optimizer.optimizer, shard, model_param, start
+    elif isinstance(optimizer, Float16OptimizerWithFloat16Params):
+        for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+            for model_param, main in zip(models, mains):
+                yield optimizer.optimizer, main, model_param, 0
+        for group in optimizer.fp32_from_fp32_groups:
+            for param in group:
+                yield optimizer.optimizer, param, param, 0
+    elif isinstance(optimizer, FP32Optimizer):
+        for group in optimizer.optimizer.param_groups:
+            for param in group["params"]:
+                yield optimizer.optimizer, param, param, 0
+    else:
+        raise ConfigError(f"per-block LRs inside fused weights do not support "
+                          f"{type(optimizer).__name__}; set alrs.granularity=parameter")
+
+
+def _scale_rows_(flat: torch.Tensor, row_scale: torch.Tensor, start: int, cols: int) -> None:
+    """Multiplies, in place, the elements [start, start + len(flat)) of a row-major [rows, cols]
+    matrix (given flattened) by the scale of their row: a partial first row, whole rows, a partial
+    last row."""
+    n = flat.numel()
+    head = min(n, (-start) % cols)
+    if head:
+        flat[:head].mul_(row_scale[start // cols])
+    first_full = (start + head) // cols
+    full = (n - head) // cols
+    if full:
+        rows = row_scale[first_full:first_full + full, None]
+        flat[head:head + full * cols].view(full, cols).mul_(rows)
+    if head + full * cols < n:
+        flat[head + full * cols:].mul_(row_scale[first_full + full])
+
+
+class _Target:
+    """One fused parameter's main tensor as one torch optimizer steps it."""
+
+    def __init__(self, optimizer, main, model_param, start, blocks: list[WeightBlock]):
+        self.optimizer, self.main, self.start = optimizer, main, start
+        self.cols = model_param.shape[1]
+        self.names = [b.name for b in blocks]
+        row_block = torch.full((model_param.shape[0],), -1, dtype=torch.long)
+        for i, block in enumerate(blocks):
+            row_block[block.local_rows(model_param.shape[0])] = i
+        assert bool((row_block >= 0).all()), f"{self.names}: the blocks do not cover every row"
+        self.row_block = row_block.to(main.device)
+        self.scales: list[float] = [1.0] * len(blocks)
+        self.row_scale: torch.Tensor | None = None  # None: every block at multiplier 1
+        self.before: torch.Tensor | None = None
+
+
+class BlockUpdateScaling:
+    """Scales the optimizer update of each block of a fused parameter by the block's multiplier.
+
+    Hooks every torch optimizer under a megatron-core optimizer (FP32, mixed precision, distributed,
+    chained): before its step it copies the main tensors of fused parameters whose blocks do not
+    all have multiplier 1, after it sets p = p_before + s_row * (p - p_before) for each row's
+    block multiplier s_row. The parameter's group LR stays the base LR. Exact for any update that
+    is linear in the LR (Adam, AdamW, SGD with momentum); a distributed-optimizer shard may start
+    and end anywhere in a block, which ``_scale_rows_`` handles.
     """
 
-    def __init__(self, optimizer, scheduler: OptimizerParamScheduler, matrix_names: list[str]):
+    def __init__(self, optimizer, fused: dict[torch.Tensor, list[WeightBlock]]):
+        by_id = {id(p): blocks for p, blocks in fused.items()}
+        self.targets: list[_Target] = []
+        hooked = {}
+        for inner, main, model_param, start in _main_params(optimizer):
+            blocks = by_id.get(id(model_param))
+            if blocks is None:
+                continue
+            if main is None or main.dtype != torch.float32:
+                raise ConfigError("per-block LRs inside fused weights need fp32 main params (not "
+                                  "megatron-core's precision-aware optimizer); set "
+                                  "alrs.granularity=parameter")
+            self.targets.append(_Target(inner, main, model_param, start, blocks))
+            hooked[id(inner)] = inner
+        for inner in hooked.values():
+            inner.register_step_pre_hook(self._before_step)
+            inner.register_step_post_hook(self._after_step)
+
+    def set(self, multipliers: dict[str, float]) -> None:
+        """Multipliers by block name (missing: 1), used from the next optimizer step on."""
+        for target in self.targets:
+            scales = [multipliers.get(name, 1.0) for name in target.names]
+            if scales == target.scales:  # no host-to-device copy while the multipliers stand
+                continue
+            target.scales = scales
+            if all(s == 1.0 for s in scales):
+                target.row_scale = None
+            else:
+                table = torch.tensor(scales, dtype=torch.float32, device=target.main.device)
+                target.row_scale = table[target.row_block]
+
+    @torch.no_grad()
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        for target in self.targets:
+            if target.optimizer is optimizer and target.row_scale is not None:
+                target.before = target.main.detach().clone()
+
+    @torch.no_grad()
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        for target in self.targets:
+            if target.optimizer is not optimizer or target.before is None:
+                continue
+            main, before = target.main.detach(), target.before
+            update = (main - before).view(-1)
+            _scale_rows_(update, target.row_scale, target.start, target.cols)
+            main.copy_(before.add_(update.view_as(before)))
+            target.before = None
+
+
+class LRMultipliers:
+    """Per-block learning-rate multipliers: lr_b(t) = m_b * base_lr(t) for every weight block.
+
+    A whole weight matrix has its own parameter group, whose LR is set; the blocks of a fused weight
+    get theirs through ``BlockUpdateScaling``. The multipliers are megaloop's own state (saved in
+    checkpoints), never read back from optimizer param groups: megatron-core matches param groups
+    on reload by a key that per-matrix groups share.
+    """
+
+    def __init__(self, optimizer, scheduler: OptimizerParamScheduler, blocks: list[WeightBlock],
+                 params: dict[str, torch.Tensor]):
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.names = set(matrix_names)
+        self.names = [b.name for b in blocks]
+        self._known = set(self.names)
         # Group order is deterministic (megatron-core sorts groups by their override key), so the
-        # group -> matrix mapping is recorded once and re-applied after a checkpoint reload.
+        # group -> parameter mapping is recorded once and re-applied after a checkpoint reload.
         self.group_names = [g.get(_GROUP_KEY) for g in optimizer.param_groups]
+        fused: dict[str, list[WeightBlock]] = {}
+        for block in blocks:
+            if block.rows is not None:
+                fused.setdefault(block.param, []).append(block)
+        self.scaling = (BlockUpdateScaling(optimizer, {params[p]: b for p, b in fused.items()})
+                        if fused else None)
         self.multipliers: dict[str, float] = {}
 
     def set(self, multipliers: dict[str, float]) -> None:
-        unknown = set(multipliers) - self.names
+        unknown = set(multipliers) - self._known
         if unknown:
-            raise KeyError(f"no per-matrix LR group for {sorted(unknown)[:3]} (known: matrices "
-                           "of the model, e.g. 'decoder.layers.0.mlp.linear_fc1.weight')")
+            raise KeyError(f"no weight block named {sorted(unknown)[:3]} (known: blocks of the "
+                           "model, e.g. 'decoder.layers.0.mlp.linear_fc2.weight', "
+                           "'decoder.layers.0.mlp.linear_fc1.weight:gate')")
         bad = {k: v for k, v in multipliers.items() if not (math.isfinite(v) and v > 0)}
         if bad:
             raise ValueError(f"LR multipliers must be finite and > 0, got {bad}")
         self.multipliers.update(multipliers)
 
     def apply(self) -> None:
-        """Sets every group's LR from the scheduler's base LR at its current step. The trainer
-        calls it before every optimizer step, which is when ``set`` takes effect."""
+        """Sets every group's LR from the scheduler's base LR at its current step, and the block
+        scales of fused weights. The trainer calls it before every optimizer step, which is when
+        ``set`` takes effect."""
         for group, name in zip(self.optimizer.param_groups, self.group_names):
             group[_GROUP_KEY] = name
+            # A fused weight's group keeps the base LR (its name is no block's name).
             group["lr"] = self.scheduler.get_lr(group) * self.multipliers.get(name, 1.0)
+        if self.scaling is not None:
+            self.scaling.set(self.multipliers)
 
-    def group_lrs(self) -> dict[str, float]:
-        return {name or "base": group["lr"]
-                for group, name in zip(self.optimizer.param_groups, self.group_names)}
+    def block_lrs(self, base_lr: float) -> dict[str, float]:
+        """The LR of every block at base LR ``base_lr``."""
+        return {name: base_lr * self.multipliers.get(name, 1.0) for name in self.names}
 
     def state_dict(self) -> dict:
         return {"multipliers": dict(self.multipliers)}
 
     def load_state_dict(self, state: dict) -> None:
+        unknown = set(state["multipliers"]) - self._known
+        if unknown:
+            raise ConfigError(f"the checkpoint's LR multipliers name weight blocks this model does "
+                              f"not have (e.g. {sorted(unknown)[0]!r}): saved with another "
+                              "alrs.granularity or model")
         self.multipliers = dict(state["multipliers"])
-
-
-def matrix_names(model: torch.nn.Module) -> list[str]:
-    """Names of the physical 2-D weights (a module called K times is listed once)."""
-    return [name for name, p in model.named_parameters() if p.dim() == 2 and p.requires_grad]
 
 
 def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConfig):
@@ -83,9 +239,10 @@ def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConf
     # Passing overrides replaces megatron-core's default "no weight decay on 1-D params" rule, so
     # it is merged back in.
     overrides = get_standard_config_overrides(opt_config)
-    names = matrix_names(unwrapped)
     params = dict(unwrapped.named_parameters())
-    for name in names:
+    layouts = fused_layouts(unwrapped) if cfg.alrs.granularity == "block" else {}
+    blocks = weight_blocks(((n, p) for n, p in params.items() if p.requires_grad), layouts)
+    for name in dict.fromkeys(b.param for b in blocks):
         # Matched by identity, so wrapper prefixes ("module.") in the names do not matter.
         key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, t=params[name]: p is t))
         overrides[key] = {_GROUP_KEY: name}
@@ -97,4 +254,4 @@ def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConf
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=train.train_steps,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler, LRMultipliers(optimizer, scheduler, names)
+    return optimizer, scheduler, LRMultipliers(optimizer, scheduler, blocks, params)

@@ -51,11 +51,9 @@ def _device() -> torch.device:
 
 def _precision(cfg: RunConfig) -> str:
     if cfg.train.precision == "fp8":
-        from megaloop.models.specs import transformer_engine_available
+        from megaloop.platform.fp8 import check_fp8_support
 
-        if not transformer_engine_available():
-            raise ConfigError("train.precision='fp8': needs Transformer Engine on a CUDA GPU "
-                              "(use bf16 or fp32 here)")
+        check_fp8_support(cfg.train.resolved_fp8_recipe)
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if torch.cuda.is_available() else "fp32"
@@ -166,7 +164,7 @@ class Trainer:
         cfg = self.cfg
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         model = LoopedLM(cfg.model, cfg.parallel, params_dtype=dtype,
-                         fp8=self.precision == "fp8",
+                         fp8=self.cfg.train.resolved_fp8_recipe,
                          pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage())
         self.model = model

@@ -6,8 +6,14 @@ from tools import plot_alrs
 
 
 def test_classify_megatron_names():
-    assert plot_alrs.classify("encoder.layers.0.self_attention.linear_qkv.weight") == ("encoder", "attention")
-    assert plot_alrs.classify("decoder.layers.1.self_attention.linear_kv_global.weight") == ("decoder", "attention")
+    attention = "encoder.layers.0.self_attention.linear_qkv.weight"
+    assert plot_alrs.classify(attention) == ("encoder", "attention")
+    assert plot_alrs.classify(attention + ":k") == ("encoder", "attention")
+    assert plot_alrs.classify("decoder.layers.1.self_attention.linear_proj.weight") == ("decoder", "attention")
+    for part in ("", ":global_k", ":global_v"):
+        name = "decoder.layers.1.self_attention.linear_kv_global.weight" + part
+        assert plot_alrs.classify(name) == ("decoder", "global_kv")
+    assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc1.weight:gate") == ("decoder", "ffn")
     assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc2.weight") == ("decoder", "ffn")
     assert plot_alrs.classify("embedding.word_embeddings.weight") is None
     assert plot_alrs.classify("output_layer.weight") is None
@@ -16,7 +22,8 @@ def test_classify_megatron_names():
 def _run(path, mode):
     g = torch.Generator().manual_seed(0)
     names = ["encoder.layers.0.self_attention.linear_qkv.weight", "encoder.layers.0.mlp.linear_fc1.weight",
-             "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+             "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+             "decoder.layers.0.self_attention.linear_kv_global.weight"]
     params = {n: nn.Parameter(torch.randn(24, 16, generator=g) * torch.rand(24, 16, generator=g) ** -(i / 2))
               for i, n in enumerate(names)}
     alrs = ALRS(lambda: params.items(), 60, ALRSConfig(mode=mode, interval=5, transition=3, fraction=0.5),
@@ -34,6 +41,19 @@ def test_figures_are_written_from_logs(tmp_path):
     for path in written:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_means_local_q_k_v_o_and_global_kv_is_its_own_group():
+    import numpy as np
+
+    layer = "decoder.layers.0.self_attention."
+    names = [layer + "linear_qkv.weight:q", layer + "linear_qkv.weight:k",
+             layer + "linear_qkv.weight:v", layer + "linear_proj.weight",
+             layer + "linear_kv_global.weight:global_k", layer + "linear_kv_global.weight:global_v"]
+    means = plot_alrs.group_means(np.array([[1.0, 2.0, 3.0, 6.0, 10.0, 20.0]]), names)
+    assert means.keys() == {("decoder", "attention"), ("decoder", "global_kv")}
+    assert means["decoder", "attention"].tolist() == [3.0]
+    assert means["decoder", "global_kv"].tolist() == [15.0]
 
 
 def test_group_means_over_matching_matrices():

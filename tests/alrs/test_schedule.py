@@ -9,7 +9,7 @@ from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule, read_log
     (dict(fraction=1.5), "fraction"), (dict(interval=0), "interval"),
     (dict(transition=-1), "transition"), (dict(mode="sgd"), "mode"),
     (dict(embedding_head="drop"), "embedding_head"), (dict(eig_method="qr"), "eig_method"),
-    (dict(decoder_boost=0.0), "decoder_boost"),
+    (dict(decoder_boost=0.0), "decoder_boost"), (dict(granularity="row"), "granularity"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:
@@ -29,14 +29,16 @@ def test_a_run_shorter_than_the_window_still_allocates_at_step_1():
     assert not ALRSConfig(mode="uniform").allocates_at(1, 4)
 
 
-def test_ramp_reaches_target_after_transition_steps():
+def test_first_allocation_holds_at_once_later_ones_ramp():
     sched = MultiplierSchedule({"a": 1.0, "b": 1.0}, transition=50)
+    sched.retarget(1, {"a": 4.0, "b": 2.0})  # the reference's first ramp is the LR warmup itself
+    assert sched.at(1) == {"a": 4.0, "b": 2.0}
     sched.retarget(100, {"a": 5.0, "b": 1.0})
-    assert sched.at(100) == {"a": 1.0, "b": 1.0}
-    assert sched.at(125) == {"a": 3.0, "b": 1.0}
+    assert sched.at(100) == {"a": 4.0, "b": 2.0}
+    assert sched.at(125) == {"a": 4.5, "b": 1.5}
     assert sched.at(149)["a"] < 5.0 and sched.at(150) == {"a": 5.0, "b": 1.0}
     sched.retarget(130, {"a": 1.0, "b": 2.0})  # a new target mid-ramp starts from where it is
-    assert sched.at(130) == {"a": 3.4, "b": 1.0} and sched.at(180) == {"a": 1.0, "b": 2.0}
+    assert sched.at(130) == {"a": 4.6, "b": 1.4} and sched.at(180) == {"a": 1.0, "b": 2.0}
     with pytest.raises(ValueError, match="targets"):
         sched.retarget(200, {"a": 1.0})
 
@@ -75,16 +77,36 @@ def test_schedule_shape_freeze_and_lr_equals_multiplier_times_base_lr(tmp_path):
     alrs.close()
     l0, l2 = [[history[t][f"l{i}.weight"] for t in range(1, total + 1)] for i in (0, 2)]
     # Steeper spectrum = heavier tail = smaller α = smaller LR.
-    assert l0[51 - 1] == 5.0 and l2[51 - 1] == 1.0
+    assert l0[0] == 5.0 and l2[0] == 1.0  # the first allocation holds from step 1
     changed = [t for t in range(2, total + 1) if history[t] != history[t - 1]]
-    assert changed == list(range(2, 52)) + list(range(201, 251))  # two 50-step ramps, then frozen
+    assert changed == list(range(201, 251))  # the allocation at 200 ramps over 50 steps, then frozen
     assert l0[250 - 1] == 1.0 and l2[250 - 1] == 5.0 and history[total] == history[250]
     log = read_log(tmp_path / "alrs.zarr")
+    assert log.spectra_step.tolist() == [1, 100, 200]  # no spectra after the freeze at 0.2·T
     assert log.lr_step.tolist() == list(range(1, total + 1))
     col = log.lr_groups.index("l2.weight")
     assert log.lr_value[-1, col] == pytest.approx(5.0 * base(total), rel=1e-15)
     assert log.lr_value[-1, log.lr_groups.index("base")] == base(total)
-    assert log.allocated[log.spectra_step <= 200].all() and not log.allocated[log.spectra_step > 200].any()
+    assert log.allocated.all()
+
+
+def test_spectra_after_the_freeze_only_when_asked_for(monkeypatch):
+    from megaloop.alrs import sharded
+
+    analysed = []
+    monkeypatch.setattr(sharded, "spectral_stats",
+                        lambda w, name, method: analysed.append(name) or (
+                            sharded.SpectralStats(2.0, 1.0, 0.5), torch.ones(2)))
+    model = _spread_model([1.0])
+    for monitor, expected in ((False, [1, 100]), (True, [1, 100, 200, 300, 400, 500])):
+        alrs = ALRS(model, 500, ALRSConfig(monitor_after_freeze=monitor))  # frozen after step 100
+        steps = []
+        for t in range(1, 501):
+            before = len(analysed)
+            alrs.step(t)
+            if len(analysed) > before:
+                steps.append(t)
+        assert steps == expected
 
 
 def test_resume_from_state_dict_is_exact():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from megaloop.alrs import ALRS, ALRSConfig, balance_by_cost, physical_matrices, spectral_stats
+from megaloop.alrs import ALRS, ALRSConfig, balance_by_cost, spectral_stats, weight_blocks
 from megaloop.alrs import sharded
 from tests.distributed import run_distributed
 
@@ -30,17 +30,17 @@ def _params(seed: int = 0) -> dict[str, nn.Parameter]:
     return out
 
 
-def test_physical_matrices_counts_shared_and_tied_weights_once():
+def test_weight_blocks_count_shared_and_tied_weights_once():
     emb = nn.Embedding(50, 16)
     head = nn.Linear(16, 50, bias=False)
     head.weight = emb.weight  # tied
     layer = nn.Linear(16, 16)
     model = nn.ModuleDict({"embedding": emb, "decoder": nn.ModuleList([layer, layer, layer]),
                            "output_layer": head, "router": nn.Linear(16, 4), "norm": nn.LayerNorm(16)})
-    names = [m.name for m in physical_matrices(model.named_parameters(), ALRSConfig(exclude=("router",)))]
+    names = [m.name for m in weight_blocks(model.named_parameters(), exclude=("router",))]
     assert names == ["embedding.weight", "decoder.0.weight"]
     duplicated = model.named_parameters(remove_duplicate=False)
-    names = [m.name for m in physical_matrices(duplicated, ALRSConfig())]
+    names = [m.name for m in weight_blocks(duplicated)]
     assert names == ["embedding.weight", "decoder.0.weight", "router.weight"]
 
 
@@ -70,7 +70,8 @@ def test_hook_failures_never_reach_training(monkeypatch, caplog):
 
     monkeypatch.setattr(sharded, "spectral_stats", broken)
     caplog.clear()
-    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10))
+    # (with embedding_head="pin_s2" embedding and head would get s2 whatever the α)
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10, embedding_head="exclude"))
     with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
         assert set(alrs.step(1).values()) == {1.0}
     assert "did not converge" in caplog.text

@@ -55,17 +55,12 @@ def test_corrupt_dataset_is_refused_naming_the_file(tmp_path, tokenized_articles
         build_gpt_datasets([tokenized_articles], big_vocab, 64, (10, None, None), cache_dir=str(tmp_path))
 
 
-def test_weighted_blend_draws_from_both(tmp_path, tokenized_articles):
+def test_weighted_blend_draws_from_both(tmp_path, tokenized_articles, mcore):
     other = str(tmp_path / "other")
     for suffix in (".bin", ".idx"):
         shutil.copy(tokenized_articles + suffix, other + suffix)
-    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        train = build_gpt_datasets(["0.25", tokenized_articles, "0.75", other], TOKENIZER, 64, (400, 0, 0),
-                                   split="100,0,0", cache_dir=str(tmp_path / "cache"))[0]
-    finally:
-        torch.distributed.destroy_process_group()
+    train = build_gpt_datasets(["0.25", tokenized_articles, "0.75", other], TOKENIZER, 64, (400, 0, 0),
+                               split="100,0,0", cache_dir=str(tmp_path / "cache"))[0]
     counts = numpy.bincount(numpy.asarray(train.dataset_index), minlength=2)
     assert counts.sum() == len(train) and abs(counts[0] / counts.sum() - 0.25) < 0.02
 

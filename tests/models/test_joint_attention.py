@@ -45,3 +45,88 @@ def test_global_keys_share_the_softmax_with_local_keys():
     big = joint_attention_fused(q, torch.ones_like(kg) * 50, vg, kl, vl, 1.0)
     torch.testing.assert_close(big, vg.cumsum(2) / torch.arange(1, 7).view(1, 1, 6, 1),
                                atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron-core's layouts (shared with the CUDA check in tests/models/test_gpu.py)
+# ------------------------------------------------------------------------------------------------
+
+def megatron_layout_leaves(b, n, heads, groups, d, dtype=torch.float32, device="cpu", seed=0):
+    """The tensors a decoder layer's core attention is cut from: the fused QKV projection output
+    [N, B, groups, (heads/groups + 2) * D] and this layer's Global KV slice [N, B, groups, 2D]."""
+    g = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(n, b, groups, (heads // groups + 2) * d, generator=g)
+    global_kv = torch.randn(n, b, groups, 2 * d, generator=g)
+    return [t.to(device, dtype).requires_grad_() for t in (mixed, global_kv)]
+
+
+def _split(mixed, global_kv, heads, d):
+    """Cuts q, k, v and the Global halves as megatron-core's SelfAttention and megaloop's
+    GlobalKVMixin do: k and v stay strided views of the fused output, q is reshaped."""
+    groups = mixed.shape[2]
+    q, k, v = torch.split(mixed, [heads // groups * d, d, d], dim=3)
+    q = q.reshape(q.shape[0], q.shape[1], heads, d)
+    return (q, k, v), global_kv.split(d, dim=-1)
+
+
+def joint_core_attention(mixed, global_kv, heads, d, impl="fused"):
+    """megaloop's JointCoreAttention on megatron-core's [N, B, heads, D] views -> [N, B, heads*D]."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megaloop.models.layers import JointCoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                               num_query_groups=mixed.shape[2], kv_channels=d)
+    core = JointCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                              impl=impl)
+    (q, k, v), core.global_kv = _split(mixed, global_kv, heads, d)
+    return core(q, k, v)
+
+
+def fp64_reference(mixed, global_kv, heads, d):
+    """The masked joint attention in float64 on the same values; returns (output, grad leaves)."""
+    leaves = [t.detach().double().requires_grad_() for t in (mixed, global_kv)]
+    (q, k, v), (k_glob, v_glob) = _split(*leaves, heads, d)
+    n, b, groups = k.shape[:3]
+
+    def heads_first(x):
+        return x.permute(1, 2, 0, 3).repeat_interleave(heads // groups, dim=1)
+
+    out = joint_attention(q.permute(1, 2, 0, 3), heads_first(k_glob), heads_first(v_glob),
+                          heads_first(k), heads_first(v), d ** -0.5)
+    return out.permute(2, 0, 1, 3).reshape(n, b, heads * d), leaves
+
+
+def relative_error(actual, expected) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def layout_errors(b, n, heads, groups, d, dtype, device):
+    """Relative errors of the fused kernel on megatron-core's layouts against float64: the output
+    and the gradients of both leaves (the fused QKV output and the Global KV slice)."""
+    mixed, global_kv = megatron_layout_leaves(b, n, heads, groups, d, dtype, device)
+    out = joint_core_attention(mixed, global_kv, heads, d)
+    expected, leaves = fp64_reference(mixed, global_kv, heads, d)
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64).to(device)
+    grads = torch.autograd.grad(out, [mixed, global_kv], grad_out.to(dtype))
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    return {"out": relative_error(out, expected),
+            "d_qkv": relative_error(grads[0], expected_grads[0]),
+            "d_global_kv": relative_error(grads[1], expected_grads[1])}
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (4, 1)])
+def test_fused_on_megatron_layouts_matches_fp64(heads, groups):
+    errors = layout_errors(2, 130, heads, groups, 32, torch.float32, "cpu")
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_bf16_merge_rounds_once():
+    """The log-sum-exp merge runs in fp32 and rounds once: its bf16 output is within 1.75x the
+    error of rounding the exact result to bf16 (a bf16 merge gives about 2.1x)."""
+    inputs = [t.detach().bfloat16() for t in _inputs(2, 4, 257, 64)]
+    exact = joint_attention(*[t.double() for t in inputs], 0.125)
+    fused = joint_attention_fused(*inputs, 0.125)
+    assert relative_error(fused, exact) < 1.75 * relative_error(exact.bfloat16(), exact)

@@ -1,11 +1,18 @@
-"""ALRS inside the training loop: multipliers reach the optimizer's LRs, logs are written, and a
-resume restores the allocator exactly."""
+"""ALRS inside the training loop: multipliers reach the optimizer's LRs, logs are written, a
+resume restores the allocator exactly, and a machine without zarr trains (ALRS asks for zarr in
+one line)."""
 
+import dataclasses
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from megaloop.alrs import ALRSConfig, read_log
+from megaloop.config import ConfigError, save_yaml
 from megaloop.training.trainer import Trainer
 from tests.training.conftest import tiny_run, train_losses
 
@@ -19,27 +26,38 @@ def _run(data, out, **train):
     return cfg
 
 
-def test_alrs_multipliers_set_the_group_learning_rates(mcore, pattern_data, tmp_path):
+def test_alrs_multipliers_set_the_learning_rates_of_every_block(mcore, pattern_data, tmp_path):
     trainer = Trainer(_run(pattern_data, tmp_path))
-    seen = []  # (base LR, group LRs, multipliers) at the moment of every optimizer step
+    scaling = trainer.lr_multipliers.scaling
+    seen = []  # (base LR, group LRs, multipliers, block scales) at the moment of every step
     optimizer_step = trainer.optimizer.step
 
     def recording_step():
-        seen.append((trainer.current_lr(), trainer.lr_multipliers.group_lrs(),
-                     dict(trainer.lr_multipliers.multipliers)))
+        groups = {g["megaloop_matrix"]: g["lr"] for g in trainer.optimizer.param_groups
+                  if g.get("megaloop_matrix")}
+        scales = {n: float(t.row_scale[t.row_block == i][0]) if t.row_scale is not None else 1.0
+                  for t in scaling.targets for i, n in enumerate(t.names)}
+        seen.append((trainer.current_lr(), groups, dict(trainer.lr_multipliers.multipliers),
+                     scales))
         return optimizer_step()
 
     trainer.optimizer.step = recording_step
     trainer.train()
     assert len(seen) == 8
-    base, group_lrs, multipliers = seen[-1]
-    assert set(multipliers) == set(trainer.lr_multipliers.names)
+    base, groups, multipliers, scales = seen[0]
+    assert set(multipliers) == set(trainer.lr_multipliers.names)  # from step 1 on, at once
+    assert {"decoder.layers.0.self_attention.linear_qkv.weight:k",
+            "decoder.layers.0.self_attention.linear_kv_global.weight:global_v",
+            "encoder.layers.1.mlp.linear_fc1.weight:up"} <= set(multipliers)
     assert min(multipliers.values()) >= ALRS.s1 - 1e-9
     assert max(multipliers.values()) > 1.5, "ALRS should spread the multipliers over [s1, s2]"
-    for name, lr in group_lrs.items():
-        assert lr == pytest.approx(base * multipliers.get(name, 1.0), rel=1e-12), name
+    for base, groups, multipliers, scales in seen:
+        for name, lr in groups.items():  # a fused weight's group keeps the base LR ...
+            assert lr == pytest.approx(base * multipliers.get(name, 1.0), rel=1e-12), name
+        for name, scale in scales.items():  # ... and its blocks' updates are scaled
+            assert scale == pytest.approx(multipliers[name], rel=1e-6), name
     log = read_log(tmp_path / "alrs.zarr")
-    assert len(log.matrices) == len(multipliers)
+    assert log.matrices == trainer.lr_multipliers.names == trainer.alrs.names
 
 
 def test_resume_with_alrs_is_exact(mcore, pattern_data, tmp_path):
@@ -53,3 +71,36 @@ def test_resume_with_alrs_is_exact(mcore, pattern_data, tmp_path):
     Trainer(_run(pattern_data, resumed)).train()
     a, b = train_losses(straight), train_losses(resumed)
     assert [a[s] for s in (5, 6, 7, 8)] == [b[s] for s in (5, 6, 7, 8)]
+    # The same checkpoint with whole-parameter granularity (the layout of runs saved before
+    # blocks existed): one line naming the setting.
+    other = tiny_run(pattern_data, tmp_path / "other", train={"use_alrs": True},
+                     checkpoint={"dir": str(resumed / "checkpoints")})
+    other.alrs = dataclasses.replace(ALRS, granularity="parameter")
+    with pytest.raises(ConfigError, match="alrs.granularity"):
+        Trainer(other)
+
+
+def test_without_zarr_training_runs_and_alrs_asks_for_it_in_one_line(mcore, pattern_data, tmp_path):
+    for name, train in (("plain", {}), ("alrs", {"use_alrs": True})):
+        save_yaml(tiny_run(pattern_data, tmp_path / name, train={"train_steps": 2, **train}),
+                  tmp_path / f"{name}.yaml")
+    code = f"""
+import sys
+sys.modules["zarr"] = None  # "import zarr" now raises ImportError, as on a bare CUDA machine
+from megaloop.alrs import ALRS
+from megaloop.train import main
+import torch
+
+weights = {{"w": torch.nn.Parameter(torch.randn(8, 8))}}
+ALRS(lambda: weights.items(), 10).step(1)  # no log asked for: no zarr needed
+print("EXIT", main(["--config", {str(tmp_path / "plain.yaml")!r}]),
+      main(["--config", {str(tmp_path / "alrs.yaml")!r}]))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                         "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert "EXIT 0 2" in result.stdout, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "zarr" in line]
+    assert errors == ["error: the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is written "
+                      "with zarr, which is not installed: pip install 'zarr>=3'"]
+    assert not (tmp_path / "alrs" / "alrs.zarr").exists()

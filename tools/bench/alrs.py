@@ -1,6 +1,11 @@
 """Benchmark of one ALRS analysis+allocation over the 60M AsymLoop preset's matrices; prints JSON.
 
-Measures, on this machine's CPUs:
+The matrices are the blocks ALRS analyses in the real model (``megaloop.api.build("60M",
+arch="asymloop", iterations=3)``, default granularity: Q, K, V, O, Global K, Global V, gate, up,
+down per layer, embedding, head). Measures, on this machine's CPUs:
+- the first allocation's multipliers at initialisation, averaged per kind of matrix, with the
+  reference's block granularity and with whole fused parameters (``alrs.granularity=parameter``):
+  median-Hill α depends on a matrix's shape, so the two disagree;
 - allocation wall time with 1 and with N gloo ranks (one thread each, as one device per rank), the
   slowest rank of the best of ``--reps`` allocations, and the speed-up;
 - α of the same matrices via ``powerlaw.Fit(eigs, xmin=median)``: its time and the largest |Δα|
@@ -30,41 +35,59 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from megaloop.alrs import ALRS, ALRSConfig, eigenvalues, median_hill_alpha
+from megaloop.alrs import (ALRS, ALRSConfig, eigenvalues, fused_layouts, median_hill_alpha,
+                           weight_blocks)
 
 HIDDEN, FFN, LAYERS, HEADS, VOCAB = 768, 1512, 6, 12, 32128  # the 60M preset
 ENCODER_LAYERS = DECODER_LAYERS = LAYERS // 2
 ITERATIONS = 3  # AsymLoop K = 3: effective depth E + K·D = 12 layers
 GLOBAL_BATCH_SEQUENCES = 512
+# Kinds of matrix by the end of their ALRS name (a block's ":part", else the parameter).
+KINDS = {":q": "Q", ":k": "K", ":v": "V", "linear_proj.weight": "O", ":global_k": "Global K",
+         ":global_v": "Global V", ":gate": "gate", ":up": "up", "linear_fc2.weight": "down",
+         "linear_qkv.weight": "QKV fused", "linear_kv_global.weight": "Global KV fused",
+         "linear_fc1.weight": "gate+up fused", "word_embeddings.weight": "embedding",
+         "output_layer.weight": "head"}
 
 
-def preset_matrices(seed: int = 0) -> dict[str, torch.Tensor]:
-    """The 60M AsymLoop weight matrices by megatron-core name, randomly initialised.
+def preset_model():
+    import megaloop.api as ml
 
-    Names and shapes equal the 2-D weights ALRS finds in ``megaloop.api.build("60M",
-    arch="asymloop", iterations=3)`` (29 matrices, checked by hand): the timing is that of the real
-    model's matrices, without building megatron-core modules in every benchmark rank.
-    """
+    return ml.build("60M", arch="asymloop", iterations=3)
+
+
+def block_shapes(model) -> dict[str, tuple[int, int]]:
+    """Name -> full shape of every matrix ALRS analyses in ``model`` (default granularity)."""
+    return {b.name: b.full_shape for b in weight_blocks(model.named_parameters(),
+                                                        fused_layouts(model))}
+
+
+def preset_matrices(shapes: dict[str, tuple[int, int]], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random matrices of the given shapes: the timing is that of the real model's blocks, without
+    building megatron-core modules in every benchmark rank."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"embedding.word_embeddings.weight": (VOCAB, HIDDEN)}
-    for part, count in (("encoder", ENCODER_LAYERS), ("decoder", DECODER_LAYERS)):
-        for layer in range(count):
-            prefix = f"{part}.layers.{layer}"
-            shapes[f"{prefix}.self_attention.linear_qkv.weight"] = (3 * HIDDEN, HIDDEN)
-            shapes[f"{prefix}.self_attention.linear_proj.weight"] = (HIDDEN, HIDDEN)
-            if part == "decoder":
-                shapes[f"{prefix}.self_attention.linear_kv_global.weight"] = (2 * HIDDEN, HIDDEN)
-            shapes[f"{prefix}.mlp.linear_fc1.weight"] = (2 * FFN, HIDDEN)
-            shapes[f"{prefix}.mlp.linear_fc2.weight"] = (HIDDEN, FFN)
-    shapes["output_layer.weight"] = (VOCAB, HIDDEN)
     return {name: torch.randn(shape, generator=g) * 0.02 for name, shape in shapes.items()}
 
 
-def _allocation_rank(rank: int, world_size: int, port: int, reps: int, results) -> None:
+def multipliers_at_initialisation(model) -> dict:
+    """Mean first-allocation multiplier per kind of matrix, per granularity, on the initial weights
+    (embedding and head pinned to s2 as in the reference)."""
+    out = {}
+    for granularity in ("block", "parameter"):
+        multipliers = ALRS(model, 3200, ALRSConfig(granularity=granularity)).step(1)
+        kinds: dict[str, list[float]] = {}
+        for name, value in multipliers.items():
+            kind = next(k for end, k in KINDS.items() if name.endswith(end))
+            kinds.setdefault(kind, []).append(value)
+        out[granularity] = {k: round(sum(v) / len(v), 3) for k, v in kinds.items()}
+    return out
+
+
+def _allocation_rank(rank: int, world_size: int, port: int, reps: int, shapes, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    params = {n: nn.Parameter(t) for n, t in preset_matrices().items()}
+    params = {n: nn.Parameter(t) for n, t in preset_matrices(shapes).items()}
     alrs = ALRS(lambda: params.items(), total_steps=3200, config=ALRSConfig())
     times = []
     for step in [1] + [100 * (r + 1) for r in range(reps - 1)]:  # all allocation steps at T=3200
@@ -76,14 +99,14 @@ def _allocation_rank(rank: int, world_size: int, port: int, reps: int, results) 
     dist.destroy_process_group()
 
 
-def time_allocation(world_size: int, reps: int) -> tuple[float, dict[str, float]]:
+def time_allocation(world_size: int, reps: int, shapes) -> tuple[float, dict[str, float]]:
     """Best-of-reps wall time of the slowest rank, and the multipliers (checked equal on all ranks)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_allocation_rank, args=(r, world_size, port, reps, results))
+    procs = [ctx.Process(target=_allocation_rank, args=(r, world_size, port, reps, shapes, results))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -175,14 +198,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=1024)
     args = parser.parse_args()
-    matrices = preset_matrices()
-    one, multipliers = time_allocation(1, args.reps)
-    many, multipliers_many = time_allocation(args.world_size, args.reps)
+    model = preset_model()
+    initial = multipliers_at_initialisation(model)
+    shapes = block_shapes(model)
+    del model
+    matrices = preset_matrices(shapes)
+    one, multipliers = time_allocation(1, args.reps, shapes)
+    many, multipliers_many = time_allocation(args.world_size, args.reps, shapes)
     micro = training_step_seconds(args.seq)
     step = micro * GLOBAL_BATCH_SEQUENCES
     report = {
         "preset": "60M AsymLoop (hidden 768, FFN 1512, 6x12, vocab 32128, E=D=3, K=3)",
         "matrices": len(matrices),
+        "granularity": "block (Q, K, V, O, Global K, Global V, gate, up, down, embedding, head)",
+        "initial_multipliers_by_kind": initial,
         "parameters_in_matrices": sum(w.numel() for w in matrices.values()),
         "cpu_threads_per_rank": 1,
         "allocation_seconds_1_rank": one,

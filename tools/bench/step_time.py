@@ -1,11 +1,14 @@
 """Forward+backward step time of AsymLoop K=3 against Full Loop R=2 at matched effective depth, in one
-run, beside the analytical FLOP ratio. Prints JSON.
+run, beside the analytical FLOP ratio; on a GPU also tokens/s and MFU. Prints JSON.
 
     python tools/bench/step_time.py [--hidden 256 --layers 4 --seq 1024 --repeats 5]
+    python tools/bench/step_time.py --preset 1B --batch 8       # a preset's size, e.g. on a GPU
 
-Both models are megatron-core LoopedLMs on the same backend and attention kernel family; the two are
-timed alternately so that machine noise hits both. Goal (issue 2): measured overhead <= analytical
-overhead + 3 points.
+Both models are megatron-core LoopedLMs on the same backend and attention kernel family (bf16 on
+CUDA, fp32 on CPU); the two are timed alternately so that machine noise hits both. MFU is model
+FLOPs (3x the analytical forward) over the device's dense bf16 peak; the optimizer step is left out
+(for a 1B model it moves ~20 GB, a few ms per step on an H100-class GPU). Goal (issue 2): measured
+overhead <= analytical overhead + 3 points.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import torch
 
 from megaloop.models.flops import forward_flops, model_flops_per_token
 from megaloop.presets import preset
+from megaloop.training.monitor import peak_tflops
+
+SIZE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length",
+               "vocab_size")
 
 
 def main(argv=None):
@@ -32,6 +39,8 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--preset", help="take the size (hidden, FFN, heads, layers, sequence, "
+                                         "vocabulary) from this preset instead")
     args = parser.parse_args(argv)
 
     from megaloop.models.model import build_model
@@ -40,12 +49,17 @@ def main(argv=None):
     init_distributed()
     size = dict(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
                 num_layers=args.layers, seq_length=args.seq, vocab_size=args.vocab)
-    configs = {"asymloop_k3": preset("tiny", arch="asymloop", iterations=3, **size),
-               "fullloop_r2": preset("tiny", arch="fullloop", iterations=2, **size)}
+    base = "tiny"
+    if args.preset:
+        base, size = args.preset, {}
+    configs = {"asymloop_k3": preset(base, arch="asymloop", iterations=3, **size),
+               "fullloop_r2": preset(base, arch="fullloop", iterations=2, **size)}
+    seq, vocab = configs["asymloop_k3"].seq_length, configs["asymloop_k3"].vocab_size
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA flash needs bf16/fp16
-    models = {name: build_model(cfg, params_dtype=dtype) for name, cfg in configs.items()}
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    models = {name: build_model(cfg, params_dtype=dtype).to(device)
+              for name, cfg in configs.items()}
+    x = torch.randint(0, vocab, (args.batch, seq), device=device)
 
     def step(model):
         model.zero_grad(set_to_none=True)
@@ -65,18 +79,27 @@ def main(argv=None):
     flops = {name: forward_flops(cfg).total for name, cfg in configs.items()}
     measured = 100 * (median["asymloop_k3"] / median["fullloop_r2"] - 1)
     analytical = 100 * (flops["asymloop_k3"] / flops["fullloop_r2"] - 1)
-    tokens = args.batch * args.seq
+    tokens = args.batch * seq
+    flops_per_s = {name: model_flops_per_token(configs[name]) * tokens / t
+                   for name, t in median.items()}
     result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "preset": args.preset,
+        "batch": args.batch,
         "config": {k: v for k, v in dataclasses.asdict(configs["asymloop_k3"]).items()
-                   if k in size or k in ("block", "joint_attention")},
+                   if k in SIZE_FIELDS or k in ("block", "joint_attention")},
         "effective_depth": configs["asymloop_k3"].effective_depth,
         "step_ms": {name: 1e3 * t for name, t in median.items()},
-        "model_gflops_per_s": {name: model_flops_per_token(configs[name]) * tokens / t / 1e9
-                               for name, t in median.items()},
+        "tokens_per_s": {name: tokens / t for name, t in median.items()},
+        "model_gflops_per_s": {name: f / 1e9 for name, f in flops_per_s.items()},
         "measured_overhead_pct": measured,
         "analytical_overhead_pct": analytical,
         "goal_met": measured <= analytical + 3.0,
     }
+    peak = peak_tflops(result["device"], "bf16") if device == "cuda" else None
+    if peak is not None:
+        result["mfu"] = {name: f / (peak * 1e12) for name, f in flops_per_s.items()}
+        result["peak_bf16_tflops"] = peak
     print(json.dumps(result, indent=2))
 
 
