@@ -248,7 +248,7 @@ ARCHITECTURE_CHANGES = {
     "arch": "fullloop", "num_layers": 6, "hidden_size": 64, "ffn_hidden_size": 96,
     "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 256, "encoder_layers": 1,
     "block": "olmo", "qk_norm": False, "injection": "additive", "local_kv": False,
-    "decoder_ffn_hidden_size": 96, "tie_embeddings": True,
+    "global_kv_norm": False, "decoder_ffn_hidden_size": 96, "tie_embeddings": True,
 }
 RESUMABLE_CHANGES = {"iterations": 5, "joint_attention": "masked", "seq_length": 64,
                      "rotary_base": 500000.0, "norm_eps": 1e-6, "init_std": 0.01}

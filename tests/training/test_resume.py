@@ -107,8 +107,10 @@ def test_a_change_of_the_sample_order_is_warned(run_at_step_4, pattern_data, tmp
 def test_lr_multipliers_set_by_hand_survive_save_and_resume_group_by_group(
         mcore, pattern_data, tmp_path):
     first = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 2}))
-    names = sorted(first.lr_multipliers.names)
-    chosen = {names[0]: 2.5, names[len(names) // 2]: 0.5, names[-1]: 4.0}
+    # Whole matrices (their own param group) and blocks of fused weights (scaled in the step).
+    whole = sorted(n for n in first.lr_multipliers.names if ":" not in n)
+    blocks = sorted(n for n in first.lr_multipliers.names if ":" in n)
+    chosen = {whole[0]: 2.5, whole[-1]: 4.0, blocks[0]: 0.5, blocks[-1]: 3.0}
     first.lr_multipliers.set(chosen)
     first.train()
 
@@ -116,14 +118,19 @@ def test_lr_multipliers_set_by_hand_survive_save_and_resume_group_by_group(
     assert resumed.step == 2
     seen = []
     optimizer_step = resumed.optimizer.step
+    multipliers = resumed.lr_multipliers
 
     def recording_step():
-        seen.append((resumed.current_lr(), resumed.lr_multipliers.group_lrs()))
+        groups = {g["megaloop_matrix"]: g["lr"] for g in resumed.optimizer.param_groups
+                  if g.get("megaloop_matrix") in whole}
+        seen.append((resumed.current_lr(), groups, multipliers.block_lrs(resumed.current_lr())))
         return optimizer_step()
 
     resumed.optimizer.step = recording_step
     resumed.train()
-    (base, group_lrs), = seen
-    assert set(chosen) <= set(group_lrs)
-    for name, lr in group_lrs.items():
+    (base, group_lrs, block_lrs), = seen
+    assert set(group_lrs) == set(whole)
+    for name, lr in group_lrs.items():  # what the optimizer applies to whole matrices
+        assert lr == pytest.approx(base * chosen.get(name, 1.0), rel=1e-12), name
+    for name, lr in block_lrs.items():
         assert lr == pytest.approx(base * chosen.get(name, 1.0), rel=1e-12), name
