@@ -24,8 +24,11 @@ import yaml
 
 from megaloop.alrs.schedule import ALRSConfig
 
-Arch = Literal["dense", "fullloop", "asymloop"]
+Arch = Literal["dense", "fullloop", "asymloop", "latentloop"]
 Block = Literal["llama", "olmo"]
+MoELayers = Literal["all", "encoder", "decoder"]
+ResidualScale = Literal["learned", "fixed"]
+LatentReduction = Literal["sequence", "top_k"]
 Injection = Literal["global_kv", "none", "additive"]
 JointImpl = Literal["fused", "masked"]
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
@@ -36,7 +39,13 @@ FLASH_HEAD_DIM_MULTIPLE, FLASH_MAX_HEAD_DIM = 8, 256
 
 
 # The paper's headline comparison at matched effective depth J = 2L: AsymLoop K = 3, Full Loop R = 2.
-DEFAULT_ITERATIONS = {"dense": 1, "fullloop": 2, "asymloop": 3}
+DEFAULT_ITERATIONS = {"dense": 1, "fullloop": 2, "asymloop": 3, "latentloop": 2}
+
+
+# ModelConfig fields that only arch=latentloop reads.
+_LATENTLOOP_FIELDS = ("prelude_layers", "coda_layers", "latent_visits", "latent_stride",
+                      "latent_writeback_lag", "latent_reduction", "residual_scale",
+                      "residual_scale_init", "untie_attention", "untie_moe")
 
 
 class ConfigError(ValueError):
@@ -51,6 +60,11 @@ class ModelConfig:
     - fullloop: the L-layer stack, weights shared, applied ``iterations`` (R) times.
     - asymloop: ``encoder_layers`` (E) run once, the remaining D = L - E decoder layers are iterated
       ``iterations`` (K) times, attending to per-layer Global KV projected from the encoder output.
+    - latentloop: ``prelude_layers`` (P) once, the middle M = L - P - C layers visited ``iterations``
+      (V) times, ``coda_layers`` (C) once; the visits in ``latent_visits`` run on a sequence
+      compressed ``latent_stride`` times (megaloop.models.latent).
+
+    ``num_experts`` > 0 turns FFNs into megatron-core MoE layers (megaloop.models.moe).
     """
 
     arch: Arch = "asymloop"
@@ -76,21 +90,66 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     tie_embeddings: bool = False
+    # Mixture of experts: 0 experts keeps the dense SwiGLU FFN.
+    num_experts: int = 0
+    moe_layers: MoELayers = "all"  # asymloop: MoE in the encoder, the decoder or both
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int | None = None  # per expert; None: ffn_hidden_size // moe_top_k
+    moe_shared_expert_size: int = 0  # FFN width of an always-active shared expert (0: none)
+    moe_aux_loss_coeff: float = 0.01  # load balancing, per MoE layer application
+    moe_z_loss_coeff: float = 0.001  # router z-loss, per MoE layer application
+    # LatentLoop (arch=latentloop)
+    prelude_layers: int | None = None  # None: num_layers // 4 (at least 1)
+    coda_layers: int | None = None  # None: num_layers // 4 (at least 1)
+    latent_visits: list[int] = field(default_factory=lambda: [1])  # compressed visits, 1-based
+    latent_stride: int = 2  # tokens per latent
+    latent_writeback_lag: int = 0  # 1: latent j writes to the k positions one later
+    latent_reduction: LatentReduction = "sequence"  # or top_k: the visits route to moe_top_k // 2
+    residual_scale: ResidualScale = "learned"  # alpha_v of h + alpha_v * f(h), per visit
+    residual_scale_init: list[float] = field(default_factory=list)  # per visit; []: all 1.0
+    untie_attention: bool = False  # every visit its own attention weights
+    untie_moe: bool = False  # every visit its own FFN / experts
 
     @property
     def num_encoder_layers(self) -> int:
+        """Layers before the loop: the AsymLoop encoder (E) or the LatentLoop prelude (P)."""
+        if self.arch == "latentloop":
+            return self.num_prelude_layers
         if self.arch != "asymloop":
             return 0
         return self.num_layers // 2 if self.encoder_layers is None else self.encoder_layers
 
     @property
+    def num_prelude_layers(self) -> int:
+        if self.arch != "latentloop":
+            return 0
+        return max(1, self.num_layers // 4) if self.prelude_layers is None else self.prelude_layers
+
+    @property
+    def num_coda_layers(self) -> int:
+        if self.arch != "latentloop":
+            return 0
+        return max(1, self.num_layers // 4) if self.coda_layers is None else self.coda_layers
+
+    @property
+    def uses_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_in(self, part: str) -> bool:
+        """Whether the layers of ``part`` ("encoder" = layers before the loop, "decoder" = the
+        looped layers, "coda") have MoE FFNs."""
+        return self.uses_moe and self.moe_layers in ("all", part)
+
+    @property
     def num_decoder_layers(self) -> int:
-        return self.num_layers - self.num_encoder_layers
+        """The looped layers: AsymLoop decoder (D), Full Loop / Dense stack, LatentLoop middle (M)."""
+        return self.num_layers - self.num_encoder_layers - self.num_coda_layers
 
     @property
     def effective_depth(self) -> int:
-        """J = E + K * D (dense: L; fullloop: R * L)."""
-        return self.num_encoder_layers + self.num_iterations * self.num_decoder_layers
+        """J = E + K * D (dense: L; fullloop: R * L; latentloop: P + V * M + C)."""
+        return (self.num_encoder_layers + self.num_iterations * self.num_decoder_layers
+                + self.num_coda_layers)
 
     @property
     def num_iterations(self) -> int:
@@ -123,6 +182,11 @@ class ModelConfig:
             self.qk_norm = self.arch == "asymloop" or self.block == "olmo"
         if self.decoder_ffn_hidden_size is None:
             self.decoder_ffn_hidden_size = self.ffn_hidden_size
+        if self.arch == "latentloop":
+            self.prelude_layers, self.coda_layers = self.num_prelude_layers, self.num_coda_layers
+        if self.uses_moe and self.moe_ffn_hidden_size is None:
+            # Paper App. I: top-k experts of width FFN / k keep the active FFN parameters.
+            self.moe_ffn_hidden_size = max(1, self.ffn_hidden_size // self.moe_top_k)
         return self
 
     def validate(self, prefix: str = "model") -> None:
@@ -162,6 +226,61 @@ class ModelConfig:
             _require(self.decoder_ffn_hidden_size == self.ffn_hidden_size, prefix,
                      "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,
                      "unset unless arch=asymloop (widen ffn_hidden_size instead)")
+        self._validate_moe(prefix)
+        if self.arch == "latentloop":
+            self._validate_latentloop(prefix)
+        else:  # a LatentLoop switch set on another architecture would be silently ignored
+            for f in dataclasses.fields(self):
+                if f.name in _LATENTLOOP_FIELDS:
+                    default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+                        else f.default
+                    _require(getattr(self, f.name) == default, prefix, f.name,
+                             getattr(self, f.name), f"left at its default {default!r} unless "
+                             "arch=latentloop")
+
+    def _validate_moe(self, prefix: str) -> None:
+        _require(self.num_experts >= 0, prefix, "num_experts", self.num_experts,
+                 ">= 0 (0: dense FFN)")
+        if not self.uses_moe:
+            return
+        _require(1 <= self.moe_top_k <= self.num_experts, prefix, "moe_top_k", self.moe_top_k,
+                 f"in [1, num_experts={self.num_experts}]")
+        _require(self.moe_ffn_hidden_size >= 1, prefix, "moe_ffn_hidden_size",
+                 self.moe_ffn_hidden_size, ">= 1")
+        _require(self.moe_shared_expert_size >= 0, prefix, "moe_shared_expert_size",
+                 self.moe_shared_expert_size, ">= 0 (0: no shared expert)")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            _require(getattr(self, name) >= 0, prefix, name, getattr(self, name), ">= 0")
+        _require(self.block == "llama", prefix, "block", self.block,
+                 "'llama' for a MoE model (the OLMo-2 norm after a MoE layer is not built)")
+        _require(self.moe_layers == "all" or self.arch == "asymloop", prefix, "moe_layers",
+                 self.moe_layers, "'all' unless arch=asymloop (which has an encoder and a decoder)")
+
+    def _validate_latentloop(self, prefix: str) -> None:
+        p, c, visits = self.prelude_layers, self.coda_layers, self.iterations
+        _require(p >= 0, prefix, "prelude_layers", p, ">= 0")
+        _require(c >= 0 and p + c < self.num_layers, prefix, "coda_layers", c,
+                 f">= 0 with prelude_layers + coda_layers < num_layers={self.num_layers} "
+                 "(the middle block needs a layer)")
+        _require(all(1 <= v <= visits for v in self.latent_visits)
+                 and len(set(self.latent_visits)) == len(self.latent_visits), prefix,
+                 "latent_visits", self.latent_visits,
+                 f"distinct visit numbers in [1, iterations={visits}]")
+        _require(2 <= self.latent_stride <= 4, prefix, "latent_stride", self.latent_stride,
+                 "2, 3 or 4")
+        _require(self.seq_length % self.latent_stride == 0, prefix, "latent_stride",
+                 self.latent_stride, f"a divisor of seq_length={self.seq_length} (whole latents "
+                 "in every training sequence)")
+        _require(self.latent_writeback_lag in (0, 1), prefix, "latent_writeback_lag",
+                 self.latent_writeback_lag, "0 or 1")
+        _require(self.latent_reduction == "sequence" or self.uses_moe and self.moe_top_k >= 2,
+                 prefix, "latent_reduction", self.latent_reduction,
+                 "'sequence' unless num_experts > 0 and moe_top_k >= 2")
+        _require(not self.residual_scale_init or len(self.residual_scale_init) == visits, prefix,
+                 "residual_scale_init", self.residual_scale_init,
+                 f"empty or one value per visit (iterations={visits})")
+        _require(not self.untie_moe or self.uses_moe, prefix, "untie_moe", self.untie_moe,
+                 "false unless num_experts > 0")
 
 
 @dataclass
@@ -186,14 +305,21 @@ class ParallelConfig:
                  f"a divisor of model.vocab_size={model.vocab_size} (pad the vocabulary)")
         _require(not self.sequence_parallel or tp > 1, prefix, "sequence_parallel",
                  self.sequence_parallel, "false unless tensor > 1 (it splits the sequence over TP)")
-        _require(self.expert == 1, prefix, "expert", self.expert,
-                 "1 (no mixture-of-experts model exists yet)")
+        if self.expert > 1:
+            _require(model.uses_moe, prefix, "expert", self.expert,
+                     "1 unless model.num_experts > 0 (expert parallelism splits the experts)")
+            _require(model.num_experts % self.expert == 0, prefix, "expert", self.expert,
+                     f"a divisor of model.num_experts={model.num_experts}")
+        if model.uses_moe and tp > 1:
+            _require(self.sequence_parallel, prefix, "tensor", tp,
+                     "1 for a MoE model unless parallel.sequence_parallel=true (megatron-core's "
+                     "MoE layer needs sequence parallelism with tensor parallelism)")
         if self.pipeline > 1:
             # A loop cannot return to an earlier stage: Full Loop has no split point, AsymLoop
             # has exactly one (encoder | decoder loop), Dense splits evenly.
-            _require(model.arch != "fullloop", prefix, "pipeline", self.pipeline,
-                     "1 for model.arch=fullloop (its loop spans every layer; use tensor/data "
-                     "parallelism)")
+            _require(model.arch not in ("fullloop", "latentloop"), prefix, "pipeline",
+                     self.pipeline, f"1 for model.arch={model.arch} (its loop spans every stage "
+                     "boundary; use tensor/data/expert parallelism)")
             _require(model.arch != "asymloop" or self.pipeline == 2, prefix, "pipeline",
                      self.pipeline, "1 or 2 for model.arch=asymloop (stages: encoder | decoder "
                      "loop)")

@@ -73,7 +73,7 @@ def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(expert=2), "parallel.expert=2: must be 1 (no mixture-of-experts model exists yet)"),
+    (dict(expert=2), "parallel.expert=2: must be 1 unless model.num_experts > 0"),
     (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),
     (dict(pipeline=4), "parallel.pipeline=4: must be 1 or 2 for model.arch=asymloop"),
 ])

@@ -4,15 +4,20 @@ Matmul FLOPs only (2 per multiply-accumulate); norms, RoPE, softmax and elementw
 Attention is counted as the full N x N score matrix, as the paper and torch's FlopCounterMode do, so
 that the analytical count can be checked against a counted one term by term.
 
-Per layer and position, with d hidden, q = heads * head_dim, g = groups * head_dim, f FFN width:
+Per layer application and position, with d hidden, q = heads * head_dim, g = groups * head_dim,
+f FFN width:
     QKV 2d(q + 2g),  output proj 2qd,  SwiGLU FFN 6df,  scores + values 4Nq.
-Full Loop: F = J * C + 2dV. AsymLoop adds the Global K/V projections (4dg per decoder layer, once per
-forward) and N extra keys in every decoder attention (4Nq, K * D times).
+A MoE FFN costs its active parameters: router 2dE, top-k experts of width f_e 6df_e each, a shared
+expert 6df_s. Full Loop: F = J * C + 2dV. AsymLoop adds the Global K/V projections (4dg per decoder
+layer, once per forward) and N extra keys in every decoder attention (4Nq, K * D times). A LatentLoop
+visit compressed k times runs its layers on N/k latents attending to N/k latents: per position, 1/k
+of the projection and expert FLOPs and 1/k^2 of the score FLOPs. Counts are exact Fractions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from megaloop.config import ModelConfig
 
@@ -21,47 +26,92 @@ from megaloop.config import ModelConfig
 class FlopBreakdown:
     """Forward matmul FLOPs per position, split by where they are spent."""
 
-    layers: int  # dense layer matmuls (QKV, proj, FFN) over all layer applications
-    attention: int  # score and value matmuls over all layer applications
+    layers: Fraction  # layer matmuls (QKV, proj, FFN / router + experts) over all applications
+    attention: Fraction  # score and value matmuls over all layer applications
     global_kv: int  # AsymLoop's Global K/V projections (once per forward)
     head: int  # output projection to the vocabulary
 
     @property
-    def total(self) -> int:
+    def total(self) -> Fraction:
         return self.layers + self.attention + self.global_kv + self.head
 
 
-def _layer_matmuls(d: int, q: int, g: int, ffn: int, local_kv: bool = True) -> int:
-    qkv = 2 * d * (q + 2 * g) if local_kv else 2 * d * q
-    return qkv + 2 * q * d + 6 * d * ffn
+@dataclass(frozen=True)
+class LayerApplications:
+    """``count`` applications per forward of a layer kind, each on ``1 / stride`` of the positions
+    (LatentLoop's compressed visits) attending to as many keys, ``keys_factor`` x that with
+    AsymLoop's Global half."""
+
+    count: int
+    role: str  # attention role: plain | joint | global_only
+    ffn: int  # dense FFN width (unused when moe)
+    moe: bool
+    top_k: int = 0
+    stride: int = 1
+
+    @property
+    def keys_factor(self) -> int:
+        return 2 if self.role == "joint" else 1
 
 
-def forward_flops(cfg: ModelConfig, seq_length: int | None = None) -> FlopBreakdown:
+def layer_applications(cfg: ModelConfig, iterations: int | None = None) -> list[LayerApplications]:
+    """Every layer application of one forward pass, grouped by kind."""
+    cfg = cfg.resolve()
+    steps = cfg.iterations if iterations is None else iterations
+    top_k = cfg.moe_top_k
+    before = cfg.num_encoder_layers  # AsymLoop encoder / LatentLoop prelude
+    groups = [LayerApplications(before, "plain", cfg.ffn_hidden_size, cfg.moe_in("encoder"), top_k)]
+    looped = cfg.num_decoder_layers
+    if cfg.arch != "latentloop":
+        groups.append(LayerApplications(steps * looped, cfg.decoder_attention,
+                                        cfg.decoder_ffn_hidden_size, cfg.moe_in("decoder"), top_k))
+        return [g for g in groups if g.count]
+    for visit in range(1, steps + 1):
+        reduced = visit in cfg.latent_visits
+        sequence = reduced and cfg.latent_reduction == "sequence"
+        groups.append(LayerApplications(
+            looped, "plain", cfg.ffn_hidden_size, cfg.uses_moe,
+            top_k // 2 if reduced and cfg.latent_reduction == "top_k" else top_k,
+            cfg.latent_stride if sequence else 1))
+    groups.append(LayerApplications(cfg.num_coda_layers, "plain", cfg.ffn_hidden_size,
+                                    cfg.uses_moe, top_k))
+    return [g for g in groups if g.count]
+
+
+def _ffn_flops(cfg: ModelConfig, group: LayerApplications) -> int:
+    d = cfg.hidden_size
+    if not group.moe:
+        return 6 * d * group.ffn
+    return (2 * d * cfg.num_experts + group.top_k * 6 * d * cfg.moe_ffn_hidden_size
+            + 6 * d * cfg.moe_shared_expert_size)
+
+
+def forward_flops(cfg: ModelConfig, seq_length: int | None = None,
+                  iterations: int | None = None) -> FlopBreakdown:
     cfg = cfg.resolve()
     n = seq_length or cfg.seq_length
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.kv_channels
     g = cfg.num_query_groups * cfg.kv_channels
-    e, dec, k = cfg.num_encoder_layers, cfg.num_decoder_layers, cfg.iterations
-    decoder_applications = k * dec
-
-    layers = e * _layer_matmuls(d, q, g, cfg.ffn_hidden_size)
-    layers += decoder_applications * _layer_matmuls(d, q, g, cfg.decoder_ffn_hidden_size,
-                                                    local_kv=cfg.local_kv or not cfg.uses_global_kv)
-    keys_per_decoder_query = 2 * n if (cfg.uses_global_kv and cfg.local_kv) else n
-    attention = e * 4 * n * q + decoder_applications * 4 * keys_per_decoder_query * q
-    global_kv = dec * 2 * d * 2 * g if cfg.uses_global_kv else 0
+    layers = attention = Fraction(0)
+    for group in layer_applications(cfg, iterations):
+        local_kv = group.role != "global_only"
+        projections = 2 * d * (q + 2 * g) if local_kv else 2 * d * q
+        per_position = Fraction(group.count, group.stride)
+        layers += per_position * (projections + 2 * q * d + _ffn_flops(cfg, group))
+        attention += per_position * 4 * group.keys_factor * Fraction(n, group.stride) * q
+    global_kv = cfg.num_decoder_layers * 2 * d * 2 * g if cfg.uses_global_kv else 0
     return FlopBreakdown(layers, attention, global_kv, head=2 * d * cfg.vocab_size)
 
 
-def model_flops_per_token(cfg: ModelConfig) -> int:
+def model_flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token by the MFU convention: forward + backward = 3x forward.
 
     Work a kernel or recomputation chooses to repeat is not model work and is not counted here
     (see ``executed_backward_flops``)."""
-    return 3 * forward_flops(cfg).total
+    return float(3 * forward_flops(cfg).total)
 
 
-def executed_backward_flops(cfg: ModelConfig, recompute: bool = False) -> float:
+def executed_backward_flops(cfg: ModelConfig, recompute: bool = False) -> Fraction:
     """Backward FLOPs per token that actually execute, term by term:
 
     - every matmul's backward is two matmuls of its size (input and weight gradients): 2x forward;
@@ -71,10 +121,20 @@ def executed_backward_flops(cfg: ModelConfig, recompute: bool = False) -> float:
       attention); the Global K/V projections and the head run outside the blocks and are not replayed.
     """
     fwd = forward_flops(cfg)
-    executed = 2 * fwd.total + 0.5 * fwd.attention
+    executed = 2 * fwd.total + fwd.attention / 2
     if recompute:
         executed += fwd.layers + fwd.attention
     return executed
+
+
+def kv_cache_per_token(cfg: ModelConfig) -> Fraction:
+    """Key/value cache elements per generated token: 2 * groups * head_dim per layer application
+    with local keys (a compressed visit caches one entry per latent), plus AsymLoop's Global KV."""
+    cfg = cfg.resolve()
+    g = cfg.num_query_groups * cfg.kv_channels
+    cached = sum(Fraction(group.count, group.stride) for group in layer_applications(cfg)
+                 if group.role != "global_only")
+    return 2 * g * (cached + (cfg.num_decoder_layers if cfg.uses_global_kv else 0))
 
 
 def register_cpu_flash_flop_formulas() -> None:
@@ -100,19 +160,42 @@ def register_cpu_flash_flop_formulas() -> None:
                                                      value_shape)
 
 
+def _ffn_params(cfg: ModelConfig, ffn: int, moe: bool) -> int:
+    d = cfg.hidden_size
+    if not moe:
+        return 3 * d * ffn
+    return (cfg.num_experts * d + cfg.num_experts * 3 * d * cfg.moe_ffn_hidden_size
+            + 3 * d * cfg.moe_shared_expert_size)
+
+
 def parameter_count(cfg: ModelConfig) -> int:
-    """Exact parameter count of LoopedLM for ``cfg`` without building it (tests hold it to numel)."""
+    """Exact parameter count of the model for ``cfg`` without building it (tests hold it to numel)."""
     cfg = cfg.resolve()
     d, hd = cfg.hidden_size, cfg.kv_channels
     q, g = cfg.num_attention_heads * hd, cfg.num_query_groups * hd
     qk_norms = 2 * hd if cfg.qk_norm else 0
 
-    def layer(ffn: int, role: str) -> int:
+    def attention(role: str) -> int:  # input norm, projections, QK-norms, Global KV
         qkv = d * q if role == "global_only" else d * (q + 2 * g)
         global_kv = d * 2 * g + (d if cfg.global_kv_norm else 0) if role != "plain" else 0
-        return 2 * d + qkv + q * d + qk_norms + 3 * d * ffn + global_kv
+        return d + qkv + q * d + qk_norms + global_kv
 
-    total = cfg.num_encoder_layers * layer(cfg.ffn_hidden_size, "plain")
-    total += cfg.num_decoder_layers * layer(cfg.decoder_ffn_hidden_size, cfg.decoder_attention)
+    def ffn(width: int, moe: bool) -> int:  # pre-FFN norm and the FFN
+        return d + _ffn_params(cfg, width, moe)
+
+    total = cfg.num_encoder_layers * (attention("plain")
+                                      + ffn(cfg.ffn_hidden_size, cfg.moe_in("encoder")))
+    looped = cfg.num_decoder_layers
+    if cfg.arch == "latentloop":
+        visits = cfg.iterations
+        total += looped * (attention("plain") * (visits if cfg.untie_attention else 1)
+                           + ffn(cfg.ffn_hidden_size, cfg.uses_moe) * (visits if cfg.untie_moe else 1))
+        total += cfg.num_coda_layers * (attention("plain") + ffn(cfg.ffn_hidden_size, cfg.uses_moe))
+        compressed = len(cfg.latent_visits) if cfg.latent_reduction == "sequence" else 0
+        total += compressed * cfg.latent_stride * d  # writeback channel scales
+        total += visits if cfg.residual_scale == "learned" else 0
+    else:
+        total += looped * (attention(cfg.decoder_attention)
+                           + ffn(cfg.decoder_ffn_hidden_size, cfg.moe_in("decoder")))
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return total + embeddings + d  # + final norm

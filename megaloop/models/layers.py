@@ -215,7 +215,20 @@ class LoopedTransformerLayer(TransformerLayer):
     all decoder layers stacked on dim 0, computed once per forward. Passing it as ``context`` (a
     tensor argument) keeps it visible to megatron-core's activation recomputation, which replays the
     layer with the same arguments.
+
+    Layer numbers: megatron-core numbers the layers of every block from 1 (``layer_number``, which
+    also indexes the block's checkpoint stacking and this block's stacked Global KV).
+    ``global_layer_number`` = ``layer_offset`` + ``layer_number`` is unique in the model (encoder
+    1..E, decoder E+1..E+D; LatentLoop prelude, middle, coda in order); it keys what is shared
+    model-wide: the attention's inference KV cache and the MoE router's statistics.
     """
+
+    def __init__(self, *args, layer_offset: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.global_layer_number = self.layer_number + layer_offset
+        self.self_attention.layer_number = self.global_layer_number
+        if hasattr(self.mlp, "set_layer_number"):
+            self.mlp.set_layer_number(self.global_layer_number)
 
     def _forward_attention(self, hidden_states, *args, context=None, rotary_pos_emb=None, **kwargs):
         attention = self.self_attention

@@ -13,6 +13,7 @@ data/pipeline parallelism, checkpointing and logging are applied from outside.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -28,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megaloop.config import ModelConfig, ParallelConfig
-from megaloop.models import specs
+from megaloop.models import moe, specs
 from megaloop.models.recurrence import iterate
 
 
@@ -38,14 +39,18 @@ _MCORE_FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "m
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: int,
                        ffn_hidden_size: int, params_dtype=torch.float32,
-                       fp8: str | None = None) -> TransformerConfig:
+                       fp8: str | None = None, use_te: bool = False,
+                       moe_top_k: int | None = None) -> TransformerConfig:
     """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers.
 
     ``fp8`` (Transformer Engine only; None: off) names the scaling recipe, E4M3 forward / E5M2
     backward; megatron-core's TransformerBlock then runs each call of the block under
     fp8_autocast. A looped block is called K times per forward, and delayed scaling updates its
     scales after every call: its amax history spans 2K calls and takes their maximum, so that
-    iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1)."""
+    iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1).
+    MoE models carry the MoE fields in every block's config (megatron-core's schedules read them
+    from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM experts
+    and ``moe_top_k`` overrides the router's top-k."""
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute == "full"
     fp8_settings = {}
@@ -96,6 +101,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         apply_rope_fusion=False,
         persist_layer_norm=False,
         **fp8_settings,
+        **moe.transformer_config_fields(cfg, grouped_gemm=use_te, top_k=moe_top_k),
     )
 
 
@@ -120,9 +126,9 @@ class LoopedLM(LanguageModule):
         block_parallel = (dataclasses.replace(parallel, pipeline=1) if self_contained_blocks
                           else parallel)
         model_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
-                                          params_dtype, fp8)
+                                          params_dtype, fp8, use_te)
         dec_config = (transformer_config(cfg, block_parallel, dec_layers,
-                                         cfg.decoder_ffn_hidden_size, params_dtype, fp8)
+                                         cfg.decoder_ffn_hidden_size, params_dtype, fp8, use_te)
                       if self_contained_blocks else model_config)
         super().__init__(config=model_config)
         self.cfg = cfg
@@ -147,11 +153,13 @@ class LoopedLM(LanguageModule):
         self.encoder = self.decoder = None
         if enc_layers and (pre_process or not self_contained_blocks):
             enc_config = transformer_config(cfg, block_parallel, enc_layers, cfg.ffn_hidden_size,
-                                            params_dtype, fp8)
-            self.encoder = TransformerBlock(enc_config, specs.layer_spec(cfg, "plain", use_te),
-                                            post_layer_norm=False)
+                                            params_dtype, fp8, use_te)
+            self.encoder = TransformerBlock(
+                enc_config, specs.layer_spec(cfg, "plain", use_te, moe=cfg.moe_in("encoder")),
+                post_layer_norm=False)
         if post_process or not self_contained_blocks:
-            decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te)
+            decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te,
+                                            moe=cfg.moe_in("decoder"), layer_offset=enc_layers)
             self.decoder = TransformerBlock(
                 dec_config, decoder_spec, post_layer_norm=False,
                 pre_process=pre_process or self_contained_blocks, post_process=post_process)
@@ -165,6 +173,24 @@ class LoopedLM(LanguageModule):
                 skip_weight_param_allocation=pre_process and cfg.tie_embeddings,
             )
         self.setup_embeddings_and_output_layer()
+        self.routing_stats = self._attach_routing_stats(
+            (["encoder"] if enc_layers else []) + [f"iter{t}" for t in range(1, cfg.iterations + 1)])
+
+    def _attach_routing_stats(self, groups: list[str]) -> moe.RoutingStats | None:
+        """Per-application MoE routing statistics (None for a dense model); the trainer reports
+        them each step."""
+        if not self.cfg.uses_moe:
+            return None
+        stats = moe.RoutingStats(groups, self.cfg.num_experts)
+        for router in moe.routers(self):
+            router.stats = stats
+        return stats
+
+    def applying(self, group: str):
+        """Context labelling the MoE applications inside it (a no-op for a dense model)."""
+        if self.routing_stats is None:
+            return contextlib.nullcontext()
+        return self.routing_stats.applying(group)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline schedules hand a non-first stage its input activations here."""
@@ -199,15 +225,16 @@ class LoopedLM(LanguageModule):
             hidden = self.stage_input
         rope = self.rotary_pos_emb(input_ids.shape[1])
         if self.encoder is not None:
-            hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
+            with self.applying("encoder"):
+                hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
         if self.decoder is None:  # the encoder stage of a pipeline split sends H_E on
             return hidden
         cfg = self.cfg
         context = self.global_kv(hidden, rope) if cfg.uses_global_kv else None
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
-        hidden = iterate(self.decoder, hidden, steps, additive=additive, attention_mask=None,
-                         context=context,
-                         rotary_pos_emb=rope)
+        hidden = iterate(self.decoder, hidden, steps, additive=additive,
+                         step_context=lambda t: self.applying(f"iter{t}"), attention_mask=None,
+                         context=context, rotary_pos_emb=rope)
         if not self.post_process:
             return hidden
         hidden = self.final_layernorm(hidden)

@@ -5,7 +5,8 @@ A layer has one of three attention roles:
 - ``joint``: AsymLoop decoder attention over [Global; Local] keys under one softmax;
 - ``global_only``: the "no Local KV" ablation.
 and one of two block styles: ``llama`` (pre-norm) or ``olmo`` (RMSNorm on sublayer outputs inside the
-residual). The backend is megatron-core's local modules on CPU, or Transformer Engine on GPU.
+residual). The FFN is a SwiGLU MLP or a megatron-core MoE layer (megaloop.models.moe). The backend is
+megatron-core's local modules on CPU, or Transformer Engine on GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megaloop.config import ModelConfig
+from megaloop.models import moe as moe_specs
 from megaloop.models.layers import (
     CausalCoreAttention,
     GlobalKVSubmodules,
@@ -54,7 +56,10 @@ def _backend(use_te: bool):
     return LocalSpecProvider()
 
 
-def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
+def layer_spec(cfg: ModelConfig, role: Role, use_te: bool, *, moe: bool = False,
+               layer_offset: int = 0) -> ModuleSpec:
+    """``moe``: the FFN is a MoE layer; ``layer_offset``: model-wide number of the block's first
+    layer minus one (LoopedTransformerLayer.global_layer_number)."""
     backend = _backend(use_te)
     norm = backend.layer_norm(rms_norm=True, for_qk=False)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if cfg.qk_norm else IdentityOp
@@ -67,6 +72,11 @@ def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
     output_proj = (ModuleSpec(PostNormLinear, submodules=PostNormLinearSubmodules(row, norm))
                    if olmo else row)
     pre_norm = IdentityOp if (olmo or fused_norm) else norm
+    if moe:  # the router needs the normalised input itself (no norm fused into an expert linear)
+        ffn, pre_ffn_norm = moe_specs.moe_spec(backend, grouped_gemm=use_te), norm
+    else:
+        ffn = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=output_proj))
+        pre_ffn_norm = pre_norm
 
     if role == "joint":
         core = ModuleSpec(JointCoreAttention, params={"impl": cfg.joint_attention})
@@ -99,16 +109,18 @@ def layer_spec(cfg: ModelConfig, role: Role, use_te: bool) -> ModuleSpec:
         # Checkpoints keep Transformer Engine's fused-norm key names whatever the backend, so a
         # checkpoint moves between the local (CPU) and TE (GPU) specs.
         qkv_name = "linear_q" if role == "global_only" else "linear_qkv"
-        keys_map = {"input_layernorm.": f"self_attention.{qkv_name}.layer_norm_",
-                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+        keys_map = {"input_layernorm.": f"self_attention.{qkv_name}.layer_norm_"}
+        if not moe:
+            keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return ModuleSpec(
         LoopedTransformerLayer,
+        params={"layer_offset": layer_offset},
         submodules=TransformerLayerSubmodules(
             input_layernorm=pre_norm,
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=pre_norm,
-            mlp=ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=output_proj)),
+            pre_mlp_layernorm=pre_ffn_norm,
+            mlp=ffn,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),

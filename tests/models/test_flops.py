@@ -13,7 +13,8 @@ from tests.models.variants import small_config
 
 
 @pytest.mark.parametrize("variant", ["dense", "fullloop_olmo", "asymloop", "asymloop_no_local_kv",
-                                     "asymloop_additive", "asymloop_tied_gqa1"])
+                                     "asymloop_additive", "asymloop_tied_gqa1", "dense_moe_shared",
+                                     "asymloop_moe"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_counted_flops_equal_analytical(seeded, variant, recompute):
     register_cpu_flash_flop_formulas()

@@ -8,7 +8,7 @@ import torch
 from megaloop.config import ParallelConfig
 from megaloop.models.flops import parameter_count
 from megaloop.models.model import build_model
-from tests.models.variants import VARIANTS, assert_causal, small_config
+from tests.models.variants import ALL_VARIANTS, assert_causal, small_config
 
 
 def _tokens(cfg, batch=2, seed=0):
@@ -16,13 +16,13 @@ def _tokens(cfg, batch=2, seed=0):
     return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(ALL_VARIANTS))
 def test_changing_token_t_changes_no_logit_before_t(seeded, variant):
     cfg = small_config(variant)
     assert_causal(build_model(cfg).eval(), _tokens(cfg), t=9)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(ALL_VARIANTS))
 def test_parameter_count_matches_analytical_and_ignores_iterations(seeded, variant):
     cfg = small_config(variant)
     counts = {k: sum(p.numel() for p in build_model(dataclasses.replace(cfg, iterations=k))

@@ -1,0 +1,171 @@
+"""Mixture-of-experts FFNs through megatron-core's MoELayer, for every megaloop architecture.
+
+A MoE layer is a spec swap of the layer's ``mlp``: megatron-core's ``MoELayer`` (top-k router in
+fp32, dropless token dispatch, SequentialMLP experts on CPU / Transformer Engine grouped GEMM on GPU,
+allgather dispatch on CPU / alltoall on GPU, optional shared expert). A weight-tied block applied K
+times calls the same MoE layer K times: routing is recomputed on every call, and every call adds its
+own load-balancing and z-loss terms to the gradient (the objective counts each application once,
+exactly as K unrolled copies of the layer would).
+
+One thing megatron-core's bookkeeping cannot do for a loop is done here instead: ``LoopedRouter``
+records the routing statistics of every application separately (encoder, decoder iteration 1..K,
+LatentLoop visit 1..V) into the model's ``RoutingStats``. megatron-core's own tracker
+sums all applications of a layer into one slot keyed by a block-local layer number and, under
+activation recomputation, logs during the backward replay; it is left unused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                     get_tokens_per_expert_and_token_count,
+                                                     switch_load_balancing_loss_func, z_loss_func)
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megaloop.config import ModelConfig
+
+
+def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool, top_k: int | None = None) -> dict:
+    """The MoE fields of a megatron-core TransformerConfig (empty for a dense model).
+
+    ``grouped_gemm`` (Transformer Engine on a GPU) also selects the alltoall dispatcher, which
+    needs CUDA streams; the CPU path is SequentialMLP experts behind the allgather dispatcher.
+    ``top_k`` overrides the model's top-k (LatentLoop's top-k reduced visits)."""
+    if not cfg.uses_moe:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_router_topk=top_k or cfg.moe_top_k,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_router_dtype="fp32",
+        # Dropless: a capacity limit would let later tokens of the batch decide whether an earlier
+        # token is dropped, a leak across positions.
+        moe_expert_capacity_factor=None,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None,
+        moe_token_dispatcher_type="alltoall" if grouped_gemm else "allgather",
+        moe_grouped_gemm=grouped_gemm,
+    )
+
+
+class RoutingStats:
+    """Routing statistics per application group of one training step.
+
+    Groups are named by the model: "encoder", "iter1".."iterK" (decoder iterations), LatentLoop's
+    "prelude", "visit1".."visitV", "coda". The model sets ``group`` before running a block; every MoE
+    application records its load-balancing loss, z-loss and tokens per expert (this rank's tokens)
+    into the group's row. ``report`` reduces over all ranks and starts the next step.
+    """
+
+    def __init__(self, groups: list[str], num_experts: int):
+        self.groups, self.num_experts = list(groups), num_experts
+        self.group: str | None = None
+        self._sums: torch.Tensor | None = None  # [groups, 3 + experts]: lb, z, applications, tokens
+
+    @contextlib.contextmanager
+    def applying(self, group: str):
+        previous, self.group = self.group, group
+        try:
+            yield
+        finally:
+            self.group = previous
+
+    def record(self, load_balancing: torch.Tensor, z_loss: torch.Tensor,
+               tokens_per_expert: torch.Tensor) -> None:
+        if self.group not in self.groups:  # outside a labelled block, or beyond the trained depth
+            return
+        if self._sums is None:
+            self._sums = torch.zeros(len(self.groups), 3 + self.num_experts, dtype=torch.float64,
+                                     device=tokens_per_expert.device)
+        row = self._sums[self.groups.index(self.group)]
+        row[0] += load_balancing.double()
+        row[1] += z_loss.double()
+        row[2] += 1
+        row[3:] += tokens_per_expert.double()
+
+    def report(self, group=None) -> dict[str, float]:
+        """Means per application of each group, over all ranks of ``group`` (collective); resets.
+
+        Keys: moe_lb_loss_<g>, moe_z_loss_<g>, moe_max_load_<g> (largest expert load over the mean
+        load; 1 is balanced) and moe_tokens_<g>_e<i> (tokens routed to expert i per application,
+        summed over the data-parallel ranks' micro-batches)."""
+        sums = self._sums
+        if sums is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            sums = torch.zeros(len(self.groups), 3 + self.num_experts, dtype=torch.float64,
+                               device=device)
+        self._sums = None
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums, group=group)
+        out = {}
+        for name, row in zip(self.groups, sums.tolist()):
+            applications = row[2]
+            if not applications:
+                continue
+            tokens = [t / applications for t in row[3:]]
+            mean_load = sum(tokens) / len(tokens)
+            out[f"moe_lb_loss_{name}"] = row[0] / applications
+            out[f"moe_z_loss_{name}"] = row[1] / applications
+            out[f"moe_max_load_{name}"] = max(tokens) / mean_load if mean_load else 0.0
+            out.update({f"moe_tokens_{name}_e{i}": t for i, t in enumerate(tokens)})
+        return out
+
+
+class LoopedRouter(TopKRouter):
+    """megatron-core's TopKRouter that records each application into the model's RoutingStats.
+
+    Statistics are recorded once per application of a training forward: under full activation
+    recomputation the layer also runs in the backward pass, outside any labelled group of the
+    model's forward, so the replay is not recorded. megatron-core's per-layer tracker stays off (its
+    slot, the router's ``layer_number``, stays None).
+    """
+
+    stats: RoutingStats | None = None
+
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.global_layer_number: int | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.global_layer_number = layer_number  # the tracker's slot stays None (see class doc)
+
+    def routing(self, logits: torch.Tensor, padding_mask=None):
+        probs, routing_map = super().routing(logits, padding_mask)
+        if self.stats is not None and self.training:
+            with torch.no_grad():
+                logits = logits.view(-1, self.config.num_moe_experts).float()
+                aux_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk,
+                                                                      self.score_function)
+                tokens, _, total = get_tokens_per_expert_and_token_count(aux_map, self.tp_cp_group,
+                                                                         self.topk)
+                load_balancing = switch_load_balancing_loss_func(
+                    scores, tokens, total, self.topk, self.config.num_moe_experts, 1.0)
+                self.stats.record(load_balancing, z_loss_func(logits, 1.0),
+                                  routing_map.sum(dim=0))
+        return probs, routing_map
+
+
+def moe_spec(backend, grouped_gemm: bool) -> ModuleSpec:
+    """The ``mlp`` spec of a MoE layer: megatron-core's MoELayer with LoopedRouter, local or TE
+    experts and a shared-expert spec (used when the config sets a shared expert size)."""
+    expert_module, expert_submodules = backend.grouped_mlp_modules(grouped_gemm, False)
+    dense = MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
+                          linear_fc2=backend.row_parallel_linear())
+    return ModuleSpec(
+        MoELayer,
+        submodules=MoESubmodules(experts=ModuleSpec(expert_module, submodules=expert_submodules),
+                                 shared_experts=ModuleSpec(SharedExpertMLP, submodules=dense),
+                                 router=LoopedRouter),
+    )
+
+
+def routers(module: torch.nn.Module) -> list[LoopedRouter]:
+    return [m for m in module.modules() if isinstance(m, LoopedRouter)]

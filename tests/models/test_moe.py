@@ -1,0 +1,167 @@
+"""MoE layers (megatron-core MoELayer) in looped models: weight sharing across iterations, auxiliary
+losses counted once per application, per-iteration routing statistics, model-wide layer numbers."""
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
+                                                     get_moe_layer_wise_logging_tracker)
+
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig
+from megaloop.models import moe
+from megaloop.models.model import build_model
+from tests.models.variants import small_config
+
+
+def _tokens(cfg, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g)
+
+
+def test_every_physical_layer_has_its_own_model_wide_number(seeded):
+    model = build_model(small_config("asymloop_moe", num_layers=5, encoder_layers=2))
+    layers = list(model.encoder.layers) + list(model.decoder.layers)
+    numbers = [layer.global_layer_number for layer in layers]
+    assert numbers == [1, 2, 3, 4, 5]
+    # The block-local number (checkpoint stacking, Global KV slice) still counts from 1 per block.
+    assert [layer.layer_number for layer in model.decoder.layers] == [1, 2, 3]
+    for layer in layers:  # the inference KV-cache key and the router's statistics use it
+        assert layer.self_attention.layer_number == layer.global_layer_number
+        assert layer.mlp.router.global_layer_number == layer.global_layer_number
+
+
+def _unrolled_copy(looped):
+    """A Dense model with the R x L layers of a Full Loop unrolled, each a copy of its tied layer."""
+    cfg = looped.cfg
+    dense = build_model(dataclasses.replace(cfg, arch="dense", iterations=1,
+                                            num_layers=cfg.iterations * cfg.num_layers))
+    state = looped.state_dict()
+    dense.load_state_dict({name: state[_tied_name(name, cfg.num_layers)]
+                           for name in dense.state_dict()})
+    return dense
+
+
+def _tied_name(name: str, num_layers: int) -> str:
+    """The Full Loop parameter that unrolled layer ``name`` copies."""
+    if not name.startswith("decoder.layers."):
+        return name
+    index, rest = name[len("decoder.layers."):].split(".", 1)
+    return f"decoder.layers.{int(index) % num_layers}.{rest}"
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_shared_moe_gradients_equal_the_sum_over_an_unrolled_copy(seeded, recompute):
+    """A MoE layer applied R times gets every application's gradient, auxiliary losses included,
+    each counted once (the coefficients are large so that a 1/R rescaling could not hide)."""
+    cfg = small_config("fullloop_moe", num_layers=2, iterations=3, moe_aux_loss_coeff=0.5,
+                       moe_z_loss_coeff=0.2)
+    looped = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none")).train()
+    dense = _unrolled_copy(looped).train()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    for model in (looped, dense):
+        model(x, labels=labels).mean().backward()
+    unrolled = {}
+    for name, p in dense.named_parameters():
+        name = _tied_name(name, cfg.num_layers)
+        unrolled[name] = unrolled.get(name, 0) + p.grad
+    for name, p in looped.named_parameters():
+        torch.testing.assert_close(p.grad, unrolled[name], atol=1e-5, rtol=1e-4, msg=name)
+    # The auxiliary losses do reach the router: without them its gradient differs.
+    plain = build_model(dataclasses.replace(cfg, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0))
+    plain.load_state_dict(looped.state_dict())
+    plain.train()(x, labels=labels).mean().backward()
+    router = "decoder.layers.0.mlp.router.weight"
+    assert (dict(plain.named_parameters())[router].grad
+            - dict(looped.named_parameters())[router].grad).abs().max() > 1e-3
+
+
+def _reference_statistics(logits: torch.Tensor, top_k: int):
+    """Switch load-balancing loss E / (k T^2) sum_i (sum_t p_ti) n_i, z-loss mean(logsumexp^2) and
+    tokens per expert, written out independently of megatron-core."""
+    tokens, experts = logits.shape
+    probs = logits.softmax(-1)
+    chosen = torch.zeros_like(probs).scatter(1, probs.topk(top_k, dim=1).indices, 1.0)
+    counts = chosen.sum(0)
+    load = experts / (top_k * tokens * tokens) * (probs.sum(0) * counts).sum()
+    return load.item(), logits.logsumexp(-1).pow(2).mean().item(), counts
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_routing_statistics_are_reported_per_iteration(seeded, recompute):
+    cfg = small_config("asymloop_moe", iterations=2)
+    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none")).train()
+    logits_per_call = {}  # router -> the logits of each application, in order
+    for router in moe.routers(model):
+        router.register_forward_hook(
+            lambda m, args, out, r=router: logits_per_call.setdefault(r, []).append(
+                r.gating(args[0]).detach().view(-1, cfg.num_experts)) if torch.is_grad_enabled()
+            != recompute else None)
+    model(_tokens(cfg), labels=_tokens(cfg, seed=1)).mean().backward()
+    report = model.routing_stats.report()
+    groups = {"encoder": [(r, 0) for r in moe.routers(model.encoder)],
+              "iter1": [(r, 0) for r in moe.routers(model.decoder)],
+              "iter2": [(r, 1) for r in moe.routers(model.decoder)]}
+    for group, calls in groups.items():
+        stats = [_reference_statistics(logits_per_call[r][i], cfg.moe_top_k) for r, i in calls]
+        assert report[f"moe_lb_loss_{group}"] == pytest.approx(
+            sum(s[0] for s in stats) / len(stats), rel=1e-5)
+        assert report[f"moe_z_loss_{group}"] == pytest.approx(
+            sum(s[1] for s in stats) / len(stats), rel=1e-5)
+        tokens = sum(s[2] for s in stats) / len(stats)
+        assert [report[f"moe_tokens_{group}_e{i}"] for i in range(cfg.num_experts)] == \
+            pytest.approx(tokens.tolist())
+        assert report[f"moe_max_load_{group}"] == pytest.approx((tokens.max() / tokens.mean()).item())
+    assert model.routing_stats.report() == {}, "report starts the next step from zero"
+
+
+def test_evaluation_records_no_routing_statistics_and_loss_is_pure_cross_entropy(seeded):
+    cfg = small_config("fullloop_moe")
+    model = build_model(cfg).train()
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    losses = model(x, labels=labels)  # the auxiliary losses reach the gradient only
+    expected = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), labels.flatten(),
+                                                 reduction="none").view_as(labels)
+    torch.testing.assert_close(losses, expected, atol=1e-5, rtol=1e-5)
+    model.routing_stats.report()
+    model.eval()
+    with torch.no_grad():
+        model(x, labels=labels)
+    assert model.routing_stats.report() == {}
+    assert not get_moe_layer_wise_logging_tracker(), "megatron-core's per-layer tracker stays off"
+
+
+def test_router_computes_in_fp32_under_bf16_weights(seeded):
+    cfg = small_config("dense_moe_shared")
+    model = build_model(cfg, params_dtype=torch.bfloat16)
+    router = model.decoder.layers[0].mlp.router
+    assert router.gating(torch.randn(4, 1, cfg.hidden_size, dtype=torch.bfloat16)).dtype \
+        == torch.float32
+
+
+def test_moe_layers_only_where_configured(seeded):
+    model = build_model(small_config("asymloop_moe_decoder"))
+    assert not moe.routers(model.encoder)
+    assert len(moe.routers(model.decoder)) == model.cfg.num_decoder_layers
+    assert model.routing_stats.groups == ["encoder", "iter1", "iter2"]
+
+
+@pytest.mark.parametrize("fields, parallel, message", [
+    (dict(num_experts=4, moe_top_k=5), {}, "model.moe_top_k=5: must be in [1, num_experts=4]"),
+    (dict(num_experts=-1), {}, "model.num_experts=-1: must be >= 0"),
+    (dict(num_experts=4, block="olmo"), {}, "model.block='olmo': must be 'llama' for a MoE"),
+    (dict(num_experts=4, moe_layers="encoder", arch="fullloop", iterations=2), {},
+     "model.moe_layers='encoder': must be 'all' unless arch=asymloop"),
+    (dict(num_experts=6), dict(expert=4), "parallel.expert=4: must be a divisor of "
+                                          "model.num_experts=6"),
+    (dict(), dict(expert=2), "parallel.expert=2: must be 1 unless model.num_experts > 0"),
+    (dict(num_experts=4), dict(tensor=2), "parallel.tensor=2: must be 1 for a MoE model unless "
+                                          "parallel.sequence_parallel=true"),
+])
+def test_bad_moe_configurations_are_one_line_errors(fields, parallel, message):
+    with pytest.raises(ConfigError) as err:
+        cfg = ModelConfig(**fields)
+        cfg.validate()
+        ParallelConfig(**parallel).validate(cfg)
+    assert message in str(err.value) and "\n" not in str(err.value)
