@@ -123,6 +123,10 @@ def init_distributed(
     if world % (tensor_parallel * pipeline_parallel):
         raise ConfigError(f"parallel.tensor={tensor_parallel} x parallel.pipeline="
                           f"{pipeline_parallel} must divide the {world} launched processes")
+    if world % (tensor_parallel * expert_parallel * pipeline_parallel):
+        raise ConfigError(f"parallel.tensor={tensor_parallel} x parallel.expert={expert_parallel} "
+                          f"x parallel.pipeline={pipeline_parallel} must divide the {world} "
+                          "launched processes (experts split over data-parallel replicas)")
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import ConfigError, RunConfig, save_yaml, write_text_atomic
+from megaloop.config import ConfigError, ModelConfig, RunConfig, save_yaml, write_text_atomic
 from megaloop.training.collective import is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -47,12 +47,16 @@ _NAME = re.compile(r"^iter_(\d{7})$")
 ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size",
                        "num_attention_heads", "num_query_groups", "vocab_size", "encoder_layers",
                        "block", "qk_norm", "injection", "local_kv", "global_kv_norm",
-                       "decoder_ffn_hidden_size", "tie_embeddings")
+                       "decoder_ffn_hidden_size", "tie_embeddings", "num_experts", "moe_layers",
+                       "moe_ffn_hidden_size", "moe_shared_expert_size", "prelude_layers",
+                       "coda_layers", "latent_visits", "latent_stride", "latent_writeback_lag",
+                       "latent_reduction", "residual_scale", "untie_attention", "untie_moe")
 # Test-time depth, the attention kernel, the context length (warned: it changes the sample order),
-# RoPE base and norm epsilon (context extension, fine-tuning) and the initialisation scale (used
-# only before a load).
+# RoPE base and norm epsilon (context extension, fine-tuning), the initialisation scale and the
+# initial residual scales (used only before a load), MoE routing width and auxiliary-loss weights.
 RESUMABLE_MODEL_FIELDS = ("iterations", "joint_attention", "seq_length", "rotary_base",
-                          "norm_eps", "init_std")
+                          "norm_eps", "init_std", "residual_scale_init", "moe_top_k",
+                          "moe_aux_loss_coeff", "moe_z_loss_coeff")
 
 
 class CheckpointError(RuntimeError):
@@ -167,8 +171,10 @@ def check_compatible(path: Path, cfg: RunConfig) -> None:
     """Refuses, in one line, to resume a checkpoint of a different architecture."""
     saved = saved_config(path)["model"]
     current = dict(vars(cfg.model.resolve()))
-    differences = [f"model.{k}={saved.get(k)!r} in the checkpoint, {current[k]!r} now"
-                   for k in ARCHITECTURE_FIELDS if saved.get(k) != current[k]]
+    # A field newer than the checkpoint had its default value when the checkpoint was written.
+    saved = {k: saved.get(k, getattr(ModelConfig(), k)) for k in ARCHITECTURE_FIELDS}
+    differences = [f"model.{k}={saved[k]!r} in the checkpoint, {current[k]!r} now"
+                   for k in ARCHITECTURE_FIELDS if saved[k] != current[k]]
     if differences:
         raise CheckpointError(f"{path} was saved by a different architecture: "
                               + "; ".join(differences))

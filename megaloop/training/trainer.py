@@ -290,7 +290,7 @@ class Trainer:
                 self.consumed_samples += cfg.global_batch_size
                 self.monitor.log_step(self.step, loss=loss, lr=lr,
                                       grad_norm=grad_norm, step_time_s=time.perf_counter() - start,
-                                      skipped=skipped)
+                                      skipped=skipped, extra=self._routing_metrics())
                 if self._consecutive_nonfinite >= cfg.max_nonfinite_steps:
                     latest = ckpt.latest_checkpoint(self.checkpoint_dir)
                     raise TrainingAborted(
@@ -319,6 +319,12 @@ class Trainer:
             return {"step": self.step, **final}
         finally:
             self.close()
+
+    def _routing_metrics(self) -> dict | None:
+        """MoE load balance, z-loss and tokens per expert of this step, per application group
+        (encoder, iteration 1..K); a collective. None for a dense model."""
+        stats = self.model.routing_stats
+        return stats.report() if stats is not None else None
 
     def current_lr(self) -> float:
         """The base LR (multiplier 1) the next optimizer step will use."""
