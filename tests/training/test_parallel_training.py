@@ -1,6 +1,6 @@
-"""Parallel layouts change nothing: DP=2, TP=2 and PP=2 (Dense, and AsymLoop split at its encoder)
-train to the same losses as one process,
-and a TP=2 checkpoint loads into TP=1 with the same logits."""
+"""Parallel layouts change nothing: DP=2, TP=2, PP=2 (Dense, and AsymLoop split at its encoder) and
+EP=2 (MoE; dense weights data-parallel with the distributed optimizer) train to the same losses as
+one process, and TP=2 / EP=2 checkpoints load into one process with the same logits."""
 
 from pathlib import Path
 
@@ -11,6 +11,7 @@ from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run, train_losses, write_pattern_dataset
 
 STEPS = 10
+MOE = {"num_experts": 4, "moe_top_k": 2}
 
 
 def _train(rank, world_size, data_prefix, out_dir, seed_checkpoint, model=None, parallel=None):
@@ -34,6 +35,8 @@ def data(tmp_path_factory):
     ("pp2_dense", {"arch": "dense", "iterations": 1}, {"pipeline": 2}),
     ("pp2_asymloop", {}, {"pipeline": 2}),  # encoder | Global KV + decoder loop + head
     ("tp2_asymloop", {}, {"tensor": 2}),
+    ("ep2_moe_asymloop", MOE, {"expert": 2}),  # each rank holds half the experts
+    ("dp2_moe_asymloop", MOE, {}),
 ])
 def test_parallel_layout_matches_single_process(mcore, data, tmp_path, name, model, parallel):
     from megaloop.training.trainer import Trainer
@@ -52,27 +55,32 @@ def test_parallel_layout_matches_single_process(mcore, data, tmp_path, name, mod
         assert losses[step] == pytest.approx(expected[step], rel=2e-5, abs=2e-5), step
 
 
-def _tp2_then_tp1_logits(rank, world_size, data_prefix, out_dir):
+def _parallel_then_single_logits(rank, world_size, data_prefix, out_dir, model, parallel):
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megaloop.training.trainer import Trainer
 
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
     out = Path(out_dir)
-    tp2 = Trainer(tiny_run(data_prefix, out, parallel={"tensor": 2}, train={"train_steps": 3}))
-    tp2.train()
-    tp2.model.eval()
+    split = Trainer(tiny_run(data_prefix, out, model=model, parallel=parallel,
+                             train={"train_steps": 3}))
+    split.train()
+    split.model.eval()
     with torch.no_grad():
-        logits_tp2 = gather_from_tensor_model_parallel_region(tp2.model(tokens))
-    tp1 = Trainer(tiny_run(data_prefix, out / "tp1", train={"train_steps": 3},
-                           checkpoint={"load": str(out / "checkpoints"), "load_optimizer": False}))
-    tp1.model.eval()
+        logits_split = gather_from_tensor_model_parallel_region(split.model(tokens))
+    single = Trainer(tiny_run(data_prefix, out / "single", model=model, train={"train_steps": 3},
+                              checkpoint={"load": str(out / "checkpoints"),
+                                          "load_optimizer": False}))
+    single.model.eval()
     with torch.no_grad():
-        logits_tp1 = tp1.model(tokens)
-    return (logits_tp1 - logits_tp2).abs().max().item()
+        logits_single = single.model(tokens)
+    return (logits_single - logits_split).abs().max().item()
 
 
-def test_tp2_checkpoint_loads_into_tp1_with_the_same_logits(mcore, data, tmp_path):
-    diffs = run_distributed(_tp2_then_tp1_logits, world_size=2, data_prefix=data,
-                            out_dir=str(tmp_path))
+@pytest.mark.parametrize("model, parallel", [({}, {"tensor": 2}), (MOE, {"expert": 2})],
+                         ids=["tp2", "ep2_moe"])
+def test_split_checkpoint_loads_into_one_process_with_the_same_logits(mcore, data, tmp_path,
+                                                                      model, parallel):
+    diffs = run_distributed(_parallel_then_single_logits, world_size=2, data_prefix=data,
+                            out_dir=str(tmp_path), model=model, parallel=parallel)
     assert max(diffs) < 1e-5
