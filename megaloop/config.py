@@ -273,9 +273,10 @@ class ModelConfig:
                  "in every training sequence)")
         _require(self.latent_writeback_lag in (0, 1), prefix, "latent_writeback_lag",
                  self.latent_writeback_lag, "0 or 1")
-        _require(self.latent_reduction == "sequence" or self.uses_moe and self.moe_top_k >= 2,
+        _require(self.latent_reduction == "sequence" or self.uses_moe and self.moe_top_k >= 4,
                  prefix, "latent_reduction", self.latent_reduction,
-                 "'sequence' unless num_experts > 0 and moe_top_k >= 2")
+                 "'sequence' unless num_experts > 0 and moe_top_k >= 4 (the reduced visits route "
+                 "to moe_top_k // 2 >= 2 experts)")
         _require(not self.residual_scale_init or len(self.residual_scale_init) == visits, prefix,
                  "residual_scale_init", self.residual_scale_init,
                  f"empty or one value per visit (iterations={visits})")
@@ -310,6 +311,9 @@ class ParallelConfig:
                      "1 unless model.num_experts > 0 (expert parallelism splits the experts)")
             _require(model.num_experts % self.expert == 0, prefix, "expert", self.expert,
                      f"a divisor of model.num_experts={model.num_experts}")
+        _require(not (self.sequence_parallel and model.arch == "latentloop"), prefix,
+                 "sequence_parallel", self.sequence_parallel,
+                 "false for model.arch=latentloop (the writeback shifts across sequence shards)")
         if model.uses_moe and tp > 1:
             _require(self.sequence_parallel, prefix, "tensor", tp,
                      "1 for a MoE model unless parallel.sequence_parallel=true (megatron-core's "

@@ -24,6 +24,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -174,13 +175,22 @@ class LoopedLM(LanguageModule):
             )
         self.setup_embeddings_and_output_layer()
         self.routing_stats = self._attach_routing_stats(
-            (["encoder"] if enc_layers else []) + [f"iter{t}" for t in range(1, cfg.iterations + 1)])
+            ([self.first_group] if enc_layers else [])
+            + [f"{self.loop_group}{t}" for t in range(1, cfg.iterations + 1)])
+
+    # MoE statistics labels of the block before the loop and of the loop's steps.
+    first_group, loop_group = "encoder", "iter"
 
     def _attach_routing_stats(self, groups: list[str]) -> moe.RoutingStats | None:
         """Per-application MoE routing statistics (None for a dense model); the trainer reports
         them each step."""
         if not self.cfg.uses_moe:
             return None
+        # megatron-core keeps the auxiliary-loss gradient scale in a class attribute that its
+        # schedules set per step; a new model starts from its default (1) whatever an earlier model
+        # of this process left there (a 0-d tensor from a plain backward, which the schedules'
+        # [1]-shaped scale cannot be copied into).
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         stats = moe.RoutingStats(groups, self.cfg.num_experts)
         for router in moe.routers(self):
             router.stats = stats
@@ -206,6 +216,15 @@ class LoopedLM(LanguageModule):
         return torch.stack([layer.self_attention.project_global_kv(encoder_output, rotary_pos_emb)
                             for layer in self.decoder.layers])
 
+    def loop(self, hidden: torch.Tensor, rope: torch.Tensor, steps: int) -> torch.Tensor:
+        """The weight-tied decoder K times (Full Loop: the stack R times), after the Global KV."""
+        cfg = self.cfg
+        context = self.global_kv(hidden, rope) if cfg.uses_global_kv else None
+        additive = cfg.arch == "asymloop" and cfg.injection == "additive"
+        return iterate(self.decoder, hidden, steps, additive=additive,
+                       step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
+                       attention_mask=None, context=context, rotary_pos_emb=rope)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_iterations: int | None = None) -> torch.Tensor:
@@ -225,24 +244,28 @@ class LoopedLM(LanguageModule):
             hidden = self.stage_input
         rope = self.rotary_pos_emb(input_ids.shape[1])
         if self.encoder is not None:
-            with self.applying("encoder"):
+            with self.applying(self.first_group):
                 hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
         if self.decoder is None:  # the encoder stage of a pipeline split sends H_E on
             return hidden
-        cfg = self.cfg
-        context = self.global_kv(hidden, rope) if cfg.uses_global_kv else None
-        additive = cfg.arch == "asymloop" and cfg.injection == "additive"
-        hidden = iterate(self.decoder, hidden, steps, additive=additive,
-                         step_context=lambda t: self.applying(f"iter{t}"), attention_mask=None,
-                         context=context, rotary_pos_emb=rope)
+        hidden = self.loop(hidden, rope, steps)
         if not self.post_process:
             return hidden
         hidden = self.final_layernorm(hidden)
-        weight = self.shared_embedding_or_output_weight() if cfg.tie_embeddings else None
+        weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
         logits, _ = self.output_layer(hidden, weight=weight)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+
+def model_class(cfg: ModelConfig) -> type[LoopedLM]:
+    """LoopedLM, or its LatentLoop subclass for arch=latentloop."""
+    if cfg.arch == "latentloop":
+        from megaloop.models.latent import LatentLoopLM
+
+        return LatentLoopLM
+    return LoopedLM
 
 
 def build_model(cfg: ModelConfig, parallel: ParallelConfig | None = None, **kwargs) -> LoopedLM:
@@ -251,4 +274,4 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig | None = None, **kwar
     cfg.validate()
     if parallel is not None:
         parallel.validate(cfg)
-    return LoopedLM(cfg, parallel, **kwargs)
+    return model_class(cfg)(cfg, parallel, **kwargs)

@@ -159,14 +159,14 @@ class Trainer:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
 
-        from megaloop.models.model import LoopedLM
+        from megaloop.models.model import model_class
 
         cfg = self.cfg
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        model = LoopedLM(cfg.model, cfg.parallel, params_dtype=dtype,
-                         fp8=self.cfg.train.resolved_fp8_recipe,
-                         pre_process=ps.is_pipeline_first_stage(),
-                         post_process=ps.is_pipeline_last_stage())
+        model = model_class(cfg.model)(cfg.model, cfg.parallel, params_dtype=dtype,
+                                       fp8=self.cfg.train.resolved_fp8_recipe,
+                                       pre_process=ps.is_pipeline_first_stage(),
+                                       post_process=ps.is_pipeline_last_stage())
         self.model = model
         if torch.cuda.is_available():
             model.cuda()

@@ -1,5 +1,5 @@
 """The analytical FLOP count agrees with torch's FlopCounterMode, term by term (forward, backward,
-recompute), for every architecture."""
+recompute), for every architecture, MoE and LatentLoop's compressed visits included."""
 
 import pytest
 import torch
@@ -14,7 +14,8 @@ from tests.models.variants import small_config
 
 @pytest.mark.parametrize("variant", ["dense", "fullloop_olmo", "asymloop", "asymloop_no_local_kv",
                                      "asymloop_additive", "asymloop_tied_gqa1", "dense_moe_shared",
-                                     "asymloop_moe"])
+                                     "asymloop_moe", "latentloop_moe", "latentloop_stride3_lag1",
+                                     "latentloop_moe_untied_v3", "latentloop_moe_topk"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_counted_flops_equal_analytical(seeded, variant, recompute):
     register_cpu_flash_flop_formulas()
@@ -24,7 +25,7 @@ def test_counted_flops_equal_analytical(seeded, variant, recompute):
     tokens = x.numel()
     with FlopCounterMode(display=False) as counter:
         loss = model(x, labels=x).mean()
-    assert counter.get_total_flops() / tokens == forward_flops(cfg).total
+    assert counter.get_total_flops() == forward_flops(cfg).total * tokens
     with FlopCounterMode(display=False) as counter:
         loss.backward()
-    assert counter.get_total_flops() / tokens == executed_backward_flops(cfg, recompute)
+    assert counter.get_total_flops() == executed_backward_flops(cfg, recompute) * tokens

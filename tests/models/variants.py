@@ -32,7 +32,24 @@ MOE_VARIANTS = {
     "asymloop_moe": dict(arch="asymloop", iterations=3, **MOE),
     "asymloop_moe_decoder": dict(arch="asymloop", iterations=2, moe_layers="decoder", **MOE),
 }
-ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS}
+# LatentLoop (prelude 1, middle 2, coda 1 layers) and its switches; "moe_loop" is the MoE Loop
+# baseline (symmetric visits, no compression).
+LATENT_VARIANTS = {
+    "latentloop": dict(arch="latentloop", iterations=2),
+    "latentloop_moe": dict(arch="latentloop", iterations=2, **MOE),
+    "latentloop_stride3_lag1": dict(arch="latentloop", iterations=2, latent_stride=3,
+                                    latent_writeback_lag=1, seq_length=18),
+    "latentloop_stride4_both": dict(arch="latentloop", iterations=2, latent_stride=4,
+                                    latent_visits=[1, 2]),
+    "latentloop_moe_untied_v3": dict(arch="latentloop", iterations=3, untie_attention=True,
+                                     untie_moe=True, latent_visits=[2], residual_scale="fixed",
+                                     residual_scale_init=[0.25, 1.0, 0.5], **MOE),
+    "latentloop_moe_topk": dict(arch="latentloop", iterations=2, num_experts=8, moe_top_k=4,
+                                moe_ffn_hidden_size=16, latent_reduction="top_k"),
+    "moe_loop": dict(arch="latentloop", iterations=2, latent_visits=[], residual_scale="fixed",
+                     **MOE),
+}
+ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **LATENT_VARIANTS}
 
 
 def small_config(name: str, **overrides) -> ModelConfig:

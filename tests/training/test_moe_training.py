@@ -1,5 +1,5 @@
-"""MoE models in the training system: resume is exact, and routing metrics are logged per iteration
-without ever entering the reported losses. (Expert-parallel layouts and EP checkpoint resharding are
+"""MoE models in the training system: resume is exact, routing metrics are logged per iteration
+(LatentLoop: per visit) without ever entering the reported losses, and LatentLoop learns. (Expert-parallel layouts and EP checkpoint resharding are
 tested with the other layouts in test_parallel_training.py.)"""
 
 import shutil
@@ -59,3 +59,18 @@ def test_routing_metrics_are_logged_per_iteration_and_never_enter_reported_losse
         assert train[f"moe_lb_loss_{group}"] >= 1.0  # E * sum f_i P_i is 1 when balanced
         # per application: micro-batch x sequence x top-k assignments
         assert sum(train[f"moe_tokens_{group}_e{i}"] for i in range(4)) == 2 * 32 * 2
+
+
+def test_latentloop_learns_and_logs_routing_per_visit(mcore, data, tmp_path):
+    from megaloop.training.trainer import Trainer
+
+    cfg = tiny_run(data, tmp_path, model={"arch": "latentloop", "iterations": 2, **MOE},
+                   train={"train_steps": 30, "lr": 1e-2})
+    result = Trainer(cfg).train()
+    losses = train_losses(tmp_path)
+    first, last = (sum(losses[s] for s in steps) / 5 for steps in (range(1, 6), range(26, 31)))
+    assert last < 0.75 * first and result["val_loss"] < losses[1]
+    record = [r for r in read_metrics(tmp_path / "metrics.jsonl")[0] if r["kind"] == "train"][-1]
+    for group, tokens in (("prelude", 32), ("visit1", 16), ("visit2", 32), ("coda", 32)):
+        # per application: micro-batch 2 x positions (visit 1 runs on 16 latents) x top-2
+        assert sum(record[f"moe_tokens_{group}_e{i}"] for i in range(4)) == 2 * tokens * 2

@@ -37,6 +37,7 @@ def data(tmp_path_factory):
     ("tp2_asymloop", {}, {"tensor": 2}),
     ("ep2_moe_asymloop", MOE, {"expert": 2}),  # each rank holds half the experts
     ("dp2_moe_asymloop", MOE, {}),
+    ("ep2_latentloop", {"arch": "latentloop", "iterations": 2, **MOE}, {"expert": 2}),
 ])
 def test_parallel_layout_matches_single_process(mcore, data, tmp_path, name, model, parallel):
     from megaloop.training.trainer import Trainer
