@@ -17,17 +17,23 @@ def data(tmp_path_factory):
     return write_pattern_dataset(tmp_path_factory.mktemp("moedata") / "pattern")
 
 
-def test_moe_resume_reproduces_the_uninterrupted_losses_bit_for_bit(mcore, data, tmp_path):
+@pytest.mark.parametrize("model", [
+    MOE,
+    # per-visit blocks that borrow the shared weights: their checkpoint holds each weight once
+    {"arch": "latentloop", "iterations": 2, "num_experts": 8, "moe_top_k": 4,
+     "latent_reduction": "top_k", "untie_attention": True},
+], ids=["asymloop", "latentloop_topk_untied_attention"])
+def test_moe_resume_reproduces_the_uninterrupted_losses_bit_for_bit(mcore, data, tmp_path, model):
     from megaloop.training.trainer import Trainer
 
     straight = tmp_path / "straight"
-    Trainer(tiny_run(data, straight, model=MOE, checkpoint={"save_interval": 4})).train()
+    Trainer(tiny_run(data, straight, model=model, checkpoint={"save_interval": 4})).train()
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "iter_0000004",
                     resumed / "checkpoints" / "iter_0000004")
     (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
-    Trainer(tiny_run(data, resumed, model=MOE)).train()
+    Trainer(tiny_run(data, resumed, model=model)).train()
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     assert [a[s] for s in b] == [b[s] for s in b]
