@@ -165,7 +165,7 @@ class LatentLoopLM(LoopedLM):
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output=True,
-                 pre_process: bool = True, post_process: bool = True, fp8: bool = False):
+                 pre_process: bool = True, post_process: bool = True, fp8: str | None = None):
         super().__init__(cfg, parallel, use_te, params_dtype, parallel_output, pre_process,
                          post_process, fp8)
         cfg, parallel = self.cfg, parallel or ParallelConfig()
