@@ -11,6 +11,9 @@ import re
 import torch
 
 from megaloop.config import ModelConfig
+from megaloop.models.export_moe_latent import (latent_reference_config, latent_reference_names,
+                                               moe_reference_weights, moe_reference_fields,
+                                               split_latent_state_dict)
 from megaloop.reference.modeling_asymloop import LoopedLM as ReferenceLM
 from megaloop.reference.modeling_asymloop import ReferenceConfig
 
@@ -38,7 +41,7 @@ _LAYER_RENAMES = {
     "mlp.linear_fc2.linear.weight": "mlp.down_proj.weight",
     "mlp.linear_fc2.norm.weight": "mlp_norm.weight",  # OLMo post-norm
 }
-_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^(encoder|decoder|coda|visit\d+)\.layers\.(\d+)\.(.+)$")
 
 
 def reference_config(cfg: ModelConfig) -> ReferenceConfig:
@@ -50,7 +53,7 @@ def reference_config(cfg: ModelConfig) -> ReferenceConfig:
         vocab_size=cfg.vocab_size, encoder_layers=cfg.num_encoder_layers,
         iterations=cfg.iterations, block=cfg.block, qk_norm=cfg.qk_norm, injection=cfg.injection,
         local_kv=cfg.local_kv, global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base, norm_eps=cfg.norm_eps,
-        tie_embeddings=cfg.tie_embeddings,
+        tie_embeddings=cfg.tie_embeddings, **moe_reference_fields(cfg),
     )
 
 
@@ -95,6 +98,8 @@ def to_reference_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfi
             gate, up = tensor.chunk(2, dim=0)
             out[prefix + "mlp.gate_proj.weight"] = gate
             out[prefix + "mlp.up_proj.weight"] = up
+        elif (moe := moe_reference_weights(suffix, tensor)) is not None:
+            out.update({prefix + key: value for key, value in moe.items()})
         else:
             raise KeyError(f"unmapped megatron-core parameter {name}")
     if cfg.tie_embeddings:
@@ -104,8 +109,24 @@ def to_reference_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfi
 
 def to_reference(model) -> ReferenceLM:
     """A reference model carrying a (TP=1) megatron-core LoopedLM's weights, in fp32."""
-    reference = ReferenceLM(reference_config(model.cfg))
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor)}
+    if model.cfg.arch == "latentloop":
+        return _to_latent_reference(state, model.cfg)
+    reference = ReferenceLM(reference_config(model.cfg))
     reference.load_state_dict(to_reference_state_dict(state, model.cfg), strict=True)
     return reference
+
+
+def _to_latent_reference(state: dict, cfg: ModelConfig):
+    from megaloop.reference.modeling_latentloop import LatentLoopLM
+
+    reference = LatentLoopLM(latent_reference_config(cfg, vars(reference_config(cfg))))
+    reference.load_state_dict(to_latent_reference_state_dict(state, cfg), strict=True)
+    return reference
+
+
+def to_latent_reference_state_dict(state_dict: dict, cfg: ModelConfig) -> dict:
+    """A LatentLoop state dict (or its gradients) in the reference LatentLoopLM's names."""
+    layers, own = split_latent_state_dict(state_dict, cfg)
+    return {**latent_reference_names(to_reference_state_dict(layers, cfg)), **own}

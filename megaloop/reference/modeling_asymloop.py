@@ -45,6 +45,12 @@ class ReferenceConfig:
     rotary_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Mixture-of-experts FFNs (modeling_moe): 0 experts keeps the SwiGLU MLP.
+    num_experts: int = 0
+    moe_layers: str = "all"  # all | encoder | decoder
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int = 0
+    moe_shared_expert_size: int = 0
 
     @property
     def num_encoder_layers(self) -> int:
@@ -151,14 +157,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _moe_feed_forward(cfg: ReferenceConfig) -> nn.Module:
+    from .modeling_moe import MoEFeedForward
+
+    return MoEFeedForward(cfg.hidden_size, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size,
+                          cfg.moe_shared_expert_size)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ReferenceConfig, ffn: int, global_kv: bool = False, local_kv: bool = True):
+    def __init__(self, cfg: ReferenceConfig, ffn: int, global_kv: bool = False, local_kv: bool = True,
+                 moe: bool = False):
         super().__init__()
         self.post_norm = cfg.block == "olmo"
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg, global_kv, local_kv)
-        self.mlp = MLP(cfg.hidden_size, ffn)
+        self.mlp = MLP(cfg.hidden_size, ffn) if not moe else _moe_feed_forward(cfg)
 
     def forward(self, h, cos, sin, global_kv=None):
         if self.post_norm:  # OLMo 2: h + Norm(Attn(h)), then h + Norm(MLP(h))
@@ -175,9 +189,13 @@ class LoopedLM(nn.Module):
         e = cfg.num_encoder_layers
         use_global = cfg.arch == "asymloop" and cfg.injection == "global_kv"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.encoder = nn.ModuleList(Block(cfg, cfg.ffn_hidden_size) for _ in range(e))
+        moe = {part: cfg.num_experts > 0 and cfg.moe_layers in ("all", part)
+               for part in ("encoder", "decoder")}
+        self.encoder = nn.ModuleList(Block(cfg, cfg.ffn_hidden_size, moe=moe["encoder"])
+                                     for _ in range(e))
         self.decoder = nn.ModuleList(
-            Block(cfg, cfg.decoder_ffn_hidden_size, use_global, cfg.local_kv or not use_global)
+            Block(cfg, cfg.decoder_ffn_hidden_size, use_global, cfg.local_kv or not use_global,
+                  moe["decoder"])
             for _ in range(cfg.num_layers - e)
         )
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
