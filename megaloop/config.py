@@ -73,6 +73,7 @@ class ModelConfig:
     ffn_hidden_size: int = 344
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # None: multi-head attention (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
     vocab_size: int = 32128
     seq_length: int = 128
     encoder_layers: int | None = None  # asymloop E; None: L // 2
@@ -157,7 +158,7 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def uses_global_kv(self) -> bool:
@@ -195,13 +196,18 @@ class ModelConfig:
                      "num_query_groups", "vocab_size", "seq_length", "iterations",
                      "decoder_ffn_hidden_size"):
             _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
-        _require(self.hidden_size % self.num_attention_heads == 0, prefix, "hidden_size",
-                 self.hidden_size, f"a multiple of num_attention_heads={self.num_attention_heads}")
+        if self.head_dim is None:
+            _require(self.hidden_size % self.num_attention_heads == 0, prefix, "hidden_size",
+                     self.hidden_size, f"a multiple of num_attention_heads="
+                     f"{self.num_attention_heads} (or set head_dim)")
+        else:
+            _require(self.head_dim >= 2, prefix, "head_dim", self.head_dim, ">= 2")
         _require(self.num_attention_heads % self.num_query_groups == 0, prefix,
                  "num_query_groups", self.num_query_groups,
                  f"a divisor of num_attention_heads={self.num_attention_heads}")
-        _require(self.kv_channels % 2 == 0, prefix, "hidden_size", self.hidden_size,
-                 "such that the head dim is even (RoPE rotates pairs)")
+        _require(self.kv_channels % 2 == 0, prefix, "head_dim" if self.head_dim else "hidden_size",
+                 self.head_dim or self.hidden_size, "such that the head dim is even (RoPE "
+                 "rotates pairs)")
         if self.decoder_attention == "joint" and self.joint_attention == "fused":
             head_dim = self.kv_channels
             _require(head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and head_dim <= FLASH_MAX_HEAD_DIM,

@@ -53,7 +53,7 @@ def reference_config(cfg: ModelConfig) -> ReferenceConfig:
         vocab_size=cfg.vocab_size, encoder_layers=cfg.num_encoder_layers,
         iterations=cfg.iterations, block=cfg.block, qk_norm=cfg.qk_norm, injection=cfg.injection,
         local_kv=cfg.local_kv, global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base, norm_eps=cfg.norm_eps,
-        tie_embeddings=cfg.tie_embeddings, **moe_reference_fields(cfg),
+        tie_embeddings=cfg.tie_embeddings, kv_channels=cfg.kv_channels, **moe_reference_fields(cfg),
     )
 
 

@@ -34,6 +34,7 @@ class ReferenceConfig:
     decoder_ffn_hidden_size: int = 344
     num_attention_heads: int = 4
     num_query_groups: int = 4
+    kv_channels: int = 0  # head dim; 0: hidden_size // num_attention_heads
     vocab_size: int = 32128
     encoder_layers: int = 2
     iterations: int = 3
@@ -58,7 +59,7 @@ class ReferenceConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 def causal_attention(q, k, v, scale):

@@ -43,7 +43,7 @@ LATENT_VARIANTS = {
                                     latent_visits=[1, 2]),
     "latentloop_moe_untied_v3": dict(arch="latentloop", iterations=3, untie_attention=True,
                                      untie_moe=True, latent_visits=[2], residual_scale="fixed",
-                                     residual_scale_init=[0.25, 1.0, 0.5], **MOE),
+                                     residual_scale_init=[0.25, 1.0, 0.5], head_dim=20, **MOE),
     "latentloop_moe_topk": dict(arch="latentloop", iterations=2, num_experts=8, moe_top_k=4,
                                 moe_ffn_hidden_size=16, latent_reduction="top_k"),
     "moe_loop": dict(arch="latentloop", iterations=2, latent_visits=[], residual_scale="fixed",
