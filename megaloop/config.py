@@ -205,14 +205,15 @@ class ModelConfig:
         _require(self.num_attention_heads % self.num_query_groups == 0, prefix,
                  "num_query_groups", self.num_query_groups,
                  f"a divisor of num_attention_heads={self.num_attention_heads}")
-        _require(self.kv_channels % 2 == 0, prefix, "head_dim" if self.head_dim else "hidden_size",
-                 self.head_dim or self.hidden_size, "such that the head dim is even (RoPE "
-                 "rotates pairs)")
+        # The field that sets the head dim, to name in errors.
+        head_field = ("head_dim", self.head_dim) if self.head_dim else ("hidden_size",
+                                                                         self.hidden_size)
+        _require(self.kv_channels % 2 == 0, prefix, *head_field,
+                 "such that the head dim is even (RoPE rotates pairs)")
         if self.decoder_attention == "joint" and self.joint_attention == "fused":
             head_dim = self.kv_channels
             _require(head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and head_dim <= FLASH_MAX_HEAD_DIM,
-                     prefix, "hidden_size", self.hidden_size,
-                     f"such that the head dim (here {head_dim}) is a multiple of "
+                     prefix, *head_field, f"such that the head dim (here {head_dim}) is a multiple of "
                      f"{FLASH_HEAD_DIM_MULTIPLE} and at most {FLASH_MAX_HEAD_DIM}, the limits of "
                      "the CUDA flash kernel behind joint_attention=fused (or use "
                      "joint_attention=masked)")

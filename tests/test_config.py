@@ -215,9 +215,9 @@ def test_delayed_fp8_with_full_recompute_of_a_looped_block_is_refused(arch, iter
 
 
 def test_head_dim_may_differ_from_hidden_over_heads_and_must_be_even():
-    cfg = ModelConfig(hidden_size=130, num_attention_heads=4, head_dim=34).resolve()
+    cfg = ModelConfig(hidden_size=130, num_attention_heads=4, head_dim=40).resolve()
     cfg.validate()
-    assert cfg.kv_channels == 34
+    assert cfg.kv_channels == 40
     with pytest.raises(ConfigError, match=r"model.head_dim=33: must be such that the head dim is "
                                           r"even"):
         ModelConfig(head_dim=33).validate()
