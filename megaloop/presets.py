@@ -1,7 +1,9 @@
-"""Model presets: the LLaMA-family sizes of He et al. (seq 1024, vocab 32128), OLMo-style and 7B.
+"""Model presets: the LLaMA-family sizes of He et al. (seq 1024, vocab 32128), OLMo-style and 7B,
+and the LatentLoop family (MoE base / MoE Loop / LatentLoop at 1.3B, 3B, 7B, matched budgets).
 
-A preset fixes the *size*; the architecture (``arch``, ``iterations``, ablation switches) is chosen on
-top, e.g. ``preset("135M", arch="fullloop", iterations=2)``. Parameter counts are printed by
+A size preset fixes the *size*; the architecture (``arch``, ``iterations``, ablation switches) is
+chosen on top, e.g. ``preset("135M", arch="fullloop", iterations=2)``. The LatentLoop family's
+presets (``ARCH_BOUND``) fix the architecture too, since their widths are matched to it. Parameter counts are printed by
 ``tools/flops.py`` so that differences such as the 60M FFN (1512 here, 2048 in the paper's
 Appendix E) stay visible.
 """
@@ -34,6 +36,57 @@ PRESETS: dict[str, ModelConfig] = {
 for _name in ("60M", "135M", "350M", "1B"):
     PRESETS[_name] = dataclasses.replace(PRESETS[_name], vocab_size=PAPER_VOCAB, seq_length=PAPER_SEQ)
 PRESETS["olmo"] = dataclasses.replace(PRESETS["olmo"], seq_length=PAPER_SEQ)
+
+# LatentLoop family (seed paper 001): fine-grained MoE (top-8) at the paper's tiers, seq 2048. The
+# paper's text gives no layer counts or widths beyond the 3B LatentLoop's d=1296, d_h=140, E=75, so
+# the MoE Loop baselines (prelude 2 | middle x 2 visits | coda 2) are megaloop's sizing for ~1.3B, 3B
+# and 7B total parameters; tools/match_budget.py derives the LatentLoop and MoE base widths that
+# match each within 1% on parameters, KV cache and FLOPs, written below (tests hold them to it).
+LATENTLOOP_SEQ = 2048
+
+
+def _moe_loop(layers: int, middle: int, hidden: int, heads: int, experts: int,
+              expert_size: int, **fields) -> ModelConfig:
+    edge = (layers - middle) // 2
+    fields = {**dict(vocab_size=PAPER_VOCAB, seq_length=LATENTLOOP_SEQ, moe_top_k=8), **fields}
+    return ModelConfig(arch="latentloop", iterations=2, num_layers=layers, prelude_layers=edge,
+                       coda_layers=edge, latent_visits=[], residual_scale="fixed",
+                       hidden_size=hidden, num_attention_heads=heads,
+                       ffn_hidden_size=expert_size * fields["moe_top_k"], num_experts=experts,
+                       moe_ffn_hidden_size=expert_size, **fields)
+
+
+LATENTLOOP_TIERS: dict[str, ModelConfig] = {
+    "1.3B": _moe_loop(10, 6, 1024, 8, 76, 512),
+    "3B": _moe_loop(12, 8, 1280, 10, 80, 768),
+    "7B": _moe_loop(14, 10, 2048, 16, 76, 1024),
+}
+# (hidden size, head dim, experts) from tools/match_budget.py, per tier.
+_MATCHED = {
+    "latentloop": {"1.3B": (1200, 158, 63), "3B": (1536, 160, 65), "7B": (2448, 162, 62)},
+    "moe-base": {"1.3B": (1024, 128, 47), "3B": (1280, 128, 47), "7B": (2048, 128, 43)},
+}
+for _tier, _loop in LATENTLOOP_TIERS.items():
+    PRESETS[f"moe-loop-{_tier}"] = _loop
+    _d, _dh, _e = _MATCHED["latentloop"][_tier]
+    PRESETS[f"latentloop-{_tier}"] = dataclasses.replace(
+        _loop, latent_visits=[1], residual_scale="learned", hidden_size=_d, head_dim=_dh,
+        num_experts=_e)
+    _d, _dh, _e = _MATCHED["moe-base"][_tier]
+    PRESETS[f"moe-base-{_tier}"] = ModelConfig(
+        arch="dense", iterations=1, num_layers=_loop.num_layers + _loop.num_decoder_layers,
+        hidden_size=_d, head_dim=_dh, num_experts=_e, num_attention_heads=_loop.num_attention_heads,
+        ffn_hidden_size=_loop.ffn_hidden_size, moe_top_k=_loop.moe_top_k,
+        moe_ffn_hidden_size=_loop.moe_ffn_hidden_size, vocab_size=_loop.vocab_size,
+        seq_length=_loop.seq_length)
+# CPU-sized LatentLoop for tests, debugging and benchmarks.
+PRESETS["latentloop-tiny"] = _moe_loop(4, 2, 128, 4, 8, 64, moe_top_k=2, vocab_size=4096,
+                                       seq_length=128)
+PRESETS["latentloop-tiny"] = dataclasses.replace(PRESETS["latentloop-tiny"], latent_visits=[1],
+                                                 residual_scale="learned")
+# Presets whose architecture is part of the preset (the others fix only a size).
+ARCH_BOUND = tuple(name for name in PRESETS if name.split("-")[0] in ("moe", "latentloop"))
+
 
 def preset(name: str, **overrides) -> ModelConfig:
     """A resolved copy of preset ``name`` with field overrides, e.g. ``arch="fullloop"``; the

@@ -137,6 +137,34 @@ def kv_cache_per_token(cfg: ModelConfig) -> Fraction:
     return 2 * g * (cached + (cfg.num_decoder_layers if cfg.uses_global_kv else 0))
 
 
+def moe_layer_copies(cfg: ModelConfig) -> int:
+    """Physical MoE layers (each with its own experts): a layer shared by K applications once."""
+    cfg = cfg.resolve()
+    if not cfg.uses_moe:
+        return 0
+    copies = cfg.num_encoder_layers if cfg.moe_in("encoder") else 0
+    looped = cfg.num_decoder_layers if cfg.moe_in("decoder") else 0
+    if cfg.arch == "latentloop":
+        looped *= cfg.iterations if cfg.untie_moe else 1
+    return copies + looped + cfg.num_coda_layers
+
+
+def active_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters a token's forward pass uses: all but the experts its router does not pick."""
+    cfg = cfg.resolve()
+    unused = moe_layer_copies(cfg) * (cfg.num_experts - cfg.moe_top_k) * 3 * cfg.hidden_size \
+        * (cfg.moe_ffn_hidden_size or 0)
+    return parameter_count(cfg) - unused
+
+
+def budget(cfg: ModelConfig) -> dict[str, float]:
+    """What budget-matched comparisons hold equal (LatentLoop paper): parameters, KV cache per
+    token, and training FLOPs per token (x tokens per step = FLOPs per step; x steps = total)."""
+    return {"parameters": parameter_count(cfg), "active_parameters": active_parameter_count(cfg),
+            "kv_cache_per_token": float(kv_cache_per_token(cfg)),
+            "train_flops_per_token": model_flops_per_token(cfg)}
+
+
 def register_cpu_flash_flop_formulas() -> None:
     """Teaches torch's FlopCounterMode the CPU flash-attention kernels (it knows only the CUDA ones).
 

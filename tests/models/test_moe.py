@@ -163,3 +163,16 @@ def test_bad_moe_configurations_are_one_line_errors(fields, parallel, message):
         cfg.validate()
         ParallelConfig(**parallel).validate(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_active_parameters_are_what_one_token_touches(seeded):
+    """One token's forward and backward reach exactly the analytical active parameters (router,
+    its top-k experts, shared expert and the dense weights)."""
+    from megaloop.models.flops import active_parameter_count, parameter_count
+
+    cfg = small_config("dense_moe_shared", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    model = build_model(cfg)
+    token = _tokens(cfg)[:1, :1]
+    model(token, labels=token).sum().backward()
+    touched = sum(p.numel() for p in model.parameters() if p.grad is not None and p.grad.any())
+    assert touched == active_parameter_count(cfg) < parameter_count(cfg)

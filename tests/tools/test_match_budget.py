@@ -1,0 +1,37 @@
+"""tools/match_budget.py: the LatentLoop family presets are matched to their MoE Loop baseline
+within 1% on parameters, KV cache per token and training FLOPs per token, and the search finds them."""
+
+import pytest
+
+from megaloop.config import ConfigError
+from megaloop.models.flops import budget
+from megaloop.presets import LATENTLOOP_TIERS, preset
+
+
+@pytest.mark.parametrize("tier", list(LATENTLOOP_TIERS))
+@pytest.mark.parametrize("family", ["latentloop", "moe-base"])
+def test_family_presets_match_the_moe_loop_budget_within_one_percent(tier, family):
+    reference, matched = budget(preset(f"moe-loop-{tier}")), budget(preset(f"{family}-{tier}"))
+    for key in ("parameters", "kv_cache_per_token", "train_flops_per_token"):
+        assert abs(matched[key] / reference[key] - 1) < 0.01, key
+    assert preset(f"{family}-{tier}").moe_top_k == 8
+
+
+def test_search_reproduces_the_stored_latentloop_widths(load_tool):
+    tool = load_tool("match_budget")
+    reference = preset("moe-loop-1.3B")
+    found, errors = tool.match(reference, tool.target_structure(reference, "latentloop"))
+    stored = preset("latentloop-1.3B")
+    assert (found.hidden_size, found.head_dim, found.num_experts) == \
+        (stored.hidden_size, stored.head_dim, stored.num_experts)
+    assert max(abs(e) for e in errors.values()) < 0.01
+    # The compressed visit saved FLOPs and KV cache: LatentLoop is wider, with larger heads.
+    assert found.hidden_size > reference.hidden_size and found.head_dim > reference.kv_channels
+
+
+def test_an_unreachable_tolerance_is_a_one_line_error(load_tool):
+    tool = load_tool("match_budget")
+    reference = preset("moe-loop-1.3B")
+    with pytest.raises(ConfigError, match=r"no width within 1e-06 \(relative\)"):
+        tool.match(reference, tool.target_structure(reference, "latentloop"), width_step=256,
+                   tolerance=1e-6)

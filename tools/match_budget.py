@@ -1,0 +1,143 @@
+"""Budget-matched widths for LatentLoop and its baselines (the LatentLoop paper's comparison).
+
+    python tools/match_budget.py                     # every tier: MoE base / MoE Loop / LatentLoop
+    python tools/match_budget.py --tier 3B --json
+    python tools/match_budget.py --tier 3B --reference moe-loop-3B --target latentloop
+
+The MoE Loop preset of a tier is the reference. For a target structure (LatentLoop: the same
+prelude / middle x 2 visits / coda with visit 1 compressed; MoE base: as many unique layers as the
+loop has layer applications), the tool searches hidden size d (multiples of --width-step), head dim
+d_h (even) and expert count E so that parameters, KV cache per token and training FLOPs per token
+all lie within --tolerance of the reference's. With the same batch and steps, FLOPs per step and
+total FLOPs differ exactly as FLOPs per token do; the table prints all four. KV cache depends on d_h
+alone, FLOPs mostly on d, parameters on E: d_h is fitted first, then (d, E) jointly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from megaloop.config import ConfigError, ModelConfig
+from megaloop.models.flops import budget
+from megaloop.presets import LATENTLOOP_TIERS, preset
+
+BUDGET_KEYS = ("parameters", "kv_cache_per_token", "train_flops_per_token")
+
+
+def relative_errors(cfg: ModelConfig, reference: dict) -> dict[str, float]:
+    got = budget(cfg)
+    return {key: got[key] / reference[key] - 1 for key in BUDGET_KEYS}
+
+
+def target_structure(reference: ModelConfig, target: str) -> ModelConfig:
+    """The reference's layer structure as ``target``: "latentloop" (visit 1 compressed, learned
+    residual scales) or "moe_base" (no loop: one unique layer per layer application)."""
+    if target == "latentloop":
+        return dataclasses.replace(reference, latent_visits=[1], residual_scale="learned")
+    if target == "moe_base":
+        return ModelConfig(**{
+            **{f.name: getattr(reference, f.name) for f in dataclasses.fields(ModelConfig)
+               if f.name in ("hidden_size", "ffn_hidden_size", "num_attention_heads",
+                             "num_query_groups", "head_dim", "vocab_size", "seq_length",
+                             "num_experts", "moe_top_k", "moe_ffn_hidden_size",
+                             "moe_shared_expert_size")},
+            "arch": "dense", "iterations": 1, "num_layers": reference.effective_depth})
+    raise ConfigError(f"--target={target!r}: must be latentloop or moe_base")
+
+
+def match(reference: ModelConfig, template: ModelConfig, width_step: int = 16,
+          tolerance: float = 0.01) -> tuple[ModelConfig, dict[str, float]]:
+    """The (d, d_h, E) of ``template`` whose budget is closest to ``reference``'s (largest of the
+    three relative errors); raises ConfigError if that is above ``tolerance``."""
+    target = budget(reference)
+    head = reference.resolve().kv_channels
+    head_dims = range(max(2, head // 2 // 2 * 2), 2 * head + 1, 2)
+    kv_error = {h: abs(relative_errors(dataclasses.replace(template, head_dim=h), target)
+                       ["kv_cache_per_token"]) for h in head_dims}
+    head_dim = min(kv_error, key=kv_error.get)
+    best, best_error = None, float("inf")
+    d0 = reference.hidden_size
+    for d in range(d0 * 3 // 4 // width_step * width_step, d0 * 3 // 2 + 1, width_step):
+        for experts in range(reference.moe_top_k, 3 * reference.num_experts + 1):
+            cfg = dataclasses.replace(template, hidden_size=d, head_dim=head_dim,
+                                      num_experts=experts)
+            error = max(abs(e) for e in relative_errors(cfg, target).values())
+            if error < best_error:
+                best, best_error = cfg, error
+    if best_error > tolerance:
+        raise ConfigError(f"no width within {tolerance:.2g} (relative) of the reference budget "
+                          f"(closest: {best_error:.2%}); widen the search (--width-step)")
+    best.validate()
+    return best, relative_errors(best, target)
+
+
+def table_rows(models: dict[str, ModelConfig], tokens_per_step: int, steps: int) -> list[dict]:
+    reference = budget(models["moe_loop"])
+    rows = []
+    for name, cfg in models.items():
+        got = budget(cfg)
+        cfg = cfg.resolve()
+        flops_step = got["train_flops_per_token"] * tokens_per_step
+        rows.append({
+            "model": name, "arch": cfg.arch, "layers": cfg.num_layers,
+            "effective_depth": cfg.effective_depth, "hidden_size": cfg.hidden_size,
+            "head_dim": cfg.kv_channels, "experts": cfg.num_experts, **got,
+            "flops_per_step": flops_step, "total_flops": flops_step * steps,
+            **{f"{key}_vs_moe_loop_pct": 100 * (got[key] / reference[key] - 1)
+               for key in BUDGET_KEYS},
+        })
+    return rows
+
+
+def print_table(tier: str, rows: list[dict]) -> None:
+    print(f"tier {tier}")
+    header = (f"{'model':>11} {'L':>3} {'J':>3} {'d':>5} {'d_h':>4} {'E':>4} | {'params':>8} "
+              f"{'active':>8} {'KV/token':>9} {'TFLOP/step':>11} {'total EFLOP':>11} | "
+              f"{'params':>7} {'KV':>7} {'FLOPs':>7}  (vs MoE Loop)")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['model']:>11} {r['layers']:>3} {r['effective_depth']:>3} {r['hidden_size']:>5} "
+              f"{r['head_dim']:>4} {r['experts']:>4} | {r['parameters'] / 1e9:>7.3f}B "
+              f"{r['active_parameters'] / 1e9:>7.3f}B {r['kv_cache_per_token']:>9.0f} "
+              f"{r['flops_per_step'] / 1e12:>11.1f} {r['total_flops'] / 1e18:>11.1f} | "
+              + " ".join(f"{r[f'{k}_vs_moe_loop_pct']:>+6.2f}%" for k in BUDGET_KEYS))
+    print()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tier", choices=list(LATENTLOOP_TIERS), action="append",
+                        help="tier(s) to match (default: all)")
+    parser.add_argument("--width-step", type=int, default=16, help="hidden size granularity")
+    parser.add_argument("--tolerance", type=float, default=0.01)
+    parser.add_argument("--tokens-per-step", type=int, default=1024 * 2048)
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    out = []
+    try:
+        for tier in args.tier or list(LATENTLOOP_TIERS):
+            reference = preset(f"moe-loop-{tier}")
+            models = {"moe_base": match(reference, target_structure(reference, "moe_base"),
+                                        args.width_step, args.tolerance)[0],
+                      "moe_loop": reference,
+                      "latentloop": match(reference, target_structure(reference, "latentloop"),
+                                          args.width_step, args.tolerance)[0]}
+            rows = table_rows(models, args.tokens_per_step, args.steps)
+            out.append({"tier": tier, "rows": rows})
+            if not args.json:
+                print_table(tier, rows)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
