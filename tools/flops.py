@@ -1,12 +1,15 @@
 """Parameter counts and analytical forward FLOPs per position for every preset.
 
-    python tools/flops.py                 # table: Dense / Full Loop / AsymLoop at matched depth
+    python tools/flops.py                 # tables: Dense / Full Loop / AsymLoop at matched depth,
+                                          # and the LatentLoop family (MoE base / Loop / LatentLoop)
     python tools/flops.py --json          # the same as JSON
     python tools/flops.py --measure       # cross-check against torch's FlopCounterMode on CPU
 
-The table uses the paper's method (Appendix D: N = 1024, V = 32128, matmul FLOPs, full N x N
-attention). At effective depth J = (K + 1) / 2 * L, AsymLoop K is compared with Full Loop R = J / L and
-with a Dense model of J physical layers.
+The tables use the paper's method (Appendix D: matmul FLOPs, full N x N attention) with each
+preset's own sequence length N and vocabulary V (the He et al. sizes have the paper's N = 1024,
+V = 32128). At effective depth J = (K + 1) / 2 * L, AsymLoop K is compared with Full Loop R = J / L
+and with a Dense model of J physical layers. MoE layers count their active parameters; a LatentLoop
+visit compressed k times costs 1/k of a full visit's projections and experts and 1/k^2 of its scores.
 """
 
 from __future__ import annotations
@@ -17,19 +20,19 @@ import json
 import sys
 
 from megaloop.config import ConfigError, ModelConfig
-from megaloop.models.flops import executed_backward_flops, forward_flops, parameter_count
-from megaloop.presets import PAPER_SEQ, PAPER_VOCAB, PRESETS, preset
+from megaloop.models.flops import (active_parameter_count, executed_backward_flops, forward_flops,
+                                   kv_cache_per_token, parameter_count)
+from megaloop.presets import ARCH_BOUND, LATENTLOOP_TIERS, PRESETS, preset
 
 
 def matched_depth_rows(name: str, asym_iterations: int = 3) -> dict:
     """Dense, Full Loop and AsymLoop of preset ``name`` at effective depth J = (K+1)/2 * L."""
-    paper = dict(seq_length=PAPER_SEQ, vocab_size=PAPER_VOCAB)
-    base = preset(name, **paper)
+    base = preset(name)
     repeats = (asym_iterations + 1) // 2
     models = {
-        "dense": preset(name, arch="dense", num_layers=repeats * base.num_layers, **paper),
-        "fullloop": preset(name, arch="fullloop", iterations=repeats, **paper),
-        "asymloop": preset(name, arch="asymloop", iterations=asym_iterations, **paper),
+        "dense": preset(name, arch="dense", num_layers=repeats * base.num_layers),
+        "fullloop": preset(name, arch="fullloop", iterations=repeats),
+        "asymloop": preset(name, arch="asymloop", iterations=asym_iterations),
     }
     row = {"preset": name, "effective_depth": models["asymloop"].effective_depth}
     for arch, cfg in models.items():
@@ -51,6 +54,38 @@ def print_table(rows: list[dict]) -> None:
               f"{r['dense_gflops_per_token']:>17.3f} {r['fullloop_gflops_per_token']:>9.3f} "
               f"{r['asymloop_gflops_per_token']:>9.3f} | "
               f"{r['asymloop_overhead_vs_fullloop_pct']:>+11.2f}%")
+
+
+def latentloop_rows(tier: str) -> list[dict]:
+    """MoE base, MoE Loop and LatentLoop of a tier: parameters, active parameters, KV cache and
+    forward FLOPs per token, and the FLOPs of each visit of the middle block."""
+    rows = []
+    for family in ("moe-base", "moe-loop", "latentloop"):
+        cfg = preset(f"{family}-{tier}")
+        full = forward_flops(dataclasses.replace(cfg, latent_visits=[])) \
+            if cfg.arch == "latentloop" else None
+        fwd = forward_flops(cfg)
+        rows.append({
+            "preset": f"{family}-{tier}", "params": parameter_count(cfg),
+            "active_params": active_parameter_count(cfg),
+            "kv_cache_per_token": float(kv_cache_per_token(cfg)),
+            "gflops_per_token": float(fwd.total) / 1e9,
+            # what compressing visit 1 saves, against the same model with every visit full
+            "compression_saving_pct": (100 * float(1 - fwd.total / full.total)
+                                       if full is not None else 0.0),
+        })
+    return rows
+
+
+def print_latentloop_table(rows: list[dict]) -> None:
+    header = (f"{'preset':>16} | {'params':>8} {'active':>8} | {'KV/token':>9} | "
+              f"{'GFLOP/token':>11} | {'saved by compressing visit 1':>28}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['preset']:>16} | {r['params'] / 1e9:>7.3f}B {r['active_params'] / 1e9:>7.3f}B | "
+              f"{r['kv_cache_per_token']:>9.0f} | {r['gflops_per_token']:>11.3f} | "
+              f"{r['compression_saving_pct']:>27.2f}%")
 
 
 def measure(cfg: ModelConfig, batch: int = 2) -> list[dict]:
@@ -99,23 +134,34 @@ def main(argv=None) -> int:
             raise ConfigError(f"--iterations={args.iterations}: must be odd and >= 1 so that "
                               "J = (K + 1) / 2 * L is a whole number of Full Loop repeats")
         if args.measure:
-            small = preset("tiny", arch="asymloop", iterations=args.iterations, seq_length=64,
-                           vocab_size=512)
-            results = {"config": dataclasses.asdict(small), "measured": measure(small)}
+            small = dict(seq_length=64, vocab_size=512)
+            configs = {
+                "asymloop": preset("tiny", arch="asymloop", iterations=args.iterations, **small),
+                "asymloop_moe": preset("tiny", arch="asymloop", iterations=args.iterations,
+                                       num_experts=4, moe_top_k=2, **small),
+                "latentloop": preset("latentloop-tiny", **small),
+            }
+            results = [{"model": name, "config": dataclasses.asdict(cfg), "measured": measure(cfg)}
+                       for name, cfg in configs.items()]
             print(json.dumps(results, indent=2))
-            worst = max(abs(r["rel_diff_pct"]) for r in results["measured"])
+            worst = max(abs(r["rel_diff_pct"]) for result in results for r in result["measured"])
             return 0 if worst < 1.0 else 1
-        rows = [matched_depth_rows(n, args.iterations) for n in PRESETS if n != "tiny"]
+        rows = [matched_depth_rows(n, args.iterations) for n in PRESETS
+                if n != "tiny" and n not in ARCH_BOUND]
+        latent = [row for tier in LATENTLOOP_TIERS for row in latentloop_rows(tier)]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"matched_depth": rows, "latentloop": latent}, indent=2))
     else:
         print_table(rows)
         print("\nParameters exclude nothing (embeddings, head and norms included). Analytical "
-              "matmul FLOPs,\nN=1024, V=32128, full NxN attention (paper Appendix D). "
-              "The paper reports +9.38% to +15.23%.")
+              "matmul FLOPs,\neach preset's N and V, full NxN attention (paper Appendix D). "
+              "The paper reports +9.38% to +15.23%.\n")
+        print_latentloop_table(latent)
+        print("\nMoE: active = parameters a token's forward uses. Budgets matched by "
+              "tools/match_budget.py.")
     return 0
 
 

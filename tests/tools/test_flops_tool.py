@@ -1,0 +1,21 @@
+"""tools/flops.py: every preset is counted with its own vocabulary and sequence length, and the
+LatentLoop family table shows what the compressed visit saves."""
+
+from megaloop.models.flops import parameter_count
+from megaloop.presets import preset
+
+
+def test_rows_use_each_presets_own_vocabulary(load_tool):
+    rows = load_tool("flops").matched_depth_rows("olmo")
+    dense = preset("olmo", arch="dense", num_layers=2 * preset("olmo").num_layers)
+    assert dense.vocab_size == 49152
+    assert rows["dense_params"] == parameter_count(dense)
+
+
+def test_latentloop_rows_show_the_compression_saving_at_matched_budgets(load_tool):
+    rows = {r["preset"]: r for r in load_tool("flops").latentloop_rows("3B")}
+    assert rows["moe-loop-3B"]["compression_saving_pct"] == 0.0
+    assert 10 < rows["latentloop-3B"]["compression_saving_pct"] < 50
+    assert rows["latentloop-3B"]["active_params"] < rows["latentloop-3B"]["params"]
+    assert abs(rows["latentloop-3B"]["gflops_per_token"] / rows["moe-loop-3B"]["gflops_per_token"]
+               - 1) < 0.01
