@@ -116,6 +116,7 @@ def measure(cfg: ModelConfig, batch: int = 2) -> list[dict]:
         expected_bwd = executed_backward_flops(cfg, recompute)
         for phase, counted, analytical in (("forward", counted_fwd, fwd),
                                            ("backward", counted_bwd, expected_bwd)):
+            analytical = float(analytical)
             results.append(dict(phase=phase, recompute=recompute, counted=counted,
                                 analytical=analytical,
                                 rel_diff_pct=100 * (counted - analytical) / analytical))
