@@ -1,0 +1,84 @@
+"""tools/fit_scaling.py: power-law fits of validation NLL against training compute, the compute each
+architecture needs for a target NLL and its saving against a baseline, from run directories."""
+
+import json
+
+import pytest
+
+from megaloop.config import RunConfig, TrainConfig, save_yaml
+from megaloop.models.flops import model_flops_per_token
+from megaloop.presets import preset
+
+# Ground truth L(C) = E + A C^-alpha per architecture (LatentLoop reaches a loss with less compute).
+TRUTH = {"moe_base": (1.8, 40.0, 0.12), "latentloop": (1.8, 38.0, 0.12)}
+MODELS = {"moe_base": ("tiny", dict(arch="dense", num_experts=8, moe_top_k=2)),
+          "latentloop": ("latentloop-tiny", {})}
+
+
+def _write_run(path, label, steps):
+    name, fields = MODELS[label]
+    cfg = RunConfig(model=preset(name, **fields),
+                    train=TrainConfig(global_batch_size=8))
+    path.mkdir(parents=True)
+    save_yaml(cfg, path / "config.yaml")
+    per_step = model_flops_per_token(cfg.model) * 8 * cfg.model.seq_length
+    e, a, alpha = TRUTH[label]
+    with open(path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"kind": "train", "step": 1, "loss": 9.0}) + "\n")
+        for step in (steps // 2, steps):
+            loss = e + a * (per_step * step) ** -alpha
+            f.write(json.dumps({"kind": "eval", "step": step, "val_loss": loss}) + "\n")
+    return per_step
+
+
+@pytest.fixture
+def runs(tmp_path):
+    paths = []
+    for label in TRUTH:
+        for steps in (1_000, 4_000, 16_000, 64_000, 256_000):
+            run = tmp_path / f"{label}_{steps}"
+            _write_run(run, label, steps)
+            paths.append(str(run))
+    return paths
+
+
+def test_fit_recovers_the_power_law_and_the_saving(load_tool, runs, tmp_path):
+    tool = load_tool("fit_scaling")
+    target = 2.2
+    result = tool.analyse(runs, target=target, baseline="moe_base", all_evals=False)
+    fits = result["fits"]
+    assert sorted(fits) == ["latentloop", "moe_base"], "labels come from the run configs"
+    for label, (e, a, alpha) in TRUTH.items():
+        assert fits[label]["irreducible"] == pytest.approx(e, abs=0.01)
+        assert fits[label]["exponent"] == pytest.approx(alpha, rel=0.05)
+    needed = {label: (a / (target - e)) ** (1 / alpha) for label, (e, a, alpha) in TRUTH.items()}
+    saving = 100 * (1 - needed["latentloop"] / needed["moe_base"])
+    assert fits["latentloop"]["saving_vs_baseline_pct"] == pytest.approx(saving, abs=1.0)
+    assert fits["moe_base"]["saving_vs_baseline_pct"] == 0.0
+    plot = tmp_path / "fit.png"
+    assert tool.main(runs + ["--target", "2.2", "--baseline", "moe_base", "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 0
+
+
+def test_labels_can_be_given_and_a_target_below_the_floor_is_unreachable(load_tool, runs):
+    tool = load_tool("fit_scaling")
+    labelled = [f"x={run}" for run in runs if "latentloop" in run]
+    fits = tool.analyse(labelled, target=1.5, baseline=None, all_evals=True)["fits"]
+    assert list(fits) == ["x"] and fits["x"]["compute_for_target"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{missing}"], "no config.yaml (not a megaloop run directory)"),
+    (["{one}"], "label 'latentloop': 1 distinct compute values"),
+    (["{runs}", "--target", "2", "--baseline", "moe"], "--baseline='moe': no such label"),
+    (["{runs}", "--baseline", "moe_base"], "--baseline needs --target"),
+])
+def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, args, message):
+    tool = load_tool("fit_scaling")
+    values = {"missing": str(tmp_path / "nope"), "one": runs[-1]}
+    argv = []
+    for arg in args:
+        argv += runs if arg == "{runs}" else [arg.format(**values)]
+    assert tool.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

@@ -1,0 +1,191 @@
+"""Compute scaling fits: validation NLL against training compute, per architecture.
+
+    python tools/fit_scaling.py runs/moe_base_* runs/latentloop_* --target 1.988 \\
+        --baseline moe_base --plot scaling.png
+    python tools/fit_scaling.py base=runs/a base=runs/b latent=runs/c ... --json
+
+Each RUN is a training output directory (``config.yaml`` and ``metrics.jsonl``), optionally prefixed
+``LABEL=``; without a label the architecture names it (dense/fullloop/asymloop, "_moe" with experts;
+LatentLoop without compressed visits is "moe_loop"). A run contributes its last validation loss
+(``--all-evals``: every evaluation) at the compute spent until then:
+    C = training FLOPs per token (3 x forward, megaloop.models.flops) x global batch x seq x step.
+Per label the tool fits L(C) = E + A * C^(-alpha) (E: irreducible loss; for each E on a grid the
+power law is a straight line in log-log space, so the fit is a least-squares line plus a 1-D search),
+reports the compute each label needs to reach ``--target`` and its saving against ``--baseline``
+(the LatentLoop paper: 19.0% less than MoE base at NLL 1.988), and plots points and fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from megaloop.config import ConfigError, RunConfig, load_yaml
+from megaloop.models.flops import model_flops_per_token
+from megaloop.training.monitor import read_metrics
+
+MIN_POINTS = 3  # three parameters
+
+
+class Fit(NamedTuple):
+    irreducible: float  # E
+    scale: float  # A
+    exponent: float  # alpha
+    rms_residual: float
+
+    def loss(self, compute):
+        return self.irreducible + self.scale * np.asarray(compute, dtype=float) ** -self.exponent
+
+    def compute_for(self, loss: float) -> float:
+        """Compute at which the fit reaches ``loss``; inf if it never does."""
+        if loss <= self.irreducible:
+            return math.inf
+        return (self.scale / (loss - self.irreducible)) ** (1 / self.exponent)
+
+
+def label_of(cfg: RunConfig) -> str:
+    model = cfg.model
+    if model.arch == "latentloop":
+        compressed = model.latent_visits and model.latent_reduction == "sequence"
+        return "latentloop" if compressed else "moe_loop"
+    if model.arch == "dense" and model.num_experts:
+        return "moe_base"
+    return model.arch + ("_moe" if model.num_experts else "")
+
+
+def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, float]]]:
+    """(label from the config, [(compute, validation loss)]) of one run directory."""
+    config, metrics = path / "config.yaml", path / "metrics.jsonl"
+    for needed in (config, metrics):
+        if not needed.is_file():
+            raise ConfigError(f"{path}: no {needed.name} (not a megaloop run directory)")
+    cfg = load_yaml(config)
+    per_step = (model_flops_per_token(cfg.model) * cfg.train.global_batch_size
+                * cfg.model.seq_length)
+    records, _ = read_metrics(metrics)
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]
+    if not evals:
+        raise ConfigError(f"{metrics}: no evaluation with a val_loss")
+    evals = evals if all_evals else evals[-1:]
+    return label_of(cfg), [(per_step * r["step"], float(r["val_loss"])) for r in evals]
+
+
+def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
+    compute = np.array([c for c, _ in points], dtype=float)
+    loss = np.array([nll for _, nll in points], dtype=float)
+    if len(points) < MIN_POINTS or len(set(compute)) < MIN_POINTS:
+        raise ConfigError(f"{len(set(compute))} distinct compute values: a fit of E + A C^-alpha "
+                          f"needs at least {MIN_POINTS}")
+    log_c = np.log(compute)
+    best = None
+    for irreducible in np.linspace(0.0, loss.min(), grid, endpoint=False):
+        slope, intercept = np.polyfit(log_c, np.log(loss - irreducible), 1)
+        if slope >= 0:  # not a decreasing power law
+            continue
+        fit = Fit(float(irreducible), float(np.exp(intercept)), float(-slope), 0.0)
+        rms = float(np.sqrt(np.mean((fit.loss(compute) - loss) ** 2)))
+        if best is None or rms < best.rms_residual:
+            best = Fit(fit.irreducible, fit.scale, fit.exponent, rms)
+    if best is None:
+        raise ConfigError("validation loss does not fall with compute: no power law to fit")
+    return best
+
+
+def analyse(runs: list[str], target: float | None, baseline: str | None,
+            all_evals: bool) -> dict:
+    points: dict[str, list[tuple[float, float]]] = {}
+    for run in runs:
+        label, _, path = run.rpartition("=")
+        found, run_pts = run_points(Path(path), all_evals)
+        points.setdefault(label or found, []).extend(run_pts)
+    if baseline is not None and baseline not in points:
+        raise ConfigError(f"--baseline={baseline!r}: no such label (labels: "
+                          f"{', '.join(sorted(points))})")
+    fits = {}
+    for label, pts in points.items():
+        try:
+            fits[label] = fit_power_law(pts)
+        except ConfigError as e:
+            raise ConfigError(f"label {label!r}: {e}") from None
+    out = {"fits": {}, "points": {k: sorted(v) for k, v in points.items()}}
+    for label, fit in fits.items():
+        entry = {"irreducible": fit.irreducible, "scale": fit.scale, "exponent": fit.exponent,
+                 "rms_residual": fit.rms_residual}
+        if target is not None:
+            needed = fit.compute_for(target)
+            entry["compute_for_target"] = needed if math.isfinite(needed) else None
+            if baseline is not None:
+                reference = fits[baseline].compute_for(target)
+                entry["saving_vs_baseline_pct"] = (100 * (1 - needed / reference)
+                                                   if math.isfinite(needed * reference) else None)
+        out["fits"][label] = entry
+    return out
+
+
+def plot(result: dict, path: str, target: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in result["points"].items():
+        compute = np.array([c for c, _ in pts])
+        line, = ax.plot(compute, [nll for _, nll in pts], "o", label=label)
+        fit = Fit(**{k: result["fits"][label][k] for k in ("irreducible", "scale", "exponent",
+                                                          "rms_residual")})
+        grid = np.geomspace(compute.min() / 2, compute.max() * 2, 100)
+        ax.plot(grid, fit.loss(grid), "-", color=line.get_color())
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle=":", label=f"target {target}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute (FLOPs)")
+    ax.set_ylabel("validation NLL")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR")
+    parser.add_argument("--target", type=float, help="NLL at which to compare compute")
+    parser.add_argument("--baseline", help="label the savings are measured against")
+    parser.add_argument("--all-evals", action="store_true",
+                        help="every evaluation of a run is a point (default: its last)")
+    parser.add_argument("--plot", help="write the points and fits to this image")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.baseline is not None and args.target is None:
+            raise ConfigError("--baseline needs --target (the NLL at which compute is compared)")
+        result = analyse(args.runs, args.target, args.baseline, args.all_evals)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot(result, args.plot, args.target)
+    if args.json:
+        print(json.dumps(result["fits"], indent=2))
+        return 0
+    for label, fit in result["fits"].items():
+        line = (f"{label:>12}: L(C) = {fit['irreducible']:.4f} + {fit['scale']:.4g} * "
+                f"C^-{fit['exponent']:.4f}  (rms {fit['rms_residual']:.2g})")
+        if args.target is not None:
+            needed = fit["compute_for_target"]
+            line += f" | C({args.target}) = " + (f"{needed:.3e}" if needed else "unreachable")
+            if args.baseline is not None and fit.get("saving_vs_baseline_pct") is not None:
+                line += f" | saving vs {args.baseline}: {fit['saving_vs_baseline_pct']:+.1f}%"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
