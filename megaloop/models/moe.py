@@ -34,8 +34,8 @@ from megaloop.config import ModelConfig
 def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool, top_k: int | None = None) -> dict:
     """The MoE fields of a megatron-core TransformerConfig (empty for a dense model).
 
-    ``grouped_gemm`` (Transformer Engine on a GPU) also selects the alltoall dispatcher, which
-    needs CUDA streams; the CPU path is SequentialMLP experts behind the allgather dispatcher.
+    ``grouped_gemm`` (Transformer Engine on a GPU) selects grouped-GEMM experts; on a GPU the
+    dispatcher is alltoall (it needs CUDA streams), on CPU allgather with SequentialMLP experts.
     ``top_k`` overrides the model's top-k (LatentLoop's top-k reduced visits)."""
     if not cfg.uses_moe:
         return {}
@@ -51,7 +51,7 @@ def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool, top_k: int |
         # token is dropped, a leak across positions.
         moe_expert_capacity_factor=None,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None,
-        moe_token_dispatcher_type="alltoall" if grouped_gemm else "allgather",
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
         moe_grouped_gemm=grouped_gemm,
     )
 
