@@ -1,7 +1,7 @@
 """Forward+backward time of LatentLoop's compressed visit against a full visit of the same middle
 block, in one run, beside the analytical FLOP saving. Prints JSON.
 
-    python tools/bench/latent_visit.py [--hidden 256 --seq 2048 --experts 8 --top-k 2 --repeats 7]
+    python tools/bench/latent_visit.py [--hidden 256 --seq 2048 --experts 8 --top-k 2 --repeats 15]
 
 Both visits are the modules of one LatentLoop model sharing one middle block (MoE FFNs): visit 1
 pools k = --stride tokens per latent, runs the block on N/k latents and writes back; visit 2 runs it
@@ -45,7 +45,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--stride", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
 
     from megaloop.models.model import build_model
@@ -80,14 +80,17 @@ def main(argv=None):
             step(visit)
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) for name, t in times.items()}
+    # On a shared machine other jobs only ever add time: the fastest repeat is the least disturbed.
+    fastest = {name: min(t) for name, t in times.items()}
     flops = {"compressed": visit_flops(cfg, 1), "full": visit_flops(cfg, 2)}
     print(json.dumps({
         "config": {"hidden": args.hidden, "middle_layers": args.middle_layers,
                    "experts": args.experts, "top_k": args.top_k, "expert_ffn": args.expert_ffn,
                    "seq": args.seq, "stride": args.stride, "batch": args.batch,
                    "device": device, "dtype": str(dtype), "threads": torch.get_num_threads()},
-        "median_s": median,
-        "time_saving_pct": 100 * (1 - median["compressed"] / median["full"]),
+        "median_s": median, "min_s": fastest,
+        "time_saving_pct": {"median": 100 * (1 - median["compressed"] / median["full"]),
+                            "min": 100 * (1 - fastest["compressed"] / fastest["full"])},
         "analytical_flop_saving_pct": 100 * (1 - flops["compressed"] / flops["full"]),
         "goal_saving_pct": 40.0,
         "all_s": times,
