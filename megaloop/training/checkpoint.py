@@ -47,10 +47,11 @@ _NAME = re.compile(r"^iter_(\d{7})$")
 ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size",
                        "num_attention_heads", "num_query_groups", "vocab_size", "encoder_layers",
                        "block", "qk_norm", "injection", "local_kv", "global_kv_norm",
-                       "decoder_ffn_hidden_size", "tie_embeddings", "num_experts", "moe_layers",
-                       "moe_ffn_hidden_size", "moe_shared_expert_size", "prelude_layers",
-                       "coda_layers", "latent_visits", "latent_stride", "latent_writeback_lag",
-                       "latent_reduction", "residual_scale", "untie_attention", "untie_moe")
+                       "decoder_ffn_hidden_size", "tie_embeddings", "head_dim", "num_experts",
+                       "moe_layers", "moe_ffn_hidden_size", "moe_shared_expert_size",
+                       "prelude_layers", "coda_layers", "latent_visits", "latent_stride",
+                       "latent_writeback_lag", "latent_reduction", "residual_scale",
+                       "untie_attention", "untie_moe")
 # Test-time depth, the attention kernel, the context length (warned: it changes the sample order),
 # RoPE base and norm epsilon (context extension, fine-tuning), the initialisation scale and the
 # initial residual scales (used only before a load), MoE routing width and auxiliary-loss weights.

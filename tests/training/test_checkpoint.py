@@ -249,9 +249,15 @@ ARCHITECTURE_CHANGES = {
     "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 256, "encoder_layers": 1,
     "block": "olmo", "qk_norm": False, "injection": "additive", "local_kv": False,
     "global_kv_norm": False, "decoder_ffn_hidden_size": 96, "tie_embeddings": True,
+    "head_dim": 16, "num_experts": 4, "moe_layers": "decoder", "moe_ffn_hidden_size": 32,
+    "moe_shared_expert_size": 16, "prelude_layers": 1, "coda_layers": 1, "latent_visits": [2],
+    "latent_stride": 4, "latent_writeback_lag": 1, "latent_reduction": "top_k",
+    "residual_scale": "fixed", "untie_attention": True, "untie_moe": True,
 }
 RESUMABLE_CHANGES = {"iterations": 5, "joint_attention": "masked", "seq_length": 64,
-                     "rotary_base": 500000.0, "norm_eps": 1e-6, "init_std": 0.01}
+                     "rotary_base": 500000.0, "norm_eps": 1e-6, "init_std": 0.01,
+                     "residual_scale_init": [0.5, 1.0], "moe_top_k": 1, "moe_aux_loss_coeff": 0.1,
+                     "moe_z_loss_coeff": 0.0}
 
 
 def test_every_model_field_is_either_architecture_or_resumable():
