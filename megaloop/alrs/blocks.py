@@ -17,13 +17,13 @@ A block's full matrix is therefore the concatenation, over TP ranks in rank orde
 block rows (``WeightBlock.local``). Every other 2-D weight is one block under its parameter name; a
 weight shared by several modules (a weight-tied decoder, tied embedding and head) is one block.
 
-MoE (to come): expert weights are split by the same rules. megatron-core's SequentialMLP holds
-every expert as an ``MLP`` (``...experts.local_experts.<e>.linear_fc1.weight``) and TEGroupedMLP
-one ``weight<e>`` per local expert inside its ``linear_fc1``; ``fused_layouts`` splits every 2-D
+MoE: expert weights are split by the same rules. megatron-core's SequentialMLP holds every expert
+as an ``MLP`` (``...experts.local_experts.<e>.linear_fc1.weight``) and TEGroupedMLP one
+``weight<e>`` per local expert inside its ``linear_fc1``; ``fused_layouts`` splits every 2-D
 parameter of a gated ``linear_fc1`` into gate/up, so each expert gets its own gate and up blocks
-(its down projection is a whole block) without new code here. Expert parallelism additionally
-needs the hook to name experts by their global index (ranks hold different experts under the same
-local names), which is ALRS's business, not this module's.
+(its down projection is a whole block) without new code here. Under expert parallelism ranks hold
+different experts under the same local names; ``megaloop.alrs.experts`` names them by their global
+index for ALRS and the optimizer.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ the whole world) does the same:
    bit-identical multipliers.
 
 Every rank must call ``step`` with the same step numbers (the collectives must line up). All ranks
-of ``group`` must hold the same parameter names: pipeline or expert parallelism, where ranks hold
-different matrices under equal names, is not supported yet. A failure inside the hook never reaches
+of ``group`` must hold the same parameter names: pipeline parallelism, where stages hold different
+matrices, is not supported yet. MoE experts are blocks of their own, named by their global index
+(``megaloop.alrs.experts``): under expert parallelism every rank lists all E experts' blocks, only
+a rank holding an expert analyses it, and the all-gathered table gives every rank all multipliers. A failure inside the hook never reaches
 training: it is logged as a warning and the multipliers stay as they were. A failure that hits only
 some ranks between collectives could still leave the others waiting in a collective.
 """
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megaloop.alrs import experts
 from megaloop.alrs.allocator import allocate, initial_multipliers
 from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
@@ -45,12 +48,16 @@ NamedParameters = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def balance_by_cost(costs: list[int], n_ranks: int) -> list[int]:
-    """Owner rank per item: largest first onto the least-loaded rank (ties: lowest index)."""
+def balance_by_cost(costs: list[int], n_ranks: int,
+                    allowed: list[list[int] | None] | None = None) -> list[int]:
+    """Owner rank per item: largest first onto the least-loaded rank (ties: lowest index), among
+    ``allowed[i]`` (the ranks that hold item i; None: any)."""
     loads = [0] * n_ranks
     owner = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(n_ranks), key=lambda r: (loads[r], r))
+        candidates = allowed[i] if allowed is not None and allowed[i] is not None \
+            else range(n_ranks)
+        rank = min(candidates, key=lambda r: (loads[r], r))
         owner[i] = rank
         loads[rank] += costs[i]
     return owner
@@ -85,24 +92,27 @@ class ALRS:
             raise ValueError(f"ALRS total_steps must be >= 1, got total_steps={total_steps}")
         self.config = config or ALRSConfig()
         self.total_steps = total_steps
-        self._named_parameters = (named_parameters.named_parameters
-                                  if isinstance(named_parameters, nn.Module) else named_parameters)
+        model = named_parameters if isinstance(named_parameters, nn.Module) else None
+        self._named_parameters = ((lambda: experts.named_parameters(model)) if model is not None
+                                  else named_parameters)
         self._distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self._distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self._distributed else 1
         self.rank = dist.get_rank(self.group) if self._distributed else 0
         self.tp_group = tp_group
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        layouts = (fused_layouts(named_parameters) if isinstance(named_parameters, nn.Module)
+        layouts = (experts.global_layouts(model, fused_layouts(model)) if model is not None
                    and self.config.granularity == "block" else {})
-        self.matrices = weight_blocks(self._named_parameters(), layouts, self.config.exclude,
-                                      tp_size)
+        local = weight_blocks(self._named_parameters(), layouts, self.config.exclude, tp_size)
+        self.matrices = experts.every_expert(local, experts.num_experts(model)) \
+            if model is not None else local
         self.names = [m.name for m in self.matrices]
         if log_path is not None:
             require_zarr()
         if self.world_size > 1:
             self._check_same_matrices_on_all_ranks()
-        self.owner = balance_by_cost([m.cost for m in self.matrices], self.world_size)
+        self.owner = balance_by_cost([m.cost for m in self.matrices], self.world_size,
+                                     self._expert_holders({m.name for m in local}))
         self.schedule = MultiplierSchedule(initial_multipliers(self.names, self.config),
                                            self.config.transition)
         self.last_stats: dict[str, SpectralStats] = {}
@@ -203,6 +213,21 @@ class ALRS:
             if parts is not None:  # gather_list follows TP rank order, i.e. shard order
                 full[i] = torch.cat(parts, dim=block.partition_dim)
         return full
+
+    def _expert_holders(self, local: set[str]) -> list[list[int] | None]:
+        """Per matrix, the ranks of ``group`` that hold it: those holding its expert (expert
+        parallelism), or None (any rank) for a matrix every rank holds."""
+        held = {experts.expert_index(n) for n in local} - {None}
+        everyone = [held]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, held, group=self.group)
+        holders = []
+        for m in self.matrices:
+            index = experts.expert_index(m.name)
+            ranks = [r for r, h in enumerate(everyone) if index in h]
+            holders.append(None if index is None or len(ranks) == self.world_size else ranks)
+        return holders
 
     def _tp_sharded(self) -> bool:
         return any(m.partition_dim is not None for m in self.matrices)

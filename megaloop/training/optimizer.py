@@ -28,6 +28,7 @@ from megatron.core.optimizer import (OptimizerConfig, ParamKey, get_megatron_opt
 from megatron.core.optimizer.optimizer_config import ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megaloop.alrs import experts
 from megaloop.alrs.blocks import WeightBlock, fused_layouts, weight_blocks
 from megaloop.config import ConfigError, RunConfig
 
@@ -173,10 +174,12 @@ class LRMultipliers:
     """
 
     def __init__(self, optimizer, scheduler: OptimizerParamScheduler, blocks: list[WeightBlock],
-                 params: dict[str, torch.Tensor]):
+                 params: dict[str, torch.Tensor], known: list[str] | None = None):
+        """``known``: names a multiplier may be set for, default the blocks'; under expert
+        parallelism also the experts other ranks hold (set everywhere, applied where held)."""
         self.optimizer, self.scheduler = optimizer, scheduler
         self.names = [b.name for b in blocks]
-        self._known = set(self.names)
+        self._known = set(known or self.names)
         # Group order is deterministic (megatron-core sorts groups by their override key), so the
         # group -> parameter mapping is recorded once and re-applied after a checkpoint reload.
         self.group_names = [g.get(_GROUP_KEY) for g in optimizer.param_groups]
@@ -239,8 +242,10 @@ def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConf
     # Passing overrides replaces megatron-core's default "no weight decay on 1-D params" rule, so
     # it is merged back in.
     overrides = get_standard_config_overrides(opt_config)
-    params = dict(unwrapped.named_parameters())
-    layouts = fused_layouts(unwrapped) if cfg.alrs.granularity == "block" else {}
+    # MoE experts by their global index (the same names on every expert-parallel rank as ALRS's).
+    params = dict(experts.named_parameters(unwrapped))
+    layouts = (experts.global_layouts(unwrapped, fused_layouts(unwrapped))
+               if cfg.alrs.granularity == "block" else {})
     blocks = weight_blocks(((n, p) for n, p in params.items() if p.requires_grad), layouts)
     for name in dict.fromkeys(b.param for b in blocks):
         # Matched by identity, so wrapper prefixes ("module.") in the names do not matter.
@@ -254,4 +259,6 @@ def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConf
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=train.train_steps,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler, LRMultipliers(optimizer, scheduler, blocks, params)
+    return optimizer, scheduler, LRMultipliers(
+        optimizer, scheduler, blocks, params,
+        known=[b.name for b in experts.every_expert(blocks, experts.num_experts(unwrapped))])

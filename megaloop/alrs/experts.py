@@ -1,0 +1,99 @@
+"""MoE expert weights for ALRS and the per-block LRs: every expert matrix is its own block, named by
+its *global* expert index, and every rank knows every expert's blocks.
+
+Under expert parallelism each rank holds E / EP experts under local names (megatron-core's
+SequentialMLP ``...experts.local_experts.<i>.linear_fc1.weight``, Transformer Engine's grouped
+experts ``...experts.linear_fc1.weight<i>``), so equal names on two ranks are different experts.
+Here local index i becomes the layer's ``local_expert_indices[i]``; with EP = 1 the names do not
+change. ``every_expert`` completes a rank's blocks with the other ranks' experts (same shapes,
+canonical order), so that ALRS analyses and allocates over all E experts identically on every rank
+and each rank applies the multipliers of the experts it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megaloop.alrs.blocks import RowSplit, WeightBlock
+
+# (prefix up to the expert index, local index, rest) of an expert parameter's name, relative to the
+# MoE layer's ``experts`` module.
+_EXPERT = re.compile(r"^(local_experts\.)(\d+)(\..+)$|^(linear_fc[12]\.weight)(\d+)$")
+_GLOBAL = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)|(\.experts\.linear_fc[12]\.weight)(\d+)")
+
+
+def _global_names(model: nn.Module) -> dict[str, str]:
+    """Local parameter name -> name with the global expert index, for every expert parameter."""
+    renames = {}
+    for prefix, module in model.named_modules():
+        indices = getattr(module, "local_expert_indices", None)
+        experts = getattr(module, "experts", None)
+        if indices is None or experts is None:
+            continue
+        for name, _ in experts.named_parameters():
+            match = _EXPERT.match(name)
+            if match is None:
+                continue
+            if match.group(1):
+                local_name = f"{match.group(1)}{indices[int(match.group(2))]}{match.group(3)}"
+            else:
+                local_name = f"{match.group(4)}{indices[int(match.group(5))]}"
+            owner = f"{prefix}.experts." if prefix else "experts."
+            renames[owner + name] = owner + local_name
+    return renames
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with experts named by their global index."""
+    renames = _global_names(model)
+    for name, param in model.named_parameters():
+        yield renames.get(name, name), param
+
+
+def global_layouts(model: nn.Module, layouts: dict[str, RowSplit]) -> dict[str, RowSplit]:
+    """``fused_layouts(model)`` keyed by the global expert names."""
+    renames = _global_names(model)
+    return {renames.get(name, name): split for name, split in layouts.items()}
+
+
+def expert_index(name: str) -> int | None:
+    """The global expert index in a (global) parameter or block name; None for other weights."""
+    match = _GLOBAL.search(name)
+    if match is None:
+        return None
+    return int(match.group(2) if match.group(1) else match.group(5))
+
+
+def _with_expert(name: str, index: int) -> str:
+    return _GLOBAL.sub(lambda m: (f"{m.group(1)}{index}{m.group(3)}" if m.group(1)
+                                  else f"{m.group(4)}{index}"), name, count=1)
+
+
+def every_expert(blocks: list[WeightBlock], num_experts: int) -> list[WeightBlock]:
+    """``blocks`` with each expert block repeated for all ``num_experts`` experts, in an order
+    every rank agrees on: the non-expert blocks and expert "kinds" in first-seen order, each kind
+    expanded over experts 0..E-1."""
+    out, kinds = [], set()
+    for block in blocks:
+        if expert_index(block.name) is None:
+            out.append(block)
+            continue
+        kind = _with_expert(block.name, -1)
+        if kind in kinds:
+            continue
+        kinds.add(kind)
+        out.extend(dataclasses.replace(block, name=_with_expert(block.name, e),
+                                       param=_with_expert(block.param, e))
+                   for e in range(num_experts))
+    return out
+
+
+def num_experts(model: nn.Module) -> int:
+    """E of the model's MoE layers (0 without experts)."""
+    return max((m.config.num_moe_experts for m in model.modules()
+                if getattr(m, "local_expert_indices", None) is not None), default=0)
