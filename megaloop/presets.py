@@ -3,9 +3,9 @@ and the LatentLoop family (MoE base / MoE Loop / LatentLoop at 1.3B, 3B, 7B, mat
 
 A size preset fixes the *size*; the architecture (``arch``, ``iterations``, ablation switches) is
 chosen on top, e.g. ``preset("135M", arch="fullloop", iterations=2)``. The LatentLoop family's
-presets (``ARCH_BOUND``) fix the architecture too, since their widths are matched to it. Parameter counts are printed by
-``tools/flops.py`` so that differences such as the 60M FFN (1512 here, 2048 in the paper's
-Appendix E) stay visible.
+presets (``ARCH_BOUND``) fix the architecture too, since their widths are matched to it.
+Parameter counts are printed by ``tools/flops.py`` so that differences such as the 60M FFN (1512
+here, 2048 in the paper's Appendix E) stay visible.
 """
 
 from __future__ import annotations

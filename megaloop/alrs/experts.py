@@ -24,7 +24,8 @@ from megaloop.alrs.blocks import RowSplit, WeightBlock
 # (prefix up to the expert index, local index, rest) of an expert parameter's name, relative to the
 # MoE layer's ``experts`` module.
 _EXPERT = re.compile(r"^(local_experts\.)(\d+)(\..+)$|^(linear_fc[12]\.weight)(\d+)$")
-_GLOBAL = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)|(\.experts\.linear_fc[12]\.weight)(\d+)")
+_GLOBAL = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)"
+                     r"|(\.experts\.linear_fc[12]\.weight)(\d+)")
 
 
 def _global_names(model: nn.Module) -> dict[str, str]:

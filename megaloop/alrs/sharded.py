@@ -18,8 +18,9 @@ Every rank must call ``step`` with the same step numbers (the collectives must l
 of ``group`` must hold the same parameter names: pipeline parallelism, where stages hold different
 matrices, is not supported yet. MoE experts are blocks of their own, named by their global index
 (``megaloop.alrs.experts``): under expert parallelism every rank lists all E experts' blocks, only
-a rank holding an expert analyses it, and the all-gathered table gives every rank all multipliers. A failure inside the hook never reaches
-training: it is logged as a warning and the multipliers stay as they were. A failure that hits only
+a rank holding an expert analyses it, and the all-gathered table gives every rank all multipliers.
+A failure inside the hook never reaches training: it is logged as a warning and the multipliers
+stay as they were. A failure that hits only
 some ranks between collectives could still leave the others waiting in a collective.
 """
 

@@ -52,8 +52,9 @@ def reference_config(cfg: ModelConfig) -> ReferenceConfig:
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         vocab_size=cfg.vocab_size, encoder_layers=cfg.num_encoder_layers,
         iterations=cfg.iterations, block=cfg.block, qk_norm=cfg.qk_norm, injection=cfg.injection,
-        local_kv=cfg.local_kv, global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base, norm_eps=cfg.norm_eps,
-        tie_embeddings=cfg.tie_embeddings, kv_channels=cfg.kv_channels, **moe_reference_fields(cfg),
+        local_kv=cfg.local_kv, global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base,
+        norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings, kv_channels=cfg.kv_channels,
+        **moe_reference_fields(cfg),
     )
 
 
