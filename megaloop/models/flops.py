@@ -26,13 +26,13 @@ from megaloop.config import ModelConfig
 class FlopBreakdown:
     """Forward matmul FLOPs per position, split by where they are spent."""
 
-    layers: Fraction  # layer matmuls (QKV, proj, FFN / router + experts) over all applications
-    attention: Fraction  # score and value matmuls over all layer applications
+    layers: int | Fraction  # layer matmuls (QKV, proj, FFN / router + experts), all applications
+    attention: int | Fraction  # score and value matmuls over all layer applications
     global_kv: int  # AsymLoop's Global K/V projections (once per forward)
     head: int  # output projection to the vocabulary
 
     @property
-    def total(self) -> Fraction:
+    def total(self) -> int | Fraction:
         return self.layers + self.attention + self.global_kv + self.head
 
 
@@ -100,7 +100,14 @@ def forward_flops(cfg: ModelConfig, seq_length: int | None = None,
         layers += per_position * (projections + 2 * q * d + _ffn_flops(cfg, group))
         attention += per_position * 4 * group.keys_factor * Fraction(n, group.stride) * q
     global_kv = cfg.num_decoder_layers * 2 * d * 2 * g if cfg.uses_global_kv else 0
-    return FlopBreakdown(layers, attention, global_kv, head=2 * d * cfg.vocab_size)
+    return FlopBreakdown(_exact(layers), _exact(attention), global_kv,
+                         head=2 * d * cfg.vocab_size)
+
+
+def _exact(count: Fraction) -> int | Fraction:
+    """A whole count as an int (what callers that print or serialise counts expect); a count with
+    a fraction per position (a compressed visit) stays an exact Fraction."""
+    return int(count) if count.denominator == 1 else count
 
 
 def model_flops_per_token(cfg: ModelConfig) -> float:
