@@ -24,6 +24,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megaloop.config import ModelConfig
 from megaloop.models import moe as moe_specs
+from megaloop.models.norms import RMSNorm
 from megaloop.models.layers import (
     CausalCoreAttention,
     GlobalKVSubmodules,
@@ -48,12 +49,21 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
+class _LocalBackend(LocalSpecProvider):
+    """megatron-core's local modules, with a norm that supports sequence parallelism (its torch
+    norm refuses it; see megaloop.models.norms)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        assert rms_norm, "megaloop's models use RMSNorm only"
+        return RMSNorm
+
+
 def _backend(use_te: bool):
     if use_te:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         return TESpecProvider()
-    return LocalSpecProvider()
+    return _LocalBackend()
 
 
 def layer_spec(cfg: ModelConfig, role: Role, use_te: bool, *, moe: bool = False,

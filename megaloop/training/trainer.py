@@ -85,12 +85,6 @@ class Trainer:
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg.validate()
         self.precision = _precision(cfg)
-        if cfg.parallel.sequence_parallel:
-            from megaloop.models.specs import transformer_engine_available
-
-            if not transformer_engine_available():  # megatron-core's torch norms refuse it
-                raise ConfigError("parallel.sequence_parallel=True: needs Transformer Engine "
-                                  "norms on a CUDA GPU")
         # Installed before anything slow so that a preemption signal during set-up is remembered,
         # not fatal; train() acts on it before its first step. A failed set-up closes the Trainer.
         self._own_signals = stop_signals is None

@@ -1,4 +1,6 @@
-"""Tensor parallelism is invisible to the maths: TP=2 logits and gradients equal TP=1."""
+"""Tensor parallelism is invisible to the maths: TP=2 logits and gradients equal TP=1, with and
+without sequence parallelism (the local spec's norms, the Global KV projection and the joint
+attention under a sequence split over the TP ranks)."""
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ def _full_gradients(model, tp_size: int) -> dict:
     return out
 
 
-def _logits_and_grads(variant, tp_size):
+def _logits_and_grads(variant, tp_size, sequence_parallel=False):
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megaloop.config import ParallelConfig
@@ -40,9 +42,9 @@ def _logits_and_grads(variant, tp_size):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    model = build_model(cfg, ParallelConfig(tensor=tp_size))
+    model = build_model(cfg, ParallelConfig(tensor=tp_size, sequence_parallel=sequence_parallel))
     # The training path: DDP grad buffers, then finalize_model_grads (which also sums the QK-norm
-    # gradients over tensor-parallel ranks).
+    # gradients, and under sequence parallelism every norm's, over tensor-parallel ranks).
     model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
@@ -53,9 +55,9 @@ def _logits_and_grads(variant, tp_size):
     return logits.detach(), _full_gradients(model, tp_size)
 
 
-def _compare_tp(rank, world_size, variant):
+def _compare_tp(rank, world_size, variant, sequence_parallel):
     logits1, grads1 = _logits_and_grads(variant, 1)
-    logits2, grads2 = _logits_and_grads(variant, 2)
+    logits2, grads2 = _logits_and_grads(variant, 2, sequence_parallel)
     torch.testing.assert_close(logits2, logits1, atol=1e-5, rtol=1e-5)
     assert grads1.keys() == grads2.keys()
     for name in grads1:
@@ -65,4 +67,14 @@ def _compare_tp(rank, world_size, variant):
 
 @pytest.mark.parametrize("variant", ["dense", "fullloop_olmo", "asymloop", "asymloop_no_local_kv"])
 def test_tp2_matches_tp1(variant):
-    assert run_distributed(_compare_tp, world_size=2, variant=variant) == [True, True]
+    assert run_distributed(_compare_tp, world_size=2, variant=variant,
+                           sequence_parallel=False) == [True, True]
+
+
+# Every norm placement (pre-norm, OLMo's post-norm, Global KV norm, QK-norm), Global KV and both
+# decoder attentions, additive injection.
+@pytest.mark.parametrize("variant", ["dense", "fullloop_olmo", "asymloop", "asymloop_no_local_kv",
+                                     "asymloop_additive"])
+def test_tp2_with_sequence_parallel_matches_tp1(variant):
+    assert run_distributed(_compare_tp, world_size=2, variant=variant,
+                           sequence_parallel=True) == [True, True]

@@ -1,0 +1,203 @@
+"""Parallel layouts: written as short strings, checked against a world size, laid out over ranks.
+
+A layout string lists its parallel dimensions, comma-separated, in any order:
+
+    "dp2"        2 data-parallel replicas          "tp2,sp"     tensor parallel + sequence parallel
+    "pp2"        2 pipeline stages                 "ep2"        2 expert-parallel ranks (MoE)
+    "tp2,pp2"    4 ranks                           "recompute"  full activation recomputation
+    "single"     one process (also "")
+
+The data-parallel size is what the ranks leave over (``world = tp * pp * dp``); expert parallelism
+is carved out of the data-parallel and tensor ranks as megatron-core does, so "ep2" alone means
+two data-parallel ranks that split the experts. Which rank holds what follows megatron-core's
+rank order ("tp-cp-ep-dp-pp": tensor-parallel ranks adjacent, pipeline stages farthest apart), by
+its own ``RankGenerator``, without process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+
+MCORE_RANK_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default, which init_distributed uses
+_PART = re.compile(r"^(tp|pp|dp|ep)(\d+)$")
+_FLAGS = {"sp": "sequence_parallel", "recompute": "recompute"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    expert: int = 1
+    sequence_parallel: bool = False
+    recompute: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    @property
+    def name(self) -> str:
+        parts = [f"{key}{value}" for key, value in (("tp", self.tensor), ("pp", self.pipeline),
+                                                    ("dp", self.data), ("ep", self.expert))
+                 if value > 1]
+        parts += [flag for flag, field in _FLAGS.items() if getattr(self, field)]
+        return ",".join(parts) or "single"
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor=self.tensor, pipeline=self.pipeline, expert=self.expert,
+                              sequence_parallel=self.sequence_parallel,
+                              recompute="full" if self.recompute else "none")
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """A copy of ``cfg`` with this layout's parallel section."""
+        return dataclasses.replace(cfg, parallel=self.parallel_config())
+
+
+def parse_layout(text: str) -> Layout:
+    """Parses a layout string (see the module docstring); mistakes are one-line ConfigErrors."""
+    sizes = {"tp": 1, "pp": 1, "dp": None, "ep": 1}
+    flags = dict.fromkeys(_FLAGS.values(), False)
+    parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    for part in parts:
+        match = _PART.match(part)
+        if part in ("single", "1") and len(parts) == 1:
+            continue
+        if part in _FLAGS:
+            flags[_FLAGS[part]] = True
+        elif match and int(match.group(2)) >= 1:
+            sizes[match.group(1)] = int(match.group(2))
+        else:
+            raise ConfigError(f"layout {text!r}: unknown part {part!r} (known: tpN, ppN, dpN, "
+                              "epN, sp, recompute, single; e.g. 'tp2,sp' or 'dp2,pp2')")
+    tp, ep = sizes["tp"], sizes["ep"]
+    # megatron-core builds expert groups of (expert tensor = tp) x ep ranks out of the tp x dp
+    # ranks of a stage: dp must be a multiple of ep.
+    dp = sizes["dp"] if sizes["dp"] is not None else ep
+    if dp % ep:
+        raise ConfigError(f"layout {text!r}: ep{ep} needs a data-parallel size that is a multiple "
+                          f"of {ep} (got dp{dp}; e.g. dp{ep * math.ceil(dp / ep)})")
+    return Layout(tensor=tp, pipeline=sizes["pp"], data=dp, expert=ep, **flags)
+
+
+def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
+    """The layout a run with this parallel section has on ``world_size`` processes."""
+    check_world_size(parallel, world_size)
+    return Layout(tensor=parallel.tensor, pipeline=parallel.pipeline,
+                  data=world_size // (parallel.tensor * parallel.pipeline),
+                  expert=parallel.expert, sequence_parallel=parallel.sequence_parallel,
+                  recompute=parallel.recompute == "full")
+
+
+def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
+    """One ConfigError line when the parallel sizes do not fit ``world_size`` processes, naming the
+    numbers and what would fit."""
+    model_parallel = parallel.tensor * parallel.pipeline
+    if world_size % model_parallel:
+        lower = world_size - world_size % model_parallel
+        fits = f"{lower} or {lower + model_parallel}" if lower else f"{model_parallel}"
+        raise ConfigError(
+            f"parallel.tensor={parallel.tensor} x parallel.pipeline={parallel.pipeline} = "
+            f"{model_parallel} does not divide the world size {world_size}: launch a multiple of "
+            f"{model_parallel} processes (e.g. {fits}) or choose tensor x pipeline among the "
+            f"divisors of {world_size} ({', '.join(map(str, _divisors(world_size)))})")
+    data = world_size // model_parallel
+    if parallel.expert > 1 and data % parallel.expert:
+        raise ConfigError(
+            f"parallel.expert={parallel.expert} does not divide the data-parallel size {data} "
+            f"(world size {world_size} / tensor {parallel.tensor} / pipeline "
+            f"{parallel.pipeline}): expert parallelism splits the data-parallel ranks; use "
+            f"expert in ({', '.join(map(str, _divisors(data)))})")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --------------------------------------------------------------------------------------------
+# which rank holds what
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Physical layers ``first``..``first + count - 1`` of a block, each run ``applications``
+    times per forward pass on this stage (K for a looped block)."""
+
+    block: str  # "encoder", "decoder" (the looped block of every architecture)
+    first: int
+    count: int
+    applications: int = 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline stage holds and runs."""
+
+    embedding: bool
+    runs: tuple[LayerRun, ...]
+    global_kv_layers: int  # decoder layers whose Global KV this stage projects (once per forward)
+    head: bool  # final norm + output layer
+
+    def describe(self) -> str:
+        """e.g. "Global KV of 2 layers, decoder layers 1-2 x3, final norm + head"."""
+        parts = ["embedding"] if self.embedding else []
+        for run in self.runs:
+            if run.block == "decoder" and self.global_kv_layers:
+                parts.append(f"Global KV of {self.global_kv_layers} layers")
+            last = run.first + run.count - 1
+            layers = f"layer {run.first}" if run.count == 1 else f"layers {run.first}-{last}"
+            times = f" x{run.applications}" if run.applications > 1 else ""
+            parts.append(f"{run.block} {layers}{times}")
+        if self.head:
+            parts.append("final norm + head")
+        return ", ".join(parts)
+
+
+def stage_layout(model: ModelConfig, pipeline: int) -> list[Stage]:
+    """The pipeline stages LoopedLM builds (megaloop.models.model): Dense splits its layers evenly;
+    AsymLoop takes two stages split where the recurrence starts; one stage otherwise."""
+    model = dataclasses.replace(model).resolve()
+    enc, dec, k = model.num_encoder_layers, model.num_decoder_layers, model.num_iterations
+    kv = dec if model.uses_global_kv else 0
+    if pipeline == 1:
+        runs = ((LayerRun("encoder", 1, enc),) if enc else ()) + (LayerRun("decoder", 1, dec, k),)
+        return [Stage(True, runs, kv, True)]
+    if model.arch == "asymloop" and pipeline == 2:
+        return [Stage(True, (LayerRun("encoder", 1, enc),), 0, False),
+                Stage(False, (LayerRun("decoder", 1, dec, k),), kv, True)]
+    if model.arch == "dense" and dec % pipeline == 0:
+        per = dec // pipeline
+        return [Stage(i == 0, (LayerRun("decoder", 1 + i * per, per),), 0, i == pipeline - 1)
+                for i in range(pipeline)]
+    raise ConfigError(f"parallel.pipeline={pipeline}: no stage layout for model.arch={model.arch} "
+                      f"with {model.num_layers} layers (Dense: a divisor of num_layers; AsymLoop: "
+                      "2; Full Loop: 1)")
+
+
+def rank_groups(layout: Layout) -> dict[str, list[list[int]]]:
+    """The rank groups megatron-core's initialize_model_parallel builds for ``layout``: "tp",
+    "pp", "dp" (decoder) and "ep" (expert), each a list of rank lists."""
+    from megatron.core.parallel_state import RankGenerator
+
+    decoder = RankGenerator(tp=layout.tensor, ep=1, dp=layout.data, pp=layout.pipeline, cp=1,
+                            order=MCORE_RANK_ORDER)
+    expert = RankGenerator(tp=layout.tensor, ep=layout.expert,
+                           dp=layout.data // layout.expert, pp=layout.pipeline, cp=1,
+                           order=MCORE_RANK_ORDER)
+    return {"tp": decoder.get_ranks("tp"), "pp": decoder.get_ranks("pp"),
+            "dp": decoder.get_ranks("dp"), "ep": expert.get_ranks("ep")}
+
+
+def rank_coordinates(layout: Layout) -> list[dict[str, int]]:
+    """For every rank: its index inside its tp, pp (= stage), dp and ep group."""
+    coords = [{} for _ in range(layout.world_size)]
+    for kind, groups in rank_groups(layout).items():
+        for group in groups:
+            for index, rank in enumerate(group):
+                coords[rank][kind] = index
+    return coords

@@ -1,0 +1,236 @@
+"""Per-GPU memory of a training run: parameters, gradients, optimizer states and activations.
+
+The estimate counts the bytes of live tensors on the busiest rank at the peak of a training step,
+what a CUDA caching allocator reports as "allocated"; the CUDA context, NCCL buffers and allocator
+fragmentation come on top (``OVERHEAD_BYTES`` and ``FRAGMENTATION`` in the fit decision).
+
+Resident between steps, per parameter held by the rank (tensor-parallel shard of its stage):
+    weights    4 bytes (fp32) or 2 (bf16, fp8: Transformer Engine keeps bf16 weights) + 2 with fp8
+               (the FP8 weight copies, row- and column-wise);
+    gradients  4 (megaloop reduces gradients in fp32);
+    optimizer  Adam moments 8, + 4 for fp32 main weights when the weights are bf16; divided by
+               the data-parallel size with the distributed optimizer.
+Activations of one micro-batch of B sequences of N tokens, per layer application (a looped layer
+saves its activations once per iteration, K times), by the tensors autograd keeps for the
+backward pass in megatron-core's layers, in ``_layer_saved`` below. Tensors laid out over the
+sequence (norm inputs and outputs, residuals) are split over the tensor-parallel ranks only with
+sequence parallelism; attention and FFN tensors are split over heads and FFN columns always.
+With full recomputation a layer application keeps only its input, and one layer's activations
+are rebuilt at a time. AsymLoop's Global KV (once per forward) stays saved, whatever the
+recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches.
+The head adds the fp32 softmax megatron-core's vocab-parallel cross-entropy keeps (N x V / TP),
+and the logits in the activation dtype while it runs.
+
+The element counts of ``_layer_saved`` follow megatron-core's local (CPU) layers, and are checked
+against measured CPU training steps in the tests; the Transformer Engine variant differs where TE
+saves less (a fused norm + linear keeps the norm's input and output, not its normalised input; its
+attention takes grouped keys as they are) and with FP8, where linear inputs are kept in one byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megaloop.config import ModelConfig, RunConfig
+from megaloop.scale.layout import Layout, Stage, stage_layout
+
+GIB = 1024**3
+OVERHEAD_BYTES = 3 * GIB  # CUDA context, NCCL communicators, cuBLAS / cuDNN workspaces
+FRAGMENTATION = 1.10  # caching-allocator slack over live bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank (the busiest pipeline stage unless a stage was asked for)."""
+
+    stage: int
+    parameters: int  # parameter count held by the rank
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward, all micro-batches in flight, at the peak
+    transient: int  # working memory on top at the peak (logits, recomputed layer, gradients)
+
+    @property
+    def resident(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.activations + self.transient
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.total * FRAGMENTATION + OVERHEAD_BYTES <= device_bytes
+
+    def as_dict(self) -> dict:
+        gib = {k: round(v / GIB, 3) for k, v in dataclasses.asdict(self).items()
+               if k not in ("stage", "parameters")}
+        return {"stage": self.stage, "parameters": self.parameters, **gib,
+                "total": round(self.total / GIB, 3)}
+
+
+# ------------------------------------------------------------------------------------ params
+
+def _layer_params(model: ModelConfig, ffn: int, tp: int, global_kv: bool) -> int:
+    d, q, g = model.hidden_size, model.num_attention_heads * model.kv_channels, \
+        model.num_query_groups * model.kv_channels
+    linear = d * (q + 2 * g) + q * d + 3 * d * ffn
+    norms = 2 * d + (2 * model.kv_channels if model.qk_norm else 0)
+    if global_kv:
+        linear += 2 * d * g
+        norms += d if model.global_kv_norm else 0
+    return linear // tp + norms
+
+
+def stage_parameters(model: ModelConfig, stage: Stage, tp: int) -> int:
+    """Parameters one tensor-parallel rank of ``stage`` holds."""
+    model = dataclasses.replace(model).resolve()
+    count = 0
+    if stage.embedding:
+        count += model.vocab_size * model.hidden_size // tp
+    if stage.head:
+        count += model.hidden_size  # final norm
+        if not (model.tie_embeddings and stage.embedding):
+            count += model.vocab_size * model.hidden_size // tp
+    for run in stage.runs:
+        decoder = run.block == "decoder"
+        ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
+        count += run.count * _layer_params(model, ffn, tp, decoder and model.uses_global_kv)
+    return count
+
+
+# ------------------------------------------------------------------------------- activations
+
+@dataclass(frozen=True)
+class _Saved:
+    """Elements per token kept for backward: over the sequence (``seq``), split over heads or
+    FFN columns (``split``), of which ``linear_input`` are linear-layer inputs (FP8-able), and
+    fp32 statistics (``fp32``: norm rsqrt, attention log-sum-exp)."""
+
+    seq: float = 0
+    split: float = 0
+    linear_input: float = 0
+    fp32: float = 0
+
+
+def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool) -> _Saved:
+    """One application of one layer (see the module docstring)."""
+    d, heads = model.hidden_size, model.num_attention_heads
+    q, g = heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    # The local core attention repeats grouped keys/values to every head before the kernel.
+    expand = not te and g < q
+    # Layer input; per norm its normalised input and output (TE: the output only); the residual.
+    seq = d + (2 if te else 4) * d + d
+    split = q                                   # rotated queries (RoPE writes a new tensor)
+    split += q if expand else g                 # keys as the kernel gets them
+    split += q if expand else 0                 # values repeated to every head
+    if model.qk_norm or not expand:             # fused QKV output, kept by views of it
+        split += q + 2 * g
+    if model.qk_norm and not te:                # QK-norm's normalised q and k
+        split += q + g
+    split += q if te else 2 * q                 # attention output (+ the projection's input copy)
+    if joint and expand:                        # Global keys/values repeated per iteration
+        split += 2 * q
+    split += 5 * ffn                            # SwiGLU: fc1 out (2f), silu, linear half, product
+    linear_input = 2 * d + q + ffn  # QKV and fc1 (norm outputs), projection, fc2 inputs
+    fp32 = 2 + heads * (2 if joint else 1)
+    return _Saved(seq, split, linear_input, fp32)
+
+
+def _global_kv_saved(model: ModelConfig, te: bool) -> _Saved:
+    """Global KV of one decoder layer, once per forward: its norm, the projection's output and the
+    stacked, rotated keys/values the iterations read."""
+    d, g = model.hidden_size, model.num_query_groups * model.kv_channels
+    norm = (1 if te else 2) * d if model.global_kv_norm else 0
+    split = 2 * g + 2 * g + (g if model.qk_norm and not te else 0)
+    return _Saved(norm, split, d, 1)
+
+
+def _bytes(saved: _Saved, tokens: int, tp: int, sp: bool, act_bytes: int, fp8: bool) -> float:
+    seq = saved.seq / (tp if sp else 1)
+    elems = seq + saved.split / tp
+    total = elems * act_bytes + saved.fp32 * 4
+    if fp8:  # linear inputs kept in FP8 (one byte) instead of the activation dtype
+        total -= saved.linear_input / tp * (act_bytes - 1)
+    return tokens * total
+
+
+def estimate(cfg: RunConfig, layout: Layout, *, device: str = "gpu",
+             stage: int | None = None) -> MemoryEstimate:
+    """Per-rank memory of ``cfg`` under ``layout``; ``device`` "gpu" (Transformer Engine, bf16 by
+    default) or "cpu" (local spec, fp32 by default); ``stage``: None for the busiest stage."""
+    stages = stage_layout(cfg.model, layout.pipeline)
+    if stage is None:
+        return max((estimate(cfg, layout, device=device, stage=s) for s in range(len(stages))),
+                   key=lambda e: e.total)
+    model = dataclasses.replace(cfg.model).resolve()
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device == "gpu" else "fp32"
+    te, fp8 = device == "gpu", precision == "fp8"
+    act_bytes = 4 if precision == "fp32" else 2
+    tp, sp, dp = layout.tensor, layout.sequence_parallel, layout.data
+    this = stages[stage]
+
+    params = stage_parameters(model, this, tp)
+    weights = params * (4 if precision == "fp32" else 2) + (2 * params if fp8 else 0)
+    grads = params * 4
+    optimizer = params * (8 + (0 if precision == "fp32" else 4))
+    if cfg.train.distributed_optimizer:
+        optimizer //= dp
+
+    tokens = cfg.train.micro_batch_size * model.seq_length
+    size = dict(tokens=tokens, tp=tp, sp=sp, act_bytes=act_bytes, fp8=fp8)
+    layer_input = _bytes(_Saved(seq=model.hidden_size), **size)
+    saved, largest_layer = 0.0, 0.0
+    for run in this.runs:
+        decoder = run.block == "decoder"
+        ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
+        joint = decoder and model.uses_global_kv and model.local_kv
+        per_layer = _bytes(_layer_saved(model, ffn, joint, te), **size)
+        largest_layer = max(largest_layer, per_layer)
+        applications = run.count * run.applications
+        saved += applications * (layer_input if layout.recompute else per_layer)
+    if this.global_kv_layers:
+        saved += this.global_kv_layers * _bytes(_global_kv_saved(model, te), **size)
+    vocab_split = tokens * model.vocab_size / tp
+    if this.head:
+        saved += _bytes(_Saved(seq=3 * model.hidden_size, fp32=1), **size) + 4 * vocab_split
+    in_flight = min(layout.pipeline - stage, _microbatches(cfg, layout))
+    # At the peak: the logits in the activation dtype next to the fp32 softmax; the layer that
+    # recomputation rebuilds; the gradient of one layer's output and input.
+    transient = (act_bytes * vocab_split if this.head else 0) + 2 * layer_input
+    if layout.recompute:
+        transient += largest_layer
+    return MemoryEstimate(stage, params, int(weights), int(grads), int(optimizer),
+                          int(in_flight * saved), int(transient))
+
+
+def _microbatches(cfg: RunConfig, layout: Layout) -> int:
+    return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data))
+
+
+def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
+                    device: str = "gpu") -> list[tuple[Layout, MemoryEstimate]]:
+    """Layouts of ``world_size`` ranks (tensor parallel within 8 GPUs, sequence parallelism with
+    it, pipeline stages the architecture supports, with and without recomputation) whose estimate
+    fits ``device_bytes``, least memory first."""
+    found = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            if world_size % (tp * pp):
+                continue
+            for recompute in (False, True):
+                layout = Layout(tensor=tp, pipeline=pp, data=world_size // (tp * pp),
+                                sequence_parallel=tp > 1, recompute=recompute)
+                trial = layout.apply(cfg)
+                try:
+                    trial.parallel.validate(trial.model)
+                    stage_layout(trial.model, pp)
+                except ValueError:
+                    continue
+                mem = estimate(trial, layout, device=device)
+                if mem.fits(device_bytes):
+                    found.append((layout, mem))
+    return sorted(found, key=lambda item: item[1].total)
