@@ -303,16 +303,25 @@ class ParallelConfig:
         for name in ("tensor", "pipeline", "expert"):
             _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
         tp = self.tensor
-        _require(model.num_attention_heads % tp == 0, prefix, "tensor", tp,
-                 f"a divisor of model.num_attention_heads={model.num_attention_heads}")
-        _require(model.num_query_groups % tp == 0, prefix, "tensor", tp,
-                 f"a divisor of model.num_query_groups={model.num_query_groups}")
-        _require(model.ffn_hidden_size % tp == 0 and model.decoder_ffn_hidden_size % tp == 0,
-                 prefix, "tensor", tp, "a divisor of the FFN hidden sizes")
-        _require(model.vocab_size % tp == 0, prefix, "tensor", tp,
-                 f"a divisor of model.vocab_size={model.vocab_size} (pad the vocabulary)")
+        # Tensor parallelism splits heads, query groups, FFN columns and the vocabulary.
+        split = {name: getattr(model, name) for name in (
+            "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+            "decoder_ffn_hidden_size", "vocab_size")}
+        if model.uses_moe and model.moe_ffn_hidden_size:  # experts split like the FFN
+            split["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
+        undivided = [f"model.{name}={size}" for name, size in split.items() if size % tp]
+        pad = "; or pad the vocabulary" if split["vocab_size"] % tp else ""
+        _require(not undivided, prefix, "tensor", tp,
+                 f"a divisor of {', '.join(undivided)} (tensor sizes that divide the heads, query "
+                 f"groups, FFN widths and vocabulary: {_divisors(math.gcd(*split.values()))}"
+                 f"{pad})")
         _require(not self.sequence_parallel or tp > 1, prefix, "sequence_parallel",
                  self.sequence_parallel, "false unless tensor > 1 (it splits the sequence over TP)")
+        _require(not self.sequence_parallel or model.seq_length % tp == 0, prefix,
+                 "sequence_parallel", self.sequence_parallel,
+                 f"false, or parallel.tensor={tp} a divisor of model.seq_length="
+                 f"{model.seq_length} (sequence parallelism splits the sequence over the "
+                 f"tensor-parallel ranks; sizes that fit: {_divisors(model.seq_length, 64)})")
         if self.expert > 1:
             _require(model.uses_moe, prefix, "expert", self.expert,
                      "1 unless model.num_experts > 0 (expert parallelism splits the experts)")
@@ -335,7 +344,8 @@ class ParallelConfig:
                      self.pipeline, "1 or 2 for model.arch=asymloop (stages: encoder | decoder "
                      "loop)")
             _require(model.arch != "dense" or model.num_layers % self.pipeline == 0, prefix,
-                     "pipeline", self.pipeline, f"a divisor of model.num_layers={model.num_layers}")
+                     "pipeline", self.pipeline, f"a divisor of model.num_layers={model.num_layers}"
+                     f" for model.arch=dense ({_divisors(model.num_layers)})")
 
 
 @dataclass
@@ -485,6 +495,11 @@ class RunConfig:
                  "'current' or 'mxfp8' with parallel.recompute=full and a looped model "
                  "(delayed scaling would recompute iteration K with iteration 1's scales)")
         return self
+
+
+def _divisors(n: int, limit: int | None = None) -> str:
+    """"1, 2, 4, 8": the divisors of ``n`` up to ``limit``, for error messages."""
+    return ", ".join(str(d) for d in range(1, min(n, limit or n) + 1) if n % d == 0)
 
 
 def _require(ok: bool, prefix: str, name: str, value: Any, allowed: str) -> None:

@@ -49,6 +49,11 @@ def build_config(argv: list[str] | None = None):
     parser.add_argument("--preset", help="model size preset (tiny, 60M, 135M, 350M, 1B, 7B, olmo)")
     parser.add_argument("--config", help="YAML run config (sections model, parallel, train, data, "
                                          "checkpoint, alrs)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config, rank layout and memory estimate; no "
+                             "training")
+    parser.add_argument("--world-size", type=int,
+                        help="processes for --dry-run (default: the launcher's)")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
     cfg = RunConfig()
@@ -78,7 +83,13 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     from megaloop.config import ConfigError, save_yaml
 
     try:
-        cfg, _ = build_config(argv)
+        cfg, args = build_config(argv)
+        if args.dry_run:
+            from megaloop.platform.distributed import detect_launch_env
+            from megaloop.scale.dry_run import report
+
+            print(report(cfg, args.world_size or detect_launch_env().world_size))
+            return 0
         import torch
 
         from megaloop.data import DataError

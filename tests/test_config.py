@@ -221,3 +221,25 @@ def test_head_dim_may_differ_from_hidden_over_heads_and_must_be_even():
     with pytest.raises(ConfigError, match=r"model.head_dim=33: must be such that the head dim is "
                                           r"even"):
         ModelConfig(head_dim=33).validate()
+
+
+@pytest.mark.parametrize("model, parallel, message", [
+    (dict(num_attention_heads=32, ffn_hidden_size=5461, vocab_size=32128), dict(tensor=2),
+     "parallel.tensor=2: must be a divisor of model.ffn_hidden_size=5461, "
+     "model.decoder_ffn_hidden_size=5461 (tensor sizes that divide the heads, query groups, FFN "
+     "widths and vocabulary: 1)"),
+    (dict(num_attention_heads=8, ffn_hidden_size=512, vocab_size=1004), dict(tensor=8),
+     "parallel.tensor=8: must be a divisor of model.vocab_size=1004 (tensor sizes that divide the "
+     "heads, query groups, FFN widths and vocabulary: 1, 2, 4; or pad the vocabulary)"),
+    (dict(seq_length=30), dict(tensor=4, sequence_parallel=True),
+     "parallel.sequence_parallel=True: must be false, or parallel.tensor=4 a divisor of "
+     "model.seq_length=30 (sequence parallelism splits the sequence over the tensor-parallel "
+     "ranks; sizes that fit: 1, 2, 3, 5, 6, 10, 15, 30)"),
+    (dict(arch="dense", num_layers=6, iterations=1), dict(pipeline=4),
+     "parallel.pipeline=4: must be a divisor of model.num_layers=6 for model.arch=dense "
+     "(1, 2, 3, 6)"),
+])
+def test_layouts_that_do_not_divide_the_model_say_what_would(model, parallel, message):
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(**parallel).validate(ModelConfig(**model).resolve())
+    assert str(err.value) == message

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megaloop.config import ConfigError
+from megaloop.config import ConfigError, ParallelConfig
 from megaloop.platform import cpu_compat
+from megaloop.scale.layout import check_world_size
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,8 @@ def init_distributed(
         )
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
-    world = dist.get_world_size()
-    if world % (tensor_parallel * pipeline_parallel):
-        raise ConfigError(f"parallel.tensor={tensor_parallel} x parallel.pipeline="
-                          f"{pipeline_parallel} must divide the {world} launched processes")
-    if world % (tensor_parallel * expert_parallel * pipeline_parallel):
-        raise ConfigError(f"parallel.tensor={tensor_parallel} x parallel.expert={expert_parallel} "
-                          f"x parallel.pipeline={pipeline_parallel} must divide the {world} "
-                          "launched processes (experts split over data-parallel replicas)")
+    check_world_size(ParallelConfig(tensor=tensor_parallel, pipeline=pipeline_parallel,
+                                    expert=expert_parallel), dist.get_world_size())
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -215,7 +215,8 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                     device: str = "gpu") -> list[tuple[Layout, MemoryEstimate]]:
     """Layouts of ``world_size`` ranks (tensor parallel within 8 GPUs, sequence parallelism with
     it, pipeline stages the architecture supports, with and without recomputation) whose estimate
-    fits ``device_bytes``, least memory first."""
+    fits ``device_bytes``, cheapest first: no recomputation (a third more compute) before
+    recomputation, then the fewest model-parallel ranks (the least communication)."""
     found = []
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4, 8):
@@ -233,4 +234,5 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                 mem = estimate(trial, layout, device=device)
                 if mem.fits(device_bytes):
                     found.append((layout, mem))
-    return sorted(found, key=lambda item: item[1].total)
+    return sorted(found, key=lambda item: (item[0].recompute, item[0].tensor * item[0].pipeline,
+                                           item[0].pipeline))

@@ -1,0 +1,70 @@
+"""``megaloop-train --dry-run``: what a launch would do, without process groups or a model.
+
+It prints the resolved config, the rank layout (which rank holds which tensor-parallel shard,
+pipeline stage and data-parallel replica, in megatron-core's rank order, and what each stage
+holds) and the per-GPU memory estimate with the verdict for the GPU's memory and, when it does
+not fit, the cheapest layouts that would.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from megaloop.config import RunConfig, to_dict
+from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
+from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
+
+_FULL_TABLE_RANKS = 64  # larger worlds print their first two and last node only
+
+
+def rank_table(layout: Layout, gpus_per_node: int) -> list[str]:
+    """One line per rank: node, local GPU, tensor-parallel rank, stage, data/expert rank."""
+    coords = rank_coordinates(layout)
+    ranks = list(range(layout.world_size))
+    if layout.world_size > _FULL_TABLE_RANKS:
+        ranks = ranks[:2 * gpus_per_node] + [None] + ranks[-gpus_per_node:]
+    lines = ["rank  node  gpu  tp    stage  dp      ep"]
+    for rank in ranks:
+        if rank is None:
+            lines.append("  ...")
+            continue
+        c = coords[rank]
+        tp, dp = f"{c['tp']}/{layout.tensor}", f"{c['dp']}/{layout.data}"
+        lines.append(f"{rank:<5d} {rank // gpus_per_node:<5d} {rank % gpus_per_node:<4d} "
+                     f"{tp:<5s} {c['pp']:<6d} {dp:<7s} {c['ep']}/{layout.expert}")
+    return lines
+
+
+def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
+           gpu_memory_gib: float = 80.0) -> str:
+    """The dry-run text for ``cfg`` launched on ``world_size`` processes."""
+    layout = layout_of(cfg.parallel, world_size)
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data)
+    lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "",
+             f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
+             f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "
+             f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
+             f"{cfg.parallel.recompute}; {micro} micro-batches of {cfg.train.micro_batch_size} "
+             "per step and data-parallel rank"]
+    for index, stage in enumerate(stage_layout(cfg.model, layout.pipeline)):
+        lines.append(f"stage {index}: {stage.describe()}")
+    lines += rank_table(layout, gpus_per_node)
+
+    device_bytes = int(gpu_memory_gib * GIB)
+    mem = estimate(cfg, layout)
+    need = (mem.total * FRAGMENTATION + OVERHEAD_BYTES) / GIB
+    lines += ["", f"# memory per GPU (busiest stage {mem.stage}; GiB)",
+              "  ".join(f"{k} {v}" for k, v in mem.as_dict().items() if k != "stage"),
+              f"with allocator slack x{FRAGMENTATION} and {OVERHEAD_BYTES / GIB:.0f} GiB for the "
+              f"CUDA context and NCCL: {need:.1f} of {gpu_memory_gib:g} GiB -> "
+              + ("fits" if mem.fits(device_bytes) else "DOES NOT FIT")]
+    fitting = fitting_layouts(cfg, world_size, device_bytes)
+    if fitting:
+        cheapest = ", ".join(f"{found.name} ({est.total / GIB:.1f} GiB)"
+                             for found, est in fitting[:3])
+        lines.append(f"cheapest layouts that fit {world_size} GPUs of {gpu_memory_gib:g} GiB: "
+                     f"{cheapest}")
+    else:
+        lines.append(f"no tensor/pipeline/recompute layout of {world_size} GPUs fits "
+                     f"{gpu_memory_gib:g} GiB: use more GPUs or a smaller micro-batch")
+    return "\n".join(lines)

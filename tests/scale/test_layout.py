@@ -1,0 +1,124 @@
+"""Layout strings, world-size checks, the rank layout against megatron-core's real process groups,
+stage contents, and megaloop-train --dry-run."""
+
+import pytest
+
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig
+from megaloop.scale.layout import (Layout, check_world_size, layout_of, parse_layout,
+                                   rank_groups, stage_layout)
+from tests.distributed import run_distributed
+
+
+@pytest.mark.parametrize("text, layout", [
+    ("single", Layout()),
+    ("", Layout()),
+    ("dp2", Layout(data=2)),
+    ("sp,tp2", Layout(tensor=2, sequence_parallel=True)),
+    ("tp2,pp2,dp2,recompute", Layout(tensor=2, pipeline=2, data=2, recompute=True)),
+    ("ep2", Layout(data=2, expert=2)),  # expert ranks come out of the data-parallel ones
+    ("tp2,ep2,dp4", Layout(tensor=2, data=4, expert=2)),
+])
+def test_parse_layout(text, layout):
+    assert parse_layout(text) == layout
+    assert parse_layout(layout.name) == layout
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tp2,xp2", "layout 'tp2,xp2': unknown part 'xp2' (known: tpN, ppN, dpN, epN, sp, recompute"),
+    ("tp0", "layout 'tp0': unknown part 'tp0'"),
+    ("ep2,dp3", "layout 'ep2,dp3': ep2 needs a data-parallel size that is a multiple of 2 "
+                "(got dp3; e.g. dp4)"),
+])
+def test_bad_layout_strings_are_one_line(text, message):
+    with pytest.raises(ConfigError) as err:
+        parse_layout(text)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("parallel, world, message", [
+    (ParallelConfig(tensor=4, pipeline=2), 12,
+     "parallel.tensor=4 x parallel.pipeline=2 = 8 does not divide the world size 12: launch a "
+     "multiple of 8 processes (e.g. 8 or 16) or choose tensor x pipeline among the divisors of "
+     "12 (1, 2, 3, 4, 6, 12)"),
+    (ParallelConfig(tensor=4), 2, "launch a multiple of 4 processes (e.g. 4)"),
+    (ParallelConfig(tensor=2, expert=4), 12,
+     "parallel.expert=4 does not divide the data-parallel size 6 (world size 12 / tensor 2 / "
+     "pipeline 1): expert parallelism splits the data-parallel ranks; use expert in (1, 2, 3, 6)"),
+])
+def test_a_layout_that_does_not_fit_the_world_says_what_would(parallel, world, message):
+    with pytest.raises(ConfigError) as err:
+        check_world_size(parallel, world)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert layout_of(ParallelConfig(tensor=2), 8) == Layout(tensor=2, data=4)
+
+
+def test_stage_layouts_name_what_each_stage_holds():
+    asym = ModelConfig(arch="asymloop", num_layers=8, iterations=3)
+    assert [s.describe() for s in stage_layout(asym, 1)] == [
+        "embedding, encoder layers 1-4, Global KV of 4 layers, decoder layers 1-4 x3, "
+        "final norm + head"]
+    assert [s.describe() for s in stage_layout(asym, 2)] == [
+        "embedding, encoder layers 1-4", "Global KV of 4 layers, decoder layers 1-4 x3, "
+                                         "final norm + head"]
+    dense = ModelConfig(arch="dense", num_layers=8, iterations=1)
+    assert [s.describe() for s in stage_layout(dense, 4)] == [
+        "embedding, decoder layers 1-2", "decoder layers 3-4", "decoder layers 5-6",
+        "decoder layers 7-8, final norm + head"]
+    with pytest.raises(ConfigError, match="parallel.pipeline=2: no stage layout for "
+                                          "model.arch=fullloop"):
+        stage_layout(ModelConfig(arch="fullloop"), 2)
+
+
+def _real_groups(rank, world_size, layout):
+    """This rank's groups as megatron-core's initialize_model_parallel builds them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megaloop.platform.distributed import init_distributed
+
+    parsed = parse_layout(layout)
+    init_distributed(parsed.tensor, parsed.pipeline, parsed.expert)
+    return {kind: dist.get_process_group_ranks(group()) for kind, group in (
+        ("tp", ps.get_tensor_model_parallel_group), ("pp", ps.get_pipeline_model_parallel_group),
+        ("dp", ps.get_data_parallel_group), ("ep", ps.get_expert_model_parallel_group))}
+
+
+@pytest.mark.parametrize("layout", ["tp2,pp2", "tp2,ep2,dp2", "pp2,ep2,dp2"])
+def test_rank_layout_matches_megatron_cores_process_groups(layout):
+    computed = rank_groups(parse_layout(layout))
+    real = run_distributed(_real_groups, world_size=4, layout=layout)
+    for rank, groups in enumerate(real):
+        for kind, ranks in groups.items():
+            [mine] = [g for g in computed[kind] if rank in g]
+            assert mine == ranks, (layout, rank, kind)
+
+
+def _dry_run(capsys, *args):
+    from megaloop.train import main
+
+    code = main(["--dry-run", *args, "data.path=[/data/x]", "data.eod_id=0"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_dry_run_prints_config_rank_layout_and_memory(capsys):
+    code, out, _ = _dry_run(capsys, "--world-size", "16", "--preset", "350M",
+                            "parallel.tensor=2", "parallel.pipeline=2",
+                            "parallel.sequence_parallel=true", "train.global_batch_size=64")
+    assert code == 0
+    assert "# resolved config" in out and "  hidden_size: 1024" in out
+    assert ("16 ranks = tensor 2 x pipeline 2 x data 4 (expert 1 within data); sequence "
+            "parallel on, recompute none; 4 micro-batches of 4") in out
+    assert "stage 0: embedding, encoder layers 1-12\n" in out
+    # megatron-core's order: tensor ranks adjacent, then data, then pipeline stages.
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert rows["5"] == ["5", "0", "5", "1/2", "0", "2/4", "0/1"]
+    assert rows["9"] == ["9", "1", "1", "1/2", "1", "0/4", "0/1"]
+    assert "# memory per GPU (busiest stage 1; GiB)" in out and "-> fits" in out
+
+
+def test_dry_run_refuses_a_layout_the_world_cannot_hold(capsys):
+    code, out, err = _dry_run(capsys, "--world-size", "6", "parallel.tensor=4")
+    assert code == 2 and out == ""
+    assert err.startswith("error: parallel.tensor=4 x parallel.pipeline=1 = 4 does not divide "
+                          "the world size 6") and err.count("\n") == 1

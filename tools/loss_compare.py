@@ -1,0 +1,82 @@
+"""Train one config under several parallel layouts and check that the loss curves agree.
+
+    python tools/loss_compare.py --preset tiny --layouts single dp2 tp2,sp pp2 tp2,pp2 \\
+        --steps 10 data.path='[data/fwe_text_document]' data.tokenizer_model=tok.model
+
+Layouts are megaloop.scale.layout strings (tpN, ppN, dpN, epN, sp, recompute, single); the first is
+the reference. Every layout runs ``megaloop.train`` under torchrun (as many processes as it needs)
+from the same seed checkpoint, written first by one process. The tolerances are those of
+megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
+disagree, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", nargs="+", required=True, help="e.g. single dp2 tp2,sp pp2")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--preset", help="model size preset (as megaloop-train)")
+    parser.add_argument("--config", help="YAML run config (as megaloop-train)")
+    parser.add_argument("--out", default="runs/loss_compare", help="work directory")
+    parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
+    args = parser.parse_args(argv)
+
+    from megaloop.config import ConfigError, save_yaml
+    from megaloop.scale.layout import parse_layout
+    from megaloop.scale.loss_compare import compare_curves, read_curve, seeded_config
+    from megaloop.train import _quiet_third_party_warnings, build_config
+
+    _quiet_third_party_warnings()
+    try:
+        layouts = [parse_layout(text) for text in args.layouts]
+        train_args = [a for flag in ("preset", "config") if getattr(args, flag)
+                      for a in (f"--{flag}", getattr(args, flag))]
+        cfg, _ = build_config(train_args + args.overrides + [f"train.train_steps={args.steps}"])
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tensorboard=False,
+                                                                 eval_iters=1))
+        for layout in layouts:
+            layout.apply(cfg).validate()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from megaloop.scale.loss_compare import save_seed_checkpoint
+
+    out = Path(args.out)
+    seed = save_seed_checkpoint(cfg, str(out / "seed"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    curves = {}
+    for text, layout in zip(args.layouts, layouts):
+        run_dir = out / layout.name.replace(",", "_")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        config_path = run_dir / "layout.yaml"
+        save_yaml(seeded_config(cfg, layout, seed, str(run_dir)), config_path)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
+                   "--config", str(config_path)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            print(f"error: layout {text!r} failed (exit {done.returncode}):\n{tail}",
+                  file=sys.stderr)
+            return 1
+        curves[text] = read_curve(run_dir)
+    problems = compare_curves(curves)
+    print(json.dumps({"layouts": args.layouts, "steps": args.steps, "curves": curves,
+                      "agree": not problems, "problems": problems}, indent=2))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
