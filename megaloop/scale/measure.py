@@ -57,6 +57,10 @@ class StepMemory(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         return out
 
+    def __enter__(self):
+        super().__enter__()
+        return self
+
     def _free(self, pointer: int) -> None:
         self.live -= self._sizes.pop(pointer, 0)
 

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Tokenize FineWeb-Edu (parquet or jsonl) into Megatron .bin/.idx files over MPI: every rank reads
+# its share of the input files and the ranks merge one output, byte-identical to a single-process
+# run. Submit from the repository root (CPU nodes suffice):
+#
+#   INPUT='/lustre/fineweb-edu/sample/10BT/*.parquet' OUTPUT=/lustre/fwe/fwe \
+#   TOKENIZER=/lustre/tok/t5.model sbatch --nodes 4 slurm/preprocess.sh
+#
+# writes $OUTPUT_text_document.bin/.idx. mpiexec (the `mpi` extra's MPICH, or the system's) starts
+# TASKS_PER_NODE ranks per node of the allocation; each runs WORKERS tokenizer processes.
+# Extra arguments go to tools/preprocess_data.py (e.g. --min-int-score 3).
+#SBATCH --job-name=preprocess
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=32
+#SBATCH --time=12:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+: "${INPUT:?set INPUT to files, directories or globs of .parquet/.jsonl}"
+: "${OUTPUT:?set OUTPUT to the output prefix}"
+: "${TOKENIZER:?set TOKENIZER to the SentencePiece model}"
+TASKS_PER_NODE="${TASKS_PER_NODE:-1}"
+WORKERS="${WORKERS:-${SLURM_CPUS_PER_TASK:-8}}"
+# shellcheck source=slurm/common.sh
+source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+
+PREPROCESS_ARGS=(
+  --input "$INPUT" --output-prefix "$OUTPUT"
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER"
+  --append-eod --workers "$WORKERS"
+)
+# $INPUT stays quoted: the tool expands globs itself, on every rank alike.
+mpiexec -n "$(( ${SLURM_NNODES:-1} * TASKS_PER_NODE ))" -ppn "$TASKS_PER_NODE" \
+  python tools/preprocess_data.py "${PREPROCESS_ARGS[@]}" "$@"

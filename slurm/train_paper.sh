@@ -1,0 +1,54 @@
+#!/bin/bash
+# The paper's LLaMA-family runs (60M, 135M, 350M, 1B; sequence 1024, global batch 512, the step
+# counts of He et al.'s LLR repository, AdamW 0.9/0.95, weight decay 0.1, clip 1.0, 10% warmup,
+# cosine to 0.1 of the peak LR 1e-3) on one node of 8 GPUs, data parallel. Submit from the
+# repository root, one job per size and architecture:
+#
+#   export DATA=/lustre/fwe/fwe_text_document TOKENIZER=/lustre/tok/t5.model
+#   for preset in 60M 135M 350M 1B; do
+#     for arch in dense fullloop asymloop; do
+#       sbatch --job-name="$arch-$preset" slurm/train_paper.sh "$preset" "$arch"
+#     done
+#   done
+#
+# AsymLoop runs K=3 and Full Loop R=2 (effective depth 2L). A depth-matched Dense baseline doubles
+# the layers (e.g. `... 135M dense model.num_layers=24`); ALRS adds `train.use_alrs=true`.
+# Extra arguments are megaloop-train overrides. DRY_RUN=1 prints what the job would run.
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=16
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@600
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+PRESET="${1:?usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH(dense|fullloop|asymloop) [overrides]}"
+ARCH="${2:?usage: train_paper.sh PRESET ARCH [overrides]}"
+shift 2
+: "${DATA:?set DATA to the dataset prefix from tools/preprocess_data.py}"
+: "${TOKENIZER:?set TOKENIZER to the SentencePiece model (T5, vocabulary 32128 padded)}"
+# shellcheck source=slurm/common.sh
+source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+
+declare -A STEPS=([60M]=3200 [135M]=5200 [350M]=13600 [1B]=40000)
+declare -A MICRO_BATCH=([60M]=32 [135M]=32 [350M]=16 [1B]=8)
+if [ -z "${STEPS[$PRESET]:-}" ]; then
+  echo "error: PRESET=$PRESET: one of ${!STEPS[*]}" >&2
+  exit 2
+fi
+RUN_DIR="${RUN_DIR:-runs/${ARCH}_${PRESET}}"
+
+MODEL_ARGS=(--preset "$PRESET" model.arch="$ARCH")
+TRAINING_ARGS=(
+  train.global_batch_size=512 train.micro_batch_size="${MICRO_BATCH[$PRESET]}"
+  train.train_steps="${STEPS[$PRESET]}" train.lr=1e-3 train.min_lr_ratio=0.1
+  train.warmup_fraction=0.1 train.weight_decay=0.1 train.clip_grad=1.0
+  train.eval_interval=500 train.eval_depths="[1,3,5]"
+)
+DATA_ARGS=(data.path="[$DATA]" data.tokenizer_model="$TOKENIZER")
+OUTPUT_ARGS=(train.out_dir="$RUN_DIR" checkpoint.save_interval=500)
+
+mkdir -p "$RUN_DIR"
+megaloop_train "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

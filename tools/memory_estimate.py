@@ -1,0 +1,66 @@
+"""Per-GPU memory of a run config under its parallel layout, and the layouts that fit. Prints JSON.
+
+    python tools/memory_estimate.py --preset 7B --config examples/configs/asymloop_7b.yaml \\
+        --world-size 128 --gpu-memory-gib 80 [section.field=value ...]
+
+Parameters, gradients, optimizer states (with or without the distributed optimizer), activations
+(with or without recomputation, the Global KV and the K iterations' saved activations) and working
+memory, per pipeline stage, in GiB; the model and rules are megaloop.scale.memory's. ``--device
+cpu`` estimates a CPU run (local spec, fp32 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", help="model size preset (as megaloop-train)")
+    parser.add_argument("--config", help="YAML run config (as megaloop-train)")
+    parser.add_argument("--world-size", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
+    args = parser.parse_args(argv)
+
+    from megaloop.config import ConfigError
+    from megaloop.scale.layout import layout_of, stage_layout
+    from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, \
+        fitting_layouts
+    from megaloop.train import build_config
+
+    # The data section plays no part in an estimate: a placeholder (last, so that it wins)
+    # satisfies the config's validation.
+    placeholder = ["data.path=[unused]", "data.tokenizer_model=null", "data.eod_id=0"]
+    train_args = [a for flag in ("preset", "config") if getattr(args, flag)
+                  for a in (f"--{flag}", getattr(args, flag))]
+    try:
+        cfg, _ = build_config(train_args + args.overrides + placeholder)
+        layout = layout_of(cfg.parallel, args.world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    device_bytes = int(args.gpu_memory_gib * GIB)
+    stages = [estimate(cfg, layout, device=args.device, stage=s)
+              for s in range(len(stage_layout(cfg.model, layout.pipeline)))]
+    busiest = max(stages, key=lambda e: e.total)
+    fitting = fitting_layouts(cfg, args.world_size, device_bytes, device=args.device)
+    print(json.dumps({
+        "layout": layout.name, "layout_fields": dataclasses.asdict(layout),
+        "stages": [e.as_dict() for e in stages],
+        "needed_gib": round((busiest.total * FRAGMENTATION + OVERHEAD_BYTES) / GIB, 2),
+        "gpu_memory_gib": args.gpu_memory_gib,
+        "fits": busiest.fits(device_bytes),
+        "fitting_layouts_cheapest_first": [
+            {"layout": found.name, "total_gib": round(est.total / GIB, 2)}
+            for found, est in fitting[:5]],
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
