@@ -61,3 +61,27 @@ def test_compare_curves_catches_a_difference():
     assert line.startswith("tp2,recompute: step 1") and "exactly" in line
     [line] = compare_curves({"single": reference, "pp2": {1: 5.0}})
     assert line == "pp2: steps [1] differ from single's [1, 2]"
+
+
+def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from megaloop.config import save_yaml
+
+    data = write_pattern_dataset(tmp_path / "pattern")
+    save_yaml(tiny_run(data, tmp_path / "unused"), tmp_path / "run.yaml")
+    tool = [sys.executable, "tools/loss_compare.py", "--config", str(tmp_path / "run.yaml"),
+            "--steps", "2", "--out", str(tmp_path / "out")]
+    result = subprocess.run(tool + ["--layouts", "single", "pp2"], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["agree"] and report["curves"]["pp2"] == report["curves"]["single"]
+    assert list(report["curves"]["single"]) == ["1", "2"]
+    bad = subprocess.run(tool + ["--layouts", "single", "tp2,sp,pp3"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith("error: parallel.pipeline=3: must be 1 or 2 for "
+                                 "model.arch=asymloop")

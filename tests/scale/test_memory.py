@@ -98,3 +98,27 @@ def test_the_7b_recipe_fits_80_gb_and_the_estimate_says_which_layouts_do():
     assert not estimate(one_gpu_model.apply(cfg), one_gpu_model).fits(80 * GIB)
     fitting = [layout for layout, _ in fitting_layouts(cfg, 128, 80 * GIB)]
     assert recipe in fitting and one_gpu_model not in fitting
+
+
+def _memory_tool(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "tools/memory_estimate.py", *args],
+                          capture_output=True, text=True)
+
+
+def test_memory_tool_prints_every_stage_and_refuses_a_layout_the_world_cannot_hold():
+    import json
+
+    result = _memory_tool("--preset", "350M", "--world-size", "8", "parallel.pipeline=2",
+                          "model.arch=asymloop")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["layout"] == "pp2,dp4" and [s["stage"] for s in report["stages"]] == [0, 1]
+    # The decoder stage runs its layers K=3 times: it holds more activations.
+    assert report["stages"][1]["activations"] > report["stages"][0]["activations"]
+    bad = _memory_tool("--preset", "350M", "--world-size", "6", "parallel.tensor=4")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("error: parallel.tensor=4 x parallel.pipeline=1 = 4 does not "
+                                 "divide the world size 6") and bad.stderr.count("\n") == 1

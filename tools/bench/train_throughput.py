@@ -1,7 +1,15 @@
-"""Training throughput of megaloop's Dense Trainer against a plain megatron-core GPTModel loop on the
-same config, data, optimizer and schedule, in one process. Prints JSON.
+"""Training throughput, two rows. Prints JSON.
 
-    python tools/bench/train_throughput.py [--hidden 256 --layers 4 --seq 256 --steps 6 --rounds 3]
+1. ``dense``: megaloop's Dense Trainer against a plain megatron-core GPTModel loop on the same
+   config, data, optimizer and schedule, in one process.
+2. ``looped``: AsymLoop (K=3) trained by ``megaloop.train`` under TP=2 and under PP=2 (two
+   processes of one thread each) against one process of two threads, tokens/s ratio. Each layout
+   is a torchrun launch of ``--looped-steps`` steps (the first two, warm-up, are not counted),
+   repeated ``--rounds`` times in alternation; the figure is the median step time from
+   metrics.jsonl.
+
+    python tools/bench/train_throughput.py [--rows dense looped] [--hidden 256 --layers 4
+        --seq 256 --steps 6 --rounds 3 --looped-steps 8]
 
 Both loops use DDP, the distributed optimizer and get_forward_backward_func over the same
 megatron-core GPTDataset. They run in alternating blocks of ``--steps`` steps so that machine noise
@@ -92,24 +100,13 @@ class PlainGPTLoop:
         self.scheduler.step(increment=1)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=6, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per loop")
-    args = parser.parse_args(argv)
-
+def dense_row(args) -> dict:
+    """megaloop's Dense training loop against plain megatron-core GPTModel loops."""
     from megaloop.config import (CheckpointConfig, DataConfig, ModelConfig, RunConfig,
                                  TrainConfig)
-    from megaloop.train import _quiet_third_party_warnings
     from megaloop.training.data import MicroBatches
     from megaloop.training.trainer import Trainer
 
-    _quiet_third_party_warnings()
     total_steps = 2 * args.steps * args.rounds + 10
     with tempfile.TemporaryDirectory() as tmp:
         prefix = write_dataset(Path(tmp) / "bench", args.vocab)
@@ -157,6 +154,85 @@ def main(argv=None):
         "ratio_vs_plain_mcore_local_spec": median["plain_mcore_local_spec"] / median["megaloop"],
     }
     result["goal_met"] = result["ratio_vs_plain_mcore_sdpa"] >= 0.95
+    return result
+
+
+LOOPED_LAYOUTS = ("single", "tp2", "pp2")
+
+
+def looped_row(args, tmp: Path) -> dict:
+    """AsymLoop tokens/s under TP=2 and PP=2 against one process, with the same two cores."""
+    import os
+    import subprocess
+    import sys
+
+    from megaloop.config import (CheckpointConfig, DataConfig, ModelConfig, RunConfig,
+                                 TrainConfig, save_yaml)
+    from megaloop.scale.layout import parse_layout
+    from megaloop.scale.loss_compare import read_curve
+
+    prefix = write_dataset(tmp / "looped", args.vocab)
+    base = RunConfig(
+        model=ModelConfig(arch="asymloop", iterations=3, num_layers=args.layers,
+                          hidden_size=args.hidden, ffn_hidden_size=int(2.6875 * args.hidden),
+                          num_attention_heads=args.heads, vocab_size=args.vocab,
+                          seq_length=args.seq),
+        train=TrainConfig(micro_batch_size=2, global_batch_size=8, train_steps=args.looped_steps,
+                          tensorboard=False, log_interval=1),
+        data=DataConfig(path=[prefix], split="100,0,0", eod_id=0),
+        checkpoint=CheckpointConfig(resume=False))
+    times = {name: [] for name in LOOPED_LAYOUTS}
+    for round_index in range(args.rounds):
+        for name in LOOPED_LAYOUTS:
+            layout = parse_layout(name)
+            run_dir = tmp / f"{name}_{round_index}"
+            cfg = layout.apply(base)
+            cfg.train.out_dir = str(run_dir)
+            run_dir.mkdir()
+            save_yaml(cfg, run_dir / "run.yaml")
+            threads = 2 // layout.world_size  # the same two cores for every layout
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
+                            "--config", str(run_dir / "run.yaml")], check=True,
+                           capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+            read_curve(run_dir)  # a run without a complete log fails here
+            records = [json.loads(line) for line in
+                       (run_dir / "metrics.jsonl").read_text().splitlines()]
+            times[name] += [r["step_time_s"] for r in records
+                            if r.get("kind") == "train" and r["step"] > 2]
+    tokens = base.train.global_batch_size * args.seq
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {"config": {"arch": "asymloop", "iterations": 3, "hidden": args.hidden,
+                       "layers": args.layers, "seq": args.seq, "global_batch": 8,
+                       "micro_batch": 2, "cores": 2},
+            "tokens_per_s": {name: tokens / t for name, t in median.items()},
+            "ratio_tp2_vs_single": median["single"] / median["tp2"],
+            "ratio_pp2_vs_single": median["single"] / median["pp2"]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", nargs="+", choices=("dense", "looped"),
+                        default=["dense", "looped"])
+    parser.add_argument("--looped-steps", type=int, default=8, help="steps per looped launch")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per loop")
+    args = parser.parse_args(argv)
+
+    from megaloop.train import _quiet_third_party_warnings
+
+    _quiet_third_party_warnings()
+    result = {}
+    if "dense" in args.rows:
+        result["dense"] = dense_row(args)
+    if "looped" in args.rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["looped"] = looped_row(args, Path(tmp))
     print(json.dumps(result, indent=2))
 
 
