@@ -13,6 +13,7 @@ disagree, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
     from megaloop.scale.loss_compare import save_seed_checkpoint
 
     out = Path(args.out)
-    seed = save_seed_checkpoint(cfg, str(out / "seed"))
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only
+        seed = save_seed_checkpoint(cfg, str(out / "seed"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     curves = {}
     for text, layout in zip(args.layouts, layouts):

@@ -19,7 +19,7 @@ With full recomputation a layer application keeps only its input, and one layer'
 are rebuilt at a time. AsymLoop's Global KV (once per forward) stays saved, whatever the
 recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches.
 The head adds the fp32 softmax megatron-core's vocab-parallel cross-entropy keeps (N x V / TP),
-and the logits in the activation dtype while it runs.
+and, in bf16, the logits while it runs (in fp32 it works on them in place).
 
 The element counts of ``_layer_saved`` follow megatron-core's local (CPU) layers, and are checked
 against measured CPU training steps in the tests; the Transformer Engine variant differs where TE
@@ -200,7 +200,9 @@ def estimate(cfg: RunConfig, layout: Layout, *, device: str = "gpu",
     in_flight = min(layout.pipeline - stage, _microbatches(cfg, layout))
     # At the peak: the logits in the activation dtype next to the fp32 softmax; the layer that
     # recomputation rebuilds; the gradient of one layer's output and input.
-    transient = (act_bytes * vocab_split if this.head else 0) + 2 * layer_input
+    # (In fp32 the cross-entropy works on the logits in place: no second copy.)
+    logits = act_bytes * vocab_split if this.head and act_bytes != 4 else 0
+    transient = logits + 2 * layer_input
     if layout.recompute:
         transient += largest_layer
     return MemoryEstimate(stage, params, int(weights), int(grads), int(optimizer),
