@@ -4,8 +4,8 @@ losses; and the comparison itself catches what it must."""
 
 import pytest
 
-from megaloop.scale.loss_compare import compare_curves, save_seed_checkpoint, train_curve
-from tests.distributed import run_distributed
+from megaloop.scale.loss_compare import compare_curves
+from tests.scale.layouts import layout_curves
 from tests.training.conftest import tiny_run, write_pattern_dataset
 
 STEPS = 8
@@ -13,29 +13,12 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The tiny AsymLoop run config, its seed checkpoint, and a curve-per-layout helper."""
+    """Curves of the tiny AsymLoop run config under the given layouts, from one seed."""
     root = tmp_path_factory.mktemp("layouts")
     data = write_pattern_dataset(root / "pattern")
     cfg = tiny_run(data, root / "unused", train={"train_steps": STEPS, "global_batch_size": 8})
-    seed = save_seed_checkpoint(cfg, str(root / "seed"))
-
-    def curves(*layouts):
-        out = {}
-        for layout in layouts:
-            world = 1 if layout == "single" else None
-            out_dir = str(root / layout.replace(",", "_"))
-            kwargs = dict(cfg=cfg, layout=layout, seed_checkpoint=seed, out_dir=out_dir)
-            if world == 1:
-                out[layout] = train_curve(0, 1, **kwargs)
-            else:
-                from megaloop.scale.layout import parse_layout
-
-                size = parse_layout(layout).world_size
-                out[layout] = run_distributed(train_curve, world_size=size, **kwargs)[0]
-            assert sorted(out[layout]) == list(range(1, STEPS + 1)), layout
-        return out
-
-    return curves
+    runs = iter(range(100))
+    return lambda *layouts: layout_curves(cfg, layouts, root / str(next(runs)), STEPS)
 
 
 def test_sequence_parallel_trains_to_the_tensor_parallel_losses(mcore, run):

@@ -50,7 +50,7 @@ def _measure(rank, world_size, data_prefix, out_dir, model, parallel, global_bat
         est = estimate(cfg, layout_of(cfg.parallel, world_size), device="cpu",
                        stage=ps.get_pipeline_model_parallel_rank())
     finally:
-        trainer._restore_signal_handlers()
+        trainer.close()
     return est, measured
 
 

@@ -1,28 +1,20 @@
-"""Parallel layouts change nothing: DP=2, TP=2, PP=2 (Dense, and AsymLoop split at its encoder) and
-EP=2 (MoE; dense weights data-parallel with the distributed optimizer) train to the same losses as
-one process, and TP=2 / EP=2 checkpoints load into one process with the same logits."""
+"""Parallel layouts change nothing: DP=2, TP=2, PP=2 (Dense, and AsymLoop split at its encoder)
+and EP=2 (MoE; dense weights data-parallel with the distributed optimizer) train to the same losses
+as one process (megaloop.scale.loss_compare's rules), and TP=2 / EP=2 checkpoints load into one
+process with the same logits."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
+from megaloop.scale.loss_compare import compare_curves
 from tests.distributed import run_distributed
-from tests.training.conftest import tiny_run, train_losses, write_pattern_dataset
+from tests.scale.layouts import layout_curves
+from tests.training.conftest import tiny_run, write_pattern_dataset
 
 STEPS = 10
 MOE = {"num_experts": 4, "moe_top_k": 2}
-
-
-def _train(rank, world_size, data_prefix, out_dir, seed_checkpoint, model=None, parallel=None):
-    from megaloop.training.trainer import Trainer
-
-    out = Path(out_dir)
-    cfg = tiny_run(data_prefix, out, model=model, parallel=parallel,
-                   train={"train_steps": STEPS, "global_batch_size": 8},
-                   checkpoint={"load": seed_checkpoint, "load_optimizer": False})
-    Trainer(cfg).train()
-    return train_losses(out) if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -30,30 +22,30 @@ def data(tmp_path_factory):
     return write_pattern_dataset(tmp_path_factory.mktemp("pdata") / "pattern")
 
 
-@pytest.mark.parametrize("name, model, parallel", [
-    ("dp2_asymloop", {}, {}),
-    ("pp2_dense", {"arch": "dense", "iterations": 1}, {"pipeline": 2}),
-    ("pp2_asymloop", {}, {"pipeline": 2}),  # encoder | Global KV + decoder loop + head
-    ("tp2_asymloop", {}, {"tensor": 2}),
-    ("ep2_moe_asymloop", MOE, {"expert": 2}),  # each rank holds half the experts
-    ("dp2_moe_asymloop", MOE, {}),
-    ("ep2_latentloop", {"arch": "latentloop", "iterations": 2, **MOE}, {"expert": 2}),
+@pytest.mark.parametrize("model, layouts", [
+    ({}, ["dp2", "pp2", "tp2"]),  # AsymLoop; pp2: encoder | Global KV + decoder loop + head
+    ({"arch": "dense", "iterations": 1}, ["pp2"]),
+    # MoE: each EP rank holds half the experts; dense weights data-parallel with the distributed
+    # optimizer.
+    (MOE, ["ep2", "dp2"]),
+    ({"arch": "latentloop", "iterations": 2, **MOE}, ["ep2"]),
 ])
-def test_parallel_layout_matches_single_process(mcore, data, tmp_path, name, model, parallel):
-    from megaloop.training.trainer import Trainer
+def test_parallel_layouts_match_single_process(mcore, data, tmp_path, model, layouts):
+    # Every layout starts from one seed checkpoint (torchtitan's practice): initialisation draws
+    # differ between layouts, since each pipeline stage and TP rank seeds its own part.
+    cfg = tiny_run(data, tmp_path / "unused", model=model,
+                   train={"train_steps": STEPS, "global_batch_size": 8})
+    assert compare_curves(layout_curves(cfg, ["single", *layouts], tmp_path, STEPS)) == []
 
-    # A seed checkpoint (torchtitan's practice): initialisation draws differ between layouts
-    # (each pipeline stage seeds its own layers), so every run starts from the same saved weights.
-    seed = tmp_path / "seed"
-    Trainer(tiny_run(data, seed, model=model)).save()
-    seed_checkpoint = str(seed / "checkpoints")
-    _train(0, 1, data, tmp_path / "single", seed_checkpoint, model=model)
-    expected = train_losses(tmp_path / "single")
-    losses = run_distributed(_train, world_size=2, data_prefix=data, out_dir=str(tmp_path / name),
-                             seed_checkpoint=seed_checkpoint, model=model, parallel=parallel)[0]
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for step in expected:
-        assert losses[step] == pytest.approx(expected[step], rel=2e-5, abs=2e-5), step
+
+@pytest.mark.xfail(strict=True, reason="known: MoE under TP=2 + SP trains 2e-5 away from one "
+                   "process by step 3 (dense layouts stay within 1.1e-7; TP=2 + SP MoE logits and "
+                   "gradients match TP=1 without the trainer's per-token loss scaling)")
+def test_moe_with_tensor_and_sequence_parallelism_matches_single_process(mcore, data, tmp_path):
+    # megatron-core's MoE layer needs sequence parallelism with tensor parallelism.
+    cfg = tiny_run(data, tmp_path / "unused", model=MOE,
+                   train={"train_steps": STEPS, "global_batch_size": 8})
+    assert compare_curves(layout_curves(cfg, ["single", "tp2,sp"], tmp_path, STEPS)) == []
 
 
 def _parallel_then_single_logits(rank, world_size, data_prefix, out_dir, model, parallel):

@@ -143,7 +143,7 @@ def dense_row(args) -> dict:
                     start = time.perf_counter()
                     step(data[name])
                     times[name].append(time.perf_counter() - start)
-        trainer.monitor.close()
+        trainer.close()
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     median = {name: statistics.median(t) for name, t in times.items()}
     result = {
