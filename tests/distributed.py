@@ -41,10 +41,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # report everything, the test decides
             results.put((rank, False, traceback.format_exc()))
         finally:
-            from megatron.core import parallel_state
+            from megaloop.platform.distributed import destroy_model_parallel
 
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
+            destroy_model_parallel()
     dist.destroy_process_group()
 
 

@@ -123,8 +123,7 @@ def init_distributed(
     check_world_size(ParallelConfig(tensor=tensor_parallel, pipeline=pipeline_parallel,
                                     expert=expert_parallel), dist.get_world_size())
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -133,3 +132,22 @@ def init_distributed(
     mcore_tp.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return launch
+
+
+def destroy_model_parallel() -> None:
+    """Tears down megatron-core's model-parallel groups and releases their communicators.
+
+    megatron-core's own ``destroy_model_parallel`` only forgets its group handles; torch keeps every
+    group alive (gloo holds about 50 threads per set-up), so a process that re-initialises for each
+    run, such as a test worker or a notebook, gathers thousands of idle threads. The default group
+    is kept.
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.destroy_model_parallel()
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)

@@ -1,5 +1,7 @@
 """Launcher detection (torchrun, SLURM, MPI) and multi-process initialisation."""
 
+import os
+
 import pytest
 import torch
 
@@ -101,3 +103,23 @@ def test_mpiexec_launch(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert lines == ["mpi 0 2 3.0", "mpi 1 2 3.0"]
+
+
+def _threads_over_repeated_set_ups(rank, world_size, repeats):
+    import threading
+
+    from megaloop.platform.distributed import init_distributed
+
+    counts = []
+    for _ in range(repeats):
+        init_distributed(tensor_parallel=2)
+        counts.append(threading.active_count() + len(os.listdir("/proc/self/task")))
+    return counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_repeated_set_ups_release_the_previous_groups():
+    """Each set-up builds a dozen gloo groups; without releasing them a test worker or a notebook
+    that re-initialises per run gathers ~50 threads a time until the machine crawls."""
+    for counts in run_distributed(_threads_over_repeated_set_ups, world_size=2, repeats=4):
+        assert counts[-1] <= counts[1], counts
