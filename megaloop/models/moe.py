@@ -21,7 +21,8 @@ import contextlib
 import torch
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
+                                                     compute_routing_scores_for_aux_loss,
                                                      get_tokens_per_expert_and_token_count,
                                                      switch_load_balancing_loss_func, z_loss_func)
 from megatron.core.transformer.moe.router import TopKRouter
@@ -136,6 +137,33 @@ class LoopedRouter(TopKRouter):
 
     def set_layer_number(self, layer_number: int) -> None:
         self.global_layer_number = layer_number  # the tracker's slot stays None (see class doc)
+
+    # The trainer's loss is a sum over tokens that finalize_model_grads divides by the token count
+    # (calculate_per_token_loss). megatron-core 0.16 then scales each auxiliary loss by the tokens
+    # *this rank* routes; under sequence parallelism that is 1/tp of them, while the router's
+    # gradient is summed over the tensor-parallel ranks and divided by the whole count, so both
+    # auxiliary losses reached the gradient at 1/tp of their weight at TP=1. The two overrides below
+    # scale by the tokens of the whole tensor-parallel group instead.
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss,
+                                           aux_loss_name, reduce_group, reduce_group_has_dp=False,
+                                           valid_token_count=None):
+        if self.calculate_per_token_loss:
+            local = activation.shape[0] if valid_token_count is None else valid_token_count
+            valid_token_count = local * self.tp_cp_group.size()
+        return super().attach_and_log_load_balancing_loss(
+            activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+            reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count)
+
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask=None):
+        coeff = self.config.moe_z_loss_coeff
+        if not (self.calculate_per_token_loss and coeff and self.training
+                and torch.is_grad_enabled()):
+            return super().apply_z_loss(logits, padding_mask=padding_mask)
+        # coeff x (mean over this rank's tokens) x (its token count): the rank's share of the sum
+        # over all tokens, which the tensor-parallel reduction completes.
+        z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
+        local = logits.shape[0] if padding_mask is None else (~padding_mask).sum()
+        return MoEAuxLossAutoScaler.apply(logits, z_loss * local)
 
     def routing(self, logits: torch.Tensor, padding_mask=None):
         probs, routing_map = super().routing(logits, padding_mask)
