@@ -141,3 +141,31 @@ def test_every_rank_raises_rank_zeros_storage_error(mcore, pattern_data, tmp_pat
     messages = run_distributed(_refused_on_every_rank, world_size=2, data_prefix=pattern_data,
                                out_dir=str(blocker / "run"))
     assert messages[0] == messages[1] and "is a file, not a directory" in messages[0]
+
+
+@pytest.mark.parametrize("error", ["ENOLCK", "EOPNOTSUPP"])
+def test_a_filesystem_without_locks_warns_and_runs(tmp_path, monkeypatch, caplog, error):
+    """Lustre mounted noflock answers flock with ENOLCK: the run goes on, and says it is unguarded.
+    Any other OSError is a real fault and propagates."""
+    import errno
+    import fcntl
+    import logging
+
+    from megaloop.training.run_dir import RunLock
+
+    def no_locks(*args):
+        raise OSError(getattr(errno, error), os.strerror(getattr(errno, error)))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING):
+        lock = RunLock(tmp_path, "train.out_dir")
+    lock.release()
+    assert f"{tmp_path / LOCK_FILE}: the filesystem does not support file locks" in caplog.text
+    assert "will not be detected" in caplog.text
+
+    def io_error(*args):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fcntl, "flock", io_error)
+    with pytest.raises(OSError, match="I/O error"):
+        RunLock(tmp_path, "train.out_dir")
