@@ -5,9 +5,12 @@
     logits = model(tokens)                       # [B, N, V]
     losses = model(tokens, labels=labels)        # per-token cross-entropy [B, N]
     deeper = model(tokens, num_iterations=6)     # test-time depth
+    trained = ml.load("runs/asym/checkpoints")   # a checkpoint's model and weights
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -18,18 +21,54 @@ def build(preset_name: str = "tiny", *, seed: int = 1234, **overrides):
     Sets up a one-process group (gloo on CPU) and megatron-core's parallel state unless a process
     group already exists, in which case the caller's setup is used as it is.
     """
-    from megatron.core import parallel_state
+    from megaloop.presets import preset
+
+    return _build(preset(preset_name, **overrides), seed)
+
+
+def _build(cfg, seed: int):
+    from megatron.core import parallel_state, tensor_parallel
 
     from megaloop.models.model import build_model
     from megaloop.platform.distributed import init_distributed
-    from megaloop.presets import preset
 
-    cfg = preset(preset_name, **overrides)
     if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
         init_distributed(seed=seed)
     # Reseeded on every call: the same seed gives the same weights however often build() is called.
-    from megatron.core import tensor_parallel
-
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return build_model(cfg)
+
+
+def load(checkpoint: str | os.PathLike, **overrides):
+    """The model of a megaloop checkpoint, with its weights, in eval mode in this process.
+
+    ``checkpoint``: an ``iter_N`` directory, or a run's checkpoint directory (its ``latest`` is
+    taken); any tensor/pipeline layout it was saved in is resharded to this process. ``overrides``
+    may set the ModelConfig fields a loaded checkpoint lets change
+    (``checkpoint.RESUMABLE_MODEL_FIELDS``: ``iterations`` for test-time depth, the attention
+    kernel, ...). Raises CheckpointError naming the path or file when the checkpoint is missing
+    or incomplete, ConfigError for an override of a field the weights fix.
+    On a GPU the model is moved to the current device.
+    """
+    import dataclasses
+
+    from megaloop.config import ConfigError, ModelConfig, from_dict
+    from megaloop.training import checkpoint as ckpt
+
+    path = ckpt.find_checkpoint(checkpoint)
+    ckpt.verify_checkpoint(path)
+    fixed = [name for name in overrides if name not in ckpt.RESUMABLE_MODEL_FIELDS]
+    if fixed:
+        raise ConfigError(f"model.{fixed[0]}: fixed by the checkpoint {path}; a loaded model may "
+                          f"change only {', '.join(ckpt.RESUMABLE_MODEL_FIELDS)}")
+    try:
+        cfg = from_dict(ModelConfig, ckpt.saved_config(path)["model"], "model")
+    except ConfigError as e:
+        raise ckpt.CheckpointError(f"{path / 'config.yaml'}: {e}") from None
+    model = _build(dataclasses.replace(cfg, **overrides), seed=0)  # weights replaced below
+    if torch.cuda.is_available():
+        model.cuda()
+    state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})
+    model.load_state_dict(state["model"])
+    return model.eval()

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import secrets
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -405,7 +406,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """Training data: Megatron indexed datasets written by tools/preprocess_data.py."""
+    """Training data: Megatron indexed datasets written by tools/preprocess_data.py
+    (``format=indexed``), or prompt/solution records for supervised fine-tuning (``format=sft``,
+    megaloop.data.sft: .jsonl/.parquet files, loss on the solution tokens only)."""
 
     path: list[str] = field(default_factory=list)  # blend: [weight, prefix, ...] or [prefix, ...]
     split: str = "969,30,1"  # train,valid,test proportions of the blend
@@ -414,18 +417,55 @@ class DataConfig:
     eod_id: int | None = None  # only without tokenizer_model
     cache_dir: str | None = None  # shuffle-index cache; None: beside the first prefix
     eod_mask_loss: bool = False
+    format: Literal["indexed", "sft"] = "indexed"
+    # format=sft: Python format strings over a record's fields, tokenized separately.
+    sft_prompt: str = "{prompt}"
+    sft_solution: str = "{solution}"
 
     def validate(self, prefix: str = "data") -> None:
         from megaloop.data.tokenizer import TOKENIZER_TYPES
 
         _require(bool(self.path), prefix, "path", self.path,
-                 "a non-empty list of dataset prefixes (optionally weighted)")
+                 "a non-empty list of dataset prefixes (optionally weighted)"
+                 if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
+        if self.format == "sft":
+            self._validate_sft(prefix)
+        else:  # the SFT templates would be silently ignored
+            for name in ("sft_prompt", "sft_solution"):
+                _require(getattr(self, name) == getattr(DataConfig, name), prefix, name,
+                         getattr(self, name), "left at its default unless data.format='sft'")
         _require((self.tokenizer_model is None) != (self.eod_id is None), prefix,
                  "tokenizer_model", self.tokenizer_model, "given, or else data.eod_id (not both)")
         _require(self.tokenizer_type in TOKENIZER_TYPES, prefix, "tokenizer_type",
                  self.tokenizer_type, f"one of {', '.join(TOKENIZER_TYPES)}")
         _require(split_weights(self.split) is not None, prefix, "split", self.split,
                  "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'")
+
+    def _validate_sft(self, prefix: str) -> None:
+        _require(self.tokenizer_model is not None, prefix, "tokenizer_model",
+                 self.tokenizer_model, "given for data.format='sft' (records are text)")
+        for name in ("sft_prompt", "sft_solution"):
+            _require(template_fields(getattr(self, name)) is not None, prefix, name,
+                     getattr(self, name), "a format string naming record fields, e.g. "
+                     "'Question: {question}'")
+        # Nothing is cached, and the EOD closing each solution is how the model learns to stop.
+        _require(self.cache_dir is None, prefix, "cache_dir", self.cache_dir,
+                 "unset for data.format='sft' (its datasets cache nothing)")
+        _require(not self.eod_mask_loss, prefix, "eod_mask_loss", self.eod_mask_loss,
+                 "false for data.format='sft' (the EOD after a solution teaches the model to stop)")
+
+
+def template_fields(template: str) -> tuple[str, ...] | None:
+    """The record fields a format string names, in order of first use; None when it is malformed,
+    names no field, or uses positional, attribute or index fields ("{}", "{a.b}", "{a[0]}")."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError:
+        return None
+    names = [name for _, name, _, _ in parsed if name is not None]
+    if not names or not all(name.isidentifier() for name in names):
+        return None
+    return tuple(dict.fromkeys(names))
 
 
 def split_weights(split: str) -> list[float] | None:
@@ -458,7 +498,9 @@ class CheckpointConfig:
     # dp_reshardable: fast, fully parallel, reloadable only with the same TP/PP layout;
     # fully_reshardable: gathers optimizer state at save so any TP/PP/DP layout can resume.
     optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
-    load_optimizer: bool = True  # False: weights only (fine-tuning, a new parallel layout)
+    # False: only the weights of `load` (fine-tuning, a new parallel layout); the run's own
+    # checkpoints in `dir` still resume with optimizer and progress.
+    load_optimizer: bool = True
 
     def validate(self, prefix: str = "checkpoint") -> None:
         _require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")

@@ -1,4 +1,5 @@
-"""megaloop.api.build: one call, any preset and field, reproducible weights."""
+"""megaloop.api: build (one call, any preset and field, reproducible weights) and load (a
+checkpoint's model and weights)."""
 
 import pytest
 import torch
@@ -24,3 +25,31 @@ def test_build_rejects_bad_fields_in_one_line(mcore):
     with pytest.raises(ConfigError, match=r"unknown field model.hiden_size \(did you mean "
                                           r"hidden_size\?\)"):
         ml.build("tiny", hiden_size=3)
+
+
+def test_load_gives_the_saved_model_and_refuses_what_the_weights_fix(mcore, tmp_path):
+    from megaloop.config import RunConfig
+    from megaloop.training.checkpoint import CheckpointError, save_checkpoint
+
+    model = ml.build("tiny", arch="asymloop", iterations=2, hidden_size=32, ffn_hidden_size=64,
+                     num_attention_heads=2, vocab_size=256, seq_length=16, seed=3)
+    save_checkpoint(tmp_path / "ckpt", 7, {"model": model.sharded_state_dict()},
+                    RunConfig(model=model.cfg), keep_last=1)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, deeper = model(tokens), model(tokens, num_iterations=5)
+    loaded = ml.load(tmp_path / "ckpt")  # the run's checkpoint directory: its latest
+    assert not loaded.training and loaded.cfg == model.cfg
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), expected)
+        assert torch.equal(ml.load(tmp_path / "ckpt" / "iter_0000007", iterations=5)(tokens),
+                           deeper)
+    with pytest.raises(ConfigError, match=r"model.hidden_size: fixed by the checkpoint .*"
+                                          r"iter_0000007; a loaded model may change only "
+                                          r"iterations, joint_attention"):
+        ml.load(tmp_path / "ckpt", hidden_size=64)
+    with pytest.raises(CheckpointError, match=r"nowhere: no checkpoint there"):
+        ml.load(tmp_path / "nowhere")
+    (tmp_path / "ckpt" / "iter_0000007" / "common.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"common.pt: missing or truncated"):
+        ml.load(tmp_path / "ckpt")

@@ -309,15 +309,31 @@ def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
                           f"checkpoints (newest {complete[-1].name}) that this run would "
                           "overwrite; use another checkpoint.dir or remove them")
     if cfg.checkpoint.load:
-        path = Path(cfg.checkpoint.load)
-        if path.is_dir() and (path / LATEST).exists():
-            path = latest_checkpoint(path)
-        if not (path / "config.yaml").is_file():
+        path = named_checkpoint(cfg.checkpoint.load)
+        if path is None:
             raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: no checkpoint there "
                               "(expected a directory with config.yaml, or one with a 'latest' file)")
         verify_checkpoint(path)
         return path
     return None
+
+
+def named_checkpoint(path: str | os.PathLike) -> Path | None:
+    """Checkpoint ``path`` itself, or the one ``latest`` names when ``path`` is a run's checkpoint
+    directory; None when it is neither."""
+    path = Path(path)
+    if path.is_dir() and (path / LATEST).exists():
+        path = latest_checkpoint(path)
+    return path if (path / "config.yaml").is_file() else None
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """``named_checkpoint`` or a CheckpointError naming ``path``."""
+    found = named_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no checkpoint there (expected an iter_N directory with "
+                              "config.yaml, or a checkpoint directory with 'latest')")
+    return found
 
 
 def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bool) -> Path:

@@ -1,4 +1,5 @@
-"""Training and validation batches from megatron-core GPT datasets.
+"""Training and validation batches from megatron-core GPT datasets (``data.format=indexed``) or
+prompt/solution records for fine-tuning (``data.format=sft``, megaloop.data.sft).
 
 Sample order is a function of the dataset seed and of ``consumed_samples`` only, so a resumed run
 reads exactly the batches an uninterrupted run would, and the global batch is the same set of samples
@@ -22,14 +23,19 @@ from megaloop.training.collective import rank0_decides
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
 
 
+def text_tokenizer(cfg: RunConfig):
+    """The tokenizer ``data.tokenizer_model`` names (a ConfigError naming it when unusable)."""
+    data = cfg.data
+    try:
+        return load_tokenizer(data.tokenizer_type, data.tokenizer_model)
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
+
+
 def dataset_tokenizer(cfg: RunConfig) -> DatasetTokenizer:
     data, model = cfg.data, cfg.model
     if data.tokenizer_model is not None:
-        try:
-            text_tokenizer = load_tokenizer(data.tokenizer_type, data.tokenizer_model)
-        except TokenizerError as e:
-            raise ConfigError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
-        tokenizer = DatasetTokenizer.from_text_tokenizer(text_tokenizer)
+        tokenizer = DatasetTokenizer.from_text_tokenizer(text_tokenizer(cfg))
     else:
         tokenizer = DatasetTokenizer(model.vocab_size, data.eod_id, name=f"eod{data.eod_id}")
     if tokenizer.vocab_size > model.vocab_size:
@@ -42,6 +48,8 @@ def build_datasets(cfg: RunConfig):
     """(train, valid) megatron-core datasets sized for the whole run; raises DataError on bad files."""
     samples = (cfg.train.train_steps * cfg.train.global_batch_size,
                cfg.train.eval_iters * cfg.train.global_batch_size, 0)
+    if cfg.data.format == "sft":
+        return _build_sft_datasets(cfg, samples)
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, dataset_tokenizer(cfg), cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
@@ -53,6 +61,18 @@ def build_datasets(cfg: RunConfig):
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
     rank0_decides(lambda: check_token_ids(prefixes, cfg.model.vocab_size, cache_dir),
                   (DataError,))
+    return train, valid
+
+
+def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
+    from megaloop.data.sft import build_sft_datasets
+
+    dataset_tokenizer(cfg)  # the vocabulary check
+    train, valid, _ = build_sft_datasets(
+        cfg.data.path, text_tokenizer(cfg), cfg.model.seq_length, samples, split=cfg.data.split,
+        seed=cfg.train.seed, prompt=cfg.data.sft_prompt, solution=cfg.data.sft_solution)
+    if train is None:
+        raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no records")
     return train, valid
 
 

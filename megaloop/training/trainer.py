@@ -453,7 +453,10 @@ class Trainer:
                     param_state["step"] = torch.tensor(float(next(iter(steps))))
 
     def _load(self, path: Path) -> None:
-        weights_only = not self.cfg.checkpoint.load_optimizer
+        # checkpoint.load_optimizer=false concerns the checkpoint a run starts from
+        # (checkpoint.load); the run's own checkpoints always resume whole, fine-tuning included.
+        own = path.parent.resolve() == self.checkpoint_dir.resolve()
+        weights_only = not self.cfg.checkpoint.load_optimizer and not own
         saved = ckpt.saved_config(path)
         same_layout = ckpt.same_parallel_layout(saved, self.cfg)
         if not weights_only:
@@ -473,7 +476,7 @@ class Trainer:
         trainer = state["trainer"]
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
         self._resume_schedule(saved["train"], state["scheduler"], path)
-        if path.parent.resolve() == self.checkpoint_dir.resolve():
+        if own:
             self._last_saved_step = self.step  # this very checkpoint: no need to write it again
         cfg = self.cfg
         sample_order = {  # what decides which samples the following steps read

@@ -1,0 +1,81 @@
+"""Greedy decoding on the canonical model (megaloop.models, one process).
+
+    model = megaloop.api.load("runs/gsm8k/checkpoints")
+    out = greedy_generate(FullForward(model, num_iterations=6), prompt_ids, max_new_tokens=512,
+                          eos_id=tokenizer.eod, vocab_size=tokenizer.vocab_size)
+
+Decoding asks a *backend* for the logits of the next token: ``prefill(prompt)`` once, then
+``extend(token)`` per generated token. ``FullForward`` runs the whole sequence through the model
+at every step (no KV cache): each step costs a full forward over the tokens so far, but its logits
+are by construction those of the model's training forward, which makes it the reference a cached
+backend (Local KV per iteration and layer, Global KV per decoder layer) must reproduce; such a
+backend only has to provide the same two methods. Prompts are decoded one at a time: the model's
+attention is causal with no padding mask, so a left-padded batch would attend to its padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+class DecodeBackend(Protocol):
+    def prefill(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Starts a sequence; returns the logits [V] for the token after ``prompt``."""
+
+    def extend(self, token: int) -> torch.Tensor:
+        """Appends ``token``; returns the logits [V] for the token after it."""
+
+
+class FullForward:
+    """Uncached backend: the full forward of the model on the sequence so far, at every step.
+    ``num_iterations``: test-time depth (None: the model's configured K or R)."""
+
+    def __init__(self, model: torch.nn.Module, num_iterations: int | None = None):
+        self.model, self.num_iterations = model, num_iterations
+        self.device = next(model.parameters()).device
+        self.tokens: list[int] = []
+
+    def _logits(self) -> torch.Tensor:
+        ids = torch.tensor([self.tokens], dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            return self.model(ids, num_iterations=self.num_iterations)[0, -1].float()
+
+    def prefill(self, prompt: Sequence[int]) -> torch.Tensor:
+        if not prompt:
+            raise ValueError("an empty prompt gives the model nothing to continue")
+        self.tokens = [int(t) for t in prompt]
+        return self._logits()
+
+    def extend(self, token: int) -> torch.Tensor:
+        self.tokens.append(int(token))
+        return self._logits()
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the generated tokens, without the EOS that ended them
+    stopped_at_eos: bool  # False: max_new_tokens ran out first
+
+
+def greedy_generate(backend: DecodeBackend, prompt: Sequence[int], max_new_tokens: int,
+                    eos_id: int | None, vocab_size: int | None = None) -> Generation:
+    """Argmax decoding until ``eos_id`` or ``max_new_tokens`` tokens. ``vocab_size``: the
+    tokenizer's; the embedding's padding rows above it are never chosen (they decode to
+    nothing). Ties go to the lowest id, so decoding is deterministic."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    generated: list[int] = []
+    if max_new_tokens == 0:
+        return Generation(generated, False)
+    logits = backend.prefill(prompt)
+    while True:
+        token = int(torch.argmax(logits[:vocab_size]))
+        if token == eos_id:
+            return Generation(generated, True)
+        generated.append(token)
+        if len(generated) == max_new_tokens:
+            return Generation(generated, False)
+        logits = backend.extend(token)

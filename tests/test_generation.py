@@ -1,0 +1,90 @@
+"""Greedy decoding: every chosen token is the argmax of the full forward of the sequence before
+it (checked by one teacher-forced forward), deterministic, stopping at EOS or max_new_tokens,
+never choosing padding rows, at any test-time depth, with a swappable backend."""
+
+import pytest
+import torch
+
+import megaloop.api as ml
+from megaloop.generation import FullForward, Generation, greedy_generate
+
+PROMPT = [5, 17, 3, 99, 42, 8]
+
+
+@pytest.fixture(scope="module")
+def model(mcore):
+    m = ml.build("tiny", arch="asymloop", iterations=2, num_layers=2, hidden_size=32,
+                 ffn_hidden_size=64, num_attention_heads=2, vocab_size=128, seq_length=32,
+                 init_std=0.5).eval()  # large weights: varied, confident argmaxes
+    return m
+
+
+def teacher_forced_argmax(model, prompt, generated, num_iterations=None):
+    """argmax at each generated position from one forward of the whole final sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated]), num_iterations=num_iterations)[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(generated)].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("depth", [None, 4])
+def test_each_token_is_the_argmax_of_the_full_forward(model, depth):
+    out = greedy_generate(FullForward(model, num_iterations=depth), PROMPT, 10, eos_id=None)
+    assert len(out.tokens) == 10 and not out.stopped_at_eos
+    assert len(set(out.tokens)) > 1
+    assert out.tokens == teacher_forced_argmax(model, PROMPT, out.tokens, depth)
+    again = greedy_generate(FullForward(model, num_iterations=depth), PROMPT, 10, eos_id=None)
+    assert again == out
+
+
+def test_test_time_depth_changes_the_continuation(model):
+    shallow = greedy_generate(FullForward(model, num_iterations=1), PROMPT, 10, eos_id=None)
+    deep = greedy_generate(FullForward(model, num_iterations=6), PROMPT, 10, eos_id=None)
+    assert shallow.tokens != deep.tokens
+
+
+def test_stops_at_eos_without_emitting_it(model):
+    free = greedy_generate(FullForward(model), PROMPT, 8, eos_id=None).tokens
+    eos = free[3]
+    stop = free.index(eos)
+    out = greedy_generate(FullForward(model), PROMPT, 8, eos_id=eos)
+    assert out == Generation(free[:stop], True)
+    assert greedy_generate(FullForward(model), PROMPT, 0, eos_id=eos) == Generation([], False)
+
+
+def test_padding_rows_above_the_tokenizer_vocabulary_are_never_chosen(model):
+    free = greedy_generate(FullForward(model), PROMPT, 10, eos_id=None).tokens
+    limit = max(free)  # the largest id chosen so far becomes out of vocabulary
+    limited = greedy_generate(FullForward(model), PROMPT, 10, eos_id=None, vocab_size=limit)
+    assert max(limited.tokens) < limit
+    with torch.no_grad():
+        first = model(torch.tensor([PROMPT]))[0, -1]
+    assert limited.tokens[0] == int(first[:limit].argmax())
+
+
+class Scripted:
+    """A backend that replays fixed logits: the interface a cached backend implements."""
+
+    def __init__(self, rows):
+        self.rows, self.calls = [torch.tensor(r, dtype=torch.float) for r in rows], []
+
+    def prefill(self, prompt):
+        self.calls.append(("prefill", list(prompt)))
+        return self.rows[0]
+
+    def extend(self, token):
+        self.calls.append(("extend", token))
+        return self.rows[len(self.calls) - 1]
+
+
+def test_backend_protocol_and_ties_go_to_the_lowest_id():
+    backend = Scripted([[0, 3, 3, 1], [5, 0, 0, 0], [0, 0, 1, 9]])
+    out = greedy_generate(backend, [7, 7], 5, eos_id=3)
+    assert out == Generation([1, 0], True)
+    assert backend.calls == [("prefill", [7, 7]), ("extend", 1), ("extend", 0)]
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        greedy_generate(backend, [7], -1, eos_id=None)
+
+
+def test_empty_prompt_is_refused(model):
+    with pytest.raises(ValueError, match="empty prompt"):
+        greedy_generate(FullForward(model), [], 3, eos_id=None)

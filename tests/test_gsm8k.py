@@ -1,0 +1,177 @@
+"""GSM8K: answer normalisation and extraction rules, the fine-tuning recipe, and the whole path on
+a tiny model (fine-tune a checkpoint on real GSM8K records, save, greedy-decode test questions,
+score, write predictions) through the two tools."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megaloop import gsm8k
+from megaloop.data import DataError
+from tests.data.conftest import SHARED_DATA, SP_MODEL, _load_tool as load_tool
+
+GSM8K_TRAIN = SHARED_DATA / "gsm8k_train.jsonl"
+GSM8K_TEST = SHARED_DATA / "eval" / "gsm8k_test.jsonl"
+
+
+@pytest.mark.parametrize("text, number", [
+    ("1,234", "1234"), ("$1234.00", "1234"), ("1234.", "1234"), ("It is 1234.", "1234"),
+    ("-7", "-7"), ("\u22127", "-7"), ("-$5", "-5"), ("$-5", "-5"), ("0.50", "0.5"),
+    ("3.25 kg", "3.25"), ("12,345,678", "12345678"), ("-0", "0"), ("$ 5", "5"),
+    ("1,23", "1"), ("x2 then 9", "9"), ("10-5", "10"), ("no number", None), ("", None),
+])
+def test_normalize_answer(text, number):
+    assert gsm8k.normalize_answer(text) == number
+
+
+@pytest.mark.parametrize("generation, answer, rule", [
+    ("3 + 4 = <<3+4=7>>7 apples\n#### 7", "7", "####"),
+    ("so 1,000 + 234\n#### $1,234.00\nQuestion: then 99", "1234", "####"),
+    ("#### 5 #### 6", "5", "####"),
+    ("He pays 2 * 9 = 18 dollars.", "18", "last number"),  # missing ####: the last number
+    ("####", None, "####"),
+    ("#### none", None, "####"),
+    ("nothing numeric", None, None),
+])
+def test_extract_answer(generation, answer, rule):
+    assert gsm8k.extract_answer(generation) == (answer, rule)
+
+
+def test_reference_and_equality():
+    assert gsm8k.reference_answer("6 * 3 = <<6*3=18>>18\n#### 18") == "18"
+    assert gsm8k.reference_answer("The answer is 18") is None
+    assert gsm8k.same_number("18", "18.0") and not gsm8k.same_number("18", "18.5")
+    assert not gsm8k.same_number(None, "18")
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(mcore, tmp_path_factory) -> Path:
+    """A tiny model's checkpoint whose config names a tokenizer file that does not exist."""
+    import megaloop.api as ml
+    from megaloop.config import DataConfig, RunConfig
+    from megaloop.training.checkpoint import save_checkpoint
+
+    model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2)
+    base = RunConfig(model=model.cfg, data=DataConfig(path=["x"], tokenizer_model="tok.model"))
+    directory = tmp_path_factory.mktemp("base") / "checkpoints"
+    save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
+    return directory
+
+
+def test_recipe_is_the_papers_and_overridable(base_checkpoint, tmp_path):
+    cfg = gsm8k.finetune_config(base_checkpoint, ["train.jsonl"], str(tmp_path / "out"))
+    assert (cfg.train.lr, cfg.train.global_batch_size, cfg.train.warmup_fraction,
+            cfg.train.min_lr_ratio) == (1e-4, 32, 0.1, 0.0)
+    assert (cfg.model.seq_length, cfg.data.split, cfg.data.format) == (1024, "6973,500,0", "sft")
+    assert cfg.checkpoint.load == str(base_checkpoint / "iter_0000000")
+    assert not cfg.checkpoint.load_optimizer
+    assert cfg.data.tokenizer_model == "tok.model" and cfg.model.hidden_size == 32
+    tuned = gsm8k.finetune_config(base_checkpoint, ["train.jsonl"], str(tmp_path / "out"),
+                                  ["train.lr=3e-5", "model.seq_length=512"])
+    assert (tuned.train.lr, tuned.model.seq_length) == (3e-5, 512)
+
+
+def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
+    finetune, evaluate = load_tool("finetune_gsm8k").main, load_tool("eval_gsm8k").main
+    common = ["--base", str(base_checkpoint), "--data", "train.jsonl", "--out", str(tmp_path)]
+    cases = [
+        (finetune, common + ["--epochs", "1", "train.train_steps=5"],
+         "--epochs and train.train_steps both set the run's length"),
+        (finetune, common, "data.tokenizer_model='tok.model': tok.model: tokenizer file not found"),
+        (finetune, common + ["--epochs", "0", "data.tokenizer_model=null"],
+         "data.tokenizer_model=None: must be given for data.format='sft'"),
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl"], "tok.model: tokenizer file not "
+                                                                "found"),
+        (evaluate, [str(tmp_path / "none"), "--test", "t.jsonl"], "none: no checkpoint there"),
+    ]
+    for main, argv, message in cases:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
+    assert exit_.value.code == 2
+    assert not list(tmp_path.iterdir())  # nothing written by a refused run
+
+
+def test_a_reference_without_its_final_number_is_an_error_before_decoding():
+    records = [{"question": "q", "answer": "#### 3"}, {"question": "q", "answer": "3 apples"}]
+    with pytest.raises(DataError, match=r"test.jsonl: record 2: its answer has no '#### "
+                                        r"<number>' to score against \(ends '3 apples'\)"):
+        gsm8k.evaluate(None, None, records, source="test.jsonl")
+
+
+@pytest.fixture(scope="module")
+def gsm8k_files():
+    for path in (GSM8K_TRAIN, GSM8K_TEST, SP_MODEL):
+        if not path.is_file():
+            pytest.skip(f"{path} not available")
+    return GSM8K_TRAIN, GSM8K_TEST, SP_MODEL
+
+
+def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys):
+    import torch
+    import yaml
+
+    import megaloop.api as ml
+    from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
+    from megaloop.data import load_tokenizer
+    from megaloop.generation import FullForward, greedy_generate
+    from megaloop.training.trainer import Trainer
+
+    train_file, test_file, tokenizer_file = gsm8k_files
+    lines = train_file.read_text().splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join(lines[:12]) + "\n")
+    (tmp_path / "test.jsonl").write_text("\n".join(test_file.read_text().splitlines()[:2]) + "\n")
+    # The "pre-trained" checkpoint: initial weights of a tiny model with the LLaMA-2 vocabulary.
+    base = RunConfig(
+        model=ModelConfig(arch="asymloop", num_layers=2, hidden_size=32, ffn_hidden_size=64,
+                          num_attention_heads=2, vocab_size=32128, seq_length=512),
+        train=TrainConfig(out_dir=str(tmp_path / "base"), tensorboard=False),
+        data=DataConfig(path=[str(tmp_path / "train.jsonl")], format="sft", split="1",
+                        tokenizer_model=str(tokenizer_file), sft_prompt=gsm8k.PROMPT,
+                        sft_solution=gsm8k.SOLUTION),
+        checkpoint=CheckpointConfig())
+    seed = Trainer(base)
+    seed.save()
+    seed.close()
+
+    finetune = load_tool("finetune_gsm8k").main
+    run = tmp_path / "sft"
+    assert finetune(["--base", str(tmp_path / "base" / "checkpoints"), "--data",
+                     str(tmp_path / "train.jsonl"), "--out", str(run), "--epochs", "1",
+                     "model.seq_length=512", "train.global_batch_size=4",
+                     "train.micro_batch_size=4", "data.split=10,2,0", "train.eval_iters=1",
+                     "train.tensorboard=false", "train.log_interval=100"]) == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["train_steps"] == 3  # 1 epoch of the 10 training records at batch 4
+    assert saved["checkpoint"]["load"].endswith("iter_0000000")
+    assert (run / "checkpoints" / "iter_0000003").is_dir()
+    capsys.readouterr()
+
+    evaluate = load_tool("eval_gsm8k").main
+    predictions = tmp_path / "out" / "predictions.jsonl"
+    argv = [str(run / "checkpoints"), "--test", str(tmp_path / "test.jsonl"),
+            "--max-new-tokens", "6", "--predictions", str(predictions)]
+    assert evaluate(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["total"] == 2 and 0 <= summary["accuracy"] <= 1
+    assert summary["correct"] == round(summary["accuracy"] * 2)
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and [r["reference"] for r in rows] == ["18", "3"]
+    assert list(predictions.parent.iterdir()) == [predictions]  # no temporary left behind
+    tokenizer = load_tokenizer("SentencePieceTokenizer", tokenizer_file)
+    model = ml.load(run / "checkpoints")
+    for row, line in zip(rows, (tmp_path / "test.jsonl").read_text().splitlines()):
+        record = json.loads(line)
+        assert row["question"] == record["question"] and row["new_tokens"] <= 6
+        assert row["correct"] == gsm8k.same_number(row["prediction"], row["reference"])
+        assert row["prediction"] == gsm8k.extract_answer(row["generation"])[0]
+        prompt = tokenizer.encode_batch([gsm8k.PROMPT.format_map(record)])[0]
+        out = greedy_generate(FullForward(model), prompt, 6, tokenizer.eod, tokenizer.vocab_size)
+        assert tokenizer.decode(out.tokens) == row["generation"]
+        with torch.no_grad():  # each token the argmax of the full forward of what precedes it
+            logits = model(torch.tensor([prompt + out.tokens]))[0, len(prompt) - 1:-1]
+        assert out.tokens == logits[:, :tokenizer.vocab_size].argmax(-1).tolist()
+    assert evaluate(argv) == 0  # deterministic: the same predictions again
+    assert [json.loads(line) for line in predictions.read_text().splitlines()] == rows

@@ -1,0 +1,102 @@
+"""Fine-tuning through the ordinary trainer (data.format=sft): the loss and its gradients come from
+solution tokens only, and a fine-tuning run started from another checkpoint's weights resumes
+exactly."""
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
+from megaloop.training.trainer import Trainer
+from tests.sft import PROMPT, SOLUTION, arithmetic_records, train_tokenizer, write_jsonl
+from tests.training.conftest import train_losses
+
+
+@pytest.fixture(scope="module")
+def sft_files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sft")
+    records = arithmetic_records(24)
+    return (str(write_jsonl(directory / "train.jsonl", records)),
+            str(train_tokenizer(directory / "tok.model", records)))
+
+
+def sft_run(files, out_dir, *, train=None, checkpoint=None) -> RunConfig:
+    data, tokenizer = files
+    return RunConfig(
+        model=ModelConfig(arch="asymloop", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                          num_attention_heads=4, num_query_groups=2, vocab_size=512,
+                          seq_length=64, iterations=2),
+        train=dataclasses.replace(TrainConfig(micro_batch_size=2, global_batch_size=4,
+                                              train_steps=4, lr=3e-3, out_dir=str(out_dir),
+                                              log_interval=100, eval_iters=1,
+                                              tensorboard=False), **(train or {})),
+        data=DataConfig(path=[data], format="sft", tokenizer_model=tokenizer, split="20,4,0",
+                        sft_prompt=PROMPT, sft_solution=SOLUTION),
+        checkpoint=dataclasses.replace(CheckpointConfig(), **(checkpoint or {})))
+
+
+def test_prompt_and_padding_contribute_nothing_to_loss_and_gradients(mcore, sft_files, tmp_path):
+    trainer = Trainer(sft_run(sft_files, tmp_path, train={"global_batch_size": 2}))
+    samples = [trainer.train_data[i] for i in range(2)]
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    mask = batch["loss_mask"].bool()
+    assert mask.any() and (~mask).any()
+
+    def loss_and_grads(b):
+        trainer.ddp.zero_grad_buffer()
+        loss = trainer._run_microbatches(iter([b]), forward_only=False)
+        return loss, [p.main_grad.clone() for p in trainer.model.parameters()]
+
+    loss, grads = loss_and_grads(batch)
+    with torch.no_grad():  # an independent count: mean cross-entropy over the solution labels
+        logits = trainer.model(batch["tokens"])
+    expected = F.cross_entropy(logits[mask].double(), batch["labels"][mask])
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+
+    # Other labels on prompt and padding positions, other token ids in the padding: no change.
+    changed = {k: v.clone() for k, v in batch.items()}
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randint(3, 400, batch["labels"].shape, generator=generator)
+    changed["labels"][~mask] = noise[~mask]
+    ends = [int(row.nonzero().max()) + 2 for row in mask]  # first position after the final EOD
+    for row, end in enumerate(ends):
+        changed["tokens"][row, end:] = noise[row, end:]
+    assert not torch.equal(changed["labels"], batch["labels"])
+    assert any(end < batch["tokens"].shape[1] for end in ends)
+    same_loss, same_grads = loss_and_grads(changed)
+    assert same_loss == loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, same_grads))
+
+    # Every solution label counts: the first answer token and the closing EOD.
+    for position in (0, -1):
+        moved = {k: v.clone() for k, v in batch.items()}
+        where = mask[0].nonzero()[position]
+        moved["labels"][0, where] = (batch["labels"][0, where] + 1) % 400
+        other_loss, other_grads = loss_and_grads(moved)
+        assert other_loss != loss
+        assert any(not torch.equal(a, b) for a, b in zip(grads, other_grads))
+    trainer.close()
+
+
+def test_finetuning_from_loaded_weights_resumes_bit_for_bit(mcore, sft_files, tmp_path):
+    seed = Trainer(sft_run(sft_files, tmp_path / "base"))
+    seed.save()
+    seed.close()
+    start = {"load": str(tmp_path / "base" / "checkpoints"), "load_optimizer": False}
+    straight = tmp_path / "straight"
+    Trainer(sft_run(sft_files, straight,
+                    checkpoint={**start, "save_interval": 2})).train()
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "iter_0000002",
+                    resumed / "checkpoints" / "iter_0000002")
+    (resumed / "checkpoints" / "latest").write_text("iter_0000002\n")
+    trainer = Trainer(sft_run(sft_files, resumed, checkpoint=start))
+    assert trainer.step == 2 and trainer.consumed_samples == 8  # not a fresh start from "load"
+    trainer.train()
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == [3, 4]
+    assert [a[s] for s in b] == [b[s] for s in b]

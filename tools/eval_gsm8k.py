@@ -1,0 +1,77 @@
+"""GSM8K exact-match accuracy of a megaloop checkpoint: greedy decoding, normalised final numbers.
+
+    python tools/eval_gsm8k.py runs/asym1b_gsm8k/checkpoints --test gsm8k_test.jsonl \\
+        [--max-new-tokens 512] [--num-iterations 6] [--limit 100] [--predictions preds.jsonl]
+
+Prints one JSON object (accuracy, strict_accuracy, correct, total, ...) on stdout and writes one
+JSON line per question (reference, generation, extracted prediction, rule, correct) to
+``--predictions``, atomically. The prompt is the one the checkpoint was fine-tuned with
+(``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
+``data.tokenizer_model`` unless ``--tokenizer`` is given. Decoding runs in this one process on the
+canonical model without a KV cache (megaloop.generation), one question at a time; answer rules are
+in megaloop.gsm8k. Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="an iter_N directory or a run's checkpoint directory")
+    parser.add_argument("--test", required=True, nargs="+",
+                        help="GSM8K test .jsonl (fields question, answer)")
+    parser.add_argument("--tokenizer", help="tokenizer model (default: the checkpoint's)")
+    parser.add_argument("--tokenizer-type", help="default: the checkpoint's, or "
+                                                 "SentencePieceTokenizer")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--num-iterations", type=int,
+                        help="test-time depth K (default: the checkpoint's)")
+    parser.add_argument("--limit", type=int, help="the first N questions only")
+    parser.add_argument("--predictions", default="gsm8k_predictions.jsonl",
+                        help="output JSON lines (default: %(default)s)")
+    args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "num_iterations", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
+
+    from megaloop.train import _quiet_third_party_warnings
+
+    _quiet_third_party_warnings()
+    import megaloop.api as ml
+    from megaloop import gsm8k
+    from megaloop.config import ConfigError, template_fields
+    from megaloop.data import DataError, TokenizerError, load_tokenizer
+    from megaloop.data.sft import read_records
+    from megaloop.training import checkpoint as ckpt
+
+    try:
+        path = ckpt.find_checkpoint(args.checkpoint)
+        data = ckpt.saved_config(path).get("data", {})
+        prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
+        tokenizer_model = args.tokenizer or data.get("tokenizer_model")
+        if tokenizer_model is None:
+            raise ConfigError(f"{path}: its config names no tokenizer; give --tokenizer")
+        tokenizer = load_tokenizer(args.tokenizer_type or data.get("tokenizer_type")
+                                   or "SentencePieceTokenizer", tokenizer_model)
+        fields = tuple(dict.fromkeys(("question", "answer") + template_fields(prompt)))
+        records = read_records(args.test, fields)[:args.limit]
+        model = ml.load(path)
+        summary, predictions = gsm8k.evaluate(
+            model, tokenizer, records, prompt=prompt, max_new_tokens=args.max_new_tokens,
+            num_iterations=args.num_iterations, source=", ".join(args.test))
+        gsm8k.write_predictions(args.predictions, predictions)
+    except (ConfigError, DataError, TokenizerError, ckpt.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({**summary, "checkpoint": str(path), "test": args.test,
+                      "predictions": args.predictions}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

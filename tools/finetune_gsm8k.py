@@ -1,0 +1,69 @@
+"""Fine-tune a megaloop checkpoint on GSM8K (AsymLoop paper, Appendix H.2) with the ordinary trainer.
+
+    python tools/finetune_gsm8k.py --base runs/asym1b/checkpoints --data gsm8k_train.jsonl \\
+        --out runs/asym1b_gsm8k [--epochs 3] [train.micro_batch_size=8 parallel.tensor=2 ...]
+    torchrun --nproc-per-node 8 tools/finetune_gsm8k.py ...   (same arguments)
+
+The run takes the base checkpoint's model and tokenizer and starts from its weights with a fresh
+optimizer; megaloop.gsm8k.RECIPE sets the paper's settings (AdamW 1e-4, cosine with 10% warmup,
+batch 32, context 1024, 6,973 train / 500 development records, loss on solution tokens only), then
+the dotted overrides apply. ``train.train_steps`` is ``--epochs`` (default 3) passes over the
+training records that fit the context, rounded up, unless given as an override (not both). The
+resolved config goes to ``<out>/finetune.yaml`` and the run is ``megaloop-train --config`` on it:
+the same checkpoints, metrics and exit codes (0 done, 2 bad config/data/checkpoint, 3 aborted, 75
+preempted); running the command again resumes from ``<out>/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True,
+                        help="pre-trained checkpoint: an iter_N directory or a run's checkpoint "
+                             "directory (its latest)")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="GSM8K train .jsonl (fields question, answer)")
+    parser.add_argument("--out", required=True, help="run directory (train.out_dir)")
+    parser.add_argument("--epochs", type=float,
+                        help="passes over the training records (default 3; excludes an explicit "
+                             "train.train_steps)")
+    parser.add_argument("overrides", nargs="*", help="section.field=value")
+    args = parser.parse_args(argv)
+    from megaloop.train import _quiet_third_party_warnings, main as train
+
+    _quiet_third_party_warnings()
+    from megaloop import gsm8k
+    from megaloop.config import ConfigError, save_yaml
+    from megaloop.data import DataError
+    from megaloop.training.checkpoint import CheckpointError
+
+    talk = os.environ.get("RANK", "0") == "0"
+    try:
+        cfg = gsm8k.finetune_config(args.base, args.data, args.out, args.overrides)
+        explicit_steps = any(o.partition("=")[0] == "train.train_steps" for o in args.overrides)
+        if explicit_steps and args.epochs is not None:
+            raise ConfigError("--epochs and train.train_steps both set the run's length; give one")
+        if not explicit_steps:
+            epochs = gsm8k.EPOCHS if args.epochs is None else args.epochs
+            cfg.train.train_steps, records = gsm8k.steps_for_epochs(cfg, epochs)
+            if talk:
+                print(f"{epochs:g} epochs of {records} training records at batch "
+                      f"{cfg.train.global_batch_size}: {cfg.train.train_steps} steps",
+                      file=sys.stderr)
+        config_file = Path(args.out) / "finetune.yaml"
+        config_file.parent.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, config_file)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return train(["--config", str(config_file)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
