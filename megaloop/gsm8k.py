@@ -3,11 +3,12 @@
 Fine-tuning (``finetune_config``, run by tools/finetune_gsm8k.py through the ordinary trainer):
 the model and tokenizer of a pre-trained checkpoint, its weights loaded without optimizer state
 (``checkpoint.load``, ``load_optimizer=false``), ``data.format=sft`` on the GSM8K train file with
-the loss on solution tokens only (megaloop.data.sft). ``RECIPE`` holds what the paper states: AdamW
-at 1e-4, cosine decay with 10% warmup, global batch 32, context 1024, 6,973 training and 500
-development records (``data.split=6973,500,0`` of the 7,473-record train file), 3 epochs. The paper
-names no LR floor: the cosine decays to 0. Weight decay, Adam betas and clipping keep megaloop's
-defaults. Every field can be overridden.
+the loss on solution tokens only (megaloop.data.sft); a solution is the record's ``answer`` as it
+is, ``<<...>>`` calculator annotations and the final ``#### n`` included. ``RECIPE`` holds what
+the paper states: AdamW at 1e-4, cosine decay with 10% warmup, global batch 32, context 1024,
+6,973 training and 500 development records (``data.split=6973,500,0`` of the 7,473-record train
+file), 3 epochs. The paper names no LR floor: the cosine decays to 0. Weight decay, Adam betas
+and clipping keep megaloop's defaults. Every field can be overridden.
 
 Evaluation (``evaluate``): greedy decoding without demonstrations, up to 512 new tokens, the prompt
 the model was fine-tuned with, exact match of the normalised final number against the reference.
