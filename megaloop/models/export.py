@@ -1,21 +1,26 @@
-"""Maps the canonical megatron-core LoopedLM onto the plain-PyTorch reference model.
+"""Maps the canonical megatron-core LoopedLM onto the plain-PyTorch reference model and back.
 
 This is the weight mapping the Hugging Face export builds on and the one the parity tests exercise.
-It works on a full (tensor-parallel size 1) state dict.
+It works on a full (tensor-parallel size 1) state dict. The way back (``from_reference_state_dict``)
+is not a second mapping: it runs this one on element indices and scatters the reference tensors
+through them, so the two directions cannot drift apart.
+
+The reference modules import transformers (they are the Hugging Face models), so they are imported
+where used: training never loads transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 
 import torch
 
 from megaloop.config import ModelConfig
-from megaloop.models.export_moe_latent import (latent_reference_config, latent_reference_names,
+from megaloop.models.export_moe_latent import (latent_reference_fields, latent_reference_names,
                                                moe_reference_weights, moe_reference_fields,
                                                split_latent_state_dict)
-from megaloop.reference.modeling_asymloop import LoopedLM as ReferenceLM
-from megaloop.reference.modeling_asymloop import ReferenceConfig
 
 _TOP_LEVEL = {
     "embedding.word_embeddings.weight": "embed_tokens.weight",
@@ -44,18 +49,55 @@ _LAYER_RENAMES = {
 _LAYER = re.compile(r"^(encoder|decoder|coda|visit\d+)\.layers\.(\d+)\.(.+)$")
 
 
-def reference_config(cfg: ModelConfig) -> ReferenceConfig:
-    cfg.resolve()
-    return ReferenceConfig(
+def reference_config(cfg: ModelConfig):
+    """The reference (Hugging Face) MegaloopConfig of a megaloop model config."""
+    from megaloop.reference.configuration_megaloop import LatentLoopConfig, MegaloopConfig
+
+    cfg = dataclasses.replace(cfg).resolve()
+    config_class = LatentLoopConfig if cfg.arch == "latentloop" else MegaloopConfig
+    return config_class(
         arch=cfg.arch, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size, decoder_ffn_hidden_size=cfg.decoder_ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-        vocab_size=cfg.vocab_size, encoder_layers=cfg.num_encoder_layers,
-        iterations=cfg.iterations, block=cfg.block, qk_norm=cfg.qk_norm, injection=cfg.injection,
-        local_kv=cfg.local_kv, global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base,
-        norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings, kv_channels=cfg.kv_channels,
-        **moe_reference_fields(cfg),
+        head_dim=cfg.kv_channels, vocab_size=cfg.vocab_size,
+        encoder_layers=cfg.num_encoder_layers, iterations=cfg.iterations, block=cfg.block,
+        qk_norm=cfg.qk_norm, injection=cfg.injection, local_kv=cfg.local_kv,
+        global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base, norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.seq_length,
+        initializer_range=cfg.init_std, **moe_reference_fields(cfg),
+        **latent_reference_fields(cfg),
     )
+
+
+def model_config(reference) -> ModelConfig:
+    """The megaloop ModelConfig of a reference (Hugging Face) MegaloopConfig: the inverse of
+    ``reference_config`` up to derived defaults, which come back resolved (an explicit head_dim
+    equal to the default comes back unset)."""
+    arch = reference.arch
+    fields = dict(
+        arch=arch, num_layers=reference.num_layers, hidden_size=reference.hidden_size,
+        ffn_hidden_size=reference.ffn_hidden_size,
+        decoder_ffn_hidden_size=reference.decoder_ffn_hidden_size,
+        num_attention_heads=reference.num_attention_heads,
+        num_query_groups=reference.num_query_groups,
+        head_dim=(None if reference.head_dim == reference.hidden_size // reference.num_attention_heads
+                  else reference.head_dim),
+        vocab_size=reference.vocab_size, seq_length=reference.max_position_embeddings,
+        iterations=reference.iterations, block=reference.block, qk_norm=reference.qk_norm,
+        rotary_base=float(reference.rotary_base), norm_eps=reference.norm_eps,
+        init_std=reference.initializer_range, tie_embeddings=bool(reference.tie_word_embeddings),
+        num_experts=reference.num_experts)
+    if arch == "asymloop":
+        fields.update(encoder_layers=reference.encoder_layers, injection=reference.injection,
+                      local_kv=reference.local_kv, global_kv_norm=reference.global_kv_norm)
+    if reference.num_experts:
+        fields.update(moe_layers=reference.moe_layers, moe_top_k=reference.moe_top_k,
+                      moe_ffn_hidden_size=reference.moe_ffn_hidden_size,
+                      moe_shared_expert_size=reference.moe_shared_expert_size)
+    if arch == "latentloop":
+        fields.update({name: getattr(reference, name) for name in latent_reference_fields(
+            ModelConfig(arch="latentloop"))})
+    return ModelConfig(**fields).resolve()
 
 
 def _split_qkv(weight: torch.Tensor, cfg: ModelConfig):
@@ -108,26 +150,59 @@ def to_reference_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfi
     return out
 
 
-def to_reference(model) -> ReferenceLM:
+def reference_class(cfg: ModelConfig):
+    """The reference model class of ``cfg.arch``."""
+    if cfg.arch == "latentloop":
+        from megaloop.reference.modeling_latentloop import LatentLoopLM
+
+        return LatentLoopLM
+    from megaloop.reference.modeling_asymloop import LoopedLM
+
+    return LoopedLM
+
+
+def reference_state_dict(state_dict: dict, cfg: ModelConfig) -> dict:
+    """A megatron-core state dict (or its gradients) in the reference model's names."""
+    if cfg.arch == "latentloop":
+        layers, own = split_latent_state_dict(state_dict, cfg)
+        return {**latent_reference_names(to_reference_state_dict(layers, cfg)), **own}
+    return to_reference_state_dict(state_dict, cfg)
+
+
+def to_reference(model):
     """A reference model carrying a (TP=1) megatron-core LoopedLM's weights, in fp32."""
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()
-             if isinstance(v, torch.Tensor)}
-    if model.cfg.arch == "latentloop":
-        return _to_latent_reference(state, model.cfg)
-    reference = ReferenceLM(reference_config(model.cfg))
-    reference.load_state_dict(to_reference_state_dict(state, model.cfg), strict=True)
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    reference = reference_class(model.cfg)(reference_config(model.cfg))
+    reference.load_state_dict(reference_state_dict(state, model.cfg), strict=True)
     return reference
 
 
-def _to_latent_reference(state: dict, cfg: ModelConfig):
-    from megaloop.reference.modeling_latentloop import LatentLoopLM
+def invert_mapping(mapping, values: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict:
+    """The tensors of ``shapes`` that ``mapping`` (a function of a state dict that only renames,
+    slices, reshapes and concatenates) sends to ``values``. Raises ValueError naming the first
+    tensor that is missing, unexpected or of the wrong shape."""
+    ids, total = {}, 0
+    for name, shape in shapes.items():
+        ids[name] = torch.arange(total, total + math.prod(shape)).view(shape)
+        total += math.prod(shape)
+    dtype = next(iter(values.values())).dtype if values else torch.float32
+    flat = torch.empty(total, dtype=dtype)
+    mapped = mapping(ids)
+    for name, index in mapped.items():
+        if name not in values:
+            raise ValueError(f"tensor {name}: missing")
+        if tuple(values[name].shape) != tuple(index.shape):
+            raise ValueError(f"tensor {name}: shape {tuple(values[name].shape)}, the config "
+                             f"gives {tuple(index.shape)}")
+        flat[index.flatten()] = values[name].flatten().to(dtype)
+    unexpected = sorted(set(values) - set(mapped))
+    if unexpected:
+        raise ValueError(f"tensor {unexpected[0]}: not part of this architecture")
+    return {name: flat[index.flatten()].view(index.shape) for name, index in ids.items()}
 
-    reference = LatentLoopLM(latent_reference_config(cfg, vars(reference_config(cfg))))
-    reference.load_state_dict(to_latent_reference_state_dict(state, cfg), strict=True)
-    return reference
 
-
-def to_latent_reference_state_dict(state_dict: dict, cfg: ModelConfig) -> dict:
-    """A LatentLoop state dict (or its gradients) in the reference LatentLoopLM's names."""
-    layers, own = split_latent_state_dict(state_dict, cfg)
-    return {**latent_reference_names(to_reference_state_dict(layers, cfg)), **own}
+def from_reference_state_dict(reference: dict, shapes: dict[str, tuple], cfg: ModelConfig) -> dict:
+    """The megatron-core state dict (keys and shapes of a TP=1 model: ``shapes``) whose reference
+    tensors are ``reference``."""
+    return invert_mapping(lambda state: reference_state_dict(state, cfg), reference, shapes)

@@ -51,16 +51,16 @@ def moe_reference_weights(suffix: str, tensor: torch.Tensor) -> dict | None:
     return _swiglu(f"mlp.experts.{index}", fc, tensor)
 
 
-def latent_reference_config(cfg: ModelConfig, base: dict):
-    """The reference LatentLoopConfig: ``base`` (the shared reference fields) plus LatentLoop's."""
-    from megaloop.reference.modeling_latentloop import LatentLoopConfig
-
-    return LatentLoopConfig(
-        **base, prelude_layers=cfg.num_prelude_layers, coda_layers=cfg.num_coda_layers,
-        latent_visits=list(cfg.latent_visits), latent_stride=cfg.latent_stride,
-        latent_writeback_lag=cfg.latent_writeback_lag, latent_reduction=cfg.latent_reduction,
-        residual_scale=cfg.residual_scale, residual_scale_init=list(cfg.residual_scale_init),
-        untie_attention=cfg.untie_attention, untie_moe=cfg.untie_moe)
+def latent_reference_fields(cfg: ModelConfig) -> dict:
+    """The LatentLoop fields of the reference config (empty for other architectures)."""
+    if cfg.arch != "latentloop":
+        return {}
+    return dict(prelude_layers=cfg.num_prelude_layers, coda_layers=cfg.num_coda_layers,
+                latent_visits=list(cfg.latent_visits), latent_stride=cfg.latent_stride,
+                latent_writeback_lag=cfg.latent_writeback_lag,
+                latent_reduction=cfg.latent_reduction, residual_scale=cfg.residual_scale,
+                residual_scale_init=list(cfg.residual_scale_init),
+                untie_attention=cfg.untie_attention, untie_moe=cfg.untie_moe)
 
 
 def split_latent_state_dict(state_dict: dict, cfg: ModelConfig) -> tuple[dict, dict]:

@@ -25,7 +25,6 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megaloop.models.joint_attention import joint_attention_fused
-from megaloop.reference.modeling_asymloop import joint_attention as joint_attention_masked
 
 
 class CausalCoreAttention(MegatronModule):
@@ -82,7 +81,12 @@ class JointCoreAttention(CausalCoreAttention):
 
     def __init__(self, *args, impl: str = "fused", **kwargs):
         super().__init__(*args, **kwargs)
-        self.kernel = joint_attention_fused if impl == "fused" else joint_attention_masked
+        if impl == "fused":
+            self.kernel = joint_attention_fused
+        else:  # the reference imports transformers: only loaded when asked for
+            from megaloop.reference.modeling_asymloop import joint_attention
+
+            self.kernel = joint_attention
 
     def _attend(self, q, k, v):
         assert self.global_kv is not None, "Global KV missing: JointSelfAttention sets it per call"

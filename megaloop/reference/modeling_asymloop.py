@@ -1,10 +1,10 @@
 """Plain-PyTorch reference of megaloop's models (Dense, Full Loop, AsymLoop), independent of
-megatron-core.
+megatron-core, and their Hugging Face model.
 
-This file imports only torch so that it can ship as self-contained Hugging Face modeling code. It is
-the second of the project's two model definitions; parity tests hold it to the canonical
-megatron-core model (logits and gradients to 1e-5 in fp32 given the same weights). Attention here is
-the exact masked softmax, written for clarity, not speed.
+This file imports only torch and transformers so that it ships as self-contained Hugging Face
+modeling code (``trust_remote_code``). It is the second of the project's two model definitions;
+parity tests hold it to the canonical megatron-core model (logits and gradients to 1e-5 in fp32
+given the same weights). Attention is the exact masked softmax, written for clarity.
 
 Model (L physical layers, E encoder layers, D = L - E decoder layers, K iterations):
     H_E = Enc(Embed(x))                                # once
@@ -13,71 +13,57 @@ Model (L physical layers, E encoder layers, D = L - E decoder layers, K iteratio
     logits = Head(FinalNorm(z_K))
 Dense is E = 0, D = L, K = 1; Full Loop is E = 0, D = L, K = R. H_E enters the decoder un-normalised
 (the residual stream continues); only the Global KV projections see it through a per-layer RMSNorm.
+
+Generation (``LoopedCache``): the encoder runs once per new token with one KV slot per encoder
+layer; the Global KV has one slot per decoder layer, extended by the new tokens' projections; the
+Local KV has one slot per (iteration, decoder layer). A forward over new tokens attends to
+everything cached before them, so a prompt fed in chunks gives the logits of one full forward.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_megaloop import MegaloopConfig
+
+# The output field holding the cache: transformers 5.24 renamed ``past_key_values`` to ``cache``.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
+    else "past_key_values"
 
 
-@dataclass
-class ReferenceConfig:
-    arch: str = "asymloop"  # dense | fullloop | asymloop
-    num_layers: int = 4
-    hidden_size: int = 128
-    ffn_hidden_size: int = 344
-    decoder_ffn_hidden_size: int = 344
-    num_attention_heads: int = 4
-    num_query_groups: int = 4
-    kv_channels: int = 0  # head dim; 0: hidden_size // num_attention_heads
-    vocab_size: int = 32128
-    encoder_layers: int = 2
-    iterations: int = 3
-    block: str = "llama"  # llama: pre-norm; olmo: norm on sublayer outputs inside the residual
-    qk_norm: bool = True
-    injection: str = "global_kv"  # global_kv | none | additive
-    local_kv: bool = True
-    global_kv_norm: bool = True  # RMSNorm of H_E before the Global K/V projections
-    rotary_base: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    # Mixture-of-experts FFNs (modeling_moe): 0 experts keeps the SwiGLU MLP.
-    num_experts: int = 0
-    moe_layers: str = "all"  # all | encoder | decoder
-    moe_top_k: int = 2
-    moe_ffn_hidden_size: int = 0
-    moe_shared_expert_size: int = 0
-
-    @property
-    def num_encoder_layers(self) -> int:
-        return self.encoder_layers if self.arch == "asymloop" else 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-
-def causal_attention(q, k, v, scale):
-    """[B, H, N, D] queries against N keys, causal."""
-    n = q.shape[-2]
+def attend(q, keys, values, allowed, scale):
+    """Softmax attention of q [B, H, Nq, D] over the concatenated key blocks (each [B, H, Nk, D])
+    under one softmax; ``allowed`` [B or 1, 1, Nq, Nk] masks every block alike."""
+    k, v = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
     scores = (q @ k.transpose(-1, -2)) * scale
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+    mask = allowed.repeat(1, 1, 1, len(keys))
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def causal_mask(n_queries, n_keys, device, key_valid=None):
+    """[B or 1, 1, Nq, Nk]: the new queries are the last Nq of Nk positions; query i sees keys up to
+    its own position. ``key_valid`` [B, Nk] hides padding keys (a padding query sees itself, so
+    that no softmax row is empty)."""
+    query_index = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
+    key_index = torch.arange(n_keys, device=device)[None]
+    allowed = key_index <= query_index
+    if key_valid is None:
+        return allowed[None, None]
+    return (allowed & (key_valid[:, None, :] | (key_index == query_index)))[:, None]
 
 
 def joint_attention(q, k_glob, v_glob, k_loc, v_loc, scale):
-    """One softmax over [Global; Local] keys; query i sees Global <= i and Local <= i."""
-    n = q.shape[-2]
-    keys = torch.cat([k_glob, k_loc], dim=-2)
-    values = torch.cat([v_glob, v_loc], dim=-2)
-    scores = (q @ keys.transpose(-1, -2)) * scale
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1).repeat(1, 2)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ values
+    """One softmax over [Global; Local] keys; query i sees Global <= i and Local <= i.
+    All [B, H, N, D]; megaloop's masked joint-attention kernel."""
+    allowed = causal_mask(q.shape[-2], k_loc.shape[-2], q.device)
+    return attend(q, [k_glob, k_loc], [v_glob, v_loc], allowed, scale)
 
 
 def rotate_half(x):
@@ -85,10 +71,12 @@ def rotate_half(x):
     return torch.cat([-x2, x1], dim=-1)
 
 
-def rope_tables(n, head_dim, base, device):
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
+def rope(positions, head_dim, base):
+    """(cos, sin) [B, 1, N, head_dim] for integer positions [B, N]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=positions.device) / head_dim))
+    angles = positions[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos(), angles.sin()
 
 
@@ -97,8 +85,29 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+class LoopedCache(DynamicCache):
+    """KV cache of a looped model: one transformers cache layer per *slot*, a (layer, iteration)
+    pair or a Global KV layer, so one physical layer owns several slots. ``seen`` counts the tokens
+    consumed; ``state`` holds batch-first tensors beyond keys/values (padding of the cached
+    positions, LatentLoop's pending tokens and latent updates), reordered with the keys by beam
+    search. A cache is tied to the number of iterations it was filled with."""
+
+    def __init__(self, iterations: int):
+        super().__init__()
+        self.iterations = iterations
+        self.seen = 0
+        self.state: dict[str, torch.Tensor] = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.state = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.state.items()}
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ReferenceConfig, global_kv: bool, local_kv: bool):
+    def __init__(self, cfg: MegaloopConfig, global_kv: bool, local_kv: bool):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, hd
@@ -122,27 +131,28 @@ class Attention(nn.Module):
     def _expand(self, kv):  # grouped-query attention: each kv head serves heads/groups queries
         return kv.repeat_interleave(self.heads // self.groups, dim=1)
 
-    def global_kv(self, h_enc):
-        """Projects the encoder output into this layer's Global keys/values (before RoPE)."""
-        x = self.global_norm(h_enc)
-        k = self.k_norm(self._heads(self.global_k_proj(x), self.groups))
-        return k, self._heads(self.global_v_proj(x), self.groups)
+    def _cached(self, k, v, cache, slot):
+        return (k, v) if cache is None else cache.update(k, v, slot)
 
-    def forward(self, x, cos, sin, global_kv=None):
-        scale = 1.0 / math.sqrt(self.head_dim)
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), cos, sin)
+    def global_kv(self, h_enc, rotary, cache=None, slot=None):
+        """This layer's Global keys (rotated: key j sits at position j) and values from the encoder
+        output, after those of the cached positions."""
+        x = self.global_norm(h_enc)
+        k = apply_rope(self.k_norm(self._heads(self.global_k_proj(x), self.groups)), *rotary)
+        return self._cached(k, self._heads(self.global_v_proj(x), self.groups), cache, slot)
+
+    def forward(self, x, rotary, allowed, cache=None, slot=None, global_kv=None):
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), *rotary)
+        keys, values = [], []
         if global_kv is not None:
-            k_glob = self._expand(apply_rope(global_kv[0], cos, sin))
-            v_glob = self._expand(global_kv[1])
+            keys.append(self._expand(global_kv[0]))
+            values.append(self._expand(global_kv[1]))
         if self.local_kv:
-            k = self._expand(apply_rope(self.k_norm(self._heads(self.k_proj(x), self.groups)), cos, sin))
-            v = self._expand(self._heads(self.v_proj(x), self.groups))
-        if global_kv is None:
-            out = causal_attention(q, k, v, scale)
-        elif not self.local_kv:
-            out = causal_attention(q, k_glob, v_glob, scale)
-        else:
-            out = joint_attention(q, k_glob, v_glob, k, v, scale)
+            k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.groups)), *rotary)
+            k, v = self._cached(k, self._heads(self.v_proj(x), self.groups), cache, slot)
+            keys.append(self._expand(k))
+            values.append(self._expand(v))
+        out = attend(q, keys, values, allowed, 1.0 / math.sqrt(self.head_dim))
         b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -158,7 +168,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _moe_feed_forward(cfg: ReferenceConfig) -> nn.Module:
+def _moe_feed_forward(cfg: MegaloopConfig) -> nn.Module:
     from .modeling_moe import MoEFeedForward
 
     return MoEFeedForward(cfg.hidden_size, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size,
@@ -166,8 +176,8 @@ def _moe_feed_forward(cfg: ReferenceConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ReferenceConfig, ffn: int, global_kv: bool = False, local_kv: bool = True,
-                 moe: bool = False):
+    def __init__(self, cfg: MegaloopConfig, ffn: int, global_kv: bool = False,
+                 local_kv: bool = True, moe: bool = False):
         super().__init__()
         self.post_norm = cfg.block == "olmo"
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -175,23 +185,119 @@ class Block(nn.Module):
         self.attn = Attention(cfg, global_kv, local_kv)
         self.mlp = MLP(cfg.hidden_size, ffn) if not moe else _moe_feed_forward(cfg)
 
-    def forward(self, h, cos, sin, global_kv=None):
+    def forward(self, h, rotary, allowed, cache=None, slot=None, global_kv=None):
         if self.post_norm:  # OLMo 2: h + Norm(Attn(h)), then h + Norm(MLP(h))
-            h = h + self.attn_norm(self.attn(h, cos, sin, global_kv))
+            h = h + self.attn_norm(self.attn(h, rotary, allowed, cache, slot, global_kv))
             return h + self.mlp_norm(self.mlp(h))
-        h = h + self.attn(self.attn_norm(h), cos, sin, global_kv)
+        h = h + self.attn(self.attn_norm(h), rotary, allowed, cache, slot, global_kv)
         return h + self.mlp(self.mlp_norm(h))
 
 
-class LoopedLM(nn.Module):
-    def __init__(self, cfg: ReferenceConfig):
-        super().__init__()
-        self.cfg = cfg
+class MegaloopPreTrainedModel(PreTrainedModel):
+    """What megaloop's Hugging Face models share: embedding and head, the cache, padding and
+    positions, the output. Subclasses implement ``body`` (embedded tokens -> final hidden states)."""
+
+    config_class = MegaloopConfig
+    base_model_prefix = "megaloop"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}
+
+    def _build_embeddings(self, cfg: MegaloopConfig) -> None:
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model makes its own LoopedCache (generate would make a DynamicCache)
+
+    def new_cache(self, num_iterations: int | None = None) -> LoopedCache:
+        """An empty cache, e.g. for ``generate(..., cache=model.new_cache(), prefill_chunk_size=n)``."""
+        return LoopedCache(self.config.iterations if num_iterations is None else num_iterations)
+
+    def _positions(self, input_ids, attention_mask, cache):
+        """RoPE positions [B, N] of the new tokens, the attention mask [B|1, 1, N, past + N] and the
+        padding of all positions ([B, past + N] bool, None without padding). ``attention_mask``
+        (1 = token, 0 = padding) covers the new tokens, or the cached and new ones."""
+        b, n = input_ids.shape
+        past, device = (cache.seen if cache is not None else 0), input_ids.device
+        past_valid = cache.state.get("valid") if cache is not None else None
+        new_valid = None
+        if attention_mask is not None:
+            if attention_mask.shape[-1] not in (n, past + n):
+                raise ValueError(f"attention_mask has {attention_mask.shape[-1]} positions: expected "
+                                 f"{n} (the new tokens) or {past + n} (cached and new)")
+            new_valid = attention_mask[:, -n:].bool()
+            if past_valid is None and bool(new_valid.all()):
+                new_valid = None
+        if past_valid is None and new_valid is None:
+            positions = torch.arange(past, past + n, device=device)[None].expand(b, n)
+            return positions, causal_mask(n, past + n, device), None
+        if past_valid is None:
+            past_valid = torch.ones(b, past, dtype=torch.bool, device=device)
+        if new_valid is None:
+            new_valid = torch.ones(b, n, dtype=torch.bool, device=device)
+        valid = torch.cat([past_valid, new_valid], dim=1)
+        positions = (past_valid.sum(1, keepdim=True) + new_valid.cumsum(1) - 1).clamp(min=0)
+        return positions, causal_mask(n, past + n, device, valid), valid
+
+    def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
+                num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None):
+        """Logits [B, N, V] of ``input_ids`` after the cached tokens, the cache (with ``use_cache``)
+        and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy.
+        ``num_iterations`` overrides the configured iterations for this call."""
+        cfg = self.config
+        steps = cfg.iterations if num_iterations is None else num_iterations
+        if steps < 1:
+            raise ValueError(f"num_iterations={steps}: must be >= 1")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and (cfg.use_cache if use_cache is None else use_cache):
+            cache = self.new_cache(steps)
+        if cache is not None:
+            if not isinstance(cache, LoopedCache):
+                raise ValueError(f"cache is a {type(cache).__name__}: pass None or "
+                                 "model.new_cache() (a looped model has one slot per iteration)")
+            if cache.iterations != steps:
+                raise ValueError(f"the cache was filled with {cache.iterations} iterations; this "
+                                 f"call runs {steps} (start a new cache for another depth)")
+        positions, allowed, valid = self._positions(input_ids, attention_mask, cache)
+        hidden = self.body(self.embed_tokens(input_ids), positions, allowed, valid, cache, steps)
+        if cache is not None:
+            cache.seen += input_ids.shape[1]
+            if valid is not None:
+                cache.state["valid"] = valid
+        logits = self.lm_head(self.norm(hidden[:, -logits_to_keep:]))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+        return out if return_dict is not False else out.to_tuple()
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class LoopedLM(MegaloopPreTrainedModel, GenerationMixin):
+    """Dense, Full Loop and AsymLoop (every ablation), as ``AutoModelForCausalLM``."""
+
+    def __init__(self, cfg: MegaloopConfig):
+        super().__init__(cfg)
         e = cfg.num_encoder_layers
         use_global = cfg.arch == "asymloop" and cfg.injection == "global_kv"
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         moe = {part: cfg.num_experts > 0 and cfg.moe_layers in ("all", part)
                for part in ("encoder", "decoder")}
+        self._build_embeddings(cfg)
         self.encoder = nn.ModuleList(Block(cfg, cfg.ffn_hidden_size, moe=moe["encoder"])
                                      for _ in range(e))
         self.decoder = nn.ModuleList(
@@ -199,26 +305,25 @@ class LoopedLM(nn.Module):
                   moe["decoder"])
             for _ in range(cfg.num_layers - e)
         )
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.post_init()
 
-    def forward(self, input_ids, num_iterations: int | None = None):
-        cfg = self.cfg
-        steps = cfg.iterations if num_iterations is None else num_iterations
-        cos, sin = rope_tables(input_ids.shape[1], cfg.head_dim, cfg.rotary_base, input_ids.device)
-        h = self.embed_tokens(input_ids)
-        for block in self.encoder:
-            h = block(h, cos, sin)
-        global_kvs = [None] * len(self.decoder)
+    def body(self, h, positions, allowed, valid, cache, steps):
+        """Slots: encoder layer e -> e; Global KV of decoder layer l -> E + l; Local KV of
+        iteration t (0-based), layer l -> E + D + t * D + l."""
+        cfg = self.config
+        e, d = len(self.encoder), len(self.decoder)
+        rotary = rope(positions, cfg.head_dim, cfg.rotary_base)
+        for index, block in enumerate(self.encoder):
+            h = block(h, rotary, allowed, cache, index)
+        global_kvs = [None] * d
         if cfg.arch == "asymloop" and cfg.injection == "global_kv":
-            global_kvs = [block.attn.global_kv(h) for block in self.decoder]
+            global_kvs = [block.attn.global_kv(h, rotary, cache, e + index)
+                          for index, block in enumerate(self.decoder)]
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
         z = torch.zeros_like(h) if additive else h
-        for _ in range(steps):
+        for t in range(steps):
             if additive:
                 z = z + h
-            for block, gkv in zip(self.decoder, global_kvs):
-                z = block(z, cos, sin, gkv)
-        return self.lm_head(self.norm(z))
+            for index, (block, gkv) in enumerate(zip(self.decoder, global_kvs)):
+                z = block(z, rotary, allowed, cache, e + d + t * d + index, gkv)
+        return z

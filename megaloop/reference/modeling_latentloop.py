@@ -1,4 +1,5 @@
-"""Plain-PyTorch reference of LatentLoop (torch only, like the rest of the reference).
+"""Plain-PyTorch reference of LatentLoop and its Hugging Face model (torch and transformers only,
+like the rest of the reference).
 
     h = Prelude(Embed(x))
     for v = 1..V:
@@ -9,33 +10,25 @@
 
 Positions 0-based; latents are complete groups of k tokens at the RoPE position of their last token;
 l is the writeback lag. Visits 2..V use their own attention and/or FFN when untied; a visit with the
-top-k reduction routes to half as many experts. Written as explicit loops over latents and receivers,
-for clarity; the canonical model (megaloop.models.latent) is held to it by parity tests.
+top-k reduction routes to half as many experts. The canonical model (megaloop.models.latent) is held
+to this file by parity tests.
+
+Cached generation is exact and causal. A compressed visit keeps, in the cache, the visit inputs of
+the tokens of the latent group not yet complete and the updates D_i of the latents so far; a latent
+completes with the last token of its group (every k-th token), then runs through the middle block
+against the cached latents of that visit (its own KV slots, latent resolution), and position p
+receives the update of latent (p - k + 1 - l) // k, which is complete by then. Full visits and the
+prelude/coda have one KV slot per (visit, layer) / layer, as in modeling_asymloop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
+from transformers import GenerationMixin
 
-from .modeling_asymloop import Block, ReferenceConfig, rope_tables
-
-
-@dataclass
-class LatentLoopConfig(ReferenceConfig):
-    arch: str = "latentloop"
-    prelude_layers: int = 1
-    coda_layers: int = 1
-    latent_visits: list = field(default_factory=lambda: [1])  # compressed visits, 1-based
-    latent_stride: int = 2
-    latent_writeback_lag: int = 0
-    latent_reduction: str = "sequence"  # sequence | top_k
-    residual_scale: str = "learned"  # learned | fixed
-    residual_scale_init: list = field(default_factory=list)  # per visit; empty: 1.0
-    untie_attention: bool = False
-    untie_moe: bool = False
+from .configuration_megaloop import LatentLoopConfig
+from .modeling_asymloop import Block, MegaloopPreTrainedModel, causal_mask, rope
 
 
 class _Part(nn.Module):
@@ -50,13 +43,16 @@ class _Part(nn.Module):
             self.mlp_norm, self.mlp = block.mlp_norm, block.mlp
 
 
-class LatentLoopLM(nn.Module):
+class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
+    """LatentLoop, MoE Loop (no compressed visit) and their ablations, as ``AutoModelForCausalLM``."""
+
+    config_class = LatentLoopConfig
+
     def __init__(self, cfg: LatentLoopConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         d, moe = cfg.hidden_size, cfg.num_experts > 0
         middle = cfg.num_layers - cfg.prelude_layers - cfg.coda_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self._build_embeddings(cfg)
 
         def blocks(n):
             return nn.ModuleList(Block(cfg, cfg.ffn_hidden_size, moe=moe) for _ in range(n))
@@ -70,60 +66,92 @@ class LatentLoopLM(nn.Module):
         self.untied_ffn = nn.ModuleDict({
             str(v): nn.ModuleList(_Part(b, attention=False) for b in blocks(middle))
             for v in range(2, cfg.iterations + 1) if cfg.untie_moe})
-        scales = torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations)
+        scales = self._initial_scales()
         if cfg.residual_scale == "learned":
             self.residual_scales = nn.Parameter(scales)
         else:
             self.register_buffer("residual_scales", scales, persistent=False)
-        compressed = self.compressed_visits()
         # writeback channel scales w_{v,s} of each compressed visit: "<v>" -> [k, d]
         self.writeback = nn.ParameterDict({str(v): nn.Parameter(torch.ones(cfg.latent_stride, d))
-                                           for v in compressed})
-        self.norm = nn.RMSNorm(d, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+                                           for v in self.compressed_visits()})
+        self.post_init()
+
+    def _initial_scales(self) -> torch.Tensor:
+        cfg = self.config
+        return torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations, dtype=torch.float32)
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        with torch.no_grad():
+            if module is self:  # a fixed scale is a buffer outside the state dict: always set here
+                self.residual_scales.copy_(self._initial_scales())
+            elif module is self.writeback:
+                for w in module.values():
+                    nn.init.ones_(w)
 
     def compressed_visits(self) -> list[int]:
-        return self.cfg.latent_visits if self.cfg.latent_reduction == "sequence" else []
+        return self.config.latent_visits if self.config.latent_reduction == "sequence" else []
 
-    def _middle(self, h, cos, sin, visit: int):
-        cfg = self.cfg
+    def _middle(self, h, rotary, allowed, cache, first_slot: int, visit: int):
+        cfg = self.config
         reduced = visit in cfg.latent_visits and cfg.latent_reduction == "top_k"
         top_k = {"top_k": cfg.moe_top_k // 2} if reduced else {}
         for index, block in enumerate(self.middle):
             attention = self.untied_attention[str(visit)][index] \
                 if str(visit) in self.untied_attention else block
             ffn = self.untied_ffn[str(visit)][index] if str(visit) in self.untied_ffn else block
-            h = h + attention.attn(attention.attn_norm(h), cos, sin)
+            h = h + attention.attn(attention.attn_norm(h), rotary, allowed, cache,
+                                   first_slot + index)
             h = h + ffn.mlp(ffn.mlp_norm(h), **top_k)
         return h
 
-    def forward(self, input_ids):
-        cfg = self.cfg
-        n, k, lag = input_ids.shape[1], cfg.latent_stride, cfg.latent_writeback_lag
-        cos, sin = rope_tables(n, cfg.head_dim, cfg.rotary_base, input_ids.device)
-        h = self.embed_tokens(input_ids)
-        for block in self.prelude:
-            h = block(h, cos, sin)
-        for visit in range(1, cfg.iterations + 1):
-            scale = self.residual_scales[visit - 1]
-            if visit not in self.compressed_visits():
-                h = h + scale * (self._middle(h, cos, sin, visit) - h)
-                continue
-            groups = n // k
-            if groups == 0:
-                continue
-            latents = torch.stack([h[:, i * k:(i + 1) * k].mean(dim=1) for i in range(groups)], 1)
-            ends = [i * k + k - 1 for i in range(groups)]  # RoPE position of each latent
-            delta = self._middle(latents, cos[ends], sin[ends], visit) - latents
-            w = self.writeback[str(visit)]
-            update = torch.zeros_like(h)
-            for i in range(groups):
-                for s in range(k):
-                    if ends[i] + lag + s < n:
-                        update[:, ends[i] + lag + s] += w[s] * delta[:, i]
-            h = h + scale * update
-        for block in self.coda:
-            h = block(h, cos, sin)
-        return self.lm_head(self.norm(h))
+    def _compressed_update(self, h, past: int, cache, first_slot: int, visit: int):
+        """The writeback of compressed visit ``visit`` to the new positions past .. past + N - 1."""
+        cfg = self.config
+        k, lag = cfg.latent_stride, cfg.latent_writeback_lag
+        state = cache.state if cache is not None else {}
+        seq = torch.cat([state.get(f"pending{visit}", h[:, :0]), h], dim=1)
+        deltas = state.get(f"deltas{visit}", h[:, :0])
+        groups = seq.shape[1] // k  # latents completed by the new tokens
+        if groups:
+            latents = seq[:, :groups * k].unflatten(1, (groups, k)).mean(dim=2)
+            done = deltas.shape[1]
+            ends = torch.arange(done, done + groups, device=h.device) * k + k - 1
+            rotary = rope(ends[None].expand(h.shape[0], groups), cfg.head_dim, cfg.rotary_base)
+            allowed = causal_mask(groups, done + groups, h.device)
+            out = self._middle(latents, rotary, allowed, cache, first_slot, visit)
+            deltas = torch.cat([deltas, out - latents], dim=1)
+        if cache is not None:
+            state[f"pending{visit}"], state[f"deltas{visit}"] = seq[:, groups * k:], deltas
+        if deltas.shape[1] == 0:
+            return torch.zeros_like(h)
+        offset = torch.arange(past, past + h.shape[1], device=h.device) - (k - 1) - lag
+        receives = offset >= 0  # the first k - 1 + l positions receive nothing
+        offset = offset.clamp(min=0)
+        update = deltas[:, offset // k] * self.writeback[str(visit)][offset % k]
+        return update * receives[None, :, None]
+
+    def body(self, h, positions, allowed, valid, cache, steps):
+        """Slots: prelude layer i -> i; visit v (1-based), middle layer i -> P + (v - 1) * M + i
+        (latent resolution for a compressed visit); coda layer i -> P + V * M + i."""
+        cfg = self.config
+        if steps != cfg.iterations:
+            raise ValueError(f"num_iterations={steps}: arch=latentloop runs exactly its "
+                             f"iterations={cfg.iterations} visits (each has its own scales)")
+        if valid is not None:
+            raise ValueError("arch=latentloop takes no padding (a pad would shift the groups of "
+                             f"{cfg.latent_stride} tokens): pass sequences of equal length")
+        p, m = len(self.prelude), len(self.middle)
+        past = cache.seen if cache is not None else 0
+        rotary = rope(positions, cfg.head_dim, cfg.rotary_base)
+        for index, block in enumerate(self.prelude):
+            h = block(h, rotary, allowed, cache, index)
+        for visit in range(1, steps + 1):
+            first, scale = p + (visit - 1) * m, self.residual_scales[visit - 1]
+            if visit in self.compressed_visits():
+                h = h + scale * self._compressed_update(h, past, cache, first, visit)
+            else:
+                h = h + scale * (self._middle(h, rotary, allowed, cache, first, visit) - h)
+        for index, block in enumerate(self.coda):
+            h = block(h, rotary, allowed, cache, p + steps * m + index)
+        return h

@@ -13,7 +13,6 @@ import re
 import torch
 
 from megaloop.models.export import reference_config, to_reference_state_dict
-from megaloop.reference.modeling_asymloop import LoopedLM as ReferenceLM
 
 _BLOCK_TO_REFERENCE = {
     "self_attention.linear_qkv.weight:q": "attn.q_proj.weight",
@@ -65,8 +64,10 @@ def _all_gather(tensor, group, size):
     return shards
 
 
-def reference_model(model) -> ReferenceLM:
+def reference_model(model):
     """A plain-PyTorch reference model (unfused Q/K/V/gate/up) carrying ``model``'s weights."""
-    reference = ReferenceLM(reference_config(model.cfg))
+    from megaloop.reference.modeling_asymloop import LoopedLM
+
+    reference = LoopedLM(reference_config(model.cfg))
     reference.load_state_dict(to_reference_state_dict(full_state_dict(model), model.cfg), strict=True)
     return reference

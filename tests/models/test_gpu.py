@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloop.config import ParallelConfig
-from megaloop.models.export import to_reference, to_reference_state_dict
+from megaloop.models.export import reference_state_dict, to_reference, to_reference_state_dict
 from megaloop.models.model import build_model
 from tests.models.test_joint_attention import (joint_core_attention, layout_errors,
                                                megatron_layout_leaves, relative_error)
@@ -105,10 +105,10 @@ def model_vs_reference(model, cfg):
                   "same_dtype": to_reference(model).to(dtype).cuda()}
     logits = model(x)
     model(x, labels=labels).float().mean().backward()
-    grads = to_reference_state_dict({n: p.grad for n, p in model.named_parameters()}, cfg)
+    grads = reference_state_dict({n: p.grad for n, p in model.named_parameters()}, cfg)
     ref_logits, ref_grads = {}, {}
     for name, reference in references.items():
-        out = reference(x)
+        out = reference(x).logits
         F.cross_entropy(out.flatten(0, 1).double(), labels.flatten()).backward()
         ref_logits[name] = out
         ref_grads[name] = {n: p.grad for n, p in reference.named_parameters()}

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from megaloop.models.export import (to_latent_reference_state_dict, to_reference,
-                                    to_reference_state_dict)
+from megaloop.models.export import reference_state_dict, to_reference
 from megaloop.models.model import build_model
 from tests.models.variants import ALL_VARIANTS, small_config
 
@@ -31,15 +30,13 @@ def test_reference_matches_megatron_core(seeded, variant):
     labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
 
     logits = model(x)
-    ref_logits = reference(x)
+    ref_logits = reference(x).logits
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
 
     model(x, labels=labels).mean().backward()
-    torch.nn.functional.cross_entropy(reference(x).flatten(0, 1), labels.flatten()).backward()
+    torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), labels.flatten()).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    mapping = (to_latent_reference_state_dict if cfg.arch == "latentloop"
-               else to_reference_state_dict)
-    expected = mapping(grads, cfg)
+    expected = reference_state_dict(grads, cfg)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(expected[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
@@ -50,5 +47,5 @@ def test_reference_test_time_depth_matches(seeded):
     reference = to_reference(model)
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
     with torch.no_grad():
-        torch.testing.assert_close(model(x, num_iterations=6), reference(x, num_iterations=6),
+        torch.testing.assert_close(model(x, num_iterations=6), reference(x, num_iterations=6).logits,
                                    atol=1e-5, rtol=1e-5)

@@ -75,7 +75,7 @@ def _parity(rank, world_size, data_prefix, out_dir, parallel=None, distributed_o
         assert not skipped
         grad_norms.append(grad_norm)
 
-        logits = reference(tokens[:, :-1])
+        logits = reference(tokens[:, :-1]).logits
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
         for group in adamw.param_groups:

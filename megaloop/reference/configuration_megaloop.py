@@ -1,0 +1,86 @@
+"""Configuration of megaloop's plain-PyTorch reference models, which are also its Hugging Face models.
+
+Imports only transformers: the file ships beside modeling_*.py in an exported directory (remote
+code, ``auto_map``). Field names are megaloop's ``ModelConfig`` names with every derived default
+resolved (megaloop.models.export.reference_config fills them), so the mapping is one to one;
+``tie_word_embeddings``, ``max_position_embeddings`` (megaloop's seq_length: the trained context;
+RoPE itself has no limit) and ``initializer_range`` are the Hugging Face names.
+
+``iterations`` is K (AsymLoop), R (Full Loop) or the number of visits (LatentLoop). Set it at load
+time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
+call with ``num_iterations=`` (forward and generate).
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+class MegaloopConfig(PretrainedConfig):
+    model_type = "megaloop"
+    attribute_map = {"num_hidden_layers": "num_layers"}
+
+    def __init__(self, arch="asymloop", num_layers=4, hidden_size=128, ffn_hidden_size=344,
+                 decoder_ffn_hidden_size=None, num_attention_heads=4, num_query_groups=None,
+                 head_dim=None, vocab_size=32128, encoder_layers=2, iterations=3, block="llama",
+                 qk_norm=True, injection="global_kv", local_kv=True, global_kv_norm=True,
+                 rotary_base=10000.0, norm_eps=1e-5, num_experts=0, moe_layers="all", moe_top_k=2,
+                 moe_ffn_hidden_size=0, moe_shared_expert_size=0, prelude_layers=1, coda_layers=1,
+                 latent_visits=(1,), latent_stride=2, latent_writeback_lag=0,
+                 latent_reduction="sequence", residual_scale="learned", residual_scale_init=(),
+                 untie_attention=False, untie_moe=False, max_position_embeddings=2048,
+                 initializer_range=0.02, tie_word_embeddings=False, use_cache=True, **kwargs):
+        self.arch = arch  # dense | fullloop | asymloop | latentloop
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.decoder_ffn_hidden_size = decoder_ffn_hidden_size or ffn_hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.num_query_groups = num_query_groups or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.vocab_size = vocab_size
+        self.encoder_layers = encoder_layers  # AsymLoop E
+        self.iterations = iterations
+        self.block = block  # llama: pre-norm; olmo: norm on sublayer outputs inside the residual
+        self.qk_norm = qk_norm
+        self.injection = injection  # AsymLoop: global_kv | none | additive
+        self.local_kv = local_kv
+        self.global_kv_norm = global_kv_norm  # RMSNorm of H_E before the Global K/V projections
+        self.rotary_base = rotary_base
+        self.norm_eps = norm_eps
+        # Mixture-of-experts FFNs (modeling_moe): 0 experts keeps the SwiGLU MLP.
+        self.num_experts = num_experts
+        self.moe_layers = moe_layers  # all | encoder | decoder
+        self.moe_top_k = moe_top_k
+        self.moe_ffn_hidden_size = moe_ffn_hidden_size
+        self.moe_shared_expert_size = moe_shared_expert_size
+        # LatentLoop (modeling_latentloop)
+        self.prelude_layers = prelude_layers
+        self.coda_layers = coda_layers
+        self.latent_visits = list(latent_visits)  # compressed visits, 1-based
+        self.latent_stride = latent_stride
+        self.latent_writeback_lag = latent_writeback_lag
+        self.latent_reduction = latent_reduction  # sequence | top_k
+        self.residual_scale = residual_scale  # learned | fixed
+        self.residual_scale_init = list(residual_scale_init)  # per visit; empty: 1.0
+        self.untie_attention = untie_attention
+        self.untie_moe = untie_moe
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache  # forward returns a cache unless told otherwise
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def num_encoder_layers(self) -> int:
+        """Layers before the loop (AsymLoop only; LatentLoop's prelude is ``prelude_layers``)."""
+        return self.encoder_layers if self.arch == "asymloop" else 0
+
+
+class LatentLoopConfig(MegaloopConfig):
+    """MegaloopConfig of a LatentLoop model: its own class (and model_type), so that transformers'
+    auto classes, which map one config class to one model class, tell the two models apart."""
+
+    model_type = "megaloop_latentloop"
+
+    def __init__(self, arch="latentloop", **kwargs):
+        super().__init__(arch=arch, **kwargs)

@@ -1,0 +1,110 @@
+"""Cached generation of the reference (Hugging Face) models: chunked prefill gives the logits of one
+full forward, greedy generate() gives the same tokens with and without the cache, test-time depth
+at load time and per call, padding, beam search over LatentLoop's cached state."""
+
+import pytest
+import torch
+
+from megaloop.models.export import reference_class, reference_config
+from tests.models.variants import small_config
+
+CACHED_VARIANTS = ["dense", "fullloop", "asymloop", "asymloop_olmo", "asymloop_additive",
+                   "asymloop_no_local_kv", "asymloop_no_global_kv", "asymloop_moe", "latentloop",
+                   "latentloop_stride3_lag1", "latentloop_stride4_both",
+                   "latentloop_moe_untied_v3", "latentloop_moe_topk", "moe_loop"]
+
+
+def reference_model(variant, **overrides):
+    """A reference model with perturbed norm weights (they start at 1), in eval mode."""
+    torch.manual_seed(0)
+    cfg = small_config(variant, **overrides)
+    model = reference_class(cfg)(reference_config(cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def tokens(batch=2, length=13, vocab=128, seed=1):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", CACHED_VARIANTS)
+def test_chunked_prefill_gives_the_logits_of_a_full_forward(variant):
+    """Chunks of 5, 1, 4 and 3 tokens: the 1-token chunk is a decode step; LatentLoop's groups of k
+    tokens straddle the chunk boundaries."""
+    model = reference_model(variant)
+    x = tokens()
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        cache = model.new_cache()
+        chunks = [model(x[:, a:b], cache=cache).logits
+                  for a, b in [(0, 5), (5, 6), (6, 10), (10, 13)]]
+    assert cache.get_seq_length() == 13
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "latentloop_stride3_lag1",
+                                     "latentloop_moe_untied_v3"])
+def test_greedy_generate_is_the_same_with_and_without_cache(variant):
+    model = reference_model(variant)
+    prompt = tokens(batch=1, length=7)
+    cached = model.generate(prompt, max_new_tokens=9, do_sample=False)
+    uncached = model.generate(prompt, max_new_tokens=9, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 16)
+    assert torch.equal(cached, uncached)
+    chunked = model.generate(prompt, max_new_tokens=9, do_sample=False, cache=model.new_cache(),
+                             prefill_chunk_size=3)
+    assert torch.equal(chunked, cached)
+
+
+def test_beam_search_reorders_latentloop_cached_state():
+    """Beam search reorders the cache rows; LatentLoop's pending tokens and latent updates are
+    cache state beyond keys/values and must follow them."""
+    model = reference_model("latentloop_stride3_lag1")
+    prompt = tokens(batch=1, length=5)
+    kwargs = dict(max_new_tokens=7, do_sample=False, num_beams=3)
+    assert torch.equal(model.generate(prompt, **kwargs),
+                       model.generate(prompt, use_cache=False, **kwargs))
+
+
+def test_depth_set_at_load_time_or_per_call():
+    deep = reference_model("asymloop", iterations=5)
+    default = reference_model("asymloop")  # same weights, iterations=3
+    x = tokens(batch=1, length=6)
+    with torch.no_grad():
+        torch.testing.assert_close(default(x, num_iterations=5).logits, deep(x).logits)
+        assert not torch.allclose(default(x).logits, deep(x).logits)
+    assert torch.equal(default.generate(x, max_new_tokens=4, do_sample=False, num_iterations=5),
+                       deep.generate(x, max_new_tokens=4, do_sample=False))
+    cache = default.new_cache()
+    default(x, cache=cache)
+    with pytest.raises(ValueError, match="filled with 3 iterations; this call runs 5"):
+        default(x[:, :1], cache=cache, num_iterations=5)
+
+
+def test_left_padding_gives_each_row_its_unpadded_logits():
+    model = reference_model("asymloop")
+    short, long = tokens(batch=1, length=4, seed=2), tokens(batch=1, length=7, seed=3)
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask).logits
+        torch.testing.assert_close(padded[0, 3:], model(short).logits[0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(padded[1], model(long).logits[0], atol=2e-6, rtol=1e-5)
+    generated = model.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    alone = model.generate(short, max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated[0, 3:], alone[0])
+
+
+def test_latentloop_refuses_padding_and_other_depths():
+    model = reference_model("latentloop")
+    x = tokens(batch=2, length=6)
+    mask = torch.ones_like(x)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="takes no padding"):
+        model(x, attention_mask=mask)
+    with pytest.raises(ValueError, match="runs exactly its iterations=2 visits"):
+        model(x, num_iterations=3)
