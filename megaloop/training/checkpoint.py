@@ -142,6 +142,12 @@ def verify_checkpoint(path: Path) -> None:
             raise CheckpointError(f"{shard}: truncated ({size} bytes, {index.name} records {end})")
 
 
+def holds_training_state(path: Path) -> bool:
+    """Whether checkpoint ``path`` holds optimizer state and progress besides the weights (a
+    conversion from Hugging Face, megaloop.hf, writes weights only)."""
+    return "trainer" in torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+
+
 def step_of(path: Path) -> int:
     match = _NAME.match(path.name)
     if match is None:

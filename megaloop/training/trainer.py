@@ -457,6 +457,11 @@ class Trainer:
         # (checkpoint.load); the run's own checkpoints always resume whole, fine-tuning included.
         own = path.parent.resolve() == self.checkpoint_dir.resolve()
         weights_only = not self.cfg.checkpoint.load_optimizer and not own
+        if not weights_only and not ckpt.holds_training_state(path):
+            raise ckpt.CheckpointError(
+                f"{path}: holds model weights only (no optimizer state or progress, e.g. a "
+                "conversion from Hugging Face); set checkpoint.load_optimizer=false to start a "
+                "run from it")
         saved = ckpt.saved_config(path)
         same_layout = ckpt.same_parallel_layout(saved, self.cfg)
         if not weights_only:

@@ -137,6 +137,24 @@ def test_weights_only_load_trains_from_the_loaded_weights(mcore, pattern_data, t
         assert (p.detach().float() - seed_weights[name]).abs().max() < 3 * lr, name
 
 
+def test_a_weights_only_checkpoint_starts_a_run_but_is_no_resume(mcore, pattern_data, tmp_path):
+    """What the Hugging Face import writes (megaloop.hf): weights and the model config only."""
+    from megaloop.config import RunConfig
+    from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint, weights
+
+    cfg = tiny_run(pattern_data, tmp_path / "run", checkpoint={"load": str(tmp_path / "weights")})
+    torch.manual_seed(7)  # not the run's seed: weights the run would not draw itself
+    source = build_single_process_model(cfg.model)
+    save_weights_checkpoint(source, RunConfig(model=cfg.model), tmp_path / "weights")
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000000: holds model weights only .*; "
+                                                   r"set checkpoint.load_optimizer=false"):
+        Trainer(cfg)
+    cfg.checkpoint.load_optimizer = False
+    loaded = weights(Trainer(cfg).model)
+    for name, tensor in weights(source).items():
+        assert torch.equal(loaded[name], tensor), name
+
+
 def test_save_keeps_the_checkpoint_just_written_and_never_rewrites_latest(mcore, pattern_data,
                                                                           tmp_path):
     cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 4},

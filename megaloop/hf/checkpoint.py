@@ -1,0 +1,83 @@
+"""The megaloop side of a conversion: a dist checkpoint of any layout read into one process, and a
+weights-only checkpoint written from one.
+
+megatron-core's dist_checkpointing reshards on load: a model built with tensor, pipeline and expert
+parallel size 1 loads a checkpoint saved under any TP/PP/EP layout (tensors are stored with their
+global shapes and keys that do not depend on the layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict
+from megaloop.hf.common import ConversionError
+from megaloop.training import checkpoint as ckpt
+
+
+def checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint directory (``iter_N`` with config.yaml), or a checkpoint directory holding a
+    ``latest`` pointer, resolved to the checkpoint itself."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"{path}: no such checkpoint directory")
+    if not (path / "config.yaml").is_file() and (path / ckpt.LATEST).is_file():
+        return ckpt.latest_checkpoint(path)
+    return path
+
+
+def build_single_process_model(cfg: ModelConfig):
+    """A TP=PP=EP=1 model of ``cfg`` on the local (CPU) spec, torch.distributed initialised for one
+    process if it is not already."""
+    from megatron.core import parallel_state as ps
+
+    from megaloop.models.model import build_model
+    from megaloop.platform.distributed import init_distributed
+
+    if not ps.model_parallel_is_initialized():
+        init_distributed()
+    sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+             ps.get_expert_model_parallel_world_size())
+    if sizes != (1, 1, 1):
+        raise ConversionError(f"conversions run in one process; this one has tensor/pipeline/"
+                              f"expert parallel sizes {sizes}")
+    model = build_model(cfg, ParallelConfig(), use_te=False)
+    return model.eval()
+
+
+def load_checkpoint_model(path: str | Path, requested: ModelConfig | None = None):
+    """(model, run config, checkpoint path): the checkpoint's weights in a single-process model.
+
+    ``requested``: the architecture the caller expects; a checkpoint of another one is refused,
+    naming the fields that differ. Without it, the checkpoint's own config.yaml decides."""
+    path = checkpoint_path(path)
+    ckpt.verify_checkpoint(path)
+    try:
+        run = from_dict(RunConfig, ckpt.saved_config(path))
+    except ConfigError as e:
+        raise ConversionError(f"{path / 'config.yaml'}: {e}") from None
+    if requested is not None:
+        ckpt.check_compatible(path, dataclasses.replace(run, model=requested))
+    run.model.validate()
+    model = build_single_process_model(run.model)
+    state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})
+    model.load_state_dict(state["model"])
+    return model, run, path
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    """A single-process model's tensors (fp32, CPU), without Transformer Engine's extra state."""
+    return {name: tensor.detach().float().cpu() for name, tensor in model.state_dict().items()
+            if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")}
+
+
+def save_weights_checkpoint(model, run: RunConfig, directory: Path) -> Path:
+    """Writes ``model``'s weights as step 0 of checkpoint directory ``directory`` (iter_0000000 and
+    the ``latest`` pointer): what ``checkpoint.load`` starts a run from, with
+    ``checkpoint.load_optimizer=false`` (there is no optimizer state or progress)."""
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model).resolve())
+    return ckpt.save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, run,
+                                keep_last=1)

@@ -1,0 +1,78 @@
+"""What both conversion directions share: their errors, the staged output directory and the logit
+probe."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+
+# Relative and absolute tolerance of the probe comparison in fp32: the parity tests hold the
+# reference to megatron-core at 1e-5 on tiny models; deeper and wider models accumulate more.
+PROBE_TOLERANCE = 1e-4
+
+
+def quiet_transformers() -> None:
+    """No progress bars or load reports: a conversion reports its own findings."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+class ConversionError(ValueError):
+    """Bad input to a conversion (checkpoint, directory, tensor, tokenizer); one line naming it."""
+
+
+class ProbeMismatch(RuntimeError):
+    """The converted model's logits differ from the source's: a bug, not bad input."""
+
+
+@contextlib.contextmanager
+def staged_output(out: str | os.PathLike):
+    """Yields a fresh temporary directory beside ``out`` that becomes ``out`` when the block ends
+    without an error (one rename); on any error it is removed, so ``out`` never holds a partial
+    conversion. ``out`` must not exist yet, or be an empty directory."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{out}: already exists and is not an empty directory; choose a new "
+                              "output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def probe_ids(vocab_size: int, length: int) -> torch.Tensor:
+    """Two fixed pseudo-random sequences [2, length] of token ids."""
+    generator = torch.Generator().manual_seed(20250611)
+    return torch.randint(0, vocab_size, (2, length), generator=generator)
+
+
+def compare_logits(source: torch.Tensor, converted: torch.Tensor, what: str) -> float:
+    """Raises ProbeMismatch unless the logits agree to PROBE_TOLERANCE; returns the largest
+    difference."""
+    source, converted = source.float(), converted.float()
+    if source.shape != converted.shape:
+        raise ProbeMismatch(f"{what}: probe logits of shape {tuple(converted.shape)}, the source "
+                            f"gives {tuple(source.shape)}")
+    difference = (source - converted).abs()
+    allowed = PROBE_TOLERANCE * (1 + source.abs())
+    if not bool((difference <= allowed).all()):
+        worst = (difference - allowed).flatten().argmax().item()
+        position = [int(i) for i in torch.unravel_index(torch.tensor(worst), source.shape)]
+        raise ProbeMismatch(f"{what}: probe logits differ from the source by up to "
+                            f"{difference.max().item():.3g} (batch, position, token {position}; "
+                            f"allowed {PROBE_TOLERANCE:g} x (1 + |logit|))")
+    return difference.max().item()

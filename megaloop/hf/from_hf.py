@@ -1,0 +1,131 @@
+"""Hugging Face directory -> megaloop checkpoint (weights only).
+
+Reads directories megaloop exported (model_type megaloop / megaloop_latentloop) and native Llama,
+Qwen3, OLMo 2, Mixtral and Qwen3-MoE ones whose variant megaloop computes (megaloop.hf.native says
+which fields must have which values). The weights are loaded by transformers from safetensors only,
+into megaloop's own reference classes for megaloop directories: the directory's Python files are
+never run. A tensor that is missing, unexpected or shaped otherwise than config.json says is a
+one-line error naming it.
+
+The result is a checkpoint directory (iter_0000000 and ``latest``) that a run starts from with
+``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section.
+Before the rename into place, the checkpoint is loaded back and its logits on a probe input must
+equal the Hugging Face model's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megaloop.config import ConfigError, ModelConfig, RunConfig
+from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint, weights
+from megaloop.hf.common import ConversionError, compare_logits, probe_ids, staged_output
+from megaloop.hf.native import FAMILIES, model_config_from_native, to_native_state_dict
+from megaloop.hf.to_hf import probe_length
+
+MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
+
+
+def _config(directory: Path):
+    """(transformers config, megaloop ModelConfig, model class, native family or None)."""
+    import transformers
+
+    from megaloop.models.export import model_config, reference_class
+    from megaloop.reference.configuration_megaloop import LatentLoopConfig, MegaloopConfig
+
+    config_file = directory / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConversionError(f"{config_file}: missing or unreadable ({e})") from None
+    if model_type in MEGALOOP_MODEL_TYPES:
+        config_class = LatentLoopConfig if model_type == "megaloop_latentloop" else MegaloopConfig
+        hf = config_class.from_pretrained(directory)
+        cfg = model_config(hf)
+        return hf, cfg, reference_class(cfg), None
+    if model_type not in FAMILIES:
+        raise ConversionError(f"{config_file}: model_type={model_type!r}: megaloop imports "
+                              f"{', '.join(MEGALOOP_MODEL_TYPES + tuple(FAMILIES))}")
+    hf = transformers.AutoConfig.from_pretrained(directory)
+    return hf, model_config_from_native(hf), getattr(transformers, FAMILIES[model_type]), model_type
+
+
+def load_hf_model(directory: str | Path):
+    """(Hugging Face model in fp32, megaloop ModelConfig, native family or None)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConversionError(f"{directory}: no such directory")
+    hf_config, cfg, model_class, family = _config(directory)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConversionError(f"{directory / 'config.json'}: {e}") from None
+    try:
+        model, info = model_class.from_pretrained(
+            directory, config=hf_config, dtype=torch.float32, use_safetensors=True,
+            ignore_mismatched_sizes=True, output_loading_info=True)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{directory}: no loadable safetensors weights "
+                              f"({str(e).strip().splitlines()[0]})") from None
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda entry: entry[0])
+    if mismatched:
+        name, saved, expected = mismatched[0]
+        raise ConversionError(f"{directory}: tensor {name}: shape {tuple(saved)} in the "
+                              f"safetensors, config.json gives {tuple(expected)}"
+                              f"{_more(mismatched)}")
+    for key, problem in (("missing_keys", "missing from the safetensors files"),
+                         ("unexpected_keys", "not part of the model config.json describes")):
+        names = sorted(info.get(key) or ())
+        if names:
+            raise ConversionError(f"{directory}: tensor {names[0]}: {problem}{_more(names)}")
+    return model.eval(), cfg, family
+
+
+def _more(items) -> str:
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
+def reference_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Names and shapes of the reference model's tensors, without allocating them."""
+    from megaloop.models.export import reference_class, reference_config
+
+    with torch.device("meta"):
+        model = reference_class(cfg)(reference_config(cfg))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def import_hf(directory: str | Path, out: str | Path) -> dict:
+    """Converts the Hugging Face directory into the megaloop checkpoint directory ``out``; returns
+    a report (architecture, probe difference)."""
+    from megaloop.models.export import from_reference_state_dict, invert_mapping
+    from megaloop.training.checkpoint import load_checkpoint
+
+    hf, cfg, family = load_hf_model(directory)
+    state = {name: t.detach().float() for name, t in hf.state_dict().items()}
+    try:
+        reference = state if family is None else invert_mapping(
+            lambda tensors: to_native_state_dict(tensors, family), state, reference_shapes(cfg))
+    except ValueError as e:
+        raise ConversionError(f"{directory}: {e}") from None
+    ids = probe_ids(cfg.vocab_size, probe_length(cfg))
+    with torch.no_grad():
+        expected = hf(ids, use_cache=False).logits
+    del hf, state
+    model = build_single_process_model(cfg)
+    template = model.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in weights(model).items()}
+    converted = from_reference_state_dict(reference, shapes, cfg)
+    model.load_state_dict({**template, **converted})
+    with staged_output(out) as staging:
+        path = save_weights_checkpoint(model, RunConfig(model=cfg), staging)
+        reloaded = build_single_process_model(cfg)
+        reloaded.load_state_dict(load_checkpoint(path, {"model": reloaded.sharded_state_dict()})
+                                 ["model"])
+        with torch.no_grad():
+            logits = reloaded(ids.to(next(reloaded.parameters()).device)).float().cpu()
+        difference = compare_logits(expected, logits, f"{out} (from {directory})")
+    return {"source": str(directory), "output": str(out), "arch": cfg.arch,
+            "native_family": family, "probe_max_abs_difference": difference}

@@ -1,0 +1,91 @@
+"""Hugging Face directory -> megaloop checkpoint: a round trip gives back the checkpoint's weights
+bit for bit and its architecture; bad directories are refused in one line naming the tensor, field
+or file, with nothing left in the output directory."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megaloop.config import RunConfig
+from megaloop.hf.checkpoint import load_checkpoint_model, weights
+from megaloop.hf.common import ConversionError
+from megaloop.hf.from_hf import import_hf
+from megaloop.training.checkpoint import check_compatible
+
+
+@pytest.mark.parametrize("variant", ["dense", "qwen3", "olmo2_one_head", "mixtral", "qwen3_moe",
+                                     "dense_moe_shared", "fullloop_olmo", "asymloop_tied_gqa1",
+                                     "asymloop_moe_decoder", "latentloop_moe_untied_v3"])
+def test_round_trip_is_exact(exports, variant, tmp_path):
+    exported = exports.get(variant)
+    report = import_hf(exported.hf_dir, tmp_path / "back")
+    assert report["native_family"] == (None if exported.report["remote_code"]
+                                       else json.loads((exported.hf_dir / "config.json")
+                                                       .read_text())["model_type"])
+    original, _, _ = load_checkpoint_model(exported.checkpoint)
+    back, run, path = load_checkpoint_model(tmp_path / "back")
+    check_compatible(path, RunConfig(model=exported.cfg))  # the same architecture fields
+    before, after = weights(original), weights(back)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def _copy(exports, variant, tmp_path) -> Path:
+    return Path(shutil.copytree(exports.get(variant).hf_dir, tmp_path / "hf"))
+
+
+def _edit_config(directory: Path, **fields):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(fields)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _refused(directory, tmp_path, match):
+    with pytest.raises(ConversionError, match=match) as error:
+        import_hf(directory, tmp_path / "out")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("variant, field, value", [("asymloop", "ffn_hidden_size", 80),
+                                                   ("dense", "intermediate_size", 80)])
+def test_refuses_shapes_that_do_not_match_config_naming_the_tensor(exports, tmp_path, variant,
+                                                                   field, value):
+    directory = _copy(exports, variant, tmp_path)
+    _edit_config(directory, **{field: value})
+    _refused(directory, tmp_path, r"tensor \S+(gate|up|down)_proj.weight: shape \((96, 64|64, 96)\) "
+                                  r"in the safetensors, config.json gives \((80, 64|64, 80)\) "
+                                  r"\(and \d+ more\)")
+
+
+def test_refuses_a_missing_tensor_naming_it(exports, tmp_path):
+    directory = _copy(exports, "latentloop", tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["writeback.1"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    _refused(directory, tmp_path, r"tensor writeback.1: missing from the safetensors files")
+
+
+def test_refuses_a_directory_without_safetensors_or_config(exports, tmp_path):
+    directory = _copy(exports, "dense", tmp_path)
+    (directory / "model.safetensors").unlink()
+    _refused(directory, tmp_path, "no loadable safetensors weights")
+    (directory / "config.json").unlink()
+    _refused(directory, tmp_path, r"config.json: missing or unreadable")
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(attention_bias=True), r"attention_bias=True: must be false"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu': must be 'silu'"),
+    (dict(model_type="gpt2"), r"model_type='gpt2': megaloop imports megaloop, "),
+])
+def test_refuses_what_megaloop_does_not_compute_naming_the_field(exports, tmp_path, fields,
+                                                                 match):
+    directory = _copy(exports, "dense", tmp_path)
+    _edit_config(directory, **fields)
+    _refused(directory, tmp_path, match)

@@ -1,0 +1,145 @@
+"""megaloop checkpoint -> Hugging Face directory: logits equal to megaloop's (fp32, 1e-4) for every
+architecture and ablation, native classes where they fit, self-contained remote code otherwise,
+and every bad input refused in one line with nothing left in the output directory."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from megaloop.hf.common import ConversionError, ProbeMismatch
+from megaloop.hf.to_hf import REFERENCE_DIR, REMOTE_CODE_FILES, export_checkpoint
+from megaloop.training.checkpoint import CheckpointError
+from tests.hf.exports import NATIVE_VARIANTS, expected_class, sample_tokens
+from tests.models.variants import ALL_VARIANTS
+
+
+def load(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
+                                                dtype=torch.float32)
+
+
+@pytest.mark.parametrize("variant", list(ALL_VARIANTS) + list(NATIVE_VARIANTS))
+def test_export_gives_megaloop_logits(exports, variant):
+    exported = exports.get(variant)
+    assert exported.report["class"] == expected_class(variant)
+    files = {p.name for p in exported.hf_dir.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json"} <= files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+    remote = exported.report["remote_code"]
+    assert (set(REMOTE_CODE_FILES) <= files) == remote and bool(exported.report["why_remote_code"]) == remote
+    with torch.no_grad():
+        logits = load(exported.hf_dir)(sample_tokens(exported.cfg), use_cache=False).logits
+    torch.testing.assert_close(logits, exported.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_remote_code_is_the_reference_and_imports_only_torch_and_transformers(exports):
+    """The shipped files are megaloop/reference's, byte for byte (no third definition)."""
+    hf_dir = exports.get("asymloop").hf_dir
+    for name in REMOTE_CODE_FILES:
+        assert (hf_dir / name).read_bytes() == (REFERENCE_DIR / name).read_bytes()
+        tree = ast.parse((hf_dir / name).read_text())
+        modules = {alias.name.split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, ast.Import) for alias in node.names}
+        modules |= {node.module.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.level == 0}
+        assert modules <= {"__future__", "math", "torch", "transformers"}, (name, modules)
+
+
+def test_export_loads_and_generates_offline_without_megaloop(exports, tmp_path):
+    """A fresh interpreter that cannot import megaloop, with the Hub unreachable."""
+    dirs = [str(exports.get(v).hf_dir) for v in ("asymloop", "latentloop_moe_untied_v3")]
+    script = ("import sys, torch\n"
+              "from transformers import AutoModelForCausalLM\n"
+              "assert 'megaloop' not in sys.modules\n"
+              "for d in sys.argv[1:]:\n"
+              "    m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)\n"
+              "    out = m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)\n"
+              "    print(type(m).__name__, out.shape[1])\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    done = subprocess.run([sys.executable, "-c", script, *dirs], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["LoopedLM", "7", "LatentLoopLM", "7"]
+
+
+# ------------------------------------------------------------------------------- bad input
+
+def _copy(checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(checkpoint, tmp_path / "checkpoint"))
+
+
+def _assert_nothing_written(out: Path):
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+def test_refuses_a_checkpoint_of_another_architecture(exports, tmp_path):
+    exported = exports.get("asymloop")
+    other = dict(vars(exported.cfg), num_layers=6)
+    from megaloop.config import ModelConfig
+
+    with pytest.raises(CheckpointError, match=r"model.num_layers=4 in the checkpoint, 6 now"):
+        export_checkpoint(exported.checkpoint, tmp_path / "out", requested=ModelConfig(**other))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_refuses_an_incomplete_checkpoint_naming_the_file(exports, tmp_path):
+    checkpoint = _copy(exports.get("asymloop").checkpoint, tmp_path)
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name}: missing"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_refuses_tensors_that_do_not_fit_the_checkpoint_config_naming_the_tensor(exports,
+                                                                                 tmp_path):
+    checkpoint = _copy(exports.get("asymloop").checkpoint, tmp_path)
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    config["model"]["ffn_hidden_size"] = config["model"]["decoder_ffn_hidden_size"] = 80
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(CheckpointError, match=r"cannot be loaded.*linear_fc1"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_refuses_a_missing_tokenizer_naming_the_file(exports, tmp_path):
+    checkpoint = _copy(exports.get("dense").checkpoint, tmp_path)
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    config["data"].update(tokenizer_model=str(tmp_path / "gone.model"), eod_id=None)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConversionError, match=r"gone.model: tokenizer file not found"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+    report = export_checkpoint(checkpoint, tmp_path / "out", with_tokenizer=False)
+    assert report["tokenizer"] is None and not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_refuses_an_existing_output_directory(exports, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="already exists"):
+        export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_a_probe_mismatch_fails_loudly_and_leaves_nothing(exports, tmp_path, monkeypatch):
+    """A wrong weight mapping (gate and up swapped) is caught by the probe."""
+    from megaloop.hf import native
+
+    layer = {**native._LAYER, "mlp.gate_proj.weight": "mlp.up_proj.weight",
+             "mlp.up_proj.weight": "mlp.gate_proj.weight"}
+    monkeypatch.setattr(native, "_LAYER", layer)
+    with pytest.raises(ProbeMismatch, match="probe logits differ"):
+        export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")

@@ -1,0 +1,70 @@
+"""The run's tokenizer in an export: Hugging Face files that encode as megaloop's tokenizer does,
+the end-of-document id as eos in config and generation config, and a refused mismatch."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megaloop.data import load_tokenizer
+from megaloop.data.tokenizer_training import train_sentencepiece
+from megaloop.hf.common import ConversionError
+from megaloop.hf.to_hf import export_checkpoint
+
+LINES = [f"the {w} sat on {n} mats, said   {w.upper()}!\n" for w in ("cat", "dog", "emu", "yak")
+         for n in range(40)]
+
+
+def _with_tokenizer(exports, tmp_path, tokenizer: Path) -> Path:
+    checkpoint = Path(shutil.copytree(exports.get("dense").checkpoint, tmp_path / "checkpoint"))
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    config["data"].update(tokenizer_model=str(tokenizer), eod_id=None)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    return checkpoint
+
+
+def _sentencepiece(tmp_path, byte_fallback=False) -> Path:
+    model = tmp_path / "tok.model"
+    train_sentencepiece(LINES, model, vocab_size=400, byte_fallback=byte_fallback,
+                        hard_vocab_limit=False)
+    return model
+
+
+def _json_tokenizer(tmp_path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(LINES, trainers.BpeTrainer(
+        vocab_size=100, special_tokens=["<unk>", "<|endoftext|>"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path / "tokenizer.json"
+
+
+@pytest.mark.parametrize("make", [_sentencepiece, _json_tokenizer])
+def test_export_writes_a_tokenizer_that_encodes_as_megaloop(exports, tmp_path, make):
+    from transformers import AutoTokenizer
+
+    source = make(tmp_path)
+    report = export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out")
+    assert report["tokenizer"] == str(source)
+    sentencepiece = source.suffix == ".model"
+    megaloop = load_tokenizer("SentencePieceTokenizer" if sentencepiece
+                              else "HuggingFaceTokenizer", source)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "the emu sat on 7 mats,  said CAT!\nnew line"
+    assert hf(text)["input_ids"] == megaloop.encode_batch([text])[0]
+    assert hf.eos_token_id == megaloop.eod
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "out" / name).read_text())["eos_token_id"] == megaloop.eod
+    assert (tmp_path / "out" / "tokenizer.model").exists() == sentencepiece
+
+
+def test_refuses_a_tokenizer_larger_than_the_model_vocabulary(exports, tmp_path):
+    source = _sentencepiece(tmp_path, byte_fallback=True)  # 256 byte pieces; the model has 128 rows
+    with pytest.raises(ConversionError, match=r"tok.model: \d+ tokens, more than the model's "
+                                              r"vocab_size=128"):
+        export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,48 @@
+"""tools/convert_checkpoint.py: both directions print a JSON report; bad input exits 2 with one
+line naming the file."""
+
+import json
+
+import pytest
+import torch
+
+from megaloop.config import DataConfig, RunConfig
+from tests.models.variants import small_config
+
+
+@pytest.fixture
+def checkpoint(mcore, tmp_path):
+    from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
+
+    cfg = small_config("asymloop")
+    torch.manual_seed(0)
+    model = build_single_process_model(cfg)
+    return save_weights_checkpoint(model, RunConfig(model=cfg, data=DataConfig(eod_id=3)),
+                                   tmp_path / "checkpoint")
+
+
+def test_to_hf_and_back(load_tool, checkpoint, tmp_path, capsys):
+    tool = load_tool("convert_checkpoint")
+    assert tool.main(["to-hf", str(checkpoint.parent), str(tmp_path / "hf")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["class"] == "LoopedLM" and report["remote_code"]
+    assert report["checkpoint"] == str(checkpoint)  # the directory's latest checkpoint
+    assert tool.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["arch"] == "asymloop" and (tmp_path / "back" / "latest").is_file()
+
+
+def test_bad_input_exits_2_with_one_line(load_tool, checkpoint, tmp_path, capsys):
+    tool = load_tool("convert_checkpoint")
+    assert tool.main(["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {tmp_path / 'nowhere'}: no such checkpoint directory"
+    (checkpoint / "metadata.json").unlink()
+    assert tool.main(["to-hf", str(checkpoint), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {checkpoint / 'metadata.json'}: missing") and "\n" not in err
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(SystemExit) as exit_code:  # argparse: the two tokenizer flags conflict
+        tool.main(["to-hf", str(checkpoint), str(tmp_path / "hf"), "--tokenizer", "t.model",
+                   "--no-tokenizer"])
+    assert exit_code.value.code == 2

@@ -1,0 +1,77 @@
+"""Convert between megaloop checkpoints and Hugging Face directories (megaloop.hf).
+
+    python tools/convert_checkpoint.py to-hf CHECKPOINT OUT [--config RUN.yaml]
+                                       [--tokenizer FILE | --no-tokenizer]
+    python tools/convert_checkpoint.py from-hf HF_DIR OUT
+
+to-hf: CHECKPOINT is a checkpoint (iter_N) of any TP/PP/EP layout, or a checkpoint directory with a
+``latest`` pointer. OUT gets safetensors, config.json, generation_config.json and the run's
+tokenizer (data.tokenizer_model, or --tokenizer); a Dense model loads as a native transformers
+class where one fits, every other one as remote code:
+``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config refuses a checkpoint
+of another architecture than that run config's.
+
+from-hf: OUT becomes a checkpoint directory that a run starts from with
+``checkpoint.load=OUT checkpoint.load_optimizer=false``.
+
+Both write into a temporary directory beside OUT and rename it only after the converted model's
+logits on a probe input equal the source's. Prints a JSON report; exits 2 on bad input (one line
+naming the file or tensor) and 1 when the probe logits differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_hf = sub.add_parser("to-hf", help="megaloop checkpoint -> Hugging Face directory")
+    to_hf.add_argument("checkpoint")
+    to_hf.add_argument("out")
+    to_hf.add_argument("--config", help="run config YAML whose model the checkpoint must match")
+    tokenizer = to_hf.add_mutually_exclusive_group()
+    tokenizer.add_argument("--tokenizer", help="tokenizer file instead of data.tokenizer_model")
+    tokenizer.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face directory -> megaloop checkpoint")
+    from_hf.add_argument("hf_dir")
+    from_hf.add_argument("out")
+    args = parser.parse_args(argv)
+
+    from megaloop.config import ConfigError, load_yaml
+    from megaloop.data.tokenizer import TokenizerError
+    from megaloop.hf.common import ConversionError, ProbeMismatch, quiet_transformers
+    from megaloop.train import _quiet_third_party_warnings
+    from megaloop.training.checkpoint import CheckpointError
+
+    _quiet_third_party_warnings()
+    quiet_transformers()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only
+            if args.direction == "to-hf":
+                from megaloop.hf.to_hf import export_checkpoint
+
+                requested = load_yaml(args.config).model if args.config else None
+                report = export_checkpoint(args.checkpoint, args.out, requested=requested,
+                                           tokenizer=args.tokenizer,
+                                           with_tokenizer=not args.no_tokenizer)
+            else:
+                from megaloop.hf.from_hf import import_hf
+
+                report = import_hf(args.hf_dir, args.out)
+    except (ConversionError, CheckpointError, ConfigError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ProbeMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
