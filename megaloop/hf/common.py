@@ -46,12 +46,23 @@ def staged_output(out: str | os.PathLike):
     tmp.mkdir()
     try:
         yield tmp
+        _readable_as_plain_files(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _readable_as_plain_files(directory: Path) -> None:
+    """Gives every file the permissions a plain ``open`` gives (0666 less the umask): some writers
+    (safetensors through a temporary file) leave 0600, and teammates read shared exports."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def probe_ids(vocab_size: int, length: int) -> torch.Tensor:

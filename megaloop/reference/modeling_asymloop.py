@@ -28,29 +28,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megaloop import MegaloopConfig
+from .modeling_moe import MLP, MoEFeedForward
 
-# The output field holding the cache: transformers 5.24 renamed ``past_key_values`` to ``cache``.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
+# What transformers calls the cache, in outputs and generate() arguments: ``cache`` since 5.24,
+# ``past_key_values`` before (e.g. ``generate(..., **{CACHE_ARGUMENT: model.new_cache()})``).
+CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
     else "past_key_values"
 
 
-def attend(q, keys, values, allowed, scale):
-    """Softmax attention of q [B, H, Nq, D] over the concatenated key blocks (each [B, H, Nk, D])
-    under one softmax; ``allowed`` [B or 1, 1, Nq, Nk] masks every block alike."""
-    k, v = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    mask = allowed.repeat(1, 1, 1, len(keys))
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+def attend(q, blocks, allowed, scale):
+    """Softmax attention of q [B, H, Nq, D] over key/value blocks [(k, v)] (each [B, H, Nk, D])
+    under one softmax; ``allowed`` [B or 1, 1, Nq, Nk] (None: every key) masks every block alike.
+    The blocks' scores are joined, not their keys and values: a [Global; Local] attention copies
+    no cached tensor."""
+    scores = [(q @ k.transpose(-1, -2)) * scale for k, _ in blocks]
+    if allowed is not None:
+        scores = [s.masked_fill(~allowed, float("-inf")) for s in scores]
+    if len(blocks) == 1:
+        return scores[0].softmax(-1) @ blocks[0][1]
+    weights = torch.cat(scores, dim=-1).softmax(-1).split([s.shape[-1] for s in scores], dim=-1)
+    return sum(w @ v for w, (_, v) in zip(weights, blocks))
 
 
 def causal_mask(n_queries, n_keys, device, key_valid=None):
     """[B or 1, 1, Nq, Nk]: the new queries are the last Nq of Nk positions; query i sees keys up to
     its own position. ``key_valid`` [B, Nk] hides padding keys (a padding query sees itself, so
-    that no softmax row is empty)."""
+    that no softmax row is empty). None when nothing is hidden: one new query sees every key."""
+    if n_queries == 1 and key_valid is None:
+        return None
     query_index = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
     key_index = torch.arange(n_keys, device=device)[None]
     allowed = key_index <= query_index
@@ -63,7 +73,7 @@ def joint_attention(q, k_glob, v_glob, k_loc, v_loc, scale):
     """One softmax over [Global; Local] keys; query i sees Global <= i and Local <= i.
     All [B, H, N, D]; megaloop's masked joint-attention kernel."""
     allowed = causal_mask(q.shape[-2], k_loc.shape[-2], q.device)
-    return attend(q, [k_glob, k_loc], [v_glob, v_loc], allowed, scale)
+    return attend(q, [(k_glob, v_glob), (k_loc, v_loc)], allowed, scale)
 
 
 def rotate_half(x):
@@ -129,50 +139,31 @@ class Attention(nn.Module):
         return x.view(b, n, n_heads, self.head_dim).transpose(1, 2)
 
     def _expand(self, kv):  # grouped-query attention: each kv head serves heads/groups queries
-        return kv.repeat_interleave(self.heads // self.groups, dim=1)
+        return kv if self.heads == self.groups else kv.repeat_interleave(self.heads // self.groups,
+                                                                         dim=1)
 
     def _cached(self, k, v, cache, slot):
         return (k, v) if cache is None else cache.update(k, v, slot)
 
     def global_kv(self, h_enc, rotary, cache=None, slot=None):
         """This layer's Global keys (rotated: key j sits at position j) and values from the encoder
-        output, after those of the cached positions."""
+        output, after those of the cached positions; expanded to the query heads once, for all
+        iterations."""
         x = self.global_norm(h_enc)
         k = apply_rope(self.k_norm(self._heads(self.global_k_proj(x), self.groups)), *rotary)
-        return self._cached(k, self._heads(self.global_v_proj(x), self.groups), cache, slot)
+        k, v = self._cached(k, self._heads(self.global_v_proj(x), self.groups), cache, slot)
+        return self._expand(k), self._expand(v)
 
     def forward(self, x, rotary, allowed, cache=None, slot=None, global_kv=None):
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), *rotary)
-        keys, values = [], []
-        if global_kv is not None:
-            keys.append(self._expand(global_kv[0]))
-            values.append(self._expand(global_kv[1]))
+        blocks = [global_kv] if global_kv is not None else []
         if self.local_kv:
             k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.groups)), *rotary)
             k, v = self._cached(k, self._heads(self.v_proj(x), self.groups), cache, slot)
-            keys.append(self._expand(k))
-            values.append(self._expand(v))
-        out = attend(q, keys, values, allowed, 1.0 / math.sqrt(self.head_dim))
+            blocks.append((self._expand(k), self._expand(v)))
+        out = attend(q, blocks, allowed, 1.0 / math.sqrt(self.head_dim))
         b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, d, ffn):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ffn, bias=False)
-        self.up_proj = nn.Linear(d, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _moe_feed_forward(cfg: MegaloopConfig) -> nn.Module:
-    from .modeling_moe import MoEFeedForward
-
-    return MoEFeedForward(cfg.hidden_size, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size,
-                          cfg.moe_shared_expert_size)
 
 
 class Block(nn.Module):
@@ -183,7 +174,9 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg, global_kv, local_kv)
-        self.mlp = MLP(cfg.hidden_size, ffn) if not moe else _moe_feed_forward(cfg)
+        self.mlp = MLP(cfg.hidden_size, ffn) if not moe else MoEFeedForward(
+            cfg.hidden_size, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size,
+            cfg.moe_shared_expert_size)
 
     def forward(self, h, rotary, allowed, cache=None, slot=None, global_kv=None):
         if self.post_norm:  # OLMo 2: h + Norm(Attn(h)), then h + Norm(MLP(h))
@@ -248,10 +241,15 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         return positions, causal_mask(n, past + n, device, valid), valid
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
-                num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None):
+                num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None,
+                cache_position=None, inputs_embeds=None):
         """Logits [B, N, V] of ``input_ids`` after the cached tokens, the cache (with ``use_cache``)
         and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy.
-        ``num_iterations`` overrides the configured iterations for this call."""
+        ``num_iterations`` overrides the configured iterations for this call.
+        transformers before 5.24 passes the cache as ``past_key_values``, its positions as
+        ``cache_position`` (the cache knows them: not needed) and ``inputs_embeds=None``."""
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds: not supported, pass input_ids")
         cfg = self.config
         steps = cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:
@@ -277,15 +275,15 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache})
         return out if return_dict is not False else out.to_tuple()
 
     def _init_weights(self, module):
-        std = self.config.initializer_range
+        """Fresh weights (transformers' init functions leave loaded tensors alone)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=std)
+            init.normal_(module.weight, std=self.config.initializer_range)
         elif isinstance(module, nn.RMSNorm):
-            nn.init.ones_(module.weight)
+            init.ones_(module.weight)
 
 
 class LoopedLM(MegaloopPreTrainedModel, GenerationMixin):

@@ -26,9 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers import initialization as init
 
 from .configuration_megaloop import LatentLoopConfig
 from .modeling_asymloop import Block, MegaloopPreTrainedModel, causal_mask, rope
+# Unused here: transformers' remote-code loader copies, from a local directory, only the files the
+# auto_map module imports itself (5.0 does; 5.24 follows imports), and modeling_asymloop needs it.
+from .modeling_moe import MoEFeedForward  # noqa: F401
 
 
 class _Part(nn.Module):
@@ -81,13 +85,14 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         return torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations, dtype=torch.float32)
 
     def _init_weights(self, module):
+        """transformers' init functions leave loaded tensors alone; a fixed scale is a buffer
+        outside the state dict, so it is always set here."""
         super()._init_weights(module)
-        with torch.no_grad():
-            if module is self:  # a fixed scale is a buffer outside the state dict: always set here
-                self.residual_scales.copy_(self._initial_scales())
-            elif module is self.writeback:
-                for w in module.values():
-                    nn.init.ones_(w)
+        if module is self:
+            init.copy_(self.residual_scales, self._initial_scales())
+        elif module is self.writeback:
+            for w in module.values():
+                init.ones_(w)
 
     def compressed_visits(self) -> list[int]:
         return self.config.latent_visits if self.config.latent_reduction == "sequence" else []

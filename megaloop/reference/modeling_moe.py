@@ -1,5 +1,8 @@
-"""Plain-PyTorch mixture-of-experts FFN of the reference model (torch only, like the rest of the
-reference, so that it can ship as Hugging Face modeling code).
+"""The feed-forward layers of the reference model: the SwiGLU MLP and the mixture-of-experts FFN
+built from it (torch only, like the rest of the reference, so that it can ship as Hugging Face
+modeling code).
+
+    MLP(x) = W_down (silu(W_gate x) * W_up x)
 
     logits = x W_r^T                                  in fp32, whatever the activations' dtype
     (l_1..l_k, e_1..e_k) = top-k of logits            per token, no capacity limit (dropless)
@@ -15,14 +18,24 @@ change the output.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d, ffn):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEFeedForward(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, expert_size: int,
                  shared_expert_size: int = 0):
-        from .modeling_asymloop import MLP
-
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(hidden_size, num_experts, bias=False)

@@ -34,6 +34,9 @@ def test_export_gives_megaloop_logits(exports, variant):
     files = {p.name for p in exported.hf_dir.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json"} <= files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (exported.hf_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     remote = exported.report["remote_code"]
     assert (set(REMOTE_CODE_FILES) <= files) == remote and bool(exported.report["why_remote_code"]) == remote
     with torch.no_grad():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megaloop.models.export import reference_class, reference_config
+from megaloop.reference.modeling_asymloop import CACHE_ARGUMENT
 from tests.models.variants import small_config
 
 CACHED_VARIANTS = ["dense", "fullloop", "asymloop", "asymloop_olmo", "asymloop_additive",
@@ -54,8 +55,8 @@ def test_greedy_generate_is_the_same_with_and_without_cache(variant):
     uncached = model.generate(prompt, max_new_tokens=9, do_sample=False, use_cache=False)
     assert cached.shape == (1, 16)
     assert torch.equal(cached, uncached)
-    chunked = model.generate(prompt, max_new_tokens=9, do_sample=False, cache=model.new_cache(),
-                             prefill_chunk_size=3)
+    chunked = model.generate(prompt, max_new_tokens=9, do_sample=False, prefill_chunk_size=3,
+                             **{CACHE_ARGUMENT: model.new_cache()})
     assert torch.equal(chunked, cached)
 
 
