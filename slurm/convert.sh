@@ -7,7 +7,7 @@
 #
 # The looped models export with their modeling code (load with trust_remote_code=True); Dense
 # exports to a native transformers class. Extra arguments go to tools/convert_checkpoint.py to-hf
-# (e.g. --dtype bfloat16 --overwrite).
+# (e.g. --tokenizer FILE, or --no-tokenizer).
 #SBATCH --job-name=convert
 #SBATCH --nodes=1
 #SBATCH --ntasks=1

@@ -1,7 +1,19 @@
 """Shared fixtures: one in-process gloo group with megatron-core model-parallel state (TP=1)."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# Remote-code models loaded by the tests (Hugging Face exports) are copied into transformers' module
+# cache, one folder per directory name; keep those copies out of the user's home. Set before any
+# test imports transformers, which reads it once.
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="megaloop-test-hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
