@@ -103,23 +103,23 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
     from megaloop.models.export import from_reference_state_dict, invert_mapping
     from megaloop.training.checkpoint import load_checkpoint
 
-    hf, cfg, family = load_hf_model(directory)
-    state = {name: t.detach().float() for name, t in hf.state_dict().items()}
-    try:
-        reference = state if family is None else invert_mapping(
-            lambda tensors: to_native_state_dict(tensors, family), state, reference_shapes(cfg))
-    except ValueError as e:
-        raise ConversionError(f"{directory}: {e}") from None
-    ids = probe_ids(cfg.vocab_size, probe_length(cfg))
-    with torch.no_grad():
-        expected = hf(ids, use_cache=False).logits
-    del hf, state
-    model = build_single_process_model(cfg)
-    template = model.state_dict()
-    shapes = {name: tuple(t.shape) for name, t in weights(model).items()}
-    converted = from_reference_state_dict(reference, shapes, cfg)
-    model.load_state_dict({**template, **converted})
-    with staged_output(out) as staging:
+    with staged_output(out) as staging:  # first: an unusable output directory fails at once
+        hf, cfg, family = load_hf_model(directory)
+        state = {name: t.detach().float() for name, t in hf.state_dict().items()}
+        ids = probe_ids(cfg.vocab_size, probe_length(cfg))
+        with torch.no_grad():
+            expected = hf(ids, use_cache=False).logits
+        del hf
+        model = build_single_process_model(cfg)
+        shapes = {name: tuple(t.shape) for name, t in weights(model).items()}
+        try:
+            reference = state if family is None else invert_mapping(
+                lambda tensors: to_native_state_dict(tensors, family), state,
+                reference_shapes(cfg))
+            converted = from_reference_state_dict(reference, shapes, cfg)
+        except ValueError as e:
+            raise ConversionError(f"{directory}: {e}") from None
+        model.load_state_dict({**model.state_dict(), **converted})
         path = save_weights_checkpoint(model, RunConfig(model=cfg), staging)
         reloaded = build_single_process_model(cfg)
         reloaded.load_state_dict(load_checkpoint(path, {"model": reloaded.sharded_state_dict()})

@@ -57,8 +57,9 @@ def native_family(cfg: ModelConfig) -> tuple[str | None, str]:
 
 
 def native_config(cfg: ModelConfig, family: str, special_tokens: dict):
-    """The transformers config of ``family`` for ``cfg`` (resolved); ``special_tokens``: bos/eos/pad
-    token ids (None where unknown)."""
+    """The transformers config of ``family`` for ``cfg`` (resolved); ``special_tokens``: the bos
+    and eos token ids (None where unknown). No pad token: the classes' defaults (Llama's bos 1,
+    OLMo 2's pad 1 and eos 50279) are not megaloop's."""
     import transformers
 
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -67,7 +68,7 @@ def native_config(cfg: ModelConfig, family: str, special_tokens: dict):
                   max_position_embeddings=cfg.seq_length, initializer_range=cfg.init_std,
                   rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
-                  attention_bias=False, hidden_act="silu", **special_tokens)
+                  attention_bias=False, hidden_act="silu", pad_token_id=None, **special_tokens)
     specific = {
         "llama": dict(intermediate_size=cfg.ffn_hidden_size, mlp_bias=False),
         "qwen3": dict(intermediate_size=cfg.ffn_hidden_size, use_sliding_window=False),

@@ -71,20 +71,22 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
 
     from megaloop.models.export import reference_state_dict
 
-    model, run, path = load_checkpoint_model(checkpoint, requested)
-    cfg = run.model
-    tokenizer = (tokenizer or run.data.tokenizer_model) if with_tokenizer else None
-    if tokenizer is not None and not Path(tokenizer).exists():
-        raise ConversionError(f"{tokenizer}: tokenizer file not found (the run's "
-                              "data.tokenizer_model); pass --tokenizer PATH, or --no-tokenizer")
-    ids = probe_ids(cfg.vocab_size, probe_length(cfg))
-    with torch.no_grad():
-        expected = model(ids.to(next(model.parameters()).device)).float().cpu()
-    reference = reference_state_dict(weights(model), cfg)
-    del model
-    family, why_not_native = native_family(cfg)
-    with staged_output(out) as staging:
-        special_tokens = {"eos_token_id": run.data.eod_id}
+    with staged_output(out) as staging:  # first: an unusable output directory fails at once
+        model, run, path = load_checkpoint_model(checkpoint, requested)
+        cfg = run.model
+        tokenizer = (tokenizer or run.data.tokenizer_model) if with_tokenizer else None
+        if tokenizer is not None and not Path(tokenizer).exists():
+            source = "--tokenizer" if tokenizer != run.data.tokenizer_model else \
+                "the run's data.tokenizer_model"
+            raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
+                                  "--tokenizer PATH, or --no-tokenizer")
+        ids = probe_ids(cfg.vocab_size, probe_length(cfg))
+        with torch.no_grad():
+            expected = model(ids.to(next(model.parameters()).device)).float().cpu()
+        reference = reference_state_dict(weights(model), cfg)
+        del model
+        family, why_not_native = native_family(cfg)
+        special_tokens = {"bos_token_id": None, "eos_token_id": run.data.eod_id}
         if tokenizer is not None:
             from megaloop.hf.tokenizer import write_tokenizer
 

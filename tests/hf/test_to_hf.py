@@ -3,6 +3,7 @@ architecture and ablation, native classes where they fit, self-contained remote 
 and every bad input refused in one line with nothing left in the output directory."""
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -39,6 +40,10 @@ def test_export_gives_megaloop_logits(exports, variant):
     assert (exported.hf_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     remote = exported.report["remote_code"]
     assert (set(REMOTE_CODE_FILES) <= files) == remote and bool(exported.report["why_remote_code"]) == remote
+    config = json.loads((exported.hf_dir / "config.json").read_text())
+    # The run's end-of-document id; no class default (Llama's bos 1, OLMo 2's pad 1) survives.
+    assert (config["eos_token_id"], config.get("bos_token_id"), config.get("pad_token_id")) == \
+        (3, None, None)
     with torch.no_grad():
         logits = load(exported.hf_dir)(sample_tokens(exported.cfg), use_cache=False).logits
     torch.testing.assert_close(logits, exported.logits, atol=1e-4, rtol=1e-4)
