@@ -1,16 +1,18 @@
-"""Greedy decoding on the canonical model (megaloop.models, one process).
+"""Greedy decoding of megaloop models (one process).
 
     model = megaloop.api.load("runs/gsm8k/checkpoints")
-    out = greedy_generate(FullForward(model, num_iterations=6), prompt_ids, max_new_tokens=512,
-                          eos_id=tokenizer.eod, vocab_size=tokenizer.vocab_size)
+    backend = Cached(to_reference(model), num_iterations=6)    # or FullForward(model, 6)
+    out = greedy_generate(backend, prompt_ids, max_new_tokens=512, eos_id=tokenizer.eod,
+                          vocab_size=tokenizer.vocab_size)
 
 Decoding asks a *backend* for the logits of the next token: ``prefill(prompt)`` once, then
-``extend(token)`` per generated token. ``FullForward`` runs the whole sequence through the model
-at every step (no KV cache): each step costs a full forward over the tokens so far, but its logits
-are by construction those of the model's training forward, which makes it the reference a cached
-backend (Local KV per iteration and layer, Global KV per decoder layer) must reproduce; such a
-backend only has to provide the same two methods. Prompts are decoded one at a time: the model's
-attention is causal with no padding mask, so a left-padded batch would attend to its padding.
+``extend(token)`` per generated token. ``FullForward`` runs the whole sequence through the canonical
+model at every step (no KV cache): each step costs a full forward over the tokens so far, but its
+logits are by construction those of the model's training forward, which makes it the reference the
+cached backend must reproduce (the tests hold the two to equal tokens). ``Cached`` decodes with
+megaloop's reference model (megaloop.models.export.to_reference; the Hugging Face model) and its
+``LoopedCache``: Local KV per iteration and layer, Global KV per decoder layer, so each new token
+costs one token's forward. Prompts are decoded one at a time, without padding.
 """
 
 from __future__ import annotations
@@ -52,6 +54,32 @@ class FullForward:
     def extend(self, token: int) -> torch.Tensor:
         self.tokens.append(int(token))
         return self._logits()
+
+
+class Cached:
+    """Cached backend: a reference model (megaloop.reference, e.g. ``to_reference(model)``) with
+    its ``LoopedCache``. ``num_iterations``: test-time depth (None: the model's configured one)."""
+
+    def __init__(self, reference: torch.nn.Module, num_iterations: int | None = None):
+        self.model, self.num_iterations = reference.eval(), num_iterations
+        self.device = next(reference.parameters()).device
+        self.cache = None
+
+    def _logits(self, ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            out = self.model(ids, cache=self.cache, num_iterations=self.num_iterations,
+                             logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def prefill(self, prompt: Sequence[int]) -> torch.Tensor:
+        if not prompt:
+            raise ValueError("an empty prompt gives the model nothing to continue")
+        self.cache = self.model.new_cache(self.num_iterations)
+        return self._logits([int(t) for t in prompt])
+
+    def extend(self, token: int) -> torch.Tensor:
+        return self._logits([int(token)])
 
 
 @dataclass

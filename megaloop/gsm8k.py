@@ -12,6 +12,9 @@ and clipping keep megaloop's defaults. Every field can be overridden.
 
 Evaluation (``evaluate``): greedy decoding without demonstrations, up to 512 new tokens, the prompt
 the model was fine-tuned with, exact match of the normalised final number against the reference.
+Decoding uses the reference model's KV cache by default (megaloop.generation.Cached, which needs
+transformers: the ``hf`` extra); ``cached=False`` recomputes the canonical model's full forward at
+every step, the reference the cached decoder is tested against.
 
 Answer rules (``extract_answer``):
 - the answer is the first number after the first ``####`` of the generation (the format the
@@ -150,12 +153,13 @@ def steps_for_epochs(cfg: RunConfig, epochs: float) -> tuple[int, int]:
 # ------------------------------------------------------------------------------ evaluation
 def evaluate(model, tokenizer, records: list[dict[str, str]], *, prompt: str = PROMPT,
              max_new_tokens: int = MAX_NEW_TOKENS, num_iterations: int | None = None,
-             source: str = "records") -> tuple[dict, list[dict]]:
+             source: str = "records", cached: bool = True) -> tuple[dict, list[dict]]:
     """(summary, one prediction per record) of greedy decoding on ``records`` (fields
     ``question``, ``answer`` and whatever ``prompt`` names). Every reference is checked before
     the first generation: a record without ``#### <number>`` raises DataError naming it as
-    record n (1-based) of ``source``."""
-    from megaloop.generation import FullForward, greedy_generate
+    record n (1-based) of ``source``. ``cached``: decode with the reference model's KV cache
+    (megaloop.generation.Cached); False: the canonical model's full forward at every step."""
+    from megaloop.generation import Cached, FullForward, greedy_generate
 
     references = [reference_answer(r["answer"]) for r in records]
     missing = [i for i, ref in enumerate(references) if ref is None]
@@ -164,10 +168,15 @@ def evaluate(model, tokenizer, records: list[dict[str, str]], *, prompt: str = P
                         f"'{ANSWER_MARK} <number>' to score against "
                         f"(ends {records[missing[0]]['answer'][-40:]!r})")
     prompts = tokenizer.encode_batch([prompt.format_map(r) for r in records])
+    if cached:
+        from megaloop.models.export import to_reference
+
+        backend = Cached(to_reference(model).to(next(model.parameters()).device), num_iterations)
+    else:
+        backend = FullForward(model, num_iterations)
     predictions, start = [], time.perf_counter()
     for index, (record, ids, reference) in enumerate(zip(records, prompts, references)):
-        out = greedy_generate(FullForward(model, num_iterations), ids, max_new_tokens,
-                              tokenizer.eod, tokenizer.vocab_size)
+        out = greedy_generate(backend, ids, max_new_tokens, tokenizer.eod, tokenizer.vocab_size)
         text = tokenizer.decode(out.tokens)
         answer, rule = extract_answer(text)
         predictions.append({
@@ -184,6 +193,7 @@ def evaluate(model, tokenizer, records: list[dict[str, str]], *, prompt: str = P
     summary = {"accuracy": correct / total, "strict_accuracy": strict / total,
                "correct": correct, "total": total, "max_new_tokens": max_new_tokens,
                "num_iterations": num_iterations or model.cfg.num_iterations,
+               "decoder": "cached" if cached else "uncached",
                "seconds": round(time.perf_counter() - start, 2)}
     return summary, predictions
 

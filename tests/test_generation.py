@@ -1,12 +1,13 @@
 """Greedy decoding: every chosen token is the argmax of the full forward of the sequence before
 it (checked by one teacher-forced forward), deterministic, stopping at EOS or max_new_tokens,
-never choosing padding rows, at any test-time depth, with a swappable backend."""
+never choosing padding rows, at any test-time depth, with a swappable backend; the cached backend
+(reference model and KV cache) chooses the tokens the uncached canonical one does."""
 
 import pytest
 import torch
 
 import megaloop.api as ml
-from megaloop.generation import FullForward, Generation, greedy_generate
+from megaloop.generation import Cached, FullForward, Generation, greedy_generate
 
 PROMPT = [5, 17, 3, 99, 42, 8]
 
@@ -88,3 +89,25 @@ def test_backend_protocol_and_ties_go_to_the_lowest_id():
 def test_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match="empty prompt"):
         greedy_generate(FullForward(model), [], 3, eos_id=None)
+
+
+@pytest.mark.parametrize("arch, depth", [("asymloop", None), ("asymloop", 4), ("fullloop", 3),
+                                         ("latentloop", None)])  # LatentLoop: no other depth
+def test_cached_decoding_chooses_the_canonical_tokens(mcore, arch, depth):
+    from megaloop.models.export import to_reference
+
+    canonical = ml.build("tiny", arch=arch, iterations=2, num_layers=3, hidden_size=32,
+                         ffn_hidden_size=64, num_attention_heads=2, vocab_size=128,
+                         seq_length=32, init_std=0.5).eval()
+    reference = to_reference(canonical)
+    expected = greedy_generate(FullForward(canonical, depth), PROMPT, 12, eos_id=None)
+    cached = Cached(reference, depth)
+    assert greedy_generate(cached, PROMPT, 12, eos_id=None) == expected
+    assert len(set(expected.tokens)) > 1
+    assert cached.cache.seen == len(PROMPT) + 11  # one token fed per step after the prompt
+    # The backend starts a fresh cache per prompt: a second prompt decodes as if alone.
+    other = PROMPT[::-1]
+    assert greedy_generate(cached, other, 6, eos_id=None) == greedy_generate(
+        FullForward(canonical, depth), other, 6, eos_id=None)
+    with pytest.raises(ValueError, match="empty prompt"):
+        cached.prefill([])

@@ -1,6 +1,6 @@
 """GSM8K: answer normalisation and extraction rules, the fine-tuning recipe, and the whole path on
-a tiny model (fine-tune a checkpoint on real GSM8K records, save, greedy-decode test questions,
-score, write predictions) through the two tools."""
+a tiny model (fine-tune a checkpoint on real GSM8K records, save, greedy-decode test questions with
+the KV cache and without it, score, write predictions) through the two tools."""
 
 import json
 from pathlib import Path
@@ -156,6 +156,7 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
     assert evaluate(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["total"] == 2 and 0 <= summary["accuracy"] <= 1
+    assert summary["decoder"] == "cached"
     assert summary["correct"] == round(summary["accuracy"] * 2)
     rows = [json.loads(line) for line in predictions.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1] and [r["reference"] for r in rows] == ["18", "3"]
@@ -173,5 +174,8 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
         with torch.no_grad():  # each token the argmax of the full forward of what precedes it
             logits = model(torch.tensor([prompt + out.tokens]))[0, len(prompt) - 1:-1]
         assert out.tokens == logits[:, :tokenizer.vocab_size].argmax(-1).tolist()
-    assert evaluate(argv) == 0  # deterministic: the same predictions again
+    capsys.readouterr()
+    # The canonical model without a cache (the reference) predicts what the cached decoder did.
+    assert evaluate(argv + ["--uncached"]) == 0
+    assert json.loads(capsys.readouterr().out)["decoder"] == "uncached"
     assert [json.loads(line) for line in predictions.read_text().splitlines()] == rows

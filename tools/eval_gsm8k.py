@@ -2,14 +2,17 @@
 
     python tools/eval_gsm8k.py runs/asym1b_gsm8k/checkpoints --test gsm8k_test.jsonl \\
         [--max-new-tokens 512] [--num-iterations 6] [--limit 100] [--predictions preds.jsonl]
+        [--uncached]
 
 Prints one JSON object (accuracy, strict_accuracy, correct, total, ...) on stdout and writes one
 JSON line per question (reference, generation, extracted prediction, rule, correct) to
 ``--predictions``, atomically. The prompt is the one the checkpoint was fine-tuned with
 (``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
-``data.tokenizer_model`` unless ``--tokenizer`` is given. Decoding runs in this one process on the
-canonical model without a KV cache (megaloop.generation), one question at a time; answer rules are
-in megaloop.gsm8k. Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
+``data.tokenizer_model`` unless ``--tokenizer`` is given. Decoding runs in this one process, one
+question at a time, with the checkpoint's weights in megaloop's reference (Hugging Face) model and
+its KV cache; ``--uncached`` recomputes the canonical model's full forward at every step instead
+(the same tokens, much slower; megaloop.generation). Answer rules are in megaloop.gsm8k.
+Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-iterations", type=int,
                         help="test-time depth K (default: the checkpoint's)")
     parser.add_argument("--limit", type=int, help="the first N questions only")
+    parser.add_argument("--uncached", action="store_true",
+                        help="decode without a KV cache, on the canonical model (the reference)")
     parser.add_argument("--predictions", default="gsm8k_predictions.jsonl",
                         help="output JSON lines (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         model = ml.load(path)
         summary, predictions = gsm8k.evaluate(
             model, tokenizer, records, prompt=prompt, max_new_tokens=args.max_new_tokens,
-            num_iterations=args.num_iterations, source=", ".join(args.test))
+            num_iterations=args.num_iterations, source=", ".join(args.test),
+            cached=not args.uncached)
         gsm8k.write_predictions(args.predictions, predictions)
     except (ConfigError, DataError, TokenizerError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
