@@ -34,7 +34,9 @@ setup(
         "mpi": ["mpi4py", "mpich"],
         # transformers 5.0 and 5.24 tested (megaloop.reference is the Hugging Face model code).
         "hf": ["transformers>=5.0", "safetensors", "huggingface_hub"],
-        "eval": ["lm-eval>=0.4"],
+        # lm-eval's hf model (HFLM) imports accelerate, which lm-eval lists only in its own
+        # "hf" extra (with peft, which megaloop does not use). 0.4.13 tested.
+        "eval": ["lm-eval>=0.4.13", "accelerate>=0.26"],
         # NVIDIA apex is not on PyPI (the PyPI "apex" is unrelated): it comes from the NGC image.
         "gpu": ["transformer-engine[pytorch]"],
     },

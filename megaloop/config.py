@@ -350,6 +350,37 @@ class ParallelConfig:
 
 
 @dataclass
+class DownstreamEvalConfig:
+    """Downstream accuracy of the run's checkpoints while it trains (megaloop.training.downstream):
+    after every ``every``-th periodic checkpoint save and after the final one, rank 0 runs the LM
+    Evaluation Harness on ``tasks`` (examples/eval task names or tags, their files in
+    ``data_dir``) and appends a row per task to metrics.jsonl. Empty ``tasks``: off."""
+
+    tasks: list[str] = field(default_factory=list)
+    data_dir: str | None = None
+    task_dir: str | None = None  # None: the repository's examples/eval
+    limit: int | None = None  # the first N records of each task; None: all
+    num_fewshot: int = 0
+    every: int = 1  # evaluate every N-th periodic save (the final checkpoint always)
+    batch_size: int = 8
+
+    def validate(self, prefix: str = "train.downstream_eval") -> None:
+        if not self.tasks:  # off: any other field set would be ignored
+            changed = [f.name for f in dataclasses.fields(self)
+                       if getattr(self, f.name) != getattr(DownstreamEvalConfig(), f.name)]
+            _require(not changed, prefix, "tasks", self.tasks,
+                     f"set (a list of task names or tags) when {prefix}."
+                     f"{changed[0] if changed else ''} is")
+            return
+        _require(self.data_dir is not None, prefix, "data_dir", self.data_dir,
+                 "the directory of the tasks' data files")
+        _require(self.limit is None or self.limit >= 1, prefix, "limit", self.limit,
+                 ">= 1 or null (all records)")
+        for name, low in (("num_fewshot", 0), ("every", 1), ("batch_size", 1)):
+            _require(getattr(self, name) >= low, prefix, name, getattr(self, name), f">= {low}")
+
+
+@dataclass
 class TrainConfig:
     seed: int = 1234
     micro_batch_size: int = 4
@@ -376,6 +407,7 @@ class TrainConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs auto, CPU none
+    downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
 
     def validate(self, prefix: str = "train") -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_steps", "log_interval",
@@ -395,6 +427,7 @@ class TrainConfig:
                  "a directory path (metrics, config.yaml and by default checkpoints go there)")
         _require(self.fp8_recipe is None or self.precision == "fp8", prefix, "fp8_recipe",
                  self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
+        self.downstream_eval.validate(f"{prefix}.downstream_eval")
 
     @property
     def resolved_fp8_recipe(self) -> str | None:
@@ -529,6 +562,14 @@ class RunConfig:
         _require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
                  "eval_depths", self.train.eval_depths,
                  "empty for model.arch=dense (a Dense model has no depth to vary)")
+        downstream = self.train.downstream_eval
+        if downstream.tasks:  # rank 0 evaluates its own copy of the whole model
+            layout = (self.parallel.tensor, self.parallel.pipeline, self.parallel.expert)
+            _require(layout == (1, 1, 1), "train.downstream_eval", "tasks", downstream.tasks,
+                     f"empty with parallel tensor/pipeline/expert sizes {layout} (rank 0 holds "
+                     "only part of the model); evaluate the checkpoints with tools/evaluate.py")
+            _require(self.data.tokenizer_model is not None, "train.downstream_eval", "tasks",
+                     downstream.tasks, "empty without data.tokenizer_model (the tasks are text)")
         # Transformer Engine's recompute replays delayed-scaling state first in, first out, but a
         # weight-tied block recomputes its K calls last to first: call K would get call 1's scales.
         _require(not (self.train.resolved_fp8_recipe == "delayed"

@@ -5,8 +5,9 @@ Every rank constructs a ``Monitor``; only the writer (global rank 0) opens files
 or wandb, so callers need no rank checks around it.
 
 Steps count completed optimizer steps, 1..total_steps. ``metrics.jsonl`` in the run directory holds
-one JSON object per line: ``{"kind": "train", "step": ...}`` per step and ``{"kind": "eval",
-"step": ...}`` per evaluation. Non-finite numbers (the NaN loss of a skipped step) are written as
+one JSON object per line: ``{"kind": "train", "step": ...}`` per step, ``{"kind": "eval",
+"step": ...}`` per evaluation and ``{"kind": "downstream", "step": ..., "task": ...}`` per task of a
+downstream evaluation. Non-finite numbers (the NaN loss of a skipped step) are written as
 null, so the file stays strict JSON that any reader accepts.
 
     monitor = Monitor(run_dir, is_writer=rank == 0, total_steps=1000, tokens_per_step=512 * 1024,
@@ -407,12 +408,14 @@ class Monitor:
         else:
             print(line, flush=True)
 
-    def _write(self, record: dict) -> None:
+    def _write(self, record: dict, scalars: dict[str, float] | None = None) -> None:
+        """``scalars``: TensorBoard/wandb tags and values (default: every number of the record
+        under its kind)."""
         # Flushed per line so the log survives a crash of the process up to its last step.
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
-        prefix = record["kind"]
-        scalars = _scalars(prefix, record)
+        if scalars is None:
+            scalars = _scalars(record["kind"], record)
         if self._tensorboard is not None:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, global_step=record["step"])
@@ -476,6 +479,25 @@ class Monitor:
         self._write({"kind": "eval", "step": step, "time": round(time.time(), 3), **checked})
         self._print(f"eval step {step} | " + " | ".join(f"{key} {_format_number(value)}"
                                                          for key, value in checked.items()))
+
+    def log_downstream(self, step: int, task: str, metrics: dict, *, num_fewshot: int,
+                       iterations: int | None) -> None:
+        """Record one task's downstream metrics at ``step`` (a ``kind: downstream`` line; tags
+        ``downstream/<task>_<n>shot[_k<K>]/<metric>``), e.g. {"acc": 0.61, "acc_norm": 0.64}."""
+        if not self.is_writer:
+            return
+        if not metrics:
+            raise ValueError(f"Monitor.log_downstream: no metrics given for {task} at step {step}")
+        checked = _checked_metrics(metrics, ("kind", "step", "time", "task", "num_fewshot",
+                                             "iterations"), "Monitor.log_downstream")
+        record = {"kind": "downstream", "step": step, "time": round(time.time(), 3),
+                  "task": task, "num_fewshot": num_fewshot, "iterations": iterations, **checked}
+        setting = f"{task}_{num_fewshot}shot" + ("" if iterations is None else f"_k{iterations}")
+        self._write(record, {f"downstream/{setting}/{key}": float(value)
+                             for key, value in checked.items() if value is not None})
+        self._print(f"downstream step {step} | {setting} | " + " | ".join(
+            f"{key} {_format_number(value)}" for key, value in checked.items()
+            if not key.endswith("_stderr")))
 
     def close(self) -> None:
         """Stop the bar and close the log, TensorBoard, wandb and NVML; safe to call twice."""

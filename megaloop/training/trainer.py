@@ -89,7 +89,7 @@ class Trainer:
         # not fatal; train() acts on it before its first step. A failed set-up closes the Trainer.
         self._own_signals = stop_signals is None
         self.stop_signals = StopSignals() if stop_signals is None else stop_signals
-        self._locks, self.monitor, self.alrs = [], None, None
+        self._locks, self.monitor, self.alrs, self.downstream = [], None, None, None
         try:
             self._set_up()
         except BaseException:
@@ -121,6 +121,10 @@ class Trainer:
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
+        if cfg.train.downstream_eval.tasks:
+            from megaloop.training.downstream import DownstreamEval
+
+            self.downstream = DownstreamEval(cfg)
 
         self._build_model()
         self.optimizer, self.scheduler, self.lr_multipliers = build_optimizer(
@@ -135,11 +139,13 @@ class Trainer:
 
     def close(self) -> None:
         """Releases what the Trainer holds (idempotent): the signal handlers it installed, the
-        ALRS log, the monitor's files and the run lock."""
+        ALRS log, the monitor's files, the downstream evaluation's tokenizer and the run lock."""
         if self._own_signals:
             self.stop_signals.restore()
         if self.alrs is not None:
             self.alrs.close()
+        if self.downstream is not None:
+            self.downstream.close()
         if self.monitor is not None:
             self.monitor.close()
         for lock in self._locks:
@@ -302,7 +308,8 @@ class Trainer:
                     return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
                 # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
                 if interval and self.step % interval == 0 and not self._consecutive_nonfinite:
-                    self.save()
+                    if self.save() is not None and self.downstream is not None:
+                        self.downstream.after_save(self.model, self.step, self.monitor)
             final = self.evaluate()
             for depth in cfg.eval_depths:
                 final.update({f"val_loss_k{depth}": v for k, v in
@@ -310,6 +317,8 @@ class Trainer:
             if final:  # empty when the split leaves no validation data
                 self.monitor.log_eval(self.step, final)
             self.save()
+            if self.downstream is not None:
+                self.downstream.after_save(self.model, self.step, self.monitor, final=True)
             return {"step": self.step, **final}
         finally:
             self.close()

@@ -224,6 +224,29 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path, no_nvml):
     assert [(e.step, e.value) for e in events.Scalars("eval/val_loss")] == [(3, 1.5)]
 
 
+def test_downstream_rows_in_jsonl_and_tensorboard(tmp_path, capsys, no_nvml):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with _monitor(tmp_path, tensorboard=True) as m:
+        m.log_downstream(4, "piqa", {"acc": 0.5, "acc_stderr": 0.25, "samples": 4},
+                         num_fewshot=0, iterations=3)
+        m.log_downstream(4, "mmlu", {"acc": 0.75}, num_fewshot=5, iterations=None)
+        with pytest.raises(ValueError, match="metric key 'task' is reserved"):
+            m.log_downstream(4, "piqa", {"task": 1.0}, num_fewshot=0, iterations=None)
+    records = _lines(tmp_path)
+    assert records[0] == {"kind": "downstream", "step": 4, "time": records[0]["time"],
+                          "task": "piqa", "num_fewshot": 0, "iterations": 3, "acc": 0.5,
+                          "acc_stderr": 0.25, "samples": 4}
+    assert (records[1]["task"], records[1]["iterations"]) == ("mmlu", None)
+    assert "downstream step 4 | piqa_0shot_k3 | acc 0.5 | samples 4" in capsys.readouterr().out
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("downstream/piqa_0shot_k3/acc")] == [
+        (4, 0.5)]
+    assert [e.value for e in events.Scalars("downstream/mmlu_5shot/acc")] == [0.75]
+    assert "downstream/piqa_0shot_k3/num_fewshot" not in events.Tags()["scalars"]
+
+
 def test_progress_bar_replaces_log_lines_on_a_terminal(tmp_path, capsys, monkeypatch, no_nvml):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     with _monitor(tmp_path, log_interval=1, progress=True) as m:

@@ -1,0 +1,264 @@
+"""The LM Evaluation Harness (lm-eval) on megaloop models: local task files, offline, in process.
+
+    model, tokenizer, info = load_for_evaluation("runs/asym/checkpoints", workdir)
+    rows = evaluate(model, tokenizer, ["asymloop_tasks"], data_dir="/data/eval",
+                    num_fewshot=(0, 5), depths=(None, 6))
+    write_results(rows, "results/asym", info)        # results/asym.md and results/asym.json
+
+The model is a Hugging Face model in memory wrapped in lm-eval's ``HFLM``: megaloop's reference model
+(a remote-code export, or ``megaloop.models.export.to_reference`` of a canonical model) or the
+native transformers class a Dense model exports as. ``load_for_evaluation`` reads a megaloop
+checkpoint through a temporary export (which checks probe logits against the checkpoint) or a
+Hugging Face directory (megaloop exports into megaloop's own classes: the directory's Python files
+are never run).
+
+Tasks are the lm-eval task YAMLs of examples/eval (``TASK_DIR``), read by lm-eval's TaskManager
+without its built-in tasks; each reads its records from the data directory given here (task
+metadata ``data_dir``: see examples/eval/local_files.py), so nothing is downloaded. A task is named
+as in its YAML (``local_piqa``), by its short name (``piqa``) or by a tag that names several
+(``asymloop_tasks``: the AsymLoop paper's seven; ``latentloop_tasks``: the LatentLoop paper's).
+
+Test-time depth: each depth in ``depths`` sets the reference model's ``config.iterations`` (K, R or
+visits) for its pass over the tasks; None keeps the configured one.
+
+A row per (task, shots, depth) holds lm-eval's metrics under their names (``acc``, ``acc_norm``,
+``perplexity``; a filtered metric as ``exact_match_strict-match``) and ``score``, the value of
+``metric``: ``acc`` where the task has it, else its first metric. The table's mean is the unweighted
+mean of the scores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Sequence
+
+TASK_DIR = Path(__file__).resolve().parents[2] / "examples" / "eval"
+TASK_PREFIX = "local_"
+MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
+
+
+class EvaluationError(ValueError):
+    """Bad input to an evaluation (task, data, depth, model, tokenizer); one line naming it."""
+
+
+def quiet_harness() -> None:
+    """lm-eval logs every task's set-up at INFO and warns about ``limit`` and in-memory models."""
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+
+def task_manager(data_dir: str | Path, task_dir: str | Path = TASK_DIR):
+    """lm-eval's TaskManager over ``task_dir`` only, its tasks reading from ``data_dir``."""
+    from lm_eval.tasks import TaskManager
+
+    data_dir, task_dir = Path(data_dir), Path(task_dir)
+    for what, path in (("data directory", data_dir), ("task directory", task_dir)):
+        if not path.is_dir():
+            raise EvaluationError(f"{path}: no such {what}")
+    return TaskManager(include_path=str(task_dir), include_defaults=False,
+                       metadata={"data_dir": str(data_dir.resolve())})
+
+
+def resolve_tasks(names: Sequence[str], manager) -> list[str]:
+    """lm-eval names (tasks and tags) of ``names``, short names given their prefix; each task's
+    files are read once here, so that a missing or unreadable file fails before the model runs."""
+    known, resolved = set(manager.all_tasks), []
+    for name in names:
+        full = TASK_PREFIX + name if TASK_PREFIX + name in known else name
+        if full not in known:
+            choices = sorted(n.removeprefix(TASK_PREFIX) for n in manager.all_subtasks)
+            raise EvaluationError(f"task {name!r}: not in the task directory (tasks: "
+                                  f"{', '.join(choices)}; tags: {', '.join(manager.all_tags)})")
+        if full not in resolved:
+            resolved.append(full)
+    try:
+        manager.load(resolved)
+    except (OSError, ValueError) as e:
+        raise EvaluationError(f"task data: {_one_line(e)}") from None
+    return resolved
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def set_depth(model, depth: int | None) -> int | None:
+    """Sets ``model``'s test-time depth (None: leave it); returns the depth it now runs."""
+    config = model.config
+    megaloop = config.model_type in MEGALOOP_MODEL_TYPES
+    looped = megaloop and config.arch != "dense"
+    if depth is not None and depth != (config.iterations if looped else None):
+        # LatentLoop's visits each have their own scales: it runs exactly its configured number.
+        if not looped or config.arch == "latentloop":
+            raise EvaluationError(f"depth {depth}: {type(model).__name__} "
+                                  f"({config.arch if megaloop else config.model_type}) has no "
+                                  "test-time depth to set")
+        if depth < 1:
+            raise EvaluationError(f"depth {depth}: must be >= 1")
+        config.iterations = depth
+    return config.iterations if looped else None
+
+
+def harness_model(model, tokenizer, batch_size: int = 8):
+    """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
+
+
+def run_harness(lm, tasks: Sequence[str], manager, *, num_fewshot: int, limit: int | None,
+                log_samples: bool = False, gen_kwargs: dict | None = None) -> dict:
+    """lm-eval's ``simple_evaluate`` results (seeded as lm-eval seeds by default).
+    ``gen_kwargs`` update the generation tasks' settings (e.g. ``max_gen_toks``)."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                           task_manager=manager, log_samples=log_samples, bootstrap_iters=1000,
+                           gen_kwargs=gen_kwargs)
+
+
+def result_rows(results: dict, num_fewshot: int, iterations: int | None) -> list[dict]:
+    """One row per task of a ``simple_evaluate`` result."""
+    rows = []
+    for task, values in results["results"].items():
+        metrics = {}
+        for key, value in values.items():
+            metric, _, kind = key.partition(",")
+            if not kind or isinstance(value, str):  # name, alias; "N/A" standard errors
+                continue
+            metrics[metric if kind == "none" else f"{metric}_{kind}"] = float(value)
+        if not metrics:
+            continue
+        metric = "acc" if "acc" in metrics else next(iter(metrics))
+        rows.append({"task": task.removeprefix(TASK_PREFIX), "num_fewshot": num_fewshot,
+                     "iterations": iterations,
+                     "samples": results["n-samples"][task]["effective"],
+                     "metric": metric, "score": metrics[metric], **metrics})
+    return rows
+
+
+def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
+             task_dir: str | Path = TASK_DIR, num_fewshot: Sequence[int] = (0,),
+             depths: Sequence[int | None] = (None,), limit: int | None = None,
+             batch_size: int = 8, max_gen_toks: int | None = None) -> list[dict]:
+    """Rows of ``tasks`` at every (shots, depth). The model's configured depth is restored.
+    ``max_gen_toks``: new tokens of the generation tasks (None: each task's own)."""
+    quiet_harness()
+    for name, value in (("limit", limit), ("max_gen_toks", max_gen_toks)):
+        if value is not None and value < 1:
+            raise EvaluationError(f"{name} {value}: must be >= 1")
+    if any(n < 0 for n in num_fewshot):
+        raise EvaluationError(f"num_fewshot {list(num_fewshot)}: must be >= 0")
+    configured = getattr(model.config, "iterations", None)
+    for depth in depths:  # every depth checked before the first one runs
+        set_depth(model, depth)
+    if configured is not None:
+        model.config.iterations = configured
+    manager = task_manager(data_dir, task_dir)
+    names = resolve_tasks(tasks, manager)
+    lm = harness_model(model, tokenizer, batch_size)
+    rows = []
+    try:
+        for depth in depths:
+            iterations = set_depth(model, depth)
+            for shots in num_fewshot:
+                results = run_harness(lm, names, manager, num_fewshot=shots, limit=limit,
+                                      gen_kwargs=None if max_gen_toks is None
+                                      else {"max_gen_toks": max_gen_toks})
+                rows += result_rows(results, shots, iterations)
+    finally:
+        if configured is not None:
+            model.config.iterations = configured
+    return rows
+
+
+# ------------------------------------------------------------------------------ models
+def load_for_evaluation(source: str | Path, workdir: str | Path, *,
+                        tokenizer: str | None = None):
+    """(model in fp32, Hugging Face tokenizer, description) of a megaloop checkpoint (exported
+    into ``workdir`` first, with the run's tokenizer or ``tokenizer``) or a Hugging Face
+    directory (``tokenizer``: a directory with its tokenizer files instead of its own)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from megaloop.hf.from_hf import load_hf_model
+
+    source = Path(source)
+    info = {"source": str(source)}
+    if not (source / "config.json").is_file():
+        directory = _export(source, Path(workdir) / "hf", tokenizer, info)
+        tokenizer = None
+    else:
+        directory = source
+    model, _, family = load_hf_model(directory)
+    if torch.cuda.is_available():
+        model.cuda()
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or directory,
+                                                     trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise EvaluationError(f"{tokenizer or directory}: no usable tokenizer files "
+                              f"({_one_line(e)}); pass --tokenizer") from None
+    info.update({"class": type(model).__name__, "native_family": family,
+                 "iterations": getattr(model.config, "iterations", None)})
+    return model, hf_tokenizer, info
+
+
+def _export(checkpoint: Path, out: Path, tokenizer: str | None, info: dict) -> Path:
+    from megaloop.hf.checkpoint import checkpoint_path
+    from megaloop.hf.to_hf import export_checkpoint
+    from megaloop.training.checkpoint import saved_config
+
+    path = checkpoint_path(checkpoint)
+    if tokenizer is None and saved_config(path).get("data", {}).get("tokenizer_model") is None:
+        raise EvaluationError(f"{path}: its run names no tokenizer (data.tokenizer_model); "
+                              "pass --tokenizer")
+    report = export_checkpoint(path, out, tokenizer=tokenizer)
+    info.update(checkpoint=report["checkpoint"], probe_max_abs_difference=report[
+        "probe_max_abs_difference"])
+    return out
+
+
+# ------------------------------------------------------------------------------ results
+def _percent(value: float | None) -> str:
+    return "" if value is None or not math.isfinite(value) else f"{100 * value:.1f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Tasks down, (shots, depth) across: each task's score in %, then their mean."""
+    settings = list(dict.fromkeys((r["num_fewshot"], r["iterations"]) for r in rows))
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    cell = {(r["task"], r["num_fewshot"], r["iterations"]): r for r in rows}
+    header = ["task", "metric", "n"] + [f"{shots}-shot" + ("" if k is None else f", K={k}")
+                                        for shots, k in settings]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for task in tasks:
+        first = next(r for r in rows if r["task"] == task)
+        values = [_percent(cell[(task, *s)]["score"]) if (task, *s) in cell else ""
+                  for s in settings]
+        lines.append("| " + " | ".join([task, first["metric"], str(first["samples"])] + values)
+                     + " |")
+    means = []
+    for setting in settings:
+        scores = [cell[(task, *setting)]["score"] for task in tasks if (task, *setting) in cell]
+        means.append(_percent(sum(scores) / len(scores)))
+    lines.append("| " + " | ".join([f"mean ({len(tasks)} tasks)", "", ""] + means) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(rows: list[dict], prefix: str | Path, info: dict) -> tuple[Path, Path]:
+    """``prefix``.md (the table) and ``prefix``.json (every metric), each written atomically."""
+    import lm_eval
+
+    from megaloop.config import write_text_atomic
+
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    markdown, data = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
+    write_text_atomic(data, json.dumps({**info, "lm_eval_version": lm_eval.__version__,
+                                        "rows": rows}, indent=2) + "\n")
+    write_text_atomic(markdown, markdown_table(rows))
+    return markdown, data

@@ -1,0 +1,126 @@
+"""Downstream accuracy of a run's checkpoints while it trains (AsymLoop paper, Appendix F).
+
+``train.downstream_eval`` (config.DownstreamEvalConfig) names lm-eval tasks of examples/eval and
+their data directory. After every ``every``-th periodic checkpoint save, and after the final one,
+rank 0 copies the model it trains into megaloop's reference (Hugging Face) model in fp32 on the same
+device (megaloop.models.export.to_reference), runs the harness on it (megaloop.hf.evaluate) and
+appends one ``kind: downstream`` row per task to metrics.jsonl and TensorBoard; the other ranks
+wait at a barrier. The copy is discarded afterwards and every random number generator is put back
+as it was, so training continues exactly as it would have without the evaluation (the tests check
+that the losses are bit-identical). Saves made on a stop signal are not evaluated: a preempted job
+has to exit.
+
+Rank 0 needs the whole model, so this runs with tensor, pipeline and expert parallel size 1 (the
+config refuses other layouts; tools/evaluate.py evaluates any checkpoint afterwards). Set-up (the
+imports, the run's tokenizer converted to Hugging Face files, the tasks and their data files) is
+checked before the model is built; an evaluation that fails later is logged and training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaloop.config import ConfigError, RunConfig
+from megaloop.training import checkpoint as ckpt
+from megaloop.training.collective import is_rank0, rank0_decides
+
+log = logging.getLogger("megaloop.train")
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Puts back Python's, NumPy's, torch's and megatron-core's random states on exit (lm-eval
+    seeds the global generators)."""
+    states = (random.getstate(), np.random.get_state(), ckpt.rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        ckpt.set_rng_state(states[2])
+
+
+class DownstreamEval:
+    """Built by every rank (a collective); ``after_save`` is one too."""
+
+    def __init__(self, cfg: RunConfig):
+        self.section = cfg.train.downstream_eval
+        self.saves, self.evaluated_step = 0, None
+        self.tokenizer = None
+        self._workdir = None
+        rank0_decides(lambda: self._set_up(cfg), (ConfigError,))
+
+    def _set_up(self, cfg: RunConfig) -> None:
+        section = self.section
+        try:
+            from transformers import AutoTokenizer
+
+            from megaloop.hf import evaluate as ev
+            from megaloop.hf.common import ConversionError
+            from megaloop.hf.tokenizer import write_tokenizer
+        except ImportError as e:
+            raise ConfigError(f"train.downstream_eval: needs the hf and eval extras ({e})") from None
+        try:
+            ev.quiet_harness()
+            ev.resolve_tasks(section.tasks, ev.task_manager(section.data_dir,
+                                                            section.task_dir or ev.TASK_DIR))
+            self._workdir = tempfile.TemporaryDirectory(prefix="megaloop-downstream-")
+            write_tokenizer(cfg.data.tokenizer_model, Path(self._workdir.name),
+                            cfg.model.vocab_size)
+            self.tokenizer = AutoTokenizer.from_pretrained(self._workdir.name,
+                                                           trust_remote_code=False)
+        except (ev.EvaluationError, ConversionError) as e:
+            self.close()
+            raise ConfigError(f"train.downstream_eval: {e}") from None
+
+    def after_save(self, model, step: int, monitor, final: bool = False) -> None:
+        """Evaluates ``model`` (the megatron-core LoopedLM being trained) if this save is due:
+        every ``every``-th periodic one, and the final checkpoint unless its step was evaluated."""
+        if final:
+            due = self.evaluated_step != step
+        else:
+            self.saves += 1
+            due = self.saves % self.section.every == 0
+        if not due:
+            return
+        self.evaluated_step = step
+        if is_rank0():
+            try:
+                rows = self._evaluate(model)
+            except Exception:  # noqa: BLE001 - the run matters more than one evaluation
+                log.warning("downstream evaluation at step %d failed; training goes on", step,
+                            exc_info=True)
+                rows = []
+            for row in rows:
+                metrics = {k: v for k, v in row.items()
+                           if k not in ("task", "num_fewshot", "iterations", "metric", "score")}
+                monitor.log_downstream(step, row["task"], metrics,
+                                       num_fewshot=row["num_fewshot"],
+                                       iterations=row["iterations"])
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _evaluate(self, model) -> list[dict]:
+        from megaloop.hf import evaluate as ev
+        from megaloop.models.export import to_reference
+
+        section = self.section
+        with preserved_rng(), torch.no_grad():
+            reference = to_reference(model).to(next(model.parameters()).device)
+            return ev.evaluate(reference, self.tokenizer, section.tasks,
+                               data_dir=section.data_dir, task_dir=section.task_dir or ev.TASK_DIR,
+                               num_fewshot=(section.num_fewshot,), limit=section.limit,
+                               batch_size=section.batch_size)
+
+    def close(self) -> None:
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None

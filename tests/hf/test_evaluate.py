@@ -1,0 +1,253 @@
+"""The LM Evaluation Harness on tiny exports, offline, from local files: every shipped task builds the
+prompt its raw fields call for (checked against an independent construction) and scores it with
+the model's own log-likelihoods; few-shot examples come from the file and never hold the question;
+test-time depth reaches the model; lm-eval's own CLI loads an export (native and remote code) and
+agrees with the in-process run; tools/evaluate.py goes from a checkpoint to a table, and refuses bad
+input in one line."""
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+
+from megaloop.config import DataConfig, ModelConfig, RunConfig
+from tests.data.conftest import SP_MODEL, _load_tool as load_tool
+from tests.hf.harness import (EVAL_DATA, SAMPLE_TASKS, expected_requests, loglikelihood, records,
+                              require_harness, write_standard_files)
+
+SAMPLE_FILES = {"piqa": "piqa_valid.jsonl", "siqa": "siqa_dev.jsonl",
+                "hellaswag": "hellaswag_val_sample.jsonl", "winogrande": "winogrande_dev.jsonl",
+                "arc_easy": "arc_easy_dev.jsonl", "arc_challenge": "arc_challenge_dev.jsonl",
+                "openbookqa": "openbookqa_test.jsonl", "gsm8k": "gsm8k_test.jsonl",
+                "lambada": "lambada_test.jsonl", "sciq": "sciq_test.jsonl",
+                "mmlu": "mmlu_test.jsonl"}
+TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+            vocab_size=32128, seq_length=2048)
+
+
+class Export:
+    def __init__(self, checkpoint, directory):
+        from megaloop.hf.from_hf import load_hf_model
+        from transformers import AutoTokenizer
+
+        self.checkpoint, self.directory = checkpoint, directory
+        self.model = load_hf_model(directory)[0]
+        self.tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+
+
+@pytest.fixture(scope="module")
+def harness(mcore, tmp_path_factory):
+    """Exports of a tiny AsymLoop (remote code) and Dense (native Llama) model with the LLaMA-2
+    tokenizer, and one data directory with the samples and the written files."""
+    require_harness()
+    from megaloop.hf import evaluate as ev
+    from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
+    from megaloop.hf.common import quiet_transformers
+    from megaloop.hf.to_hf import export_checkpoint
+
+    quiet_transformers()
+    ev.quiet_harness()
+    root = tmp_path_factory.mktemp("harness")
+    data = write_standard_files(root / "data")
+    for name in SAMPLE_FILES.values():
+        if (EVAL_DATA / name).is_file():
+            (data / name).symlink_to(EVAL_DATA / name)
+    exports = {}
+    for arch, fields in (("asymloop", dict(encoder_layers=1, iterations=2)),
+                         ("dense", dict(iterations=1))):
+        torch.manual_seed(0)
+        cfg = ModelConfig(arch=arch, **TINY, **fields, init_std=0.1)
+        model = build_single_process_model(cfg)
+        run = RunConfig(model=cfg, data=DataConfig(tokenizer_model=str(SP_MODEL)))
+        checkpoint = save_weights_checkpoint(model, run, root / arch / "checkpoint")
+        export_checkpoint(checkpoint, root / arch / "hf")
+        exports[arch] = Export(checkpoint, root / arch / "hf")
+    return {"data": data, "manager": ev.task_manager(data), **exports}
+
+
+def _run(harness, export, tasks, **kwargs):
+    from megaloop.hf import evaluate as ev
+
+    names = ev.resolve_tasks(tasks, harness["manager"])
+    lm = ev.harness_model(export.model, export.tokenizer, batch_size=4)
+    return ev.run_harness(lm, names, harness["manager"], log_samples=True, **kwargs)
+
+
+def test_every_task_scores_the_prompt_its_fields_call_for(harness):
+    export = harness["asymloop"]
+    tasks = SAMPLE_TASKS + ("lambada", "sciq", "mmlu")
+    results = _run(harness, export, tasks, num_fewshot=0, limit=2)
+    assert sorted(results["samples"]) == sorted(f"local_{t}" for t in tasks)
+    for task in tasks:
+        samples = results["samples"][f"local_{task}"]
+        raw = records(harness["data"], SAMPLE_FILES[task])
+        assert [s["doc_id"] for s in samples] == [0, 1]
+        for sample in samples:
+            requests, gold = expected_requests(task, raw[sample["doc_id"]])
+            assert [tuple(a) for a in sample["arguments"]] == requests, task
+            scores = [float(r[0]) for r in sample["filtered_resps"]]
+            expected = [loglikelihood(export.model, export.tokenizer, *r) for r in requests]
+            assert scores == pytest.approx([e[0] for e in expected], rel=1e-4, abs=1e-3), task
+            if task == "lambada":  # one continuation: correct when every token is the argmax
+                assert sample["target"] == requests[0][1]
+                assert sample["acc"] == float(expected[0][1])
+                continue
+            if task != "winogrande":  # its target is the shared continuation, not an index
+                assert int(sample["target"]) == gold, task
+            assert sample["acc"] == float(max(range(len(scores)), key=scores.__getitem__) == gold)
+        accuracy = results["results"][f"local_{task}"]["acc,none"]
+        assert accuracy == pytest.approx(sum(s["acc"] for s in samples) / 2)
+
+
+def test_few_shot_examples_come_from_the_file_and_leave_the_question_out(harness):
+    export = harness["asymloop"]
+    results = _run(harness, export, ["piqa", "mmlu"], num_fewshot=2, limit=3)
+    piqa = records(harness["data"], SAMPLE_FILES["piqa"])
+    shown = {f"Question: {r['goal']}\nAnswer: {r['sol1' if r['label'] == 0 else 'sol2']}"
+             for r in piqa}
+    for sample in results["samples"]["local_piqa"]:
+        own, _ = expected_requests("piqa", piqa[sample["doc_id"]])
+        *examples, question = sample["arguments"][0][0].split("\n\n")
+        assert question == own[0][0] and len(examples) == 2
+        assert set(examples) <= shown and not any(question in e for e in examples)
+    dev = records(harness["data"], "mmlu_dev.jsonl")
+    for sample in results["samples"]["local_mmlu"]:
+        doc = records(harness["data"], "mmlu_test.jsonl")[sample["doc_id"]]
+        context = sample["arguments"][0][0]
+        assert context.startswith("The following are multiple choice questions (with answers) "
+                                  f"about {doc['subject'].replace('_', ' ')}.\n\n")
+        assert sum(r["question"] in context for r in dev) == 2
+        assert context.endswith(f"{doc['question'].strip()}\nA. {doc['choices'][0]}\nB. "
+                                f"{doc['choices'][1]}\nC. {doc['choices'][2]}\nD. "
+                                f"{doc['choices'][3]}\nAnswer:")
+
+
+def test_generation_task_runs_greedy_decoding_through_the_cache(harness):
+    export = harness["asymloop"]
+    results = _run(harness, export, ["gsm8k"], num_fewshot=0, limit=1,
+                   gen_kwargs={"max_gen_toks": 6})
+    sample = results["samples"]["local_gsm8k"][0]
+    question = records(harness["data"], SAMPLE_FILES["gsm8k"])[0]["question"]
+    prompt = export.tokenizer(f"Question: {question}\nAnswer:", return_tensors="pt")["input_ids"]
+    greedy = export.model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    expected = export.tokenizer.decode(greedy[0, prompt.shape[1]:])
+    assert sample["resps"][0][0] == expected.split("Question:")[0]
+    assert 0 <= results["results"]["local_gsm8k"]["exact_match,strict-match"] <= 1
+
+
+def test_test_time_depth_reaches_the_model_and_is_restored(harness):
+    from megaloop.hf import evaluate as ev
+
+    export = harness["asymloop"]
+    scores = {}
+    for depth in (1, 3):
+        ev.set_depth(export.model, depth)
+        try:
+            sample = _run(harness, export, ["piqa"], num_fewshot=0, limit=1)["samples"][
+                "local_piqa"][0]
+            expected = [loglikelihood(export.model, export.tokenizer, *r)[0] for r in
+                        sample["arguments"]]  # the forward reads config.iterations
+        finally:
+            ev.set_depth(export.model, 2)
+        scores[depth] = [float(r[0]) for r in sample["filtered_resps"]]
+        assert scores[depth] == pytest.approx(expected, rel=1e-4, abs=1e-3)
+    assert scores[1] != pytest.approx(scores[3], rel=1e-3)
+    rows = ev.evaluate(export.model, export.tokenizer, ["winogrande"], data_dir=harness["data"],
+                       depths=(1, 3), limit=2)
+    assert [(r["task"], r["iterations"], r["samples"]) for r in rows] == [
+        ("winogrande", 1, 2), ("winogrande", 3, 2)]
+    assert export.model.config.iterations == 2
+    with pytest.raises(ev.EvaluationError, match=r"depth 2: LlamaForCausalLM \(llama\) has no "
+                                                 "test-time depth"):
+        ev.evaluate(harness["dense"].model, harness["dense"].tokenizer, ["piqa"],
+                    data_dir=harness["data"], depths=(2,))
+
+
+@pytest.mark.parametrize("arch", ["dense", "asymloop"])
+def test_lm_eval_cli_loads_the_export_offline(harness, arch, tmp_path, monkeypatch):
+    import lm_eval.tasks
+    from lm_eval._cli import HarnessCLI
+
+    from megaloop.hf import evaluate as ev
+
+    export = harness[arch]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # The CLI indexes lm-eval's ~14,000 built-in task files (seconds) before it finds ours.
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager",
+                        functools.partial(lm_eval.tasks.TaskManager, include_defaults=False))
+    cli = HarnessCLI()
+    args = cli._parser.parse_args([
+        "run", "--model", "hf", "--model_args",
+        f"pretrained={export.directory},trust_remote_code=True,dtype=float32",
+        "--tasks", "local_piqa", "--include_path", str(ev.TASK_DIR), "--limit", "3",
+        "--metadata", json.dumps({"data_dir": str(harness["data"])}), "--batch_size", "2",
+        "--output_path", str(tmp_path / "out")])
+    cli.execute(args)
+    [result_file] = (tmp_path / "out").rglob("results_*.json")
+    via_cli = json.loads(result_file.read_text())["results"]["local_piqa"]
+    [row] = ev.evaluate(export.model, export.tokenizer, ["piqa"], data_dir=harness["data"],
+                        limit=3)
+    assert (via_cli["acc,none"], via_cli["acc_norm,none"]) == (row["acc"], row["acc_norm"])
+
+
+def test_tool_writes_the_table_from_a_checkpoint(harness, tmp_path, capsys):
+    evaluate = load_tool("evaluate").main
+    out = tmp_path / "results" / "tiny"
+    assert evaluate([str(harness["asymloop"].checkpoint.parent), "--data-dir",
+                     str(harness["data"]), "--tasks", "piqa", "latentloop_tasks",
+                     "--num-fewshot", "0", "1", "--depths", "1", "2", "--limit", "2",
+                     "--output", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table == out.with_suffix(".md").read_text()
+    lines = table.splitlines()
+    assert lines[0] == "| task | metric | n | 0-shot, K=1 | 1-shot, K=1 | 0-shot, K=2 | 1-shot, K=2 |"
+    result = json.loads(out.with_suffix(".json").read_text())
+    tasks = {"piqa", "lambada", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "sciq",
+             "mmlu"}
+    assert {r["task"] for r in result["rows"]} == tasks and len(result["rows"]) == 8 * 4
+    assert result["class"] == "LoopedLM" and result["probe_max_abs_difference"] < 1e-4
+    for row in result["rows"]:
+        assert row["samples"] == 2 and row["score"] == row["acc"]
+        cell = f"{100 * row['score']:.1f}"
+        assert cell in next(line for line in lines if line.startswith(f"| {row['task']} |"))
+    assert lines[-1].startswith("| mean (8 tasks) |")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.md"]
+
+
+def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
+    evaluate = load_tool("evaluate").main
+    hf, data = str(harness["dense"].directory), str(harness["data"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "piqa_valid.jsonl").write_text('{"goal": "g", "sol1": "a", "sol2": "b", '
+                                             '"label": 0}\n{not json\n')
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(harness["asymloop"].checkpoint, untokenized)
+    config = untokenized / "config.yaml"
+    config.write_text(config.read_text().replace(str(SP_MODEL), "null"))
+    cases = [
+        ([hf, "--data-dir", data, "--tasks", "piqa", "nope"], "task 'nope': not in the task "
+                                                              "directory (tasks: arc_challenge"),
+        ([hf, "--data-dir", str(tmp_path / "none")], "none: no such data directory"),
+        ([hf, "--data-dir", str(tmp_path), "--tasks", "sciq"],
+         f"task data: {tmp_path}/sciq_test.jsonl: no such file"),
+        ([hf, "--data-dir", str(broken), "--tasks", "piqa"],
+         "piqa_valid.jsonl:2: not a JSON record"),
+        ([hf, "--data-dir", data, "--depths", "2"], "depth 2: LlamaForCausalLM (llama) has no "
+                                                    "test-time depth to set"),
+        ([str(untokenized), "--data-dir", data], "its run names no tokenizer"),
+        ([str(tmp_path / "missing"), "--data-dir", data], "missing: no such checkpoint"),
+    ]
+    for argv, message in cases:
+        assert evaluate(argv + ["--output", str(tmp_path / "out" / "x")]) == 2, message
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (message, err)
+    for flag in ("--limit", "--batch-size"):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate([hf, "--data-dir", data, flag, "0"])
+        assert exit_.value.code == 2
+    assert not (tmp_path / "out").exists()
+

@@ -1,0 +1,147 @@
+"""Downstream evaluation during training: a row per task at each due checkpoint save, equal to what
+tools' path (the saved checkpoint, exported) measures, with training losses bit-identical to a run
+without it; the random generators are put back; bad settings fail before the model is built."""
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megaloop.config import ConfigError, DownstreamEvalConfig
+from megaloop.training.downstream import preserved_rng
+from megaloop.training.trainer import Trainer
+from tests.hf.harness import EVAL_DATA, require_harness
+from tests.training.conftest import tiny_run, train_losses
+
+TASKS = ["piqa", "winogrande"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A SentencePiece model small enough for the tiny run's 128-token vocabulary."""
+    require_harness()
+    from megaloop.data.tokenizer_training import train_sentencepiece
+
+    lines = [json.loads(line)["goal"] + "\n" for line in
+             (EVAL_DATA / "piqa_valid.jsonl").read_text().splitlines()[:300]]
+    path = tmp_path_factory.mktemp("tokenizer") / "tok.model"
+    train_sentencepiece(lines, path, vocab_size=100, byte_fallback=False,
+                        hard_vocab_limit=False)
+    return str(path)
+
+
+def _run(pattern_data, out_dir, tokenizer, downstream=None):
+    # A context that holds the tasks' texts in this tokenizer's short pieces.
+    cfg = tiny_run(pattern_data, out_dir, model={"seq_length": 512}, train={"train_steps": 6},
+                   checkpoint={"save_interval": 3})
+    cfg.data = dataclasses.replace(cfg.data, tokenizer_model=tokenizer, eod_id=None)
+    if downstream is not None:
+        cfg.train.downstream_eval = downstream
+    return cfg
+
+
+def test_rows_at_each_save_and_training_unchanged(mcore, pattern_data, tokenizer, tmp_path):
+    from megaloop.hf import evaluate as ev
+
+    Trainer(_run(pattern_data, tmp_path / "plain", tokenizer)).train()
+    section = DownstreamEvalConfig(tasks=TASKS, data_dir=str(EVAL_DATA), limit=3)
+    Trainer(_run(pattern_data, tmp_path / "evaluated", tokenizer, section)).train()
+    assert train_losses(tmp_path / "evaluated") == train_losses(tmp_path / "plain")
+
+    records = [json.loads(line) for line in
+               (tmp_path / "evaluated" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in records if r["kind"] == "downstream"]
+    assert sorted((r["step"], r["task"]) for r in rows) == [(3, "piqa"), (3, "winogrande"),
+                                                            (6, "piqa"), (6, "winogrande")]
+    for row in rows:
+        assert (row["num_fewshot"], row["iterations"], row["samples"]) == (0, 2, 3)
+    # The in-memory copy scores what the saved checkpoint scores through its export.
+    checkpoint = tmp_path / "evaluated" / "checkpoints" / "iter_0000003"
+    model, hf_tokenizer, _ = ev.load_for_evaluation(checkpoint, tmp_path / "export")
+    expected = ev.evaluate(model, hf_tokenizer, TASKS, data_dir=EVAL_DATA, limit=3)
+    for row in expected:
+        logged = next(r for r in rows if r["step"] == 3 and r["task"] == row["task"])
+        assert {k: logged[k] for k in ("acc", "samples")} == {k: row[k] for k in ("acc",
+                                                                                   "samples")}
+
+
+def test_every_second_save_and_always_the_final_checkpoint(mcore, pattern_data, tokenizer,
+                                                           tmp_path, monkeypatch):
+    from megaloop.training.downstream import DownstreamEval
+
+    evaluated = []
+    monkeypatch.setattr(DownstreamEval, "_evaluate", lambda self, model: evaluated.append(
+        model.training) or [])
+    cfg = _run(pattern_data, tmp_path, tokenizer,
+               DownstreamEvalConfig(tasks=TASKS, data_dir=str(EVAL_DATA), every=2))
+    cfg.train.train_steps, cfg.checkpoint.save_interval = 7, 2  # saves at 2, 4, 6, final 7
+    steps = []
+    monkeypatch.setattr(DownstreamEval, "after_save", _recording(DownstreamEval.after_save, steps))
+    Trainer(cfg).train()
+    assert steps == [4, 7] and evaluated == [True, True]
+
+
+def _recording(after_save, steps):
+    def wrapper(self, model, step, monitor, final=False):
+        before = self.evaluated_step
+        after_save(self, model, step, monitor, final)
+        if self.evaluated_step != before:
+            steps.append(step)
+    return wrapper
+
+
+def test_generators_are_put_back():
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    with preserved_rng():
+        torch.manual_seed(99)
+        random.seed(99)
+        np.random.seed(99)
+        torch.rand(3), random.random(), np.random.rand()
+    after = torch.rand(2), random.random(), np.random.rand()
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    assert torch.equal(after[0], torch.rand(2)) and after[1:] == (random.random(),
+                                                                  np.random.rand())
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(data_dir=None), "train.downstream_eval.data_dir=None: must be the directory"),
+    (dict(tasks=[], data_dir=None, limit=5),
+     "train.downstream_eval.tasks=[]: must be set (a list of task names or tags) when "
+     "train.downstream_eval.limit is"),
+    (dict(every=0), "train.downstream_eval.every=0: must be >= 1"),
+    (dict(limit=0), "train.downstream_eval.limit=0: must be >= 1 or null"),
+])
+def test_bad_settings_are_refused_in_one_line(change, message):
+    section = dataclasses.replace(DownstreamEvalConfig(tasks=TASKS, data_dir="d"), **change)
+    with pytest.raises(ConfigError) as error:
+        section.validate()
+    assert str(error.value).startswith(message)
+
+
+def test_run_level_requirements_fail_before_the_model_is_built(mcore, pattern_data, tokenizer,
+                                                               tmp_path, monkeypatch):
+    section = DownstreamEvalConfig(tasks=TASKS, data_dir=str(EVAL_DATA))
+    cfg = _run(pattern_data, tmp_path / "a", tokenizer, section)
+    cfg.parallel = dataclasses.replace(cfg.parallel, tensor=2)
+    with pytest.raises(ConfigError, match=r"with parallel tensor/pipeline/expert sizes \(2, 1, 1\)"):
+        cfg.validate()
+    cfg = _run(pattern_data, tmp_path / "b", tokenizer, section)
+    cfg.data = dataclasses.replace(cfg.data, tokenizer_model=None, eod_id=0)
+    with pytest.raises(ConfigError, match="empty without data.tokenizer_model"):
+        cfg.validate()
+
+    monkeypatch.setattr(Trainer, "_build_model", lambda self: pytest.fail("model built"))
+    for index, (change, message) in enumerate((
+            (dict(tasks=["nope"]), "train.downstream_eval: task 'nope': not in "),
+            (dict(data_dir=str(tmp_path)), "piqa_valid.jsonl: no such file"))):
+        cfg = _run(pattern_data, tmp_path / f"run{index}", tokenizer,
+                   dataclasses.replace(section, **change))
+        with pytest.raises(ConfigError, match=message):
+            Trainer(cfg)

@@ -1,0 +1,93 @@
+"""Downstream accuracy of a megaloop checkpoint or Hugging Face directory with the LM Evaluation
+Harness, on local task files, as a results table (megaloop.hf.evaluate).
+
+    python tools/evaluate.py runs/asym/checkpoints --data-dir /data/eval \\
+        --tasks asymloop_tasks latentloop_tasks --num-fewshot 0 5 --depths 3 6 \\
+        [--limit 100] [--batch-size 8] [--max-gen-toks 256] [--tokenizer FILE] \\
+        [--output eval_results]
+
+SOURCE: a checkpoint (iter_N) of any parallel layout, a run's checkpoint directory (its latest), or a
+Hugging Face directory (an export, or a native Llama/Qwen3/OLMo 2/Mixtral/Qwen3-MoE one). A
+checkpoint is exported into a temporary directory first (probe logits checked) with the run's
+tokenizer or --tokenizer. --tasks: task names of examples/eval (piqa, siqa, hellaswag, winogrande,
+arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu, gsm8k) or tags (asymloop_tasks: the
+AsymLoop paper's seven; latentloop_tasks: the LatentLoop paper's eight). --data-dir holds their
+files (names in each YAML's data_files). --depths: test-time iterations (default: the model's).
+
+Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every metric), atomically,
+and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value),
+1 the export's probe logits differ from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="megaloop checkpoint or Hugging Face directory")
+    parser.add_argument("--data-dir", required=True, help="directory of the tasks' data files")
+    parser.add_argument("--tasks", nargs="+", default=["asymloop_tasks"],
+                        help="tasks or tags (default: %(default)s)")
+    parser.add_argument("--num-fewshot", type=int, nargs="+", default=[0],
+                        help="few-shot settings (default: 0)")
+    parser.add_argument("--depths", type=int, nargs="+",
+                        help="test-time iterations K (default: the model's)")
+    parser.add_argument("--limit", type=int, help="the first N records of each task only")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-gen-toks", type=int,
+                        help="new tokens of generation tasks (gsm8k; default: the task's 256)")
+    parser.add_argument("--tokenizer", help="tokenizer file (default: the run's or the directory's)")
+    parser.add_argument("--task-dir", help="task YAMLs (default: the repository's examples/eval)")
+    parser.add_argument("--output", default="eval_results",
+                        help="writes OUTPUT.md and OUTPUT.json (default: %(default)s)")
+    args = parser.parse_args(argv)
+    for name in ("limit", "batch_size", "max_gen_toks"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    for name in ("num_fewshot", "depths"):
+        low = 0 if name == "num_fewshot" else 1
+        for value in getattr(args, name) or ():
+            if value < low:
+                parser.error(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+
+    from megaloop.train import _quiet_third_party_warnings
+
+    _quiet_third_party_warnings()
+    from megaloop.config import ConfigError
+    from megaloop.data.tokenizer import TokenizerError
+    from megaloop.hf import evaluate as ev
+    from megaloop.hf.common import ConversionError, ProbeMismatch, quiet_transformers
+    from megaloop.training.checkpoint import CheckpointError
+
+    quiet_transformers()
+    try:
+        with tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
+                contextlib.redirect_stdout(sys.stderr):  # stdout is the table only
+            model, tokenizer, info = ev.load_for_evaluation(args.source, workdir,
+                                                            tokenizer=args.tokenizer)
+            rows = ev.evaluate(model, tokenizer, args.tasks, data_dir=args.data_dir,
+                               task_dir=args.task_dir or ev.TASK_DIR,
+                               num_fewshot=args.num_fewshot, depths=args.depths or [None],
+                               limit=args.limit, batch_size=args.batch_size,
+                               max_gen_toks=args.max_gen_toks)
+        info.update(data_dir=args.data_dir, limit=args.limit)
+        markdown, _ = ev.write_results(rows, args.output, info)
+    except (ev.EvaluationError, ConversionError, CheckpointError, ConfigError,
+            TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ProbeMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(markdown.read_text(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
