@@ -13,6 +13,7 @@ own field names; nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -42,6 +43,15 @@ def _records(path: Path) -> list[dict]:
     return records
 
 
+@functools.lru_cache(maxsize=32)
+def _dataset(path: str, modified_ns: int, size: int):
+    """The file's records as a Dataset, read again only when the file changes (lm-eval builds
+    its tasks anew for every evaluation, e.g. at each checkpoint of a training run)."""
+    import datasets
+
+    return datasets.Dataset.from_list(_records(Path(path)))
+
+
 def load(data_files: dict[str, str], data_dir: str | None = None, **_metadata):
     """``custom_dataset`` of the local tasks: a DatasetDict of ``data_files`` read from
     ``data_dir`` (task metadata) or $MEGALOOP_EVAL_DATA. The other metadata lm-eval passes along
@@ -58,5 +68,6 @@ def load(data_files: dict[str, str], data_dir: str | None = None, **_metadata):
         path = Path(directory).expanduser() / name
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file (data directory {directory})")
-        splits[split] = datasets.Dataset.from_list(_records(path))
+        stat = path.stat()
+        splits[split] = _dataset(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     return datasets.DatasetDict(splits)

@@ -8,4 +8,6 @@
   megaloop checkpoint the trainer starts from (``checkpoint.load``, weights only).
 Both directions stage into a temporary directory beside the output, compare the logits of a probe
 input before and after (``probe``), and rename the directory into place only when they agree.
+- ``evaluate``: the LM Evaluation Harness on such a model, offline, from the local task files of
+  examples/eval (tools/evaluate.py, train.downstream_eval).
 """
