@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-gen-toks", type=int,
                         help="new tokens of generation tasks (gsm8k; default: the task's 256)")
-    parser.add_argument("--tokenizer", help="tokenizer file (default: the run's or the directory's)")
+    parser.add_argument("--tokenizer", help="a checkpoint's tokenizer file (default: the run's)")
     parser.add_argument("--task-dir", help="task YAMLs (default: the repository's examples/eval)")
     parser.add_argument("--output", default="eval_results",
                         help="writes OUTPUT.md and OUTPUT.json (default: %(default)s)")

@@ -179,8 +179,8 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
 def load_for_evaluation(source: str | Path, workdir: str | Path, *,
                         tokenizer: str | None = None):
     """(model in fp32, Hugging Face tokenizer, description) of a megaloop checkpoint (exported
-    into ``workdir`` first, with the run's tokenizer or ``tokenizer``) or a Hugging Face
-    directory (``tokenizer``: a directory with its tokenizer files instead of its own)."""
+    into ``workdir`` first, with the run's tokenizer or the tokenizer file ``tokenizer``) or of a
+    Hugging Face directory (with its own tokenizer files)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -188,20 +188,20 @@ def load_for_evaluation(source: str | Path, workdir: str | Path, *,
 
     source = Path(source)
     info = {"source": str(source)}
-    if not (source / "config.json").is_file():
-        directory = _export(source, Path(workdir) / "hf", tokenizer, info)
-        tokenizer = None
-    else:
+    if (source / "config.json").is_file():
+        if tokenizer is not None:
+            raise EvaluationError(f"--tokenizer {tokenizer}: only for a megaloop checkpoint; the "
+                                  f"Hugging Face directory {source} brings its own")
         directory = source
+    else:
+        directory = _export(source, Path(workdir) / "hf", tokenizer, info)
     model, _, family = load_hf_model(directory)
     if torch.cuda.is_available():
         model.cuda()
     try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or directory,
-                                                     trust_remote_code=False)
+        hf_tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise EvaluationError(f"{tokenizer or directory}: no usable tokenizer files "
-                              f"({_one_line(e)}); pass --tokenizer") from None
+        raise EvaluationError(f"{directory}: no usable tokenizer files ({_one_line(e)})") from None
     info.update({"class": type(model).__name__, "native_family": family,
                  "iterations": getattr(model.config, "iterations", None)})
     return model, hf_tokenizer, info

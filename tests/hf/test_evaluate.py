@@ -245,6 +245,8 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         ([hf, "--data-dir", data, "--depths", "2"], "depth 2: LlamaForCausalLM (llama) has no "
                                                     "test-time depth to set"),
         ([str(untokenized), "--data-dir", data], "its run names no tokenizer"),
+        ([hf, "--data-dir", data, "--tokenizer", str(SP_MODEL)], "only for a megaloop "
+                                                                 "checkpoint"),
         ([str(tmp_path / "missing"), "--data-dir", data], "missing: no such checkpoint"),
     ]
     for argv, message in cases:
