@@ -330,7 +330,8 @@ class ModelConfig:
                      "route to moe_top_k // 2 >= 2 experts)")
         elif reduction == "width":
             _require(self.hidden_size % 2 == 0, prefix, "hidden_size", self.hidden_size,
-                     "even for latent_reduction='width' (the reduced visits run at hidden_size / 2)")
+                     "even for latent_reduction='width' (the reduced visits run at half the "
+                     "hidden size)")
         elif reduction == "expert_ffn":
             _require(self.uses_moe, prefix, "latent_reduction", reduction,
                      "one of 'sequence', 'width' unless num_experts > 0 (the reduced visits halve "

@@ -31,24 +31,27 @@ Compression with stride k and writeback lag l, positions 0-based:
 - RoPE: latent i takes the position of its last token, ki+k-1, so distances between latents are
   those between the tokens they end at, and a latent never sits before a token it contains.
 
-Weight sharing across visits. The middle block (``decoder``) is shared by every visit unless a visit
-needs other weights or another shape: ``untie_attention`` / ``untie_moe`` give visits 2..V their own
-attention / FFN, and a reduced visit of the top_k, width or expert_ffn kind runs a block built for
-its reduction. Such a visit gets its own TransformerBlock whose shared parameters are *borrowed* from
-``decoder``: referenced, not registered, so they are saved, counted, moved and optimised once, as the
-owner's. Where the visit's block is narrower (width: every matrix's d side is d/2, norms d/2;
-expert_ffn: the experts' hidden units), its parameters are the leading block of the shared ones,
-cut at each call (``_NarrowedParameters``); a gated FFN's fused [gate; up] rows give the leading
-rows of each half. Why shared and not separate narrow weights: the paper reports the untied variants
-with the experts they cost (untying attention: 76 -> 75 experts; untying MoE: 75 -> 50) but the four
-reductions at one matched budget with no such trade, so they keep the loop's parameters; "expert
-intermediate halving" leaves the experts "incomplete", i.e. part of the shared experts. The width
-reduction keeps the heads, head dim, expert count and expert width: only the residual width halves,
-so every matrix of the visit has half its parameters, and the attention scores are unchanged. A
-narrowed visit uses the leading part of a shared matrix: any fixed part would do (the projections
-are learned), and the leading one is the same in every layout (tensor parallelism splits heads and
-FFN units, never d; a MoE model runs without tensor parallelism here, so expert hidden units are not
-split either).
+Weight sharing across visits. The middle block (``decoder``) is shared by every visit unless a
+visit needs other weights or another shape: ``untie_attention`` / ``untie_moe`` give visits 2..V
+their own attention / FFN, and a reduced visit of the top_k, width or expert_ffn kind runs a block
+built for its reduction. Such a visit gets its own TransformerBlock whose shared parameters are
+*borrowed* from ``decoder``: referenced, not registered, so they are saved, counted, moved and
+optimised once, as the owner's. Where the visit's block is narrower (width: every d-sized side of
+a matrix or norm is d/2; expert_ffn: the experts' hidden units), its parameters are the leading
+block of the shared ones, cut at each call (``_NarrowedParameters``); a gated FFN's fused
+[gate; up] rows give the leading rows of each half.
+
+Why the narrowed visits share the block rather than own narrow weights: the paper prices every
+untied part it reports in experts (untying attention: 76 -> 75 experts; untying MoE: 75 -> 50) but
+compares the four reductions at one matched budget with no such trade, so they keep the loop's
+parameters; and it calls the halved experts incomplete, i.e. part of the same experts. The width
+reduction keeps the heads, head dim, expert count and expert width: only the residual width
+halves, so every matrix of the visit has half its parameters and the attention scores are
+unchanged. Any fixed part of a shared matrix would do (the projections are learned); the leading
+one is the same in every layout: tensor parallelism splits heads and FFN units, never d, and a MoE
+LatentLoop runs without tensor parallelism (no sequence parallelism), so expert hidden units are
+not split either.
+
 Every visit is static (no per-call switch), so activation recomputation replays it exactly.
 """
 

@@ -49,7 +49,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     scales after every call: its amax history spans 2K calls and takes their maximum, so that
     iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1).
     MoE models carry the MoE fields in every block's config (megatron-core's schedules read them
-    from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM experts."""
+    from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM
+    experts."""
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute == "full"
     fp8_settings = {}

@@ -29,8 +29,6 @@ the prelude/coda have one KV slot per (visit, layer) / layer, as in modeling_asy
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -111,12 +109,12 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         cfg = self.config
         if cfg.latent_reduction not in ("width", "expert_ffn"):
             return {}
-        narrow = copy.copy(cfg)
         if cfg.latent_reduction == "width":  # heads and head_dim (set explicitly) stay
-            narrow.hidden_size = cfg.hidden_size // 2
+            changes = {"hidden_size": cfg.hidden_size // 2, "head_dim": cfg.head_dim}
         else:
-            narrow.moe_ffn_hidden_size = cfg.moe_ffn_hidden_size // 2
-            narrow.moe_shared_expert_size = cfg.moe_shared_expert_size // 2
+            changes = {"moe_ffn_hidden_size": cfg.moe_ffn_hidden_size // 2,
+                       "moe_shared_expert_size": cfg.moe_shared_expert_size // 2}
+        narrow = type(cfg).from_dict({**cfg.to_dict(), **changes})
         with torch.device("meta"):
             template = Block(narrow, narrow.ffn_hidden_size, moe=moe)
         return {name: p.shape for name, p in template.named_parameters()}
