@@ -29,7 +29,10 @@ Arch = Literal["dense", "fullloop", "asymloop", "latentloop"]
 Block = Literal["llama", "olmo"]
 MoELayers = Literal["all", "encoder", "decoder"]
 ResidualScale = Literal["learned", "fixed"]
-LatentReduction = Literal["sequence", "top_k"]
+# How LatentLoop's reduced visits (``latent_visits``) save compute, the paper's four first-visit
+# reductions: sequence compression, half the router's top-k, the residual width d -> d/2 through a
+# projection, half the expert FFN width (megaloop.models.latent).
+LatentReduction = Literal["sequence", "top_k", "width", "expert_ffn"]
 Injection = Literal["global_kv", "none", "additive"]
 JointImpl = Literal["fused", "masked"]
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
@@ -103,10 +106,13 @@ class ModelConfig:
     # LatentLoop (arch=latentloop)
     prelude_layers: int | None = None  # None: num_layers // 4 (at least 1)
     coda_layers: int | None = None  # None: num_layers // 4 (at least 1)
-    latent_visits: list[int] = field(default_factory=lambda: [1])  # compressed visits, 1-based
+    latent_visits: list[int] = field(default_factory=lambda: [1])  # reduced visits, 1-based
     latent_stride: int = 2  # tokens per latent
     latent_writeback_lag: int = 0  # 1: latent j writes to the k positions one later
-    latent_reduction: LatentReduction = "sequence"  # or top_k: the visits route to moe_top_k // 2
+    # sequence: the reduced visits run on latents; top_k: they route to moe_top_k // 2 experts;
+    # width: they run at hidden_size // 2 between learned projections; expert_ffn: their experts
+    # use the first half of each expert's hidden units
+    latent_reduction: LatentReduction = "sequence"
     residual_scale: ResidualScale = "learned"  # alpha_v of h + alpha_v * f(h), per visit
     residual_scale_init: list[float] = field(default_factory=list)  # per visit; []: all 1.0
     untie_attention: bool = False  # every visit its own attention weights
@@ -171,6 +177,25 @@ class ModelConfig:
         if not self.uses_global_kv:
             return "plain"
         return "joint" if self.local_kv else "global_only"
+
+    def visit_reduction(self, visit: int) -> str | None:
+        """LatentLoop: how visit ``visit`` (1-based) is reduced (``latent_reduction``), or None."""
+        return self.latent_reduction if visit in self.latent_visits else None
+
+    def visit_block_config(self, visit: int) -> "ModelConfig":
+        """LatentLoop: the (resolved) config of the middle block that visit ``visit`` runs: this
+        one, or the reduced block of a top_k, width or expert_ffn visit."""
+        cfg = dataclasses.replace(self).resolve()
+        reduction = cfg.visit_reduction(visit)
+        if reduction == "top_k":
+            return dataclasses.replace(cfg, moe_top_k=cfg.moe_top_k // 2)
+        if reduction == "width":  # the heads and head dim stay: only the residual width halves
+            return dataclasses.replace(cfg, hidden_size=cfg.hidden_size // 2,
+                                       head_dim=cfg.kv_channels)
+        if reduction == "expert_ffn":
+            return dataclasses.replace(cfg, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size // 2,
+                                       moe_shared_expert_size=cfg.moe_shared_expert_size // 2)
+        return cfg
 
     def resolve(self) -> "ModelConfig":
         """Fills derived defaults; idempotent."""
@@ -281,15 +306,48 @@ class ModelConfig:
                  "in every training sequence)")
         _require(self.latent_writeback_lag in (0, 1), prefix, "latent_writeback_lag",
                  self.latent_writeback_lag, "0 or 1")
-        _require(self.latent_reduction == "sequence" or self.uses_moe and self.moe_top_k >= 4,
-                 prefix, "latent_reduction", self.latent_reduction,
-                 "'sequence' unless num_experts > 0 and moe_top_k >= 4 (the reduced visits route "
-                 "to moe_top_k // 2 >= 2 experts)")
+        self._validate_latent_reduction(prefix)
         _require(not self.residual_scale_init or len(self.residual_scale_init) == visits, prefix,
                  "residual_scale_init", self.residual_scale_init,
                  f"empty or one value per visit (iterations={visits})")
         _require(not self.untie_moe or self.uses_moe, prefix, "untie_moe", self.untie_moe,
                  "false unless num_experts > 0")
+
+    def _validate_latent_reduction(self, prefix: str) -> None:
+        reduction = self.latent_reduction
+        # Settings that the reduction in use would ignore.
+        if reduction != "sequence" or not self.latent_visits:
+            why = ("unless latent_reduction='sequence'" if self.latent_visits
+                   else "while latent_visits is empty (no visit is reduced)")
+            for name, default in (("latent_stride", 2), ("latent_writeback_lag", 0)):
+                _require(getattr(self, name) == default, prefix, name, getattr(self, name),
+                         f"left at its default {default} {why}")
+            _require(self.latent_visits or reduction == "sequence", prefix, "latent_reduction",
+                     reduction, f"left at its default 'sequence' {why}")
+        if reduction == "top_k":
+            _require(self.uses_moe and self.moe_top_k >= 4, prefix, "latent_reduction", reduction,
+                     "'sequence' unless num_experts > 0 and moe_top_k >= 4 (the reduced visits "
+                     "route to moe_top_k // 2 >= 2 experts)")
+        elif reduction == "width":
+            _require(self.hidden_size % 2 == 0, prefix, "hidden_size", self.hidden_size,
+                     "even for latent_reduction='width' (the reduced visits run at half the "
+                     "hidden size)")
+        elif reduction == "expert_ffn":
+            _require(self.uses_moe, prefix, "latent_reduction", reduction,
+                     "one of 'sequence', 'width' unless num_experts > 0 (the reduced visits halve "
+                     "the experts' FFN)")
+            for name in ("moe_ffn_hidden_size", "moe_shared_expert_size"):
+                _require(getattr(self, name) % 2 == 0, prefix, name, getattr(self, name),
+                         "even for latent_reduction='expert_ffn' (the reduced visits use half of "
+                         "each expert's hidden units)")
+        if reduction in ("width", "expert_ffn"):
+            # A narrowed visit computes with a part of the shared weights; a visit with weights of
+            # its own (untied, visits 2..V) would need narrow weights of its own, not built.
+            untied = [v for v in self.latent_visits if v > 1 and (
+                self.untie_moe or self.untie_attention and reduction == "width")]
+            _require(not untied, prefix, "latent_visits", self.latent_visits,
+                     f"visits that use the shared middle block for latent_reduction={reduction!r}"
+                     f" (visits {untied} have untied weights; reduce visit 1, or untie nothing)")
 
 
 @dataclass

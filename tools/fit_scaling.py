@@ -52,8 +52,11 @@ class Fit(NamedTuple):
 def label_of(cfg: RunConfig) -> str:
     model = cfg.model
     if model.arch == "latentloop":
-        compressed = model.latent_visits and model.latent_reduction == "sequence"
-        return "latentloop" if compressed else "moe_loop"
+        if not model.latent_visits:
+            return "moe_loop"
+        # The paper's other first-visit reductions are ablations, not the MoE Loop baseline.
+        reduction = model.latent_reduction
+        return "latentloop" if reduction == "sequence" else f"latentloop_{reduction}"
     if model.arch == "dense" and model.num_experts:
         return "moe_base"
     return model.arch + ("_moe" if model.num_experts else "")

@@ -78,6 +78,8 @@ def split_latent_state_dict(state_dict: dict, cfg: ModelConfig) -> tuple[dict, d
             scales[int(visit)] = tensor
         elif rest == "compression.channel_scales":
             own[f"writeback.{visit}"] = tensor.view(cfg.latent_stride, cfg.hidden_size)
+        elif rest in ("projection.down_weight", "projection.up_weight"):
+            own[f"projection.{visit}.{rest.split('.')[1].split('_')[0]}.weight"] = tensor
         elif rest.startswith("block."):
             layers[f"visit{visit}.{rest[len('block.'):]}"] = tensor
         else:

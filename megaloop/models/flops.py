@@ -11,7 +11,11 @@ A MoE FFN costs its active parameters: router 2dE, top-k experts of width f_e 6d
 expert 6df_s. Full Loop: F = J * C + 2dV. AsymLoop adds the Global K/V projections (4dg per decoder
 layer, once per forward) and N extra keys in every decoder attention (4Nq, K * D times). A LatentLoop
 visit compressed k times runs its layers on N/k latents attending to N/k latents: per position, 1/k
-of the projection and expert FLOPs and 1/k^2 of the score FLOPs. Counts are exact Fractions.
+of the projection and expert FLOPs and 1/k^2 of the score FLOPs. The other reduced visits run a
+block of their own config (``ModelConfig.visit_block_config``): top_k routes to half the experts;
+expert_ffn has experts of half the width; width runs at d/2 (every layer matmul has one d side, so
+half of them; the scores are unchanged) between projections d -> d/2 -> d, 2d^2 per position,
+which run outside the block. Counts are exact Fractions.
 """
 
 from __future__ import annotations
@@ -30,23 +34,25 @@ class FlopBreakdown:
     attention: int | Fraction  # score and value matmuls over all layer applications
     global_kv: int  # AsymLoop's Global K/V projections (once per forward)
     head: int  # output projection to the vocabulary
+    projections: int = 0  # LatentLoop's width projections d -> d/2 -> d (width-reduced visits)
 
     @property
     def total(self) -> int | Fraction:
-        return self.layers + self.attention + self.global_kv + self.head
+        return self.layers + self.attention + self.global_kv + self.head + self.projections
 
 
 @dataclass(frozen=True)
 class LayerApplications:
     """``count`` applications per forward of a layer kind, each on ``1 / stride`` of the positions
     (LatentLoop's compressed visits) attending to as many keys, ``keys_factor`` x that with
-    AsymLoop's Global half."""
+    AsymLoop's Global half. ``block`` is the config the layers are built from: widths, heads,
+    experts and top-k (a LatentLoop reduced visit's own)."""
 
     count: int
     role: str  # attention role: plain | joint | global_only
     ffn: int  # dense FFN width (unused when moe)
     moe: bool
-    top_k: int = 0
+    block: ModelConfig
     stride: int = 1
 
     @property
@@ -58,32 +64,30 @@ def layer_applications(cfg: ModelConfig, iterations: int | None = None) -> list[
     """Every layer application of one forward pass, grouped by kind."""
     cfg = cfg.resolve()
     steps = cfg.iterations if iterations is None else iterations
-    top_k = cfg.moe_top_k
     before = cfg.num_encoder_layers  # AsymLoop encoder / LatentLoop prelude
-    groups = [LayerApplications(before, "plain", cfg.ffn_hidden_size, cfg.moe_in("encoder"), top_k)]
+    groups = [LayerApplications(before, "plain", cfg.ffn_hidden_size, cfg.moe_in("encoder"), cfg)]
     looped = cfg.num_decoder_layers
     if cfg.arch != "latentloop":
         groups.append(LayerApplications(steps * looped, cfg.decoder_attention,
-                                        cfg.decoder_ffn_hidden_size, cfg.moe_in("decoder"), top_k))
+                                        cfg.decoder_ffn_hidden_size, cfg.moe_in("decoder"), cfg))
         return [g for g in groups if g.count]
     for visit in range(1, steps + 1):
-        reduced = visit in cfg.latent_visits
-        sequence = reduced and cfg.latent_reduction == "sequence"
-        groups.append(LayerApplications(
-            looped, "plain", cfg.ffn_hidden_size, cfg.uses_moe,
-            top_k // 2 if reduced and cfg.latent_reduction == "top_k" else top_k,
-            cfg.latent_stride if sequence else 1))
+        sequence = cfg.visit_reduction(visit) == "sequence"
+        groups.append(LayerApplications(looped, "plain", cfg.ffn_hidden_size, cfg.uses_moe,
+                                        cfg.visit_block_config(visit),
+                                        cfg.latent_stride if sequence else 1))
     groups.append(LayerApplications(cfg.num_coda_layers, "plain", cfg.ffn_hidden_size,
-                                    cfg.uses_moe, top_k))
+                                    cfg.uses_moe, cfg))
     return [g for g in groups if g.count]
 
 
-def _ffn_flops(cfg: ModelConfig, group: LayerApplications) -> int:
-    d = cfg.hidden_size
+def _ffn_flops(group: LayerApplications) -> int:
+    block = group.block
+    d = block.hidden_size
     if not group.moe:
         return 6 * d * group.ffn
-    return (2 * d * cfg.num_experts + group.top_k * 6 * d * cfg.moe_ffn_hidden_size
-            + 6 * d * cfg.moe_shared_expert_size)
+    return (2 * d * block.num_experts + block.moe_top_k * 6 * d * block.moe_ffn_hidden_size
+            + 6 * d * block.moe_shared_expert_size)
 
 
 def forward_flops(cfg: ModelConfig, seq_length: int | None = None,
@@ -94,14 +98,17 @@ def forward_flops(cfg: ModelConfig, seq_length: int | None = None,
     g = cfg.num_query_groups * cfg.kv_channels
     layers = attention = Fraction(0)
     for group in layer_applications(cfg, iterations):
+        width = group.block.hidden_size
         local_kv = group.role != "global_only"
-        projections = 2 * d * (q + 2 * g) if local_kv else 2 * d * q
+        projections = 2 * width * (q + 2 * g) if local_kv else 2 * width * q
         per_position = Fraction(group.count, group.stride)
-        layers += per_position * (projections + 2 * q * d + _ffn_flops(cfg, group))
+        layers += per_position * (projections + 2 * q * width + _ffn_flops(group))
         attention += per_position * 4 * group.keys_factor * Fraction(n, group.stride) * q
     global_kv = cfg.num_decoder_layers * 2 * d * 2 * g if cfg.uses_global_kv else 0
+    width_visits = (len(cfg.latent_visits) if cfg.arch == "latentloop"
+                    and cfg.latent_reduction == "width" else 0)
     return FlopBreakdown(_exact(layers), _exact(attention), global_kv,
-                         head=2 * d * cfg.vocab_size)
+                         head=2 * d * cfg.vocab_size, projections=width_visits * 2 * d * d)
 
 
 def _exact(count: Fraction) -> int | Fraction:
@@ -125,7 +132,8 @@ def executed_backward_flops(cfg: ModelConfig, recompute: bool = False) -> Fracti
     - flash-attention backward also recomputes the scores QK^T from q and k: +0.5x the forward
       attention term (5 N x N matmuls instead of 4);
     - full activation recomputation replays the forward of each TransformerBlock (layers and
-      attention); the Global K/V projections and the head run outside the blocks and are not replayed.
+      attention); the Global K/V projections, LatentLoop's width projections and the head run
+      outside the blocks and are not replayed.
     """
     fwd = forward_flops(cfg)
     executed = 2 * fwd.total + fwd.attention / 2
@@ -226,8 +234,11 @@ def parameter_count(cfg: ModelConfig) -> int:
         total += looped * (attention("plain") * (visits if cfg.untie_attention else 1)
                            + ffn(cfg.ffn_hidden_size, cfg.uses_moe) * (visits if cfg.untie_moe else 1))
         total += cfg.num_coda_layers * (attention("plain") + ffn(cfg.ffn_hidden_size, cfg.uses_moe))
-        compressed = len(cfg.latent_visits) if cfg.latent_reduction == "sequence" else 0
-        total += compressed * cfg.latent_stride * d  # writeback channel scales
+        reduced = len(cfg.latent_visits)
+        if cfg.latent_reduction == "sequence":
+            total += reduced * cfg.latent_stride * d  # writeback channel scales
+        if cfg.latent_reduction == "width":
+            total += reduced * d * d  # projections d -> d/2 -> d
         total += visits if cfg.residual_scale == "learned" else 0
     else:
         total += looped * (attention(cfg.decoder_attention)

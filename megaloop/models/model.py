@@ -40,8 +40,7 @@ _MCORE_FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "m
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: int,
                        ffn_hidden_size: int, params_dtype=torch.float32,
-                       fp8: str | None = None, use_te: bool = False,
-                       moe_top_k: int | None = None) -> TransformerConfig:
+                       fp8: str | None = None, use_te: bool = False) -> TransformerConfig:
     """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers.
 
     ``fp8`` (Transformer Engine only; None: off) names the scaling recipe, E4M3 forward / E5M2
@@ -50,8 +49,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     scales after every call: its amax history spans 2K calls and takes their maximum, so that
     iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1).
     MoE models carry the MoE fields in every block's config (megatron-core's schedules read them
-    from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM experts
-    and ``moe_top_k`` overrides the router's top-k."""
+    from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM
+    experts."""
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute == "full"
     fp8_settings = {}
@@ -102,7 +101,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         apply_rope_fusion=False,
         persist_layer_norm=False,
         **fp8_settings,
-        **moe.transformer_config_fields(cfg, grouped_gemm=use_te, top_k=moe_top_k),
+        **moe.transformer_config_fields(cfg, grouped_gemm=use_te),
     )
 
 

@@ -32,18 +32,17 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megaloop.config import ModelConfig
 
 
-def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool, top_k: int | None = None) -> dict:
+def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool) -> dict:
     """The MoE fields of a megatron-core TransformerConfig (empty for a dense model).
 
     ``grouped_gemm`` (Transformer Engine on a GPU) selects grouped-GEMM experts; on a GPU the
-    dispatcher is alltoall (it needs CUDA streams), on CPU allgather with SequentialMLP experts.
-    ``top_k`` overrides the model's top-k (LatentLoop's top-k reduced visits)."""
+    dispatcher is alltoall (it needs CUDA streams), on CPU allgather with SequentialMLP experts."""
     if not cfg.uses_moe:
         return {}
     return dict(
         num_moe_experts=cfg.num_experts,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-        moe_router_topk=top_k or cfg.moe_top_k,
+        moe_router_topk=cfg.moe_top_k,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,

@@ -166,13 +166,22 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm over as many channels as its weight has, so that a call with a leading part of
+    the weight (LatentLoop's width reduction, through torch.func.functional_call) normalises that
+    many channels."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: MegaloopConfig, ffn: int, global_kv: bool = False,
                  local_kv: bool = True, moe: bool = False):
         super().__init__()
         self.post_norm = cfg.block == "olmo"
-        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg, global_kv, local_kv)
         self.mlp = MLP(cfg.hidden_size, ffn) if not moe else MoEFeedForward(
             cfg.hidden_size, cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size,

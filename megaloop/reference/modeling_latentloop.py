@@ -3,28 +3,35 @@ like the rest of the reference).
 
     h = Prelude(Embed(x))
     for v = 1..V:
-        compressed v:  z_i = mean(h[ki], .., h[ki+k-1]);  D = Middle(z) - z
-                       h[ki+k-1+l+s] += a_v * w_{v,s} * D_i,   s = 0..k-1
         full v:        h = h + a_v * (Middle(h) - h)
+        sequence v:    z_i = mean(h[ki], .., h[ki+k-1]);  D = Middle(z) - z
+                       h[ki+k-1+l+s] += a_v * w_{v,s} * D_i,   s = 0..k-1
+        width v:       z = W_down,v h;  h = h + a_v * W_up,v (Middle_{d/2}(z) - z)
+        top_k v:       h = h + a_v * (Middle(h) - h), routing to moe_top_k // 2 experts
+        expert_ffn v:  h = h + a_v * (Middle(h) - h), experts using their first half of hidden units
     logits = Head(Norm(Coda(h)))
 
 Positions 0-based; latents are complete groups of k tokens at the RoPE position of their last token;
-l is the writeback lag. Visits 2..V use their own attention and/or FFN when untied; a visit with the
-top-k reduction routes to half as many experts. The canonical model (megaloop.models.latent) is held
+l is the writeback lag. Middle_{d/2} is the middle block computing with the leading block of each of
+its parameters: d/2 of every d-sized side (norm weights, the input columns of q/k/v, router and
+experts, the output rows of o and down projections), heads and expert widths unchanged; the
+expert_ffn visits use the leading half of each expert's gate/up rows and down columns. Visits 2..V
+use their own attention and/or FFN when untied. The canonical model (megaloop.models.latent) is held
 to this file by parity tests.
 
 Cached generation is exact and causal. A compressed visit keeps, in the cache, the visit inputs of
 the tokens of the latent group not yet complete and the updates D_i of the latents so far; a latent
 completes with the last token of its group (every k-th token), then runs through the middle block
 against the cached latents of that visit (its own KV slots, latent resolution), and position p
-receives the update of latent (p - k + 1 - l) // k, which is complete by then. Full visits and the
-prelude/coda have one KV slot per (visit, layer) / layer, as in modeling_asymloop.
+receives the update of latent (p - k + 1 - l) // k, which is complete by then. Every other visit and
+the prelude/coda have one KV slot per (visit, layer) / layer, as in modeling_asymloop.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from transformers import GenerationMixin
 from transformers import initialization as init
 
@@ -45,6 +52,19 @@ class _Part(nn.Module):
             self.attn_norm, self.attn = block.attn_norm, block.attn
         else:
             self.mlp_norm, self.mlp = block.mlp_norm, block.mlp
+
+
+class _Projection(nn.Module):
+    """A width-reduced visit's projections d -> d/2 (down) and d/2 -> d (up)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.down = nn.Linear(d, d // 2, bias=False)
+        self.up = nn.Linear(d // 2, d, bias=False)
+
+
+def _leading(param: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return param[tuple(slice(0, size) for size in shape)]
 
 
 class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
@@ -77,8 +97,27 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
             self.register_buffer("residual_scales", scales, persistent=False)
         # writeback channel scales w_{v,s} of each compressed visit: "<v>" -> [k, d]
         self.writeback = nn.ParameterDict({str(v): nn.Parameter(torch.ones(cfg.latent_stride, d))
-                                           for v in self.compressed_visits()})
+                                           for v in self.reduced_visits("sequence")})
+        self.projection = nn.ModuleDict({str(v): _Projection(d)
+                                         for v in self.reduced_visits("width")})
+        self.narrow_shapes = self._narrow_shapes(moe)
         self.post_init()
+
+    def _narrow_shapes(self, moe: bool) -> dict[str, torch.Size]:
+        """Parameter shapes (names relative to a middle Block) of the block that the width or
+        expert_ffn visits run: a Block of the reduced config, built on the meta device."""
+        cfg = self.config
+        if cfg.latent_reduction not in ("width", "expert_ffn"):
+            return {}
+        if cfg.latent_reduction == "width":  # heads and head_dim (set explicitly) stay
+            changes = {"hidden_size": cfg.hidden_size // 2, "head_dim": cfg.head_dim}
+        else:
+            changes = {"moe_ffn_hidden_size": cfg.moe_ffn_hidden_size // 2,
+                       "moe_shared_expert_size": cfg.moe_shared_expert_size // 2}
+        narrow = type(cfg).from_dict({**cfg.to_dict(), **changes})
+        with torch.device("meta"):
+            template = Block(narrow, narrow.ffn_hidden_size, moe=moe)
+        return {name: p.shape for name, p in template.named_parameters()}
 
     def _initial_scales(self) -> torch.Tensor:
         cfg = self.config
@@ -94,20 +133,39 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
             for w in module.values():
                 init.ones_(w)
 
-    def compressed_visits(self) -> list[int]:
-        return self.config.latent_visits if self.config.latent_reduction == "sequence" else []
+    def reduced_visits(self, reduction: str) -> list[int]:
+        """The visits that ``reduction`` (a latent_reduction value) applies to."""
+        cfg = self.config
+        return cfg.latent_visits if cfg.latent_reduction == reduction else []
+
+    def _part(self, module, name: str, narrow: bool, *args, **kwargs):
+        """``module`` (the part ``name`` of a middle Block) called, for a narrowed visit, with the
+        leading block of each of its parameters."""
+        if not narrow:
+            return module(*args, **kwargs)
+        params = {key: _leading(p, self.narrow_shapes[f"{name}.{key}"])
+                  for key, p in module.named_parameters()}
+        return functional_call(module, params, args, kwargs)
 
     def _middle(self, h, rotary, allowed, cache, first_slot: int, visit: int):
         cfg = self.config
-        reduced = visit in cfg.latent_visits and cfg.latent_reduction == "top_k"
-        top_k = {"top_k": cfg.moe_top_k // 2} if reduced else {}
+        top_k = {"top_k": cfg.moe_top_k // 2} if visit in self.reduced_visits("top_k") else {}
+        narrow = visit in self.reduced_visits("width") + self.reduced_visits("expert_ffn")
         for index, block in enumerate(self.middle):
             attention = self.untied_attention[str(visit)][index] \
                 if str(visit) in self.untied_attention else block
             ffn = self.untied_ffn[str(visit)][index] if str(visit) in self.untied_ffn else block
-            h = h + attention.attn(attention.attn_norm(h), rotary, allowed, cache,
-                                   first_slot + index)
-            h = h + ffn.mlp(ffn.mlp_norm(h), **top_k)
+            sublayers = (
+                (attention.attn_norm, attention.attn, "attn",
+                 (rotary, allowed, cache, first_slot + index), {}),
+                (ffn.mlp_norm, ffn.mlp, "mlp", (), top_k))
+            for norm, layer, name, args, kwargs in sublayers:
+                if block.post_norm:  # OLMo 2: h + Norm(f(h))
+                    out = self._part(layer, name, narrow, h, *args, **kwargs)
+                    h = h + self._part(norm, f"{name}_norm", narrow, out)
+                else:
+                    normed = self._part(norm, f"{name}_norm", narrow, h)
+                    h = h + self._part(layer, name, narrow, normed, *args, **kwargs)
         return h
 
     def _compressed_update(self, h, past: int, cache, first_slot: int, visit: int):
@@ -153,8 +211,13 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
             h = block(h, rotary, allowed, cache, index)
         for visit in range(1, steps + 1):
             first, scale = p + (visit - 1) * m, self.residual_scales[visit - 1]
-            if visit in self.compressed_visits():
+            if visit in self.reduced_visits("sequence"):
                 h = h + scale * self._compressed_update(h, past, cache, first, visit)
+            elif visit in self.reduced_visits("width"):
+                projection = self.projection[str(visit)]
+                z = projection.down(h)
+                h = h + scale * projection.up(self._middle(z, rotary, allowed, cache, first,
+                                                           visit) - z)
             else:
                 h = h + scale * (self._middle(h, rotary, allowed, cache, first, visit) - h)
         for index, block in enumerate(self.coda):

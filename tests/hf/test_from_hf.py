@@ -19,7 +19,8 @@ from megaloop.training.checkpoint import check_compatible
 
 @pytest.mark.parametrize("variant", ["dense", "qwen3", "olmo2_one_head", "mixtral", "qwen3_moe",
                                      "dense_moe_shared", "fullloop_olmo", "asymloop_tied_gqa1",
-                                     "asymloop_moe_decoder", "latentloop_moe_untied_v3"])
+                                     "asymloop_moe_decoder", "latentloop_moe_untied_v3",
+                                     "latentloop_moe_width"])
 def test_round_trip_is_exact(exports, variant, tmp_path):
     exported = exports.get(variant)
     report = import_hf(exported.hf_dir, tmp_path / "back")

@@ -15,7 +15,8 @@ from tests.models.variants import small_config
 @pytest.mark.parametrize("variant", ["dense", "fullloop_olmo", "asymloop", "asymloop_no_local_kv",
                                      "asymloop_additive", "asymloop_tied_gqa1", "dense_moe_shared",
                                      "asymloop_moe", "latentloop_moe", "latentloop_stride3_lag1",
-                                     "latentloop_moe_untied_v3", "latentloop_moe_topk"])
+                                     "latentloop_moe_untied_v3", "latentloop_moe_topk",
+                                     "latentloop_moe_width", "latentloop_moe_expert_ffn"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_counted_flops_equal_analytical(seeded, variant, recompute):
     register_cpu_flash_flop_formulas()

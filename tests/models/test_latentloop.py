@@ -90,14 +90,55 @@ def test_visits_share_the_middle_block_unless_untied(seeded):
     assert full is topk.decoder.layers[0].mlp and reduced is not full
     assert (reduced.router.topk, full.router.topk) == (2, 4)
     # The reduced visit routes with the shared router weight and experts, held once.
-    assert reduced.router.weight is full.router.weight and reduced.experts is full.experts
+    assert reduced.router.weight is full.router.weight
+    assert all(a.linear_fc1.weight is b.linear_fc1.weight for a, b in zip(
+        reduced.experts.local_experts, full.experts.local_experts))
     names = [name for name, _ in topk.named_parameters()]
-    assert len(names) == len(set(names)) and not any("visits.visit1.block" in n and "experts" in n
-                                                     for n in names)
+    assert len(names) == len(set(names)) and not any("visits.visit1.block" in n for n in names)
+
+
+def _weights_in_forward(module):
+    """The module's ``weight`` as its forward saw it, after the next call."""
+    seen = []
+    module.register_forward_hook(lambda m, args, out: seen.append(m.weight), prepend=True)
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["latentloop_moe_width", "latentloop_moe_expert_ffn"])
+def test_narrowed_visits_compute_with_parts_of_the_shared_weights(seeded, variant):
+    """width: the leading d/2 columns (rows) of every shared matrix, through learned projections;
+    expert_ffn: the first half of each expert's hidden units, gate and up alike. Nothing of the
+    visit's block is a parameter of its own, and gradients reach the shared weights."""
+    model = build_model(small_config(variant))
+    cfg, d = model.cfg, model.cfg.hidden_size
+    layer, owner = model.visits.visit1.block.layers[0], model.decoder.layers[0]
+    qkv, fc1, fc2 = (_weights_in_forward(m) for m in (
+        layer.self_attention.linear_qkv, layer.mlp.experts.local_experts[0].linear_fc1,
+        layer.mlp.shared_experts.linear_fc2))
+    x = _tokens(cfg, cfg.seq_length)
+    model(x, labels=x).mean().backward()
+    shared_qkv = owner.self_attention.linear_qkv.weight
+    shared_fc1 = owner.mlp.experts.local_experts[0].linear_fc1.weight
+    shared_fc2 = owner.mlp.shared_experts.linear_fc2.weight
+    if variant.endswith("width"):
+        assert qkv[0].data_ptr() == shared_qkv.data_ptr()  # a view, no copy
+        torch.testing.assert_close(qkv[0], shared_qkv[:, :d // 2], rtol=0, atol=0)
+        torch.testing.assert_close(fc1[0], shared_fc1[:, :d // 2], rtol=0, atol=0)
+        torch.testing.assert_close(fc2[0], shared_fc2[:d // 2], rtol=0, atol=0)
+        assert model.visits.visit1.projection.down_weight.shape == (d // 2, d)
+    else:
+        assert qkv[0] is shared_qkv
+        units = cfg.moe_ffn_hidden_size
+        gate, up = shared_fc1[:units // 2], shared_fc1[units:units + units // 2]
+        torch.testing.assert_close(fc1[0], torch.cat([gate, up]), rtol=0, atol=0)
+        torch.testing.assert_close(fc2[0], shared_fc2[:, :cfg.moe_shared_expert_size // 2],
+                                   rtol=0, atol=0)
+    assert not any("visits.visit1.block" in name for name, _ in model.named_parameters())
+    assert all(p.grad is not None for p in model.parameters())
 
 
 @pytest.mark.parametrize("variant", ["latentloop_moe", "latentloop_moe_untied_v3",
-                                     "latentloop_moe_topk"])
+                                     "latentloop_moe_topk", "latentloop_moe_width"])
 def test_full_recompute_gives_identical_loss_and_gradients(seeded, variant):
     cfg = small_config(variant)
     plain = build_model(cfg)
@@ -140,6 +181,42 @@ def test_compressed_visit_costs_half_the_matmuls_and_a_quarter_of_the_scores(see
     assert compressed[1] * 4 == full[1]
 
 
+def test_width_visit_halves_the_layer_matmuls_and_keeps_the_scores(seeded):
+    """Every layer matmul has one d side, which halves; the attention scores do not change (same
+    heads and head dim); the projections d -> d/2 -> d add 2d^2 per position."""
+    register_cpu_flash_flop_formulas()
+    cfg = small_config("latentloop_moe_width")
+    model = build_model(cfg).eval()
+    tokens = _tokens(cfg, cfg.seq_length)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens)
+    reduced = _matmul_and_attention_flops(counter, "LatentLoopLM.visits.visit1")
+    block = _matmul_and_attention_flops(counter, "LatentLoopLM.visits.visit1.block")
+    full = _matmul_and_attention_flops(counter, "LatentLoopLM.visits.visit2")
+    assert block[0] * 2 == full[0] and block[1] == full[1] == reduced[1]
+    assert reduced[0] - block[0] == 2 * cfg.hidden_size ** 2 * tokens.numel()
+
+
+def test_expert_ffn_visit_halves_the_expert_matmuls_only(seeded):
+    register_cpu_flash_flop_formulas()
+    cfg = small_config("latentloop_moe_expert_ffn")
+    model = build_model(cfg).eval()
+    with FlopCounterMode(display=False) as counter:
+        model(_tokens(cfg, cfg.seq_length))
+    counts = {name: sum(c.values()) for name, c in counter.get_flop_counts().items()}
+
+    def flops(visit, part):  # over the middle layers (visit 2 has its own attention here)
+        return sum(counts[f"LatentLoopLM.visits.visit{visit}.block.layers.{i}.{part}"]
+                   for i in range(cfg.num_decoder_layers))
+
+    for part in ("mlp.experts", "mlp.shared_experts"):
+        assert flops(1, part) * 2 == flops(2, part) > 0
+    for part in ("self_attention", "mlp.router"):
+        assert flops(1, part) == flops(2, part) > 0
+    halved = (flops(2, "mlp.experts") + flops(2, "mlp.shared_experts")) // 2
+    assert counts["LatentLoopLM.visits.visit1"] == counts["LatentLoopLM.visits.visit2"] - halved
+
+
 @pytest.mark.parametrize("fields, parallel, message", [
     (dict(latent_stride=3), {}, "model.latent_stride=3: must be a divisor of seq_length=16"),
     (dict(latent_stride=5, seq_length=20), {}, "model.latent_stride=5: must be 2, 3 or 4"),
@@ -150,6 +227,27 @@ def test_compressed_visit_costs_half_the_matmuls_and_a_quarter_of_the_scores(see
     (dict(latent_reduction="top_k", num_experts=8, moe_top_k=2), {},
      "model.latent_reduction='top_k': must be 'sequence' unless num_experts > 0 and "
      "moe_top_k >= 4"),
+    (dict(latent_reduction="width", hidden_size=65, head_dim=16), {},
+     "model.hidden_size=65: must be even for latent_reduction='width'"),
+    (dict(latent_reduction="expert_ffn"), {}, "model.latent_reduction='expert_ffn': must be one "
+                                              "of 'sequence', 'width' unless num_experts > 0"),
+    (dict(latent_reduction="expert_ffn", num_experts=4, moe_ffn_hidden_size=33), {},
+     "model.moe_ffn_hidden_size=33: must be even for latent_reduction='expert_ffn'"),
+    (dict(latent_reduction="expert_ffn", num_experts=4, moe_shared_expert_size=15), {},
+     "model.moe_shared_expert_size=15: must be even for latent_reduction='expert_ffn'"),
+    (dict(latent_reduction="width", latent_visits=[2], untie_attention=True), {},
+     "model.latent_visits=[2]: must be visits that use the shared middle block for "
+     "latent_reduction='width' (visits [2] have untied weights"),
+    (dict(latent_reduction="expert_ffn", num_experts=4, latent_visits=[1, 2], untie_moe=True), {},
+     "model.latent_visits=[1, 2]: must be visits that use the shared middle block for "
+     "latent_reduction='expert_ffn' (visits [2] have untied weights"),
+    (dict(latent_reduction="width", latent_stride=4), {},
+     "model.latent_stride=4: must be left at its default 2 unless latent_reduction='sequence'"),
+    (dict(latent_visits=[], latent_writeback_lag=1), {},
+     "model.latent_writeback_lag=1: must be left at its default 0 while latent_visits is empty"),
+    (dict(latent_visits=[], latent_reduction="width"), {},
+     "model.latent_reduction='width': must be left at its default 'sequence' while latent_visits "
+     "is empty"),
     (dict(residual_scale_init=[1.0]), {}, "model.residual_scale_init=[1.0]: must be empty or "
                                           "one value per visit"),
     (dict(untie_moe=True), {}, "model.untie_moe=True: must be false unless num_experts > 0"),
@@ -173,11 +271,14 @@ def test_test_time_depth_is_refused(seeded):
         build_model(cfg)(_tokens(cfg, 8), num_iterations=3)
 
 
-def test_parameter_count_grows_with_untied_parts_exactly(seeded):
+def test_parameter_count_grows_with_untied_parts_and_projections_exactly(seeded):
     base = small_config("latentloop_moe")
     counts = {}
     for name, fields in (("tied", {}), ("attention", dict(untie_attention=True)),
-                         ("moe", dict(untie_moe=True))):
+                         ("moe", dict(untie_moe=True)), ("top_k", dict(latent_reduction="top_k",
+                                                                       moe_top_k=4)),
+                         ("width", dict(latent_reduction="width")),
+                         ("expert_ffn", dict(latent_reduction="expert_ffn"))):
         counts[name] = sum(p.numel() for p in build_model(dataclasses.replace(base, **fields))
                            .parameters())
     d, q = base.hidden_size, base.num_attention_heads * base.kv_channels
@@ -187,3 +288,6 @@ def test_parameter_count_grows_with_untied_parts_exactly(seeded):
     assert counts["attention"] - counts["tied"] == middle * attention
     ffn = d + base.num_experts * (d + 3 * d * base.moe_ffn_hidden_size)
     assert counts["moe"] - counts["tied"] == middle * ffn
+    # The reduced visits compute with the shared weights; width adds its two projections.
+    assert counts["top_k"] == counts["expert_ffn"] == counts["tied"] - d * base.latent_stride
+    assert counts["width"] - counts["expert_ffn"] == d * d

@@ -30,14 +30,14 @@ def _full_gradients(model, tp_size: int) -> dict:
     return out
 
 
-def _logits_and_grads(variant, tp_size, sequence_parallel=False):
+def _logits_and_grads(variant, tp_size, sequence_parallel=False, overrides=None):
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megaloop.config import ParallelConfig
     from megaloop.models.model import build_model
     from megaloop.platform.distributed import init_distributed
 
-    cfg = small_config(variant)
+    cfg = small_config(variant, **(overrides or {}))
     init_distributed(tensor_parallel=tp_size, seed=11)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -55,9 +55,9 @@ def _logits_and_grads(variant, tp_size, sequence_parallel=False):
     return logits.detach(), _full_gradients(model, tp_size)
 
 
-def _compare_tp(rank, world_size, variant, sequence_parallel):
-    logits1, grads1 = _logits_and_grads(variant, 1)
-    logits2, grads2 = _logits_and_grads(variant, 2, sequence_parallel)
+def _compare_tp(rank, world_size, variant, sequence_parallel, overrides=None):
+    logits1, grads1 = _logits_and_grads(variant, 1, overrides=overrides)
+    logits2, grads2 = _logits_and_grads(variant, 2, sequence_parallel, overrides)
     torch.testing.assert_close(logits2, logits1, atol=1e-5, rtol=1e-5)
     assert grads1.keys() == grads2.keys()
     for name in grads1:
@@ -69,6 +69,15 @@ def _compare_tp(rank, world_size, variant, sequence_parallel):
 def test_tp2_matches_tp1(variant):
     assert run_distributed(_compare_tp, world_size=2, variant=variant,
                            sequence_parallel=False) == [True, True]
+
+
+def test_tp2_matches_tp1_for_latentloop_visits_narrowed_to_half_width():
+    """The width-reduced visit computes with the leading d/2 of each shared matrix: d is never split
+    over tensor-parallel ranks, so every rank narrows its own shard alike (and its projections are
+    replicated); visits 1 and 2 narrowed, visit 3 full."""
+    assert run_distributed(_compare_tp, world_size=2, variant="latentloop", sequence_parallel=False,
+                           overrides=dict(iterations=3, latent_reduction="width",
+                                          latent_visits=[1, 2])) == [True, True]
 
 
 # Every norm placement (pre-norm, OLMo's post-norm, Global KV norm, QK-norm), Global KV and both

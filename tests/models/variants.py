@@ -39,13 +39,21 @@ LATENT_VARIANTS = {
     "latentloop_moe": dict(arch="latentloop", iterations=2, **MOE),
     "latentloop_stride3_lag1": dict(arch="latentloop", iterations=2, latent_stride=3,
                                     latent_writeback_lag=1, seq_length=18),
-    "latentloop_stride4_both": dict(arch="latentloop", iterations=2, latent_stride=4,
-                                    latent_visits=[1, 2]),
+    "latentloop_stride4_both_olmo": dict(arch="latentloop", iterations=2, latent_stride=4,
+                                         latent_visits=[1, 2], block="olmo"),
     "latentloop_moe_untied_v3": dict(arch="latentloop", iterations=3, untie_attention=True,
                                      untie_moe=True, latent_visits=[2], residual_scale="fixed",
                                      residual_scale_init=[0.25, 1.0, 0.5], head_dim=20, **MOE),
     "latentloop_moe_topk": dict(arch="latentloop", iterations=2, num_experts=8, moe_top_k=4,
                                 moe_ffn_hidden_size=16, latent_reduction="top_k"),
+    # The other first-visit reductions: visit 1 (of 4) at width d/2 between learned projections
+    # (the shared block narrowed, a shared expert too), and with experts of half their hidden units
+    # (visits 2.. with attention of their own).
+    "latentloop_moe_width": dict(arch="latentloop", iterations=4, latent_reduction="width",
+                                 moe_shared_expert_size=16, **MOE),
+    "latentloop_moe_expert_ffn": dict(arch="latentloop", iterations=2,
+                                      latent_reduction="expert_ffn", moe_shared_expert_size=16,
+                                      untie_attention=True, **MOE),
     "moe_loop": dict(arch="latentloop", iterations=2, latent_visits=[], residual_scale="fixed",
                      **MOE),
 }

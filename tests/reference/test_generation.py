@@ -11,8 +11,9 @@ from tests.models.variants import small_config
 
 CACHED_VARIANTS = ["dense", "fullloop", "asymloop", "asymloop_olmo", "asymloop_additive",
                    "asymloop_no_local_kv", "asymloop_no_global_kv", "asymloop_moe", "latentloop",
-                   "latentloop_stride3_lag1", "latentloop_stride4_both",
-                   "latentloop_moe_untied_v3", "latentloop_moe_topk", "moe_loop"]
+                   "latentloop_stride3_lag1", "latentloop_stride4_both_olmo",
+                   "latentloop_moe_untied_v3", "latentloop_moe_topk", "latentloop_moe_width",
+                   "latentloop_moe_expert_ffn", "moe_loop"]
 
 
 def reference_model(variant, **overrides):
@@ -47,7 +48,7 @@ def test_chunked_prefill_gives_the_logits_of_a_full_forward(variant):
 
 
 @pytest.mark.parametrize("variant", ["asymloop", "latentloop_stride3_lag1",
-                                     "latentloop_moe_untied_v3"])
+                                     "latentloop_moe_untied_v3", "latentloop_moe_width"])
 def test_greedy_generate_is_the_same_with_and_without_cache(variant):
     model = reference_model(variant)
     prompt = tokens(batch=1, length=7)

@@ -67,6 +67,16 @@ def test_labels_can_be_given_and_a_target_below_the_floor_is_unreachable(load_to
     assert list(fits) == ["x"] and fits["x"]["compute_for_target"] is None
 
 
+def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
+    tool = load_tool("fit_scaling")
+    labels = {reduction: tool.label_of(RunConfig(model=preset(
+        "latentloop-tiny", latent_reduction=reduction, moe_top_k=4)))
+        for reduction in ("sequence", "top_k", "width", "expert_ffn")}
+    assert labels == {"sequence": "latentloop", "top_k": "latentloop_top_k",
+                      "width": "latentloop_width", "expert_ffn": "latentloop_expert_ffn"}
+    assert tool.label_of(RunConfig(model=preset("moe-loop-1.3B"))) == "moe_loop"
+
+
 @pytest.mark.parametrize("args, message", [
     (["{missing}"], "no config.yaml (not a megaloop run directory)"),
     (["{one}"], "label 'latentloop': 1 distinct compute values"),

@@ -23,7 +23,10 @@ def data(tmp_path_factory):
     # per-visit blocks that borrow the shared weights: their checkpoint holds each weight once
     {"arch": "latentloop", "iterations": 2, "num_experts": 8, "moe_top_k": 4,
      "latent_reduction": "top_k", "untie_attention": True},
-], ids=["asymloop", "latentloop_topk_untied_attention"])
+    # a visit narrowed to d/2: parts of the shared weights cut per call, through the trainer's
+    # data-parallel gradient buffers, and its projections
+    {"arch": "latentloop", "iterations": 2, **MOE, "latent_reduction": "width"},
+], ids=["asymloop", "latentloop_topk_untied_attention", "latentloop_width"])
 def test_moe_resume_reproduces_the_uninterrupted_losses_bit_for_bit(mcore, data, tmp_path, model):
     from megaloop.training.trainer import Trainer
 

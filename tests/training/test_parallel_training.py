@@ -29,6 +29,8 @@ def data(tmp_path_factory):
     # optimizer.
     (MOE, ["ep2", "dp2"]),
     ({"arch": "latentloop", "iterations": 2, **MOE}, ["ep2"]),
+    # each EP rank's half of the experts, narrowed to half their hidden units in visit 1
+    ({"arch": "latentloop", "iterations": 2, **MOE, "latent_reduction": "expert_ffn"}, ["ep2"]),
 ])
 def test_parallel_layouts_match_single_process(mcore, data, tmp_path, model, layouts):
     # Every layout starts from one seed checkpoint (torchtitan's practice): initialisation draws
