@@ -6,22 +6,44 @@ Takes Megatron-LM's tools/preprocess_data.py flags and writes the same files,
     python tools/preprocess_data.py --input data/fineweb-edu/ --output-prefix data/fwe \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 8
 
-Differences from Megatron-LM: text is streamed, so memory grows only by the ~80 bytes per document
-megatron-core's builder keeps for the index, any number of input files works with
-any number of workers, the output bytes do not depend on ``--workers``, bad records are counted and
-skipped (``--strict`` aborts), and ``mpiexec -n N`` splits the work across ranks and merges one
-output identical to a single-process run. ``--partitions`` is accepted but not needed.
+For every JSON-lines input Megatron-LM (core_v0.16.1) accepts, the bytes are its bytes: texts or
+lists of sentences, empty and blank texts, --legacy-tokenizer. Differences: text is streamed, so
+memory grows only by the ~80 bytes per document megatron-core's builder keeps for the index, any
+number of input files works with any number of workers, the output bytes do not depend on
+``--workers``, bad records are counted and skipped (``--strict`` aborts), an input without a usable
+document is an error, and ``mpiexec -n N`` splits the work across ranks and merges one output
+identical to a single-process run. ``--partitions`` is accepted but not needed. Exit status: 0 done,
+2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on any failure no
+output is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import signal
 import sys
 import time
 
-from megaloop.data.readers import DataError, RecordFilter, count_records, expand_inputs
-from megaloop.data.tokenizer import TOKENIZER_TYPES, TokenizerError
+from megaloop.data.readers import (
+    TEXT_SUFFIXES,
+    DataError,
+    RecordFilter,
+    count_records,
+    describe_skipped,
+    expand_inputs,
+    input_kind,
+)
+from megaloop.data.tokenizer import TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
+
+
+class Terminated(BaseException):
+    """SIGTERM (SLURM, ``timeout``, ``docker stop``): unwinds like Ctrl-C, removing partial output."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,11 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-docs", type=int, help="stop after this many documents (in input order)")
     g.add_argument("--strict", action="store_true", help="abort on the first bad record instead of skipping it")
     g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="accepted; as in Megatron-LM it acts only with --split-sentences (texts keep their newlines)")
     g.add_argument("--keep-sequential-samples", action="store_true", help="accepted; output is always in input order")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", help="SentencePiece .model, or HF tokenizer.json (or its directory)")
     g.add_argument("--append-eod", action="store_true", help="end each document with the tokenizer's EOD id")
+    g.add_argument("--legacy-tokenizer", action="store_true",
+                   help="encode as Megatron-LM's legacy tokenizers do (SentencePieceTokenizer: special-token "
+                        "strings and an added <EOD> id; Llama2Tokenizer: bos first; HF: special tokens)")
+    g.add_argument("--tokenizer-metadata", help="Megatron-LM tokenizer metadata JSON; checked to agree with "
+                                                "--tokenizer-type (it changes no encoding megaloop supports)")
+    g.add_argument("--vocab-size", type=int,
+                   help="accepted; as in Megatron-LM it sizes only TikTokenizer/NullTokenizer, not these types")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
@@ -74,7 +105,46 @@ def _options(args: argparse.Namespace):
         workers=args.workers,
         max_docs=args.max_docs,
         strict=args.strict,
+        legacy_tokenizer=args.legacy_tokenizer,
     )
+
+
+def setting_notes(args: argparse.Namespace) -> list[str]:
+    """A line for each Megatron-LM flag given that changes nothing here, as it changes nothing there."""
+    notes = []
+    if args.keep_newlines:
+        notes.append("--keep-newlines changes nothing: Megatron-LM applies it only with --split-sentences; "
+                     "texts keep their newlines")
+    if args.vocab_size is not None:
+        notes.append(f"--vocab-size {args.vocab_size} changes nothing: Megatron-LM uses it for TikTokenizer and "
+                     f"NullTokenizer only; {args.tokenizer_type} has the model's own vocab")
+    if args.tokenizer_metadata and args.legacy_tokenizer:
+        notes.append("--tokenizer-metadata changes nothing with --legacy-tokenizer (Megatron-LM reads it "
+                     "only for its new tokenizers)")
+    return notes
+
+
+def input_notes(files: list[str], skipped: list[str]) -> list[str]:
+    """Lines for what a directory input left out and for .txt files read as JSON lines."""
+    notes = [describe_skipped(skipped)] if skipped else []
+    jsonl_txt = [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and input_kind(f) == "jsonl"]
+    if jsonl_txt:
+        notes.append(f"read {len(jsonl_txt)} .txt file(s) as JSON lines (the first line is a JSON object): "
+                     f"{', '.join(jsonl_txt[:5])}{', ...' if len(jsonl_txt) > 5 else ''}")
+    return notes
+
+
+def check_output_prefix(prefix: str) -> None:
+    """Fail before any work if the output directory cannot be made or written to."""
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".preprocess-write-check-"):
+            pass
+    except OSError as err:
+        raise DataError(f"{prefix}: cannot write the output in {directory} ({err.strerror or err})")
 
 
 class ProgressReporter:
@@ -116,52 +186,64 @@ class ProgressReporter:
             self.next_log = (stats.docs // self.log_interval + 1) * self.log_interval
 
 
-def run_single(args: argparse.Namespace) -> int:
-    from megaloop.data.preprocess import check_tokenizer, output_prefix, preprocess, whole_files
+def _print(line: str) -> None:
+    print(line, file=sys.stderr)
 
-    options = _options(args)
-    check_tokenizer(options)  # before any reading, as the user's mistake is likeliest here
-    ranges = whole_files(args.input)
-    with ProgressReporter([r[0] for r in ranges], args.log_interval) as reporter:
-        stats = preprocess(ranges, args.output_prefix, options, reporter)
+
+def run_single(args: argparse.Namespace, files: list[str]) -> None:
+    from megaloop.data.preprocess import output_prefix, preprocess
+
+    with ProgressReporter(files, args.log_interval) as reporter:
+        stats = preprocess([(f, 0, None) for f in files], args.output_prefix, _options(args), reporter)
     _report(stats, [output_prefix(args.output_prefix, k) for k in args.json_keys])
-    return 0
 
 
-def run_mpi(args: argparse.Namespace, comm) -> int:
+def shard_prefix(prefix: str, rank: int, world: int) -> str:
+    return f"{prefix}.shard{rank:05d}-of-{world:05d}"
+
+
+def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
+    """Every rank's shard files, committed or partial: a failed run leaves no dataset that looks valid."""
+    from megaloop.data.preprocess import output_prefix
+
+    for rank in range(world):
+        for key in keys:
+            base = glob.escape(output_prefix(shard_prefix(prefix, rank, world), key))
+            for path in glob.glob(base + ".bin") + glob.glob(base + ".idx") + glob.glob(base + ".partial-*"):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:  # its rank removed it first
+                    pass
+
+
+def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
     from megaloop.data.indexed import merge_indexed, validate_indexed
-    from megaloop.data.preprocess import check_tokenizer, output_prefix, preprocess, shard_ranges
+    from megaloop.data.preprocess import check_usable, output_prefix, preprocess, shard_ranges
 
     rank, world = comm.Get_rank(), comm.Get_size()
-    options = _options(args)
-    check_tokenizer(options)
-    files = expand_inputs(args.input)
     # Ranks count disjoint subsets of the files, then all learn every count.
     mine = {i: count_records(files[i]) for i in range(rank, len(files), world)}
     counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
     ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
-    shard = f"{args.output_prefix}.shard{rank:05d}-of-{world:05d}"
+    shard = shard_prefix(args.output_prefix, rank, world)
     with ProgressReporter([r[0] for r in ranges], args.log_interval, label=f"[rank {rank}] ") as reporter:
-        stats = preprocess(ranges, shard, options, reporter)
+        stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
     all_stats = comm.gather(stats, root=0)
     if rank == 0:
         total = all_stats[0]
         for other in all_stats[1:]:
             total.merge(other)
-        shards = [f"{args.output_prefix}.shard{r:05d}-of-{world:05d}" for r in range(world)]
+        check_usable(total, args.json_keys)
         total.tokens = 0  # the ranks' sum counts documents that --max-docs cuts in the merge
         for key in args.json_keys:
-            parts = [output_prefix(s, key) for s in shards]
+            parts = [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
             merged = output_prefix(args.output_prefix, key)
             total.docs = merge_indexed(parts, merged, args.max_docs)
             total.tokens += validate_indexed(merged).num_tokens
-            for s in shards:
-                for suffix in (".bin", ".idx"):
-                    os.remove(output_prefix(s, key) + suffix)
+        remove_shards(args.output_prefix, world, args.json_keys)
         _report(total, [output_prefix(args.output_prefix, k) for k in args.json_keys])
     comm.Barrier()
-    return 0
 
 
 def _report(stats, prefixes: list[str]) -> None:
@@ -171,6 +253,9 @@ def _report(stats, prefixes: list[str]) -> None:
     console.print(f"done: {stats.docs:,} documents, {stats.tokens:,} tokens in {stats.seconds:.1f}s ({stats.rates()})")
     if stats.filtered:
         console.print(f"filtered out {stats.filtered:,} records below the score threshold")
+    if stats.empty:
+        console.print(f"note: {stats.empty:,} documents have no tokens (empty texts); written as empty "
+                      f"documents, as Megatron-LM does")
     if stats.bad.total:
         console.print(f"warning: {stats.bad.summary()}; first ones:")
         for example in stats.bad.examples:
@@ -179,36 +264,76 @@ def _report(stats, prefixes: list[str]) -> None:
         console.print(f"wrote {prefix}.bin / .idx")
 
 
-def _mpi_world_size() -> int:
-    # Set by mpiexec (MPICH/Hydra: PMI_SIZE; Open MPI: OMPI_COMM_WORLD_SIZE). Checking the
-    # environment first keeps plain runs from initialising MPI at all.
+def _mpi_comm():
+    """MPI.COMM_WORLD under mpiexec with more than one rank, else None.
+
+    Set by mpiexec (MPICH/Hydra: PMI_SIZE; Open MPI: OMPI_COMM_WORLD_SIZE). Checking the
+    environment first keeps plain runs from initialising MPI at all.
+    """
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 1:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD
+    return None
+
+
+def run(args: argparse.Namespace, comm) -> None:
+    from megaloop.data.preprocess import check_tokenizer
+
+    lead = comm is None or comm.Get_rank() == 0
+    # Settings and output location first: the user's mistake is likeliest there, and cheap to find.
+    check_output_prefix(args.output_prefix)
+    if args.tokenizer_metadata and not args.legacy_tokenizer:
+        check_tokenizer_metadata(args.tokenizer_metadata, args.tokenizer_type)
+    check_tokenizer(_options(args))
+    skipped: list[str] = []
+    files = expand_inputs(args.input, skipped)
+    if lead:
+        for line in setting_notes(args) + input_notes(files, skipped):
+            _print(f"note: {line}")
+    if comm is None:
+        run_single(args, files)
+    else:
+        run_mpi(args, files, comm)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The handler comes first, so a SIGTERM at any point cleans up and says so.
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    from megaloop.data.preprocess import WorkerDied
+
     args = parse_args(argv)
     started = time.perf_counter()
     comm = None
     try:
-        if _mpi_world_size() > 1:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-            code = run_mpi(args, comm)
-        else:
-            code = run_single(args)
+        comm = _mpi_comm()
+        run(args, comm)
     except (DataError, TokenizerError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        if comm is not None and comm.Get_size() > 1:
-            comm.Abort(2)  # the other ranks would wait forever in a collective
-        return 2
+        return _fail(2, f"error: {err}", args, comm)
+    except WorkerDied as err:
+        return _fail(1, f"error: {err}", args, comm)
     except KeyboardInterrupt:
-        print("interrupted: partial output removed", file=sys.stderr)
-        return 130
-    print(f"total wall time {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        return _fail(130, "interrupted: partial output removed", args, comm)
+    except Terminated:
+        return _fail(143, "terminated by SIGTERM: partial output removed", args, comm)
+    _print(f"total wall time {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _fail(code: int, message: str, args: argparse.Namespace, comm) -> int:
+    _print(message)
+    if comm is not None:
+        # Another rank may have committed its shard already, or may sit in a collective forever.
+        remove_shards(args.output_prefix, comm.Get_size(), args.json_keys)
+        comm.Abort(code)
     return code
 
 

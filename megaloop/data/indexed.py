@@ -72,6 +72,18 @@ class AtomicIndexedWriter:
     def add_document(self, tokens: numpy.ndarray, lengths: Sequence[int]) -> None:
         self.builder.add_document(tokens, lengths)
 
+    def add_documents(self, tokens: numpy.ndarray, sequence_lengths: numpy.ndarray,
+                      document_sequences: numpy.ndarray) -> None:
+        """Documents given flat: all tokens, the length of every sequence, the sequences per document."""
+        sequence_ends = numpy.cumsum(document_sequences).tolist()
+        token_ends = numpy.cumsum(sequence_lengths).tolist()
+        lengths = sequence_lengths.tolist()
+        first_sequence, first_token = 0, 0
+        for end in sequence_ends:
+            last_token = token_ends[end - 1] if end else 0
+            self.builder.add_document(tokens[first_token:last_token], lengths[first_sequence:end])
+            first_sequence, first_token = end, last_token
+
     def add_index(self, prefix: str) -> None:
         self.builder.add_index(prefix)
 
@@ -126,7 +138,8 @@ def _add_first_documents(writer: AtomicIndexedWriter, prefix: str, count: int) -
     bounds = dataset.document_indices
     for doc in range(count):
         sequences = [dataset[i] for i in range(bounds[doc], bounds[doc + 1])]
-        writer.add_document(numpy.concatenate(sequences), [len(s) for s in sequences])
+        tokens = numpy.concatenate(sequences) if sequences else numpy.empty(0, dataset.index.dtype)
+        writer.add_document(tokens, [len(s) for s in sequences])  # an empty document stays one
 
 
 @dataclass(frozen=True)

@@ -5,20 +5,29 @@ parse and tokenize whole chunks with one batched tokenizer call each and return 
 the main process writes them, in input order, through megatron-core's ``IndexedDatasetBuilder``.
 At most ``2 * workers + 2`` chunks are in flight, so text and tokens take the same memory however
 large the input, and results are consumed in submission order, so the bytes are the same for any
-worker count. What does grow is the index the builder keeps in Python lists until ``finalize``:
-about 80 bytes per document (measured; ~0.8 GB for FineWeb-Edu sample-10BT's 9.7M documents),
-and ``finalize`` briefly needs ~60 bytes per document more to write the .idx.
+worker count and whichever worker finishes first. What does grow is the index the builder keeps
+in Python lists until ``finalize``: about 80 bytes per document (measured; ~0.8 GB for FineWeb-Edu
+sample-10BT's 9.7M documents), and ``finalize`` briefly needs ~60 bytes per document more.
+
+Documents are what Megatron-LM's tools/preprocess_data.py writes for the same record: a text is one
+sequence; a list of sentences is one sequence per sentence that has tokens; EOD (if asked) ends the
+last sequence; a text with no tokens is an empty document, without EOD.
 
 Workers are spawned (not forked) and import only this module's light dependencies: the parent
-has usually imported torch and megatron-core, which are slow to import and unsafe to fork.
+has usually imported torch and megatron-core, which are slow to import and unsafe to fork. They are
+a ``ProcessPoolExecutor``'s, which notices a worker that died (the kernel's out-of-memory killer
+sends SIGKILL) where ``multiprocessing.Pool`` would wait for its result forever.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import multiprocessing
+import signal
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -26,6 +35,10 @@ import numpy
 
 from megaloop.data.readers import BadRecords, Chunk, DataError, RecordFilter, expand_inputs, iter_chunks, parse_chunk
 from megaloop.data.tokenizer import TextTokenizer, load_tokenizer
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer worker process ended without returning its chunk (killed, or crashed)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class PreprocessOptions:
     strict: bool = False
     chunk_records: int = 512
     chunk_bytes: int = 1 << 20
+    legacy_tokenizer: bool = False  # Megatron-LM's --legacy-tokenizer encoding (tokenizer.load_tokenizer)
 
 
 @dataclass
@@ -47,6 +61,7 @@ class PreprocessStats:
     tokens: int = 0
     bytes: int = 0  # uncompressed input bytes of the records consumed
     filtered: int = 0
+    empty: int = 0  # documents (one per record and key) without a token: empty texts
     bad: BadRecords = field(default_factory=BadRecords)
     seconds: float = 0.0
 
@@ -55,6 +70,7 @@ class PreprocessStats:
         self.tokens += other.tokens
         self.bytes += other.bytes
         self.filtered += other.filtered
+        self.empty += other.empty
         self.bad.merge(other.bad)
         self.seconds = max(self.seconds, other.seconds)
 
@@ -64,9 +80,22 @@ class PreprocessStats:
 
 
 @dataclass
+class EncodedKey:
+    """One json key's documents of a chunk, flat: what ``IndexedDatasetBuilder.add_document`` takes."""
+
+    tokens: numpy.ndarray  # int32, every sequence's ids concatenated
+    sequence_lengths: numpy.ndarray  # int64, ids per sequence (EOD included)
+    document_sequences: numpy.ndarray  # int64, sequences per document (0 for an empty document)
+
+    def first_documents(self, count: int) -> EncodedKey:
+        sequences = int(self.document_sequences[:count].sum())
+        tokens = int(self.sequence_lengths[:sequences].sum())
+        return EncodedKey(self.tokens[:tokens], self.sequence_lengths[:sequences], self.document_sequences[:count])
+
+
+@dataclass
 class EncodedChunk:
-    tokens: dict[str, numpy.ndarray]  # per json key: all documents' ids, concatenated
-    lengths: dict[str, numpy.ndarray]  # per json key: ids per document (EOD included)
+    keys: dict[str, EncodedKey]
     docs: int
     nbytes: int
     filtered: int
@@ -83,44 +112,138 @@ _tokenizer: TextTokenizer | None = None
 _options: PreprocessOptions | None = None
 
 
+def _load(options: PreprocessOptions) -> TextTokenizer:
+    return load_tokenizer(options.tokenizer_type, options.tokenizer_model, legacy=options.legacy_tokenizer)
+
+
 def _init_worker(options: PreprocessOptions) -> None:
     global _tokenizer, _options
-    _tokenizer = load_tokenizer(options.tokenizer_type, options.tokenizer_model)
+    _tokenizer = _load(options)
     _options = options
+
+
+def _init_pool_worker(options: PreprocessOptions) -> None:
+    # Workers start with the signal mask of the submit that spawned them (_signals_held).
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    # Ctrl-C reaches every process of the terminal's group; only the main process acts on it and
+    # stops the workers, so an interrupt is reported as one and not as a worker that died.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(options)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends. ``ProcessPoolExecutor.submit`` may start a
+    worker and the pool's manager thread; interrupted half-way, it leaves a pool that can no longer
+    be shut down ("cannot join thread before it is started"), and the clean-up fails with it."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def encode_chunk(chunk: Chunk) -> EncodedChunk:
     """Parse and tokenize one chunk (runs in a worker)."""
     parsed = parse_chunk(chunk, _options.record_filter)
-    tokens, lengths = {}, {}
-    for k, key in enumerate(_options.record_filter.keys):
-        ids = _tokenizer.encode_batch([doc[k] for doc in parsed.docs])
-        if _options.append_eod:
-            for doc_ids in ids:
-                doc_ids.append(_tokenizer.eod)
-        lengths[key] = numpy.fromiter(map(len, ids), dtype=numpy.int64, count=len(ids))
-        # int32 here; the builder narrows to the file's dtype (uint16 for most vocabs) on write.
-        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(ids), dtype=numpy.int32, count=int(lengths[key].sum()))
-    return EncodedChunk(tokens, lengths, len(parsed.docs), chunk.nbytes, parsed.filtered, parsed.bad)
+    keys = {key: encode_documents([doc[k] for doc in parsed.docs], _tokenizer, _options.append_eod)
+            for k, key in enumerate(_options.record_filter.keys)}
+    return EncodedChunk(keys, len(parsed.docs), chunk.nbytes, parsed.filtered, parsed.bad)
 
 
-def _ordered_bounded_map(fn: Callable, items: Iterable, pool, max_in_flight: int) -> Iterator:
-    """``pool.imap`` that reads ``items`` lazily: Pool.imap would queue the whole input at once."""
+def encode_documents(texts: Sequence[str | list[str]], tokenizer: TextTokenizer, append_eod: bool) -> EncodedKey:
+    """Tokenize documents (texts, or lists of sentences) in one batch, as Megatron-LM's Encoder does
+    one by one: a sentence without tokens is dropped, EOD joins the last sequence of a non-empty one."""
+    sentences = [s for text in texts for s in ([text] if isinstance(text, str) else text)]
+    ids = iter(tokenizer.encode_batch(sentences))
+    sequences: list[list[int]] = []
+    document_sequences = numpy.empty(len(texts), dtype=numpy.int64)
+    for d, text in enumerate(texts):
+        kept = [s for s in (next(ids) for _ in range(1 if isinstance(text, str) else len(text))) if s]
+        if kept and append_eod:
+            kept[-1].append(tokenizer.eod)
+        sequences += kept
+        document_sequences[d] = len(kept)
+    lengths = numpy.fromiter(map(len, sequences), dtype=numpy.int64, count=len(sequences))
+    # int32 here; the builder narrows to the file's dtype (uint16 for most vocabs) on write.
+    tokens = numpy.fromiter((i for s in sequences for i in s), dtype=numpy.int32, count=int(lengths.sum()))
+    return EncodedKey(tokens, lengths, document_sequences)
+
+
+def _ordered_bounded_map(fn: Callable, items: Iterable, executor: ProcessPoolExecutor, max_in_flight: int) -> Iterator:
+    """``executor.map`` that reads ``items`` lazily (it would queue the whole input at once), and
+    yields in submission order however the workers finish."""
     pending: deque = deque()
-    for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
-        if len(pending) >= max_in_flight:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    try:
+        for item in items:
+            with _signals_held():
+                pending.append(executor.submit(fn, item))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise WorkerDied(_death_cause(executor)) from None
+
+
+def _death_cause(executor: ProcessPoolExecutor) -> str:
+    # ProcessPoolExecutor keeps its processes private; the exit status is what tells OOM apart.
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    for process in processes:
+        process.join(timeout=5)  # the dead one already ended; the pool terminates the others
+    codes = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+    # The pool stops the survivors with SIGTERM, so another signal is the cause if there is one.
+    code = next((c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None)
+    if code is None:
+        how = "died"
+    elif code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+        if code == -signal.SIGKILL:
+            how += ": the kernel's out-of-memory killer sends it; use fewer --workers or more memory"
+    else:
+        how = f"exited with status {code}"
+    return f"a tokenizer worker process {how}; no output written"
+
+
+def _stop_pool(executor: ProcessPoolExecutor, now: bool) -> None:
+    """Stop the workers: ``now`` kills them (an interrupt: a stuck worker must not hold it up);
+    otherwise chunks already handed out finish and the rest are dropped."""
+    if now:
+        processes = list((getattr(executor, "_processes", None) or {}).values())  # kill_workers() is 3.14+
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join()
+    # Waiting also for the pool's manager thread: left running, it races the interpreter's exit
+    # (Python 3.11 then prints an OSError from concurrent.futures' exit hook).
+    executor.shutdown(wait=True, cancel_futures=True)
 
 
 def check_tokenizer(options: PreprocessOptions) -> TextTokenizer:
     """Load the tokenizer up front, so a bad file or missing EOD fails before any work."""
-    tokenizer = load_tokenizer(options.tokenizer_type, options.tokenizer_model)
+    tokenizer = _load(options)
     if options.append_eod and tokenizer.eod is None:
         raise DataError(f"{options.tokenizer_model}: --append-eod given but the tokenizer has no end-of-text token")
     return tokenizer
+
+
+def check_usable(stats: PreprocessStats, keys: Sequence[str]) -> None:
+    """Refuse output without a single token, naming why: what each record lacked, or that all were
+    empty or filtered out. A --json-keys typo names the fields the records do have."""
+    if stats.tokens:
+        return
+    wanted = ", ".join(map(repr, keys))
+    if stats.bad.total:
+        why = f"{stats.bad.total:,} bad records ({stats.bad.reasons()}); first: {stats.bad.examples[0]}"
+        if stats.bad.keys_seen:
+            why += f"; --json-keys {wanted} but the records hold {', '.join(map(repr, stats.bad.keys_seen))}"
+    elif stats.docs:
+        why = f"all {stats.docs:,} documents have empty {wanted} texts"
+    elif stats.filtered:
+        why = f"all {stats.filtered:,} records are below the score threshold"
+    else:
+        why = "the input holds no records"
+    raise DataError(f"no usable document: {why}")
 
 
 def preprocess(
@@ -128,11 +251,14 @@ def preprocess(
     prefix: str,
     options: PreprocessOptions,
     on_progress: Callable[[PreprocessStats], None] | None = None,
+    allow_empty: bool = False,
 ) -> PreprocessStats:
     """Tokenize the records ``ranges`` names into ``output_prefix(prefix, key)`` for each key.
 
     ``ranges`` is ``[(path, start, stop)]`` as ``readers.iter_chunks`` takes; use
-    ``whole_files(inputs)`` for everything. Raises DataError on the first bad record if strict.
+    ``whole_files(inputs)`` for everything. Raises DataError on the first bad record if strict,
+    and if no token at all came out unless ``allow_empty`` (an MPI rank's share may be empty);
+    WorkerDied if a worker process died. Either way nothing is left under the output names.
     """
     from megaloop.data.indexed import AtomicIndexedWriter, token_dtype
 
@@ -140,14 +266,15 @@ def preprocess(
     keys = options.record_filter.keys
     chunks = iter_chunks(ranges, options.record_filter.columns(), options.chunk_records, options.chunk_bytes)
     stats = PreprocessStats()
-    pool, writers = None, {}
+    executor, writers = None, {}
     try:
         if options.workers == 0:
             _init_worker(options)
             results = map(encode_chunk, chunks)
         else:
-            pool = multiprocessing.get_context("spawn").Pool(options.workers, _init_worker, (options,))
-            results = _ordered_bounded_map(encode_chunk, chunks, pool, 2 * options.workers + 2)
+            executor = ProcessPoolExecutor(options.workers, multiprocessing.get_context("spawn"),
+                                           _init_pool_worker, (options,))
+            results = _ordered_bounded_map(encode_chunk, chunks, executor, 2 * options.workers + 2)
         # After starting the pool, so megatron-core's slow import overlaps the workers' start-up.
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {key: AtomicIndexedWriter(output_prefix(prefix, key), dtype) for key in keys}
@@ -160,9 +287,11 @@ def preprocess(
             if options.max_docs is not None:
                 take = min(take, options.max_docs - stats.docs)
             for key in keys:
-                _write_documents(writers[key], encoded.tokens[key], encoded.lengths[key][:take])
+                part = encoded.keys[key].first_documents(take)
+                writers[key].add_documents(part.tokens, part.sequence_lengths, part.document_sequences)
+                stats.tokens += len(part.tokens)
+                stats.empty += int((part.document_sequences == 0).sum())
             stats.docs += take
-            stats.tokens += int(sum(int(encoded.lengths[key][:take].sum()) for key in keys))
             stats.bytes += encoded.nbytes
             stats.filtered += encoded.filtered
             stats.bad.merge(encoded.bad)
@@ -171,22 +300,23 @@ def preprocess(
                 on_progress(stats)
             if options.max_docs is not None and stats.docs >= options.max_docs:
                 break
+        if not allow_empty:
+            check_usable(stats, keys)
         for writer in writers.values():
             writer.commit()
+    except BaseException as err:
+        if executor is not None:
+            _stop_pool(executor, now=not isinstance(err, Exception))
+            executor = None
+        raise
     finally:
-        if pool is not None:
-            pool.terminate()  # also stops workers still busy on chunks past --max-docs
-            pool.join()
-        for writer in writers.values():
-            writer.__exit__(None, None, None)
+        try:
+            if executor is not None:
+                _stop_pool(executor, now=False)  # also drops chunks read ahead past --max-docs
+        finally:  # even if a signal interrupts the wait
+            for writer in writers.values():
+                writer.__exit__(None, None, None)
     return stats
-
-
-def _write_documents(writer, tokens: numpy.ndarray, lengths: numpy.ndarray) -> None:
-    offset = 0
-    for n in lengths.tolist():
-        writer.add_document(tokens[offset:offset + n], [n])
-        offset += n
 
 
 def whole_files(inputs: str | Sequence[str]) -> list[tuple[str, int, None]]:

@@ -8,16 +8,23 @@ lost silently.
 
 Documents are numbered in one global order: input files sorted by path, then lines (or parquet
 rows) in file order. Sharding across MPI ranks and ``--max-docs`` both rely on that order.
+
+What a user would expect of files as they come: a UTF-8 byte-order mark opening a file is dropped,
+plain text's CRLF line ends become LF, a ``.txt`` file whose first line is a JSON object is read as
+JSON lines (as Megatron-LM reads any file it is given), and a compressed file cut short (.gz or
+.zst) is reported as truncated instead of ending quietly.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import io
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -30,6 +37,8 @@ MAX_EXAMPLES = 5  # bad records quoted with file:line; the rest are only counted
 # How a record is located in its file: jsonl lines (file:12), parquet rows (file:row 12), and
 # plain-text paragraphs (file:paragraph 12; blank-line separated, so not a line number).
 RECORD_UNITS = {"jsonl": "", "parquet": "row ", "text": "paragraph "}
+MAX_KEYS_SEEN = 20  # field names kept from records lacking a wanted key, to name them in errors
+BOM = b"\xef\xbb\xbf"
 
 
 class DataError(ValueError):
@@ -42,6 +51,7 @@ class BadRecords:
 
     counts: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
+    keys_seen: list[str] = field(default_factory=list)  # fields of records that lacked a wanted key
 
     @property
     def total(self) -> int:
@@ -52,14 +62,24 @@ class BadRecords:
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {reason}{f' ({detail})' if detail else ''}")
 
+    def saw_keys(self, keys) -> None:
+        for key in keys:
+            if len(self.keys_seen) >= MAX_KEYS_SEEN:
+                return
+            if key not in self.keys_seen:
+                self.keys_seen.append(key)
+
     def merge(self, other: BadRecords) -> None:
         for reason, n in other.counts.items():
             self.counts[reason] = self.counts.get(reason, 0) + n
         self.examples.extend(other.examples[: MAX_EXAMPLES - len(self.examples)])
+        self.saw_keys(other.keys_seen)
+
+    def reasons(self) -> str:
+        return ", ".join(f"{n} {reason}" for reason, n in sorted(self.counts.items()))
 
     def summary(self) -> str:
-        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.counts.items()))
-        return f"skipped {self.total} bad records ({reasons})"
+        return f"skipped {self.total} bad records ({self.reasons()})"
 
 
 @dataclass
@@ -78,13 +98,15 @@ class Chunk:
     items: object
     nbytes: int  # uncompressed bytes of the raw records, for MB/s
     error: tuple[str, str, int] | None = None
+    keys_seen: tuple[str, ...] = ()  # a parquet file's columns when it lacks a wanted one
 
 
 @dataclass
 class ParsedChunk:
-    """Documents (one text per json key, in key order) accepted from a chunk."""
+    """Documents accepted from a chunk: per json key, in key order, a text or (as Megatron-LM
+    takes it) a list of sentences, each tokenized on its own."""
 
-    docs: list[tuple[str, ...]]
+    docs: list[tuple[str | list[str], ...]]
     bad: BadRecords
     filtered: int  # rows dropped by the score filter: not bad, just not wanted
 
@@ -107,23 +129,55 @@ def input_kind(path: str | os.PathLike) -> str:
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
     if name.endswith(TEXT_SUFFIXES):
-        return "text"
+        return "jsonl" if starts_with_json_object(str(path)) else "text"
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
     raise DataError(f"{path}: unsupported input type; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
 
 
-def expand_inputs(inputs: str | Sequence[str]) -> list[str]:
-    """Files named by paths, directories (searched recursively) and globs, sorted, deduplicated."""
+def starts_with_json_object(path: str) -> bool:
+    """Whether a file's first non-blank line is a JSON object: JSON lines, whatever the file's name."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return _first_line_is_json_object(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_line_is_json_object(path: str, mtime_ns: int, size: int) -> bool:
+    # Keyed by mtime and size too, so a file rewritten in place is looked at again.
+    lines = _iter_lines(path)
+    try:
+        first = next((line for line in lines if isinstance(line, BaseException) or line.strip()), b"")
+    finally:
+        lines.close()
+    if isinstance(first, BaseException) or not first.lstrip().startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
+
+
+def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None) -> list[str]:
+    """Files named by paths, directories (searched recursively) and globs, sorted, deduplicated.
+
+    Files in a directory that are not of a supported type are left out and listed in ``skipped``.
+    """
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     files: set[str] = set()
     for spec in map(str, specs):
         if os.path.isdir(spec):
-            found = [p for p in Path(spec).rglob("*")
-                     if p.is_file() and str(p).lower().endswith(SUPPORTED_SUFFIXES)]
+            found, others = [], []
+            for p in sorted(Path(spec).rglob("*")):
+                if p.is_file():
+                    (found if str(p).lower().endswith(SUPPORTED_SUFFIXES) else others).append(str(p))
             if not found:
                 raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
-            files.update(map(str, found))
+            files.update(found)
+            if skipped is not None:
+                skipped.extend(others)
         elif os.path.isfile(spec):
             input_kind(spec)
             files.add(spec)
@@ -139,17 +193,63 @@ def expand_inputs(inputs: str | Sequence[str]) -> list[str]:
     return sorted(files)
 
 
+def describe_skipped(skipped: Sequence[str]) -> str:
+    """One line for the files a directory input left out: how many of each type, and the first few."""
+    kinds = Counter(Path(p).suffix.lower() or Path(p).name for p in skipped)
+    counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    return (f"skipped {len(skipped)} files of unsupported types ({counted}): "
+            f"{', '.join(skipped[:MAX_EXAMPLES])}{', ...' if len(skipped) > MAX_EXAMPLES else ''}")
+
+
 def _open_binary(path: str) -> io.BufferedIOBase:
     """The decompressed byte stream of a file, chosen by suffix."""
     name = path.lower()
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
+        return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
+    return open(path, "rb")
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of every frame of a .zst file; EOFError where the data ends inside a
+    frame, as gzip raises on a cut file (python-zstandard's stream_reader just ends there)."""
+
+    def __init__(self, path: str):
         import zstandard
 
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return open(path, "rb")
+        self._file = open(path, "rb")
+        self._blocks = self._decompress(zstandard.ZstdDecompressor())
+        self._block = memoryview(b"")
+
+    def _decompress(self, decompressor) -> Iterator[bytes]:
+        frame = None  # the decompressor of a frame begun and not yet ended
+        # Small reads bound the output of one call: text often compresses 5-10x.
+        while data := self._file.read(1 << 17):
+            while data:
+                frame = frame or decompressor.decompressobj()
+                yield frame.decompress(data)
+                data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+        if frame is not None:
+            raise EOFError(f"{self._file.name}: zstd data ends inside a frame")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._block:
+            block = next(self._blocks, None)
+            if block is None:
+                return 0
+            self._block = memoryview(block)
+        n = min(len(buffer), len(self._block))
+        buffer[:n] = self._block[:n]
+        self._block = self._block[n:]
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -164,6 +264,11 @@ def _iter_lines(path: str) -> Iterator[bytes | BaseException]:
     """Raw lines of a (possibly compressed) file; a read failure is yielded, then the file ends."""
     try:
         with _open_binary(path) as f:
+            first = f.readline()
+            if first.startswith(BOM):
+                first = first[len(BOM):]
+            if first:
+                yield first
             yield from f
     except _read_errors() as err:
         yield err
@@ -267,7 +372,8 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
             # Every row lacks the field: one bad record per row, reported at the file's first row.
             n = pf.metadata.num_rows if stop is None else min(stop, pf.metadata.num_rows)
             empty = pa.RecordBatch.from_pylist([])
-            yield Chunk(path, "parquet", start + 1, empty, 0, error=("missing key", repr(missing[0]), n - start))
+            yield Chunk(path, "parquet", start + 1, empty, 0, error=("missing key", repr(missing[0]), n - start),
+                        keys_seen=tuple(pf.schema_arrow.names))
             return
         row = 0
         # Batches, not whole row groups, bound memory: FineWeb-Edu row groups hold ~100 MB of text.
@@ -289,8 +395,12 @@ def _text_bytes(batch) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    strings = [c for c in batch.columns if pa.types.is_string(c.type) or pa.types.is_large_string(c.type)]
-    return sum(pc.sum(pc.binary_length(c)).as_py() or 0 for c in strings)
+    def is_text(t) -> bool:
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+    columns = [pc.list_flatten(c) if pa.types.is_list(c.type) and is_text(c.type.value_type) else c
+               for c in batch.columns]  # a list of sentences counts as its sentences
+    return sum(pc.sum(pc.binary_length(c)).as_py() or 0 for c in columns if is_text(c.type))
 
 
 def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
@@ -312,6 +422,8 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         keep, reason, detail = _passes_filter(record, record_filter)
         if reason:
             bad.add(reason, where, detail)
+            if reason == "missing key":
+                bad.saw_keys(record)
             continue
         if not keep:
             filtered += 1
@@ -319,11 +431,14 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         texts, reason, detail = _texts(record, record_filter.keys)
         if reason:
             bad.add(reason, where, detail)
+            if reason == "missing key":
+                bad.saw_keys(record)
             continue
         docs.append(texts)
     if chunk.error:
         reason, detail, count = chunk.error
         bad.add(reason, _record_location(chunk, len(rows)), detail, count)
+        bad.saw_keys(chunk.keys_seen)
     return ParsedChunk(docs, bad, filtered)
 
 
@@ -340,7 +455,7 @@ def _decode_record(raw, kind: str, keys: Sequence[str]) -> tuple[dict | None, st
     except UnicodeDecodeError as err:
         return None, "invalid UTF-8", f"byte {err.start}"
     if kind == "text":
-        return {keys[0]: text.rstrip("\n")}, "", ""
+        return {keys[0]: text.replace("\r\n", "\n").rstrip("\n")}, "", ""
     if not text.strip():
         return None, "", ""  # blank lines in jsonl separate nothing and are not records
     try:
@@ -366,20 +481,27 @@ def _passes_filter(record: dict, f: RecordFilter) -> tuple[bool, str, str]:
     return True, "", ""
 
 
-def _texts(record: dict, keys: Sequence[str]) -> tuple[tuple[str, ...], str, str]:
+def _texts(record: dict, keys: Sequence[str]) -> tuple[tuple[str | list[str], ...], str, str]:
+    """Each key's text or list of sentences. Empty and blank texts are kept: Megatron-LM writes an
+    empty text as an empty document and tokenizes a blank one, and the output must equal its."""
     texts = []
     for key in keys:
         value = record.get(key)
         if value is None:
             return (), "missing key", repr(key)
-        if not isinstance(value, str):
-            return (), "non-string text", f"{key!r} is {type(value).__name__}"
-        if not value.strip():
-            return (), "empty text", repr(key)
-        if not _is_encodable(value):
+        sentences = [value] if isinstance(value, str) else value
+        if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
+            return (), "non-string text", f"{key!r} is {_type_name(value)}"
+        if not all(map(_is_encodable, sentences)):
             return (), "invalid UTF-8", f"{key!r} holds a lone surrogate"
         texts.append(value)
     return tuple(texts), "", ""
+
+
+def _type_name(value) -> str:
+    if isinstance(value, list):
+        return f"a list holding {', '.join(sorted({type(v).__name__ for v in value if not isinstance(v, str)}))}"
+    return type(value).__name__
 
 
 def _is_encodable(text: str) -> bool:
@@ -399,7 +521,10 @@ def iter_documents(
     max_docs: int | None = None,
     bad: BadRecords | None = None,
 ) -> Iterator[str]:
-    """Texts of the first key, streamed in global order; bad records are tallied into ``bad``."""
+    """Texts of the first key, streamed in global order; bad records are tallied into ``bad``.
+
+    A list of sentences comes as one text, its sentences on lines of their own.
+    """
     bad = bad if bad is not None else BadRecords()
     ranges = [(p, 0, None) for p in expand_inputs(inputs)]
     emitted = 0
@@ -410,4 +535,4 @@ def iter_documents(
             if max_docs is not None and emitted >= max_docs:
                 return
             emitted += 1
-            yield texts[0]
+            yield texts[0] if isinstance(texts[0], str) else "\n".join(texts[0])

@@ -3,16 +3,22 @@
 Kept free of torch and megatron-core imports: preprocessing workers load this module in fresh
 processes, and each heavy import would cost seconds per worker.
 
-The type names follow Megatron-LM's ``--tokenizer-type`` so its command lines carry over. For every
-SentencePiece type the end-of-document id is the model's ``eos`` id (what Megatron-LM's
-GPTSentencePieceTokenizer and Llama2Tokenizer use): it is a real piece the model can decode, unlike
-the synthetic ``<EOD>`` id that Megatron-LM's plain SentencePieceTokenizer appends past the vocab.
+The type names follow Megatron-LM's ``--tokenizer-type`` so its command lines carry over, and each
+encodes as Megatron-LM core_v0.16.1 does. By default that is its tokenizer library
+(``megatron.core.tokenizers``): every SentencePiece type encodes plain text and ends documents with
+the model's ``eos`` id; HF tokenizers add no special tokens. ``legacy=True`` is its
+``--legacy-tokenizer`` (``megatron.training.tokenizer``), which differs for two types:
+SentencePieceTokenizer cuts seven special-token strings (``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>``
+and the pad/bos/eos pieces) out of the text as ids of their own, numbered past the model's pieces
+when new, and ends documents with the added ``<EOD>`` id; Llama2Tokenizer starts every text with bos.
+HF tokenizers then add the special tokens their post-processor defines.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +30,10 @@ TOKENIZER_TYPES = SENTENCEPIECE_TYPES + HUGGINGFACE_TYPES
 
 # Names tried, in order, when a tokenizer.json has no tokenizer_config.json beside it naming eos.
 _EOD_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+# megatron.core.tokenizers: the library each type reads, and the model types its metadata may name
+# (all of which encode text alike).
+_METADATA_LIBRARIES = {**{t: "sentencepiece" for t in SENTENCEPIECE_TYPES}, "HuggingFaceTokenizer": "huggingface"}
+_METADATA_MODEL_TYPES = ("default", "gpt", "mamba", "bert", "t5")
 
 
 class TokenizerError(ValueError):
@@ -43,9 +53,12 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 
 
 class SentencePieceTextTokenizer:
-    """A SentencePiece model; ``encode_batch`` uses its C++ batch path (one call per chunk)."""
+    """A SentencePiece model; ``encode_batch`` uses its C++ batch path (one call per chunk).
 
-    def __init__(self, model_path: str | os.PathLike, eod_id: int | None = None):
+    ``add_bos`` starts every text with the model's bos id (Megatron-LM's legacy Llama2Tokenizer).
+    """
+
+    def __init__(self, model_path: str | os.PathLike, eod_id: int | None = None, add_bos: bool = False):
         import sentencepiece
 
         self.path = str(model_path)
@@ -57,13 +70,53 @@ class SentencePieceTextTokenizer:
         self.vocab_size = self._sp.vocab_size()
         eos = self._sp.eos_id()
         self.eod = eod_id if eod_id is not None else (eos if eos >= 0 else None)
+        if add_bos and self._sp.bos_id() < 0:
+            raise TokenizerError(f"{self.path}: the model has no bos piece to start each text with")
+        self._add_bos = add_bos
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # One thread: process-level parallelism is the caller's choice (--workers).
-        return self._sp.encode(list(texts), num_threads=1)
+        return self._sp.encode(list(texts), num_threads=1, add_bos=self._add_bos)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class LegacySentencePieceTokenizer(SentencePieceTextTokenizer):
+    """Megatron-LM's legacy SentencePieceTokenizer: special-token strings in the text become ids of
+    their own (new ones numbered past the model's pieces, in this order), and EOD is ``<EOD>``.
+    ``decode`` (inherited) knows the model's own pieces only."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        super().__init__(model_path)
+        vocab = {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+        def piece(token_id: int, missing: str) -> str:
+            return self._sp.id_to_piece(token_id) if 0 <= token_id < self.vocab_size else missing
+
+        names = ("<CLS>", "<SEP>", "<EOD>", "<MASK>", piece(self._sp.pad_id(), "<PAD>"),
+                 piece(self._sp.bos_id(), "<BOS>"), piece(self._sp.eos_id(), "<EOS>"))
+        self.special: dict[str, int] = {}
+        for name in names:
+            self.special[name] = vocab.setdefault(name, len(vocab))
+        self.vocab_size = len(vocab)
+        self.eod = self.special["<EOD>"]
+        # Leftmost match first, ties to the earlier name: the order Megatron-LM searches in.
+        self._pattern = re.compile("(" + "|".join(map(re.escape, self.special)) + ")")
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        parts = [self._pattern.split(text) for text in texts]  # text, special, text, ..., text
+        encoded = iter(super().encode_batch([p for text_parts in parts for p in text_parts[::2]]))
+        result = []
+        for text_parts in parts:
+            ids: list[int] = []
+            for j, part in enumerate(text_parts):
+                if j % 2:
+                    ids.append(self.special[part])
+                else:
+                    ids.extend(next(encoded))
+            result.append(ids)
+        return result
 
 
 class HuggingFaceTextTokenizer:
@@ -73,7 +126,7 @@ class HuggingFaceTextTokenizer:
     ``tokenizer_config.json`` beside the file, else the first of the usual end-of-text names found.
     """
 
-    def __init__(self, path: str | os.PathLike, eod_id: int | None = None):
+    def __init__(self, path: str | os.PathLike, eod_id: int | None = None, add_special_tokens: bool = False):
         from tokenizers import Tokenizer
 
         p = Path(path)
@@ -91,6 +144,7 @@ class HuggingFaceTextTokenizer:
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = eod_id if eod_id is not None else self._find_eod(p.parent)
+        self._add_special_tokens = add_special_tokens
 
     def _find_eod(self, directory: Path) -> int | None:
         names = list(_EOD_TOKEN_NAMES)
@@ -111,7 +165,7 @@ class HuggingFaceTextTokenizer:
         return None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=self._add_special_tokens)
         return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -122,20 +176,48 @@ TextTokenizer = SentencePieceTextTokenizer | HuggingFaceTextTokenizer
 
 
 def load_tokenizer(
-    tokenizer_type: str, model_path: str | os.PathLike | None, eod_id: int | None = None
+    tokenizer_type: str, model_path: str | os.PathLike | None, eod_id: int | None = None, legacy: bool = False
 ) -> TextTokenizer:
-    """Load a tokenizer by Megatron-LM type name; raises TokenizerError naming the file."""
+    """Load a tokenizer by Megatron-LM type name; raises TokenizerError naming the file.
+
+    ``legacy`` encodes as Megatron-LM's ``--legacy-tokenizer`` does (see the module's docstring).
+    """
     if model_path is None:
         raise TokenizerError(f"--tokenizer-model is required for {tokenizer_type}")
+    if legacy and tokenizer_type == "SentencePieceTokenizer" and eod_id is None:
+        return LegacySentencePieceTokenizer(model_path)
     if tokenizer_type in SENTENCEPIECE_TYPES:
-        return SentencePieceTextTokenizer(model_path, eod_id)
+        return SentencePieceTextTokenizer(model_path, eod_id, add_bos=legacy and tokenizer_type == "Llama2Tokenizer")
     if tokenizer_type in HUGGINGFACE_TYPES:
         # Rust-side parallelism would oversubscribe the cores that --workers already uses.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return HuggingFaceTextTokenizer(model_path, eod_id)
+        return HuggingFaceTextTokenizer(model_path, eod_id, add_special_tokens=legacy)
     raise TokenizerError(
         f"unsupported tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
     )
+
+
+def check_tokenizer_metadata(path: str, tokenizer_type: str) -> None:
+    """Refuse a ``--tokenizer-metadata`` file that would make Megatron-LM encode otherwise than
+    ``tokenizer_type`` does here: another library, a custom class, an unknown model type. What it
+    may hold besides (a chat template, a model type) does not change how text is encoded."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"{path}: unreadable tokenizer metadata ({first_line(err)})")
+    if not isinstance(metadata, dict):
+        raise TokenizerError(f"{path}: tokenizer metadata must be a JSON object, got {type(metadata).__name__}")
+    library, expected = metadata.get("library"), _METADATA_LIBRARIES.get(tokenizer_type)
+    if library is not None and library != expected:
+        raise TokenizerError(f"{path}: metadata names library {library!r}, but {tokenizer_type} reads "
+                             f"{expected} models (megaloop reads no other library)")
+    if metadata.get("tokenizer_class"):
+        raise TokenizerError(f"{path}: metadata names a tokenizer class, which megaloop cannot load")
+    model_type = metadata.get("model_type")
+    if model_type is not None and model_type not in _METADATA_MODEL_TYPES:
+        raise TokenizerError(f"{path}: unknown model_type {model_type!r}; Megatron-LM knows "
+                             f"{', '.join(_METADATA_MODEL_TYPES)}")
 
 
 def _check_readable(path: str) -> None:

@@ -2,12 +2,14 @@
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# Beside the checkout by default; MEGALOOP_SHARED_DATA points elsewhere (a git worktree, say).
+SHARED_DATA = Path(os.environ.get("MEGALOOP_SHARED_DATA", REPO.parent / "shared" / "data"))
 SP_MODEL = SHARED_DATA / "llama2_tokenizer.model"
 HF_TOKENIZER = SHARED_DATA / "gpt2_tokenizer.json"
 ARTICLES = SHARED_DATA / "wikitext2_raw_test_articles.jsonl"

@@ -101,3 +101,21 @@ def test_merge_concatenates_in_order_and_can_stop_early(tmp_path):
     wide = _write(tmp_path / "wide", DOCS, dtype=numpy.int32)
     with pytest.raises(DataError, match="different token dtypes"):
         merge_indexed([a, wide], str(tmp_path / "bad"))
+
+
+def test_flat_documents_with_sentences_and_empty_ones_survive_a_cut_merge(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    # Documents: empty, two sequences [1 2] [3 4 5], empty; then [6] [7] in one document.
+    with AtomicIndexedWriter(str(tmp_path / "a"), numpy.uint16) as writer:
+        writer.add_documents(numpy.arange(1, 6), numpy.array([2, 3]), numpy.array([0, 2, 0]))
+        writer.add_documents(numpy.array([6, 7]), numpy.array([1, 1]), numpy.array([2]))
+        writer.commit()
+    ds = IndexedDataset(str(tmp_path / "a"))
+    assert ds.document_indices.tolist() == [0, 0, 2, 2, 4]
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3, 4, 5], [6], [7]]
+    b = _write(tmp_path / "b", [[9]])
+    for cut, sequences, tokens in ((1, 0, 0), (3, 2, 5)):  # merging stops inside the first part
+        assert merge_indexed([str(tmp_path / "a"), b], str(tmp_path / f"m{cut}"), max_docs=cut) == cut
+        summary = validate_indexed(str(tmp_path / f"m{cut}"))
+        assert (summary.num_documents, summary.num_sequences, summary.num_tokens) == (cut, sequences, tokens)

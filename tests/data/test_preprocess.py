@@ -2,8 +2,10 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy
 import pyarrow as pa
@@ -109,11 +111,11 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
 
 def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run, sp_model):
     path = tmp_path / "mixed.jsonl"
-    path.write_bytes(b'{"text": "fine"}\n{"text": \n{"text": ""}\n{"text": "also fine"}\n')
+    path.write_bytes(b'{"text": "fine"}\n{"text": \n{"txt": "typo"}\n{"text": "also fine"}\n')
     code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
     assert code == 0
-    assert "skipped 2 bad records (1 empty text, 1 malformed JSON)" in err
-    assert f"{path}:2: malformed JSON" in err and f"{path}:3: empty text" in err
+    assert "skipped 2 bad records (1 malformed JSON, 1 missing key)" in err
+    assert f"{path}:2: malformed JSON" in err and f"{path}:3: missing key ('text')" in err
     assert "done: 2 documents" in err
     code, err = run("--input", path, "--output-prefix", tmp_path / "s", "--workers", 1, "--strict", *_sp_args(sp_model))
     assert code == 2
@@ -121,9 +123,11 @@ def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run
     assert not any(n.startswith("s_") for n in os.listdir(tmp_path))
 
 
-def test_truncated_gzip_shard_is_reported(tmp_path, run, sp_model, articles):
-    data = gzip.compress("".join(json.dumps(a) + "\n" for a in articles[:6]).encode())
-    path = tmp_path / "cut.jsonl.gz"
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
+def test_truncated_compressed_shard_is_reported(tmp_path, run, sp_model, articles, suffix):
+    compress = gzip.compress if suffix.endswith(".gz") else zstandard.ZstdCompressor().compress
+    data = compress("".join(json.dumps(a) + "\n" for a in articles[:20]).encode())  # zstd: 3 blocks
+    path = tmp_path / f"cut{suffix}"
     path.write_bytes(data[: len(data) * 2 // 3])
     code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
     assert code == 0
@@ -207,3 +211,166 @@ def test_fineweb_style_parquet_with_score_filter_and_limit(tmp_path, run, sp_mod
     tok = load_tokenizer("SentencePieceTokenizer", sp_model)
     kept = [r["text"] for r in rows if r["int_score"] >= 3][:5]
     assert [tok.decode(ds[i].tolist()[:-1]) for i in range(len(ds))] == kept
+
+
+def test_documents_are_megatron_lm_s_for_sentence_lists_and_empty_texts(tmp_path, run, sp_model):
+    import sentencepiece
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
+    texts = ["Hello world.", ["First.", "", "Second."], "", "   ", ["", ""], "line\n\nmore"]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 2, *_sp_args(sp_model))
+    assert code == 0, err
+    # Megatron-LM's Encoder.encode: each sentence is tokenized alone and kept if it has tokens, EOD
+    # joins the last one kept, and a document without tokens is written with no sequence and no EOD.
+    eos = sp.eos_id()
+    expected = [[sp.encode("Hello world.") + [eos]], [sp.encode("First."), sp.encode("Second.") + [eos]], [],
+                [sp.encode("   ") + [eos]], [], [sp.encode("line\n\nmore") + [eos]]]
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    bounds = ds.document_indices.tolist()
+    assert [[ds[i].tolist() for i in range(bounds[d], bounds[d + 1])] for d in range(len(texts))] == expected
+    assert "done: 6 documents" in err
+    assert "note: 2 documents have no tokens (empty texts); written as empty documents, as Megatron-LM does" in err
+
+
+def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "an <EOD> inside"}\n{"text": "plain"}\n')
+    plain = tmp_path / "plain"
+    assert run("--input", path, "--output-prefix", plain, "--workers", 1, *_sp_args(sp_model))[0] == 0
+    metadata = tmp_path / "tokenizer_metadata.json"
+    metadata.write_text('{"library": "sentencepiece", "model_type": "gpt", "chat_template": null}')
+    flags = ["--keep-newlines", "--vocab-size", 1234, "--tokenizer-metadata", metadata]
+    code, err = run("--input", path, "--output-prefix", tmp_path / "flags", "--workers", 1, *flags, *_sp_args(sp_model))
+    assert code == 0, err
+    assert _read(f"{tmp_path / 'flags'}_text_document") == _read(f"{plain}_text_document")
+    assert "note: --keep-newlines changes nothing: Megatron-LM applies it only with --split-sentences" in err
+    assert "note: --vocab-size 1234 changes nothing: Megatron-LM uses it for TikTokenizer and NullTokenizer only" in err
+    # --legacy-tokenizer: Megatron-LM's legacy SentencePieceTokenizer, whose EOD is an added <EOD> id.
+    code, err = run("--input", path, "--output-prefix", tmp_path / "legacy", "--workers", 1, "--legacy-tokenizer",
+                    *_sp_args(sp_model))
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    legacy = IndexedDataset(str(tmp_path / "legacy_text_document"))
+    assert code == 0 and legacy[0].tolist()[-1] == 32002 and 32002 in legacy[0].tolist()[:-1]
+    metadata.write_text('{"library": "huggingface"}')
+    code, err = run("--input", path, "--output-prefix", tmp_path / "bad", "--workers", 1, *flags, *_sp_args(sp_model))
+    assert code == 2 and err.strip().startswith(f"error: {metadata}: metadata names library 'huggingface'")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "empty texts"])
+def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
+    inputs, keys = tmp_path / "in", ["text"]
+    inputs.mkdir()
+    if case == "invalid lines":
+        (inputs / "a.jsonl").write_bytes(b'{"text": \nnot json\n')
+        expected = ["2 malformed JSON", f"{inputs / 'a.jsonl'}:1: malformed JSON"]
+    elif case == "json-keys typo":
+        (inputs / "a.jsonl").write_text('{"id": 1, "text": "x"}\n{"id": 2, "text": "y"}\n')
+        keys = ["txt"]
+        expected = ["2 missing key", "--json-keys 'txt' but the records hold 'id', 'text'"]
+    elif case == "parquet without the column":
+        pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 3), inputs / "a.parquet")
+        expected = ["3 missing key", "--json-keys 'text' but the records hold 'body', 'url'"]
+    else:
+        (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
+        expected = ["all 2 documents have empty 'text' texts"]
+    out = tmp_path / "out"
+    code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
+                    *_sp_args(sp_model))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: no usable document: ")
+    assert all(e in err for e in expected), err
+    assert os.listdir(out) == []
+
+
+def test_unwritable_output_is_found_before_start_up(tmp_path, run, articles_path):
+    (tmp_path / "file").write_text("not a directory")
+    prefix = tmp_path / "file" / "o"
+    # The tokenizer is missing too: the output is checked first, before anything loads.
+    code, err = run("--input", articles_path, "--output-prefix", prefix, "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {prefix}: cannot write the output in {tmp_path / 'file'} (")
+
+
+def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "hi"}\n')
+    (d / "more.txt").write_text('{"text": "JSON lines under a .txt name"}\n')
+    for name in ("README", "b.csv", "c.jsonl.bz2"):
+        (d / name).write_text("x")
+    code, err = run("--input", d, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
+    assert code == 0, err
+    assert (f"note: skipped 3 files of unsupported types (1 .bz2, 1 .csv, 1 README): "
+            f"{d / 'README'}, {d / 'b.csv'}, {d / 'c.jsonl.bz2'}") in err
+    assert f"note: read 1 .txt file(s) as JSON lines (the first line is a JSON object): {d / 'more.txt'}" in err
+    assert "done: 2 documents" in err
+
+
+def test_bytes_do_not_depend_on_which_worker_finishes_first(tmp_path, monkeypatch, sp_model, articles_path,
+                                                             tokenized_articles):
+    from tests.data import worker_faults
+
+    finished = tmp_path / "finished"
+    monkeypatch.setenv(worker_faults.FINISHED_LOG, str(finished))
+    monkeypatch.setattr(pp, "encode_chunk", worker_faults.first_chunk_finishes_last)
+    options = pp.PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True, workers=2, chunk_records=8)
+    pp.preprocess(pp.whole_files(str(articles_path)), str(tmp_path / "o"), options)
+    order = [int(n) for n in finished.read_text().split()]
+    assert sorted(order) == list(range(1, 63, 8)) and order[0] != 1  # the first chunk finished later
+    assert _read(str(tmp_path / "o_text_document")) == _read(tokenized_articles)  # tokenized in-process
+
+
+@pytest.mark.timeout(180)  # the failure this guards against is a hang
+def test_a_killed_worker_is_a_one_line_error_not_a_hang(tmp_path, run, monkeypatch, sp_model, articles_path):
+    from tests.data import worker_faults
+
+    monkeypatch.setattr(pp, "encode_chunk", worker_faults.killed_on_second_chunk)
+    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 2, *_sp_args(sp_model))
+    assert code == 1
+    assert err.strip() == ("error: a tokenizer worker process was killed by SIGKILL: the kernel's out-of-memory "
+                           "killer sends it; use fewer --workers or more memory; no output written")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum, code, message", [
+    (signal.SIGTERM, 143, "terminated by SIGTERM: partial output removed"),
+    (signal.SIGINT, 130, "interrupted: partial output removed"),
+])
+def test_a_signal_mid_run_removes_partial_output(tmp_path, repo, sp_model, articles_path, signum, code, message):
+    # A worker stays busy on the second chunk, so the signal comes while the output is half written.
+    driver = ("import runpy, sys; from megaloop.data import preprocess; from tests.data import worker_faults; "
+              "preprocess.encode_chunk = worker_faults.stuck_on_second_chunk; sys.argv = sys.argv[1:]; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    cmd = [sys.executable, "-c", driver, str(repo / "tools" / "preprocess_data.py"), "--input", str(articles_path),
+           "--output-prefix", str(tmp_path / "o"), "--workers", "1", *map(str, _sp_args(sp_model))]
+    proc = subprocess.Popen(cmd, cwd=repo, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    while not any(".partial-" in name for name in os.listdir(tmp_path)):
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1] == message
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles):
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    shards = _shards(tmp_path, articles)
+    # Every rank commits its (empty) shard; rank 0 then finds no usable document in their sum.
+    cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(shards),
+           "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", "--json-keys", "txt", *map(str, _sp_args(sp_model))]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert "error: no usable document: 62 bad records (62 missing key)" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["shards"]

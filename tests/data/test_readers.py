@@ -1,5 +1,6 @@
 import gzip
 import json
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,7 +13,9 @@ from megaloop.data.readers import (
     DataError,
     RecordFilter,
     count_records,
+    describe_skipped,
     expand_inputs,
+    input_kind,
     iter_chunks,
     iter_documents,
     parse_chunk,
@@ -84,50 +87,98 @@ def test_bad_records_are_counted_and_located(tmp_path):
     lines = [
         b'{"text": "good one"}',
         b'{"text": "broken',  # malformed JSON
-        b'{"title": "no text"}',  # missing key
-        b'{"text": "   "}',  # empty text
+        b'{"title": "no text", "id": 3}',  # missing key
+        b'{"text": "   "}',  # blank: a document (Megatron-LM tokenizes it)
         b'{"text": "caf\xe9"}',  # invalid UTF-8 (latin-1 byte)
         b'{"text": 42}',  # not a string
         b'{"text": "\\ud800 lone surrogate"}',
         b"",  # blank line: not a record
+        b'{"text": ["sentence", 7]}',  # a list of sentences holding a non-string
         b'{"text": "good two"}',
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")
     docs, bad, _ = _parse_all(path, max_records=3)
-    assert docs == ["good one", "good two"]
-    assert bad.counts == {"malformed JSON": 1, "missing key": 1, "empty text": 1, "invalid UTF-8": 2, "non-string text": 1}
-    assert bad.examples[:5] == [
+    assert docs == ["good one", "   ", "good two"]
+    assert bad.counts == {"malformed JSON": 1, "missing key": 1, "invalid UTF-8": 2, "non-string text": 2}
+    assert bad.examples == [
         f"{path}:2: malformed JSON (Invalid control character at (column 17))",
         f"{path}:3: missing key ('text')",
-        f"{path}:4: empty text ('text')",
         f"{path}:5: invalid UTF-8 (byte 13)",
         f"{path}:6: non-string text ('text' is int)",
+        f"{path}:7: invalid UTF-8 ('text' holds a lone surrogate)",
     ]
+    assert bad.keys_seen == ["title", "id"]  # what a --json-keys typo gets told
 
 
-def test_truncated_gzip_is_one_bad_record_after_the_last_good_line(tmp_path):
-    data = gzip.compress(_jsonl_bytes(RECORDS))
-    path = tmp_path / "cut.jsonl.gz"
+def test_text_may_be_a_list_of_sentences_and_empty_texts_are_documents(tmp_path):
+    # Megatron-LM tokenizes each sentence of a list, and writes an empty text as an empty document.
+    path = tmp_path / "s.jsonl"
+    records = [{"text": ["One.", "", "Two."]}, {"text": ""}, {"text": []}, {"text": "plain"}]
+    path.write_bytes(_jsonl_bytes(records))
+    assert _parse_all(path)[0] == [["One.", "", "Two."], "", [], "plain"]
+    assert list(iter_documents(str(path))) == ["One.\n\nTwo.", "", "", "plain"]
+    table = tmp_path / "s.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": ["é", "b"]}, {"text": []}]), table)
+    chunk = next(iter_chunks([(str(table), 0, None)], ["text"]))
+    assert parse_chunk(chunk, RecordFilter()).docs == [(["é", "b"],), ([],)]
+    assert chunk.nbytes == 3  # the sentences' UTF-8 bytes
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
+def test_truncated_compressed_file_is_one_bad_record_after_the_last_good_line(tmp_path, suffix):
+    compress = gzip.compress if suffix.endswith(".gz") else zstandard.ZstdCompressor().compress
+    rng = random.Random(0)  # text that compresses little, so half the file holds whole zstd blocks
+    records = [{"text": " ".join(str(rng.random()) for _ in range(20))} for _ in range(2000)]
+    data = compress(_jsonl_bytes(records))
+    path = tmp_path / f"cut{suffix}"
     path.write_bytes(data[: len(data) // 2])
+    docs, bad, _ = _parse_all(path, max_records=1000)
+    assert 0 < len(docs) < len(records)
+    assert docs == [r["text"] for r in records[: len(docs)]]
+    assert bad.counts == {"truncated compressed file": 1}
+    assert bad.examples == [f"{path}:{len(docs) + 1}: truncated compressed file"]
+
+
+def test_every_frame_of_a_multi_frame_zstd_file_is_read(tmp_path):
+    compress = zstandard.ZstdCompressor().compress
+    path = tmp_path / "frames.jsonl.zst"
+    path.write_bytes(compress(_jsonl_bytes(RECORDS[:25])) + compress(_jsonl_bytes(RECORDS[25:])))
     docs, bad, _ = _parse_all(path)
-    assert 0 < len(docs) < len(RECORDS)
-    assert docs == [r["text"] for r in RECORDS[: len(docs)]]
-    assert bad.counts.get("truncated compressed file") == 1
-    assert any("truncated compressed file" in e and e.startswith(f"{path}:") for e in bad.examples)
+    assert docs == [r["text"] for r in RECORDS] and bad.total == 0
+
+
+def test_bom_crlf_and_json_lines_named_txt_read_as_a_user_expects(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "bom.jsonl").write_bytes(bom + _jsonl_bytes(RECORDS[:2]))
+    assert _parse_all(tmp_path / "bom.jsonl")[0] == [r["text"] for r in RECORDS[:2]]
+    (tmp_path / "notes.txt").write_bytes(bom + b"first line\r\nsecond\r\n\r\nnext paragraph\r\n")
+    assert input_kind(tmp_path / "notes.txt") == "text"
+    assert _parse_all(tmp_path / "notes.txt")[0] == ["first line\nsecond", "next paragraph"]
+    (tmp_path / "data.txt").write_bytes(b"\n" + _jsonl_bytes(RECORDS[:3]))  # JSONL under a .txt name
+    (tmp_path / "data.txt.gz").write_bytes(gzip.compress(_jsonl_bytes(RECORDS[:3])))
+    for name in ("data.txt", "data.txt.gz"):
+        assert input_kind(tmp_path / name) == "jsonl"
+        assert _parse_all(tmp_path / name)[0] == [r["text"] for r in RECORDS[:3]]
+    (tmp_path / "brace.txt").write_bytes(b"{not json} but prose\n")
+    assert input_kind(tmp_path / "brace.txt") == "text"
 
 
 def test_parquet_without_the_text_column_counts_every_row(tmp_path):
     path = tmp_path / "notext.parquet"
-    pq.write_table(pa.Table.from_pylist([{"body": "x"}] * 9), path)
+    pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 9), path)
     docs, bad, _ = _parse_all(path)
     assert docs == [] and bad.counts == {"missing key": 9}
     assert bad.examples == [f"{path}:row 1: missing key ('text')"]
+    assert bad.keys_seen == ["body", "url"]
 
 
 def test_expand_inputs_directories_globs_and_errors(tmp_path):
     names = _write_all_formats(tmp_path)
     (tmp_path / "notes.md").write_text("ignored")
-    assert expand_inputs(str(tmp_path)) == sorted(str(tmp_path / n) for n in names)
+    skipped = []
+    assert expand_inputs(str(tmp_path), skipped) == sorted(str(tmp_path / n) for n in names)
+    assert skipped == [str(tmp_path / "notes.md")]
+    assert describe_skipped(skipped) == f"skipped 1 files of unsupported types (1 .md): {tmp_path / 'notes.md'}"
     assert expand_inputs(str(tmp_path / "*.jsonl*")) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst")]
     with pytest.raises(DataError, match="missing.jsonl: input not found"):
         expand_inputs(str(tmp_path / "missing.jsonl"))

@@ -1,6 +1,6 @@
 import pytest
 
-from megaloop.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab_size
+from megaloop.data.tokenizer import TokenizerError, check_tokenizer_metadata, load_tokenizer, padded_vocab_size
 
 
 def test_sentencepiece_round_trip_on_wikitext_articles(sp_model, articles):
@@ -18,6 +18,59 @@ def test_huggingface_round_trip_and_eod(hf_tokenizer, articles):
     for text, doc in zip(texts, tok.encode_batch(texts)):
         assert tok.decode(doc) == text
     assert tok.vocab_size == 50257 and tok.eod == 50256  # <|endoftext|>
+
+
+def test_legacy_sentencepiece_types_encode_as_megatron_lm_legacy_tokenizers(sp_model):
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
+    text = "A <EOD> and </s> here <s>x"
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        tok = load_tokenizer(kind, sp_model)  # megatron.core.tokenizers: plain text, eos ends documents
+        assert tok.encode_batch([text]) == [sp.encode(text)] and tok.eod == sp.eos_id()
+    assert load_tokenizer("GPTSentencePieceTokenizer", sp_model, legacy=True).encode_batch([text]) == [sp.encode(text)]
+    legacy = load_tokenizer("SentencePieceTokenizer", sp_model, legacy=True)
+    # <CLS> <SEP> <EOD> <MASK> and <PAD> (LLaMA-2 has no pad piece) are added past its 32000 pieces;
+    # <s> and </s> are its own bos and eos.
+    assert legacy.vocab_size == 32005 and legacy.eod == 32002
+    expected = (sp.encode("A ") + [32002] + sp.encode(" and ") + [sp.eos_id()] + sp.encode(" here ")
+                + [sp.bos_id()] + sp.encode("x"))
+    assert legacy.encode_batch([text, "plain", ""]) == [expected, sp.encode("plain"), []]
+    llama = load_tokenizer("Llama2Tokenizer", sp_model, legacy=True)
+    assert llama.encode_batch(["x", ""]) == [[sp.bos_id()] + sp.encode("x"), [sp.bos_id()]]
+
+
+def test_legacy_huggingface_adds_the_special_tokens_transformers_adds(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "hello": 2, "world": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    # Megatron-LM's legacy HF tokenizer calls the transformers tokenizer; its new one adds nothing.
+    reference, texts = PreTrainedTokenizerFast(tokenizer_file=str(path)), ["hello world", "world"]
+    assert load_tokenizer("HuggingFaceTokenizer", path, legacy=True).encode_batch(texts) == [
+        reference(t).input_ids for t in texts]
+    assert load_tokenizer("HuggingFaceTokenizer", path).encode_batch(texts) == [
+        reference(t, add_special_tokens=False).input_ids for t in texts]
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ('{"library": "huggingface"}', "metadata names library 'huggingface', but Llama2Tokenizer reads sentencepiece"),
+    ('{"library": "sentencepiece", "tokenizer_class": "x.Y"}', "names a tokenizer class"),
+    ('{"model_type": "llama"}', "unknown model_type 'llama'"),
+    ('["sentencepiece"]', "must be a JSON object, got list"),
+    ("{library", "unreadable tokenizer metadata"),
+])
+def test_tokenizer_metadata_must_agree_with_the_type(tmp_path, metadata, message):
+    path = tmp_path / "tokenizer_metadata.json"
+    path.write_text('{"library": "sentencepiece", "model_type": "gpt", "chat_template": null}')
+    check_tokenizer_metadata(str(path), "Llama2Tokenizer")
+    path.write_text(metadata)
+    with pytest.raises(TokenizerError, match=f"^{path}: .*{message}"):
+        check_tokenizer_metadata(str(path), "Llama2Tokenizer")
 
 
 def test_missing_tokenizer_names_the_file(tmp_path):
