@@ -250,7 +250,8 @@ def _report(stats, prefixes: list[str]) -> None:
     from rich.console import Console
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    console.print(f"done: {stats.docs:,} documents, {stats.tokens:,} tokens in {stats.seconds:.1f}s ({stats.rates()})")
+    console.print(f"done: {stats.docs:,} documents, {stats.tokens:,} tokens in {stats.seconds:.2f}s, "
+                  f"{stats.cpu_seconds:.2f} CPU s ({stats.rates()})")
     if stats.filtered:
         console.print(f"filtered out {stats.filtered:,} records below the score threshold")
     if stats.empty:

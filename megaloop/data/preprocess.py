@@ -22,6 +22,7 @@ sends SIGKILL) where ``multiprocessing.Pool`` would wait for its result forever.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import signal
 import time
@@ -64,6 +65,7 @@ class PreprocessStats:
     empty: int = 0  # documents (one per record and key) without a token: empty texts
     bad: BadRecords = field(default_factory=BadRecords)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the main process's and the workers' CPU time over ``seconds``
 
     def merge(self, other: PreprocessStats) -> None:
         self.docs += other.docs
@@ -73,10 +75,12 @@ class PreprocessStats:
         self.empty += other.empty
         self.bad.merge(other.bad)
         self.seconds = max(self.seconds, other.seconds)
+        self.cpu_seconds += other.cpu_seconds
 
     def rates(self) -> str:
-        s = max(self.seconds, 1e-9)
-        return f"{self.docs / s:,.0f} docs/s, {self.bytes / s / 1e6:.2f} MB/s, {self.tokens / s:,.0f} tokens/s"
+        s, megabytes = max(self.seconds, 1e-9), max(self.bytes / 1e6, 1e-9)
+        return (f"{self.docs / s:,.0f} docs/s, {megabytes / s:.2f} MB/s, {self.tokens / s:,.0f} tokens/s, "
+                f"{self.cpu_seconds / megabytes:.3f} CPU s/MB")
 
 
 @dataclass
@@ -100,6 +104,7 @@ class EncodedChunk:
     nbytes: int
     filtered: int
     bad: BadRecords
+    cpu_seconds: float  # the worker's, for this chunk
 
 
 def output_prefix(prefix: str, key: str) -> str:
@@ -110,6 +115,7 @@ def output_prefix(prefix: str, key: str) -> str:
 # Per-process state, set once by _init_worker so each task only ships a chunk.
 _tokenizer: TextTokenizer | None = None
 _options: PreprocessOptions | None = None
+_all_started = None  # a pool worker's barrier with its peers (see _start_workers)
 
 
 def _load(options: PreprocessOptions) -> TextTokenizer:
@@ -122,13 +128,32 @@ def _init_worker(options: PreprocessOptions) -> None:
     _options = options
 
 
-def _init_pool_worker(options: PreprocessOptions) -> None:
+def _init_pool_worker(options: PreprocessOptions, all_started) -> None:
+    global _all_started
     # Workers start with the signal mask of the submit that spawned them (_signals_held).
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     # Ctrl-C reaches every process of the terminal's group; only the main process acts on it and
     # stops the workers, so an interrupt is reported as one and not as a worker that died.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _init_worker(options)
+    _all_started = all_started
+
+
+def _wait_for_peers() -> None:
+    _all_started.wait()
+
+
+def _start_workers(options: PreprocessOptions) -> tuple[ProcessPoolExecutor, list]:
+    """A pool whose workers all start now, with futures done once every one is ready.
+
+    ProcessPoolExecutor starts a worker per submit while none is idle, so one task per worker,
+    each waiting for the others, starts them all and keeps any from taking two. Waiting for the
+    futures keeps start-up out of the rates, as it was with multiprocessing.Pool.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    executor = ProcessPoolExecutor(options.workers, ctx, _init_pool_worker, (options, ctx.Barrier(options.workers)))
+    with _signals_held():
+        return executor, [executor.submit(_wait_for_peers) for _ in range(options.workers)]
 
 
 @contextlib.contextmanager
@@ -145,10 +170,12 @@ def _signals_held() -> Iterator[None]:
 
 def encode_chunk(chunk: Chunk) -> EncodedChunk:
     """Parse and tokenize one chunk (runs in a worker)."""
+    started = time.process_time()
     parsed = parse_chunk(chunk, _options.record_filter)
     keys = {key: encode_documents([doc[k] for doc in parsed.docs], _tokenizer, _options.append_eod)
             for k, key in enumerate(_options.record_filter.keys)}
-    return EncodedChunk(keys, len(parsed.docs), chunk.nbytes, parsed.filtered, parsed.bad)
+    return EncodedChunk(keys, len(parsed.docs), chunk.nbytes, parsed.filtered, parsed.bad,
+                        time.process_time() - started)
 
 
 def encode_documents(texts: Sequence[str | list[str]], tokenizer: TextTokenizer, append_eod: bool) -> EncodedKey:
@@ -166,7 +193,7 @@ def encode_documents(texts: Sequence[str | list[str]], tokenizer: TextTokenizer,
         document_sequences[d] = len(kept)
     lengths = numpy.fromiter(map(len, sequences), dtype=numpy.int64, count=len(sequences))
     # int32 here; the builder narrows to the file's dtype (uint16 for most vocabs) on write.
-    tokens = numpy.fromiter((i for s in sequences for i in s), dtype=numpy.int32, count=int(lengths.sum()))
+    tokens = numpy.fromiter(itertools.chain.from_iterable(sequences), dtype=numpy.int32, count=int(lengths.sum()))
     return EncodedKey(tokens, lengths, document_sequences)
 
 
@@ -174,7 +201,7 @@ def _ordered_bounded_map(fn: Callable, items: Iterable, executor: ProcessPoolExe
     """``executor.map`` that reads ``items`` lazily (it would queue the whole input at once), and
     yields in submission order however the workers finish."""
     pending: deque = deque()
-    try:
+    with _deaths_reported(executor):
         for item in items:
             with _signals_held():
                 pending.append(executor.submit(fn, item))
@@ -182,6 +209,12 @@ def _ordered_bounded_map(fn: Callable, items: Iterable, executor: ProcessPoolExe
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+@contextlib.contextmanager
+def _deaths_reported(executor: ProcessPoolExecutor) -> Iterator[None]:
+    try:
+        yield
     except BrokenProcessPool:
         raise WorkerDied(_death_cause(executor)) from None
 
@@ -272,14 +305,17 @@ def preprocess(
             _init_worker(options)
             results = map(encode_chunk, chunks)
         else:
-            executor = ProcessPoolExecutor(options.workers, multiprocessing.get_context("spawn"),
-                                           _init_pool_worker, (options,))
+            executor, started = _start_workers(options)
             results = _ordered_bounded_map(encode_chunk, chunks, executor, 2 * options.workers + 2)
         # After starting the pool, so megatron-core's slow import overlaps the workers' start-up.
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {key: AtomicIndexedWriter(output_prefix(prefix, key), dtype) for key in keys}
+        if executor is not None:
+            with _deaths_reported(executor):
+                for future in started:
+                    future.result()
         # Rates count from here, after start-up, as Megatron-LM's log lines do.
-        start = time.perf_counter()
+        start, main_cpu, worker_cpu = time.perf_counter(), time.process_time(), 0.0
         for encoded in results:
             if options.strict and encoded.bad.total:
                 raise DataError(f"{encoded.bad.examples[0]} (--strict)")
@@ -296,6 +332,9 @@ def preprocess(
             stats.filtered += encoded.filtered
             stats.bad.merge(encoded.bad)
             stats.seconds = time.perf_counter() - start
+            if executor is not None:  # in-process chunks are in the main process's time already
+                worker_cpu += encoded.cpu_seconds
+            stats.cpu_seconds = time.process_time() - main_cpu + worker_cpu
             if on_progress:
                 on_progress(stats)
             if options.max_docs is not None and stats.docs >= options.max_docs:
