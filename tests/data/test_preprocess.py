@@ -250,11 +250,12 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     assert "note: --vocab-size 1234 changes nothing: Megatron-LM uses it for TikTokenizer and NullTokenizer only" in err
     # --legacy-tokenizer: Megatron-LM's legacy SentencePieceTokenizer, whose EOD is an added <EOD> id.
     code, err = run("--input", path, "--output-prefix", tmp_path / "legacy", "--workers", 1, "--legacy-tokenizer",
-                    *_sp_args(sp_model))
+                    "--tokenizer-metadata", metadata, *_sp_args(sp_model))
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     legacy = IndexedDataset(str(tmp_path / "legacy_text_document"))
     assert code == 0 and legacy[0].tolist()[-1] == 32002 and 32002 in legacy[0].tolist()[:-1]
+    assert "note: --tokenizer-metadata changes nothing with --legacy-tokenizer" in err
     metadata.write_text('{"library": "huggingface"}')
     code, err = run("--input", path, "--output-prefix", tmp_path / "bad", "--workers", 1, *flags, *_sp_args(sp_model))
     assert code == 2 and err.strip().startswith(f"error: {metadata}: metadata names library 'huggingface'")
