@@ -352,14 +352,30 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    """Model-parallel sizes (the data-parallel size is what the world leaves over).
+
+    Pipeline parallelism unrolls the model's chain of layer applications over the stages
+    (megaloop.models.pipeline): ``pipeline_split`` lists each stage's count of applications
+    (pipeline x virtual_pipeline entries, stage v * pipeline + p being chunk v of rank p); empty:
+    the split with the best compute balance. ``virtual_pipeline`` > 1 runs megatron-core's
+    interleaved schedule with that many model chunks per pipeline rank.
+    """
+
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
     sequence_parallel: bool = False
     recompute: Literal["none", "full"] = "none"
+    virtual_pipeline: int = 1
+    pipeline_split: list[int] = field(default_factory=list)
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of the chain: pipeline ranks x model chunks per rank."""
+        return self.pipeline * self.virtual_pipeline
 
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
-        for name in ("tensor", "pipeline", "expert"):
+        for name in ("tensor", "pipeline", "expert", "virtual_pipeline"):
             _require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
         tp = self.tensor
         # Tensor parallelism splits heads, query groups, FFN columns and the vocabulary.
@@ -393,18 +409,31 @@ class ParallelConfig:
             _require(self.sequence_parallel, prefix, "tensor", tp,
                      "1 for a MoE model unless parallel.sequence_parallel=true (megatron-core's "
                      "MoE layer needs sequence parallelism with tensor parallelism)")
-        if self.pipeline > 1:
-            # A loop cannot return to an earlier stage: Full Loop has no split point, AsymLoop
-            # has exactly one (encoder | decoder loop), Dense splits evenly.
-            _require(model.arch not in ("fullloop", "latentloop"), prefix, "pipeline",
-                     self.pipeline, f"1 for model.arch={model.arch} (its loop spans every stage "
-                     "boundary; use tensor/data/expert parallelism)")
-            _require(model.arch != "asymloop" or self.pipeline == 2, prefix, "pipeline",
-                     self.pipeline, "1 or 2 for model.arch=asymloop (stages: encoder | decoder "
-                     "loop)")
-            _require(model.arch != "dense" or model.num_layers % self.pipeline == 0, prefix,
-                     "pipeline", self.pipeline, f"a divisor of model.num_layers={model.num_layers}"
-                     f" for model.arch=dense ({_divisors(model.num_layers)})")
+        self._validate_pipeline(model, prefix)
+
+    def _validate_pipeline(self, model: ModelConfig, prefix: str) -> None:
+        from megaloop.models.pipeline import chain_length, check_split
+
+        _require(self.virtual_pipeline == 1 or self.pipeline > 1, prefix, "virtual_pipeline",
+                 self.virtual_pipeline, "1 unless parallel.pipeline > 1 (it interleaves the "
+                 "pipeline ranks' model chunks)")
+        if self.pipeline == 1:
+            _require(not self.pipeline_split, prefix, "pipeline_split", self.pipeline_split,
+                     "empty unless parallel.pipeline > 1")
+            return
+        _require(model.arch != "latentloop", prefix, "pipeline", self.pipeline,
+                 "1 for model.arch=latentloop (its visits are distinct modules with their own "
+                 "compression and scales; pipeline parallelism covers dense, fullloop and "
+                 "asymloop: use tensor/data/expert parallelism)")
+        _require(self.virtual_pipeline == 1 or not model.uses_moe, prefix, "virtual_pipeline",
+                 self.virtual_pipeline, "1 for a MoE model (its routing statistics are kept "
+                 "per model chunk)")
+        stages, total = self.pipeline_stages, chain_length(model)
+        _require(stages <= total, prefix, "pipeline", self.pipeline,
+                 f"such that pipeline x virtual_pipeline = {stages} stages get at least one of "
+                 f"the model's {total} layer applications each (at most {total} stages)")
+        if self.pipeline_split:
+            check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
 
 
 @dataclass
@@ -614,9 +643,9 @@ class RunConfig:
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()
-        # ALRS analyses every matrix on every rank's group; pipeline stages hold different ones.
-        _require(not (self.train.use_alrs and self.parallel.pipeline > 1), "train", "use_alrs",
-                 self.train.use_alrs, "false when parallel.pipeline > 1 (not supported yet)")
+        _require(not (self.train.eval_depths and self.parallel.pipeline > 1), "train",
+                 "eval_depths", self.train.eval_depths, "empty when parallel.pipeline > 1 (the "
+                 "stages unroll exactly model.iterations iterations)")
         _require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
                  "eval_depths", self.train.eval_depths,
                  "empty for model.arch=dense (a Dense model has no depth to vary)")

@@ -75,7 +75,11 @@ def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
 @pytest.mark.parametrize("fields, message", [
     (dict(expert=2), "parallel.expert=2: must be 1 unless model.num_experts > 0"),
     (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),
-    (dict(pipeline=4), "parallel.pipeline=4: must be 1 or 2 for model.arch=asymloop"),
+    (dict(pipeline=32), "parallel.pipeline=32: must be such that pipeline x virtual_pipeline = "
+                        "32 stages get at least one of the model's 8 layer applications each"),
+    (dict(virtual_pipeline=2), "parallel.virtual_pipeline=2: must be 1 unless parallel.pipeline"),
+    (dict(pipeline_split=[8]), "parallel.pipeline_split=[8]: must be empty unless "
+                               "parallel.pipeline > 1"),
 ])
 def test_parallel_mistakes(fields, message):
     with pytest.raises(ConfigError) as err:
@@ -83,13 +87,13 @@ def test_parallel_mistakes(fields, message):
     assert message in str(err.value)
 
 
-def test_pipeline_splits_only_where_no_loop_crosses_a_stage():
-    ParallelConfig(pipeline=2).validate(ModelConfig(arch="asymloop").resolve())
-    ParallelConfig(pipeline=4).validate(ModelConfig(arch="dense", num_layers=8).resolve())
-    with pytest.raises(ConfigError, match="parallel.pipeline=2: must be 1 for model.arch=fullloop"):
-        ParallelConfig(pipeline=2).validate(ModelConfig(arch="fullloop").resolve())
-    with pytest.raises(ConfigError, match="a divisor of model.num_layers=6"):
-        ParallelConfig(pipeline=4).validate(ModelConfig(arch="dense", num_layers=6).resolve())
+def test_pipelines_unroll_every_architecture_but_latentloop():
+    ParallelConfig(pipeline=4).validate(ModelConfig(arch="asymloop").resolve())
+    ParallelConfig(pipeline=3).validate(ModelConfig(arch="dense", num_layers=8).resolve())
+    ParallelConfig(pipeline=2, virtual_pipeline=2).validate(ModelConfig(arch="fullloop").resolve())
+    with pytest.raises(ConfigError, match="parallel.pipeline=2: must be 1 for model.arch="
+                                          "latentloop"):
+        ParallelConfig(pipeline=2).validate(ModelConfig(arch="latentloop").resolve())
 
 
 def test_derived_defaults():
@@ -235,9 +239,15 @@ def test_head_dim_may_differ_from_hidden_over_heads_and_must_be_even():
      "parallel.sequence_parallel=True: must be false, or parallel.tensor=4 a divisor of "
      "model.seq_length=30 (sequence parallelism splits the sequence over the tensor-parallel "
      "ranks; sizes that fit: 1, 2, 3, 5, 6, 10, 15, 30)"),
-    (dict(arch="dense", num_layers=6, iterations=1), dict(pipeline=4),
-     "parallel.pipeline=4: must be a divisor of model.num_layers=6 for model.arch=dense "
-     "(1, 2, 3, 6)"),
+    (dict(arch="dense", num_layers=6, iterations=1), dict(pipeline=4, pipeline_split=[2, 2, 2, 1]),
+     "parallel.pipeline_split=[2, 2, 2, 1]: must be 4 per-stage counts of layer applications, "
+     "each >= 1, summing to 6 = num_layers 6; e.g. [1, 2, 2, 1] (balanced)"),
+    (dict(arch="fullloop", iterations=2), dict(pipeline=2, pipeline_split=[1, 2, 3]),
+     "parallel.pipeline_split=[1, 2, 3]: must be 2 per-stage counts of layer applications, "
+     "each >= 1, summing to 8 = R 2 x L 4; e.g. [7, 1] (balanced)"),
+    (dict(arch="asymloop", iterations=3), dict(pipeline=2, pipeline_split=[0, 8]),
+     "parallel.pipeline_split=[0, 8]: must be 2 per-stage counts of layer applications, "
+     "each >= 1, summing to 8 = E 2 + K 3 x D 2; e.g. [7, 1] (balanced)"),
 ])
 def test_layouts_that_do_not_divide_the_model_say_what_would(model, parallel, message):
     with pytest.raises(ConfigError) as err:

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from megaloop.config import ConfigError
-    from megaloop.scale.layout import layout_of, stage_layout
+    from megaloop.scale.layout import layout_of
     from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, \
         fitting_layouts
     from megaloop.train import build_config
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         return 2
     device_bytes = int(args.gpu_memory_gib * GIB)
     stages = [estimate(cfg, layout, device=args.device, stage=s)
-              for s in range(len(stage_layout(cfg.model, layout.pipeline)))]
+              for s in range(layout.pipeline)]
     busiest = max(stages, key=lambda e: e.total)
     fitting = fitting_layouts(cfg, args.world_size, device_bytes, device=args.device)
     print(json.dumps({

@@ -8,6 +8,11 @@ Here local index i becomes the layer's ``local_expert_indices[i]``; with EP = 1 
 change. ``every_expert`` completes a rank's blocks with the other ranks' experts (same shapes,
 canonical order), so that ALRS analyses and allocates over all E experts identically on every rank
 and each rank applies the multipliers of the experts it holds.
+
+Pipeline stages hold other layers, and a block of a pipeline stage holds layers at other positions
+than their numbers (``LayerBlock``): ``named_parameters`` names layers by their number in the whole
+block, so that names do not depend on the layout and the tied copies of a decoder layer on several
+stages share one name, and ``every_block`` completes a stage's blocks with the other stages'.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megaloop.alrs.blocks import RowSplit, WeightBlock
@@ -26,6 +32,22 @@ from megaloop.alrs.blocks import RowSplit, WeightBlock
 _EXPERT = re.compile(r"^(local_experts\.)(\d+)(\..+)$|^(linear_fc[12]\.weight)(\d+)$")
 _GLOBAL = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)"
                      r"|(\.experts\.linear_fc[12]\.weight)(\d+)")
+
+
+_LAYER = re.compile(r"^(.*?layers\.)(\d+)\.")
+
+
+def _layer_numbers(model: nn.Module) -> dict[str, str]:
+    """Local prefix -> prefix with the layer's number in its whole block, for the layers a pipeline
+    stage's block holds at another position (``LayerBlock``: "decoder.layers.0." of a stage
+    holding decoder layers 3-4 is "decoder.layers.2.")."""
+    renames = {}
+    for prefix, module in model.named_modules():
+        for position, layer in enumerate(getattr(module, "layers", None) or []):
+            number = getattr(layer, "layer_number", None)
+            if number is not None and number - 1 != position:
+                renames[f"{prefix}.layers.{position}."] = f"{prefix}.layers.{number - 1}."
+    return renames
 
 
 def _global_names(model: nn.Module) -> dict[str, str]:
@@ -49,17 +71,38 @@ def _global_names(model: nn.Module) -> dict[str, str]:
     return renames
 
 
+def _canonical(model: nn.Module):
+    """name -> the name ``named_parameters`` gives it."""
+    experts, layers = _global_names(model), _layer_numbers(model)
+    # The last pipeline stage's copy of a tied embedding (megatron-core's) is the embedding.
+    if getattr(model, "share_embeddings_and_output_weights", False) \
+            and not getattr(model, "pre_process", True):
+        experts["output_layer.weight"] = "embedding.word_embeddings.weight"
+
+    def rename(name: str) -> str:
+        name = experts.get(name, name)
+        match = _LAYER.match(name)
+        if match is not None and match.group(0) in layers:
+            name = layers[match.group(0)] + name[match.end():]
+        return name
+
+    return rename
+
+
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``model.named_parameters()`` with experts named by their global index."""
-    renames = _global_names(model)
+    """``model.named_parameters()`` under names every rank and layout agrees on: experts by their
+    global index, a pipeline stage's layers by their number in the whole block (so that the tied
+    copies of a decoder layer on several stages share one name), and the last stage's copy of a
+    tied embedding as the embedding."""
+    rename = _canonical(model)
     for name, param in model.named_parameters():
-        yield renames.get(name, name), param
+        yield rename(name), param
 
 
 def global_layouts(model: nn.Module, layouts: dict[str, RowSplit]) -> dict[str, RowSplit]:
-    """``fused_layouts(model)`` keyed by the global expert names."""
-    renames = _global_names(model)
-    return {renames.get(name, name): split for name, split in layouts.items()}
+    """``fused_layouts(model)`` keyed by the names of ``named_parameters``."""
+    rename = _canonical(model)
+    return {rename(name): split for name, split in layouts.items()}
 
 
 def expert_index(name: str) -> int | None:
@@ -98,3 +141,32 @@ def num_experts(model: nn.Module) -> int:
     """E of the model's MoE layers (0 without experts)."""
     return max((m.config.num_moe_experts for m in model.modules()
                 if getattr(m, "local_expert_indices", None) is not None), default=0)
+
+
+_MODEL_ORDER = re.compile(r"^(embedding|encoder|decoder)\.(?:layers\.(\d+)\.)?")
+
+
+def _model_order(block: WeightBlock) -> tuple[int, int]:
+    """Where one process's ``named_parameters`` lists a block: embedding, encoder layers, decoder
+    layers by number, then the rest (final norm, head)."""
+    match = _MODEL_ORDER.match(block.name)
+    if match is None:
+        return 3, 0
+    return ("embedding", "encoder", "decoder").index(match.group(1)), int(match.group(2) or 0)
+
+
+def every_block(blocks: list[WeightBlock], num_experts: int,
+                pipeline_group: dist.ProcessGroup | None = None) -> list[WeightBlock]:
+    """Every block of the model, each once, in the order one process lists them: ``every_expert``,
+    and under pipeline parallelism (``pipeline_group`` of more than one rank) the union over the
+    stages (a collective)."""
+    blocks = every_expert(blocks, num_experts)
+    if pipeline_group is None or dist.get_world_size(pipeline_group) == 1:
+        return blocks
+    stages = [None] * dist.get_world_size(pipeline_group)
+    dist.all_gather_object(stages, blocks, group=pipeline_group)
+    merged = {}
+    for stage in stages:
+        for block in stage:
+            merged.setdefault(block.name, block)
+    return sorted(merged.values(), key=_model_order)

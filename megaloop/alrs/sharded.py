@@ -14,11 +14,14 @@ the whole world) does the same:
    Every rank then runs the same float arithmetic on the same numbers, so all ranks apply
    bit-identical multipliers.
 
-Every rank must call ``step`` with the same step numbers (the collectives must line up). All ranks
-of ``group`` must hold the same parameter names: pipeline parallelism, where stages hold different
-matrices, is not supported yet. MoE experts are blocks of their own, named by their global index
-(``megaloop.alrs.experts``): under expert parallelism every rank lists all E experts' blocks, only
-a rank holding an expert analyses it, and the all-gathered table gives every rank all multipliers.
+Every rank must call ``step`` with the same step numbers (the collectives must line up). Every
+rank lists every matrix of the model, under names no layout changes (``megaloop.alrs.experts``),
+and only a rank holding a matrix analyses it; the all-gathered table gives every rank all
+multipliers. MoE experts are blocks of their own, named by their global index: under expert
+parallelism a rank holds some experts. Pipeline stages hold some layers (``pipeline_group``
+completes each stage's list with the others'); the tied copies of a decoder layer that several
+stages hold share one name, so the layer is analysed once, by one of its holders, and every copy
+gets its multiplier.
 A failure inside the hook never reaches training: it is logged as a warning and the multipliers
 stay as they were. A failure that hits only
 some ranks between collectives could still leave the others waiting in a collective.
@@ -47,6 +50,16 @@ BASE_GROUP = "base"  # LR-log name of everything ALRS does not scale (norms, bia
 NamedParameters = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _by_name(models: list[nn.Module]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The models' parameters under their layout-independent names, each name once (the tied
+    copies a pipeline rank holds of a decoder layer are equal)."""
+    named = {}
+    for model in models:
+        for name, param in experts.named_parameters(model):
+            named.setdefault(name, param)
+    return named.items()
 
 
 def balance_by_cost(costs: list[int], n_ranks: int,
@@ -86,15 +99,18 @@ class ALRS:
     that exactly, also inside fused parameters. Other parameters keep base_lr.
     """
 
-    def __init__(self, named_parameters: nn.Module | NamedParameters, total_steps: int,
-                 config: ALRSConfig | None = None, *, group: dist.ProcessGroup | None = None,
-                 tp_group: dist.ProcessGroup | None = None, log_path: str | None = None):
+    def __init__(self, named_parameters: nn.Module | list[nn.Module] | NamedParameters,
+                 total_steps: int, config: ALRSConfig | None = None, *,
+                 group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
+                 pipeline_group: dist.ProcessGroup | None = None, log_path: str | None = None):
         if total_steps < 1:
             raise ValueError(f"ALRS total_steps must be >= 1, got total_steps={total_steps}")
         self.config = config or ALRSConfig()
         self.total_steps = total_steps
-        model = named_parameters if isinstance(named_parameters, nn.Module) else None
-        self._named_parameters = ((lambda: experts.named_parameters(model)) if model is not None
+        models = ([named_parameters] if isinstance(named_parameters, nn.Module)
+                  else list(named_parameters) if isinstance(named_parameters, (list, tuple))
+                  else None)
+        self._named_parameters = ((lambda: _by_name(models)) if models is not None
                                   else named_parameters)
         self._distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self._distributed else dist.group.WORLD
@@ -102,18 +118,20 @@ class ALRS:
         self.rank = dist.get_rank(self.group) if self._distributed else 0
         self.tp_group = tp_group
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        layouts = (experts.global_layouts(model, fused_layouts(model)) if model is not None
-                   and self.config.granularity == "block" else {})
+        layouts = {}
+        if models is not None and self.config.granularity == "block":
+            for model in models:
+                layouts.update(experts.global_layouts(model, fused_layouts(model)))
         local = weight_blocks(self._named_parameters(), layouts, self.config.exclude, tp_size)
-        self.matrices = experts.every_expert(local, experts.num_experts(model)) \
-            if model is not None else local
+        self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
+                                             pipeline_group) if models is not None else local)
         self.names = [m.name for m in self.matrices]
         if log_path is not None:
             require_zarr()
         if self.world_size > 1:
             self._check_same_matrices_on_all_ranks()
         self.owner = balance_by_cost([m.cost for m in self.matrices], self.world_size,
-                                     self._expert_holders({m.name for m in local}))
+                                     self._holders({m.name for m in local}))
         self.schedule = MultiplierSchedule(initial_multipliers(self.names, self.config),
                                            self.config.transition)
         self.last_stats: dict[str, SpectralStats] = {}
@@ -215,19 +233,17 @@ class ALRS:
                 full[i] = torch.cat(parts, dim=block.partition_dim)
         return full
 
-    def _expert_holders(self, local: set[str]) -> list[list[int] | None]:
-        """Per matrix, the ranks of ``group`` that hold it: those holding its expert (expert
-        parallelism), or None (any rank) for a matrix every rank holds."""
-        held = {experts.expert_index(n) for n in local} - {None}
-        everyone = [held]
+    def _holders(self, local: set[str]) -> list[list[int] | None]:
+        """Per matrix, the ranks of ``group`` that hold it (the stages of a pipeline, the ranks of
+        an expert), or None for a matrix every rank holds."""
+        everyone = [local]
         if self.world_size > 1:
             everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, held, group=self.group)
+            dist.all_gather_object(everyone, local, group=self.group)
         holders = []
         for m in self.matrices:
-            index = experts.expert_index(m.name)
-            ranks = [r for r, h in enumerate(everyone) if index in h]
-            holders.append(None if index is None or len(ranks) == self.world_size else ranks)
+            ranks = [r for r, held in enumerate(everyone) if m.name in held]
+            holders.append(None if len(ranks) == self.world_size else ranks)
         return holders
 
     def _tp_sharded(self) -> bool:
@@ -274,5 +290,5 @@ class ALRS:
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         if any(other != mine for other in everyone):
-            raise ValueError("ALRS needs the same matrices on every rank of its group; pipeline or "
-                             "expert parallelism is not supported")
+            raise ValueError("ALRS needs every rank of its group to list the same matrices; give "
+                             "it the model (its expert and pipeline blocks are then completed)")

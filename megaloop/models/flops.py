@@ -90,20 +90,42 @@ def _ffn_flops(group: LayerApplications) -> int:
             + 6 * d * block.moe_shared_expert_size)
 
 
+def _application_flops(cfg: ModelConfig, group: LayerApplications,
+                       n: int) -> tuple[Fraction, Fraction]:
+    """(matmul, attention) forward FLOPs per position of one application of a layer of ``group``
+    at sequence length ``n``."""
+    q = cfg.num_attention_heads * cfg.kv_channels
+    g = cfg.num_query_groups * cfg.kv_channels
+    width = group.block.hidden_size
+    projections = 2 * width * (q + 2 * g) if group.role != "global_only" else 2 * width * q
+    per_position = Fraction(1, group.stride)
+    matmul = per_position * (projections + 2 * q * width + _ffn_flops(group))
+    attention = per_position * 4 * group.keys_factor * Fraction(n, group.stride) * q
+    return matmul, attention
+
+
+def layer_application_flops(cfg: ModelConfig, block: str) -> tuple[Fraction, Fraction]:
+    """(matmul, attention) forward FLOPs per position of one application of one layer of
+    ``block``: "encoder" (the layers before the loop) or "decoder" (the looped layers)."""
+    cfg = cfg.resolve()
+    if block == "encoder":
+        group = LayerApplications(1, "plain", cfg.ffn_hidden_size, cfg.moe_in("encoder"), cfg)
+    else:
+        group = LayerApplications(1, cfg.decoder_attention, cfg.decoder_ffn_hidden_size,
+                                  cfg.moe_in("decoder"), cfg)
+    return _application_flops(cfg, group, cfg.seq_length)
+
+
 def forward_flops(cfg: ModelConfig, seq_length: int | None = None,
                   iterations: int | None = None) -> FlopBreakdown:
     cfg = cfg.resolve()
     n = seq_length or cfg.seq_length
-    d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.kv_channels
-    g = cfg.num_query_groups * cfg.kv_channels
+    d, g = cfg.hidden_size, cfg.num_query_groups * cfg.kv_channels
     layers = attention = Fraction(0)
     for group in layer_applications(cfg, iterations):
-        width = group.block.hidden_size
-        local_kv = group.role != "global_only"
-        projections = 2 * width * (q + 2 * g) if local_kv else 2 * width * q
-        per_position = Fraction(group.count, group.stride)
-        layers += per_position * (projections + 2 * q * width + _ffn_flops(group))
-        attention += per_position * 4 * group.keys_factor * Fraction(n, group.stride) * q
+        matmul, scores = _application_flops(cfg, group, n)
+        layers += group.count * matmul
+        attention += group.count * scores
     global_kv = cfg.num_decoder_layers * 2 * d * 2 * g if cfg.uses_global_kv else 0
     width_visits = (len(cfg.latent_visits) if cfg.arch == "latentloop"
                     and cfg.latent_reduction == "width" else 0)

@@ -268,9 +268,8 @@ class LatentLoopLM(LoopedLM):
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output=True,
-                 pre_process: bool = True, post_process: bool = True, fp8: str | None = None):
-        super().__init__(cfg, parallel, use_te, params_dtype, parallel_output, pre_process,
-                         post_process, fp8)
+                 fp8: str | None = None, stage: int = 0):
+        super().__init__(cfg, parallel, use_te, params_dtype, parallel_output, fp8, stage)
         cfg, parallel = self.cfg, parallel or ParallelConfig()
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         before, middle, after = cfg.num_prelude_layers, cfg.num_decoder_layers, cfg.num_coda_layers
@@ -311,7 +310,8 @@ class LatentLoopLM(LoopedLM):
             for part in parts:
                 _borrow_parameters(getattr(layer, part), getattr(owner, part))
 
-    def loop(self, hidden: torch.Tensor, rope: torch.Tensor, steps: int) -> torch.Tensor:
+    def loop(self, hidden: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
+             steps: int) -> torch.Tensor:
         """The V visits, then the coda. They are V distinct modules applied in order (each its own
         residual scale and compression) over the shared block, so there is no test-time depth."""
         if steps != self.cfg.iterations:

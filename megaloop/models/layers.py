@@ -8,10 +8,13 @@
 - ``PostNormLinear``: a row-parallel projection followed by RMSNorm, the OLMo-2 sublayer output norm.
 - ``LoopedTransformerLayer``: routes the Global KV that ``TransformerBlock`` forwards as ``context``
   into the layer's attention.
+- ``LayerBlock``: a TransformerBlock holding some layers of a block (a pipeline stage's share), with
+  spans of them to run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,7 +24,8 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megaloop.models.joint_attention import joint_attention_fused
@@ -221,14 +225,22 @@ class LoopedTransformerLayer(TransformerLayer):
     layer with the same arguments.
 
     Layer numbers: megatron-core numbers the layers of every block from 1 (``layer_number``, which
-    also indexes the block's checkpoint stacking and this block's stacked Global KV).
+    also indexes the block's checkpoint stacking); the stacked Global KV has one entry per layer
+    the building block holds, in order (``context_index``).
     ``global_layer_number`` = ``layer_offset`` + ``layer_number`` is unique in the model (encoder
     1..E, decoder E+1..E+D; LatentLoop prelude, middle, coda in order); it keys what is shared
     model-wide: the attention's inference KV cache and the MoE router's statistics.
     """
 
-    def __init__(self, *args, layer_offset: int = 0, **kwargs):
+    def __init__(self, *args, layer_offset: int = 0,
+                 block_layer_numbers: tuple[int, ...] | None = None, **kwargs):
+        # TransformerBlock builds its layers numbered 1, 2, ...; a block holding only some layers
+        # of a longer block (a pipeline stage's share, ``LayerBlock``) gives their numbers there.
+        position = kwargs.get("layer_number", 1)
+        if block_layer_numbers is not None:
+            kwargs["layer_number"] = block_layer_numbers[position - 1]
         super().__init__(*args, **kwargs)
+        self.context_index = position - 1  # into the building block's stacked Global KV
         self.global_layer_number = self.layer_number + layer_offset
         self.self_attention.layer_number = self.global_layer_number
         if hasattr(self.mlp, "set_layer_number"):
@@ -244,7 +256,7 @@ class LoopedTransformerLayer(TransformerLayer):
             rotary_pos_emb = (rotary_pos_emb, None)
         # This layer's slice, selected by a Python index: a view, with no index tensor to copy
         # from the host (that copy synchronised the GPU once per layer call, D x K per forward).
-        global_kv = context[self.layer_number - 1]
+        global_kv = context[self.context_index]
         # Without grad mode (the first pass of activation recomputation, evaluation) a view of a
         # tensor that requires grad still claims to require it but has no grad_fn, which trips
         # module-level autograd hooks (FlopCounterMode); nothing needs its gradient there.
@@ -254,3 +266,46 @@ class LoopedTransformerLayer(TransformerLayer):
                                               rotary_pos_emb=rotary_pos_emb, **kwargs)
         finally:
             attention.global_kv = None
+
+
+class LayerBlock(TransformerBlock):
+    """A TransformerBlock holding layers ``numbers`` (1-based, ascending) of a block of
+    ``config.num_layers`` layers: a pipeline stage's share of the encoder or of the looped decoder
+    (megaloop.models.pipeline), or all of it. Its layers keep their numbers in the whole block,
+    where checkpoints stack them, so that a checkpoint reads the same in every pipeline layout.
+
+    ``span(first, count)`` is a block running layers first..first+count-1 in order: this block when
+    that is all of it, else a TransformerBlock over the same layer modules (not registered as a
+    submodule: the owner saves, counts and moves them; ``LoopedLM.train`` sets its mode).
+    """
+
+    def __init__(self, config, layer_spec: ModuleSpec, numbers: tuple[int, ...]):
+        spec = dataclasses.replace(layer_spec, params={**layer_spec.params,
+                                                       "block_layer_numbers": tuple(numbers)})
+        super().__init__(config, TransformerBlockSubmodules(layer_specs=[spec] * len(numbers)),
+                         post_layer_norm=False)
+
+    def span(self, first: int, count: int) -> TransformerBlock:
+        numbers = [layer.layer_number for layer in self.layers]
+        start = numbers.index(first)
+        if start == 0 and count == len(numbers):
+            return self
+        view = TransformerBlock(self.config, TransformerBlockSubmodules(layer_specs=[]),
+                                post_layer_norm=False)
+        view.layers = self.layers[start:start + count]
+        view.num_layers_per_pipeline_rank = count
+        return view
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None):
+        """megatron-core's, whose local keys name a layer by its number in the whole block; loading
+        (``load_state_dict``) needs its position in this one."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        position = {layer.layer_number - 1: i for i, layer in enumerate(self.layers)}
+        layers, renamed = f"{prefix}layers.", {}
+        for key, value in state.items():
+            if key.startswith(layers):
+                number, rest = key[len(layers):].split(".", 1)
+                key = f"{layers}{position[int(number)]}.{rest}"
+            renamed[key] = value
+        return renamed

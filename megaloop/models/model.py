@@ -8,7 +8,10 @@
 
 Dense is the special case E = 0, K = 1 and Full Loop E = 0, K = R. The model is single-device code in
 the torchtitan sense: tensor parallelism lives in the megatron-core layers it is built from, and
-data/pipeline parallelism, checkpointing and logging are applied from outside.
+data parallelism, checkpointing and logging are applied from outside. Under pipeline parallelism
+one LoopedLM is one stage: its piece of the unrolled chain of layer applications
+(megaloop.models.pipeline), holding the layers it runs; decoder layers run on several stages are
+tied copies there (megaloop.training.tied).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megaloop.config import ModelConfig, ParallelConfig
-from megaloop.models import moe, specs
-from megaloop.models.recurrence import iterate
+from megaloop.models import moe, pipeline, specs
+from megaloop.models.layers import LayerBlock
+from megaloop.models.recurrence import Segment, run_segments
 
 
 # megaloop's FP8 recipe names (config.Fp8Recipe) -> megatron-core's.
@@ -108,40 +112,42 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
 class LoopedLM(LanguageModule):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True,
-                 pre_process: bool = True, post_process: bool = True, fp8: str | None = None):
-        """``pre_process`` / ``post_process``: this pipeline stage holds the embedding / the head.
-
-        Pipeline parallelism: Dense splits its layers evenly over the stages; AsymLoop takes two
-        stages split where the recurrence starts, embedding + encoder on the first and Global KV +
-        the K-times decoder + head on the last, so that the loop never crosses a stage.
+                 fp8: str | None = None, stage: int = 0):
+        """``stage``: the pipeline stage this model is, v * pipeline + p for model chunk v of
+        pipeline rank p (megaloop.models.pipeline): it holds the embedding if it is the first
+        stage, the head if it is the last, and the layers its piece of the unrolled layer chain
+        runs. Without pipeline parallelism the one stage holds everything.
         """
         cfg = dataclasses.replace(cfg).resolve()
         parallel = parallel or ParallelConfig()
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
-        self_contained_blocks = cfg.arch == "asymloop" and parallel.pipeline > 1
-        # Each block of a stage split lives whole on one stage: its own config says "no pipeline",
-        # so megatron-core builds all of its layers, numbered from 1 as without pipelining (and
-        # checkpoints keep the same keys in every layout).
-        block_parallel = (dataclasses.replace(parallel, pipeline=1) if self_contained_blocks
-                          else parallel)
+        stages = pipeline.plan_stages(cfg, pipeline.stage_counts(cfg, parallel))
+        this = stages[stage]
+        # The model's config carries the pipeline sizes (the schedules and the embedding tie read
+        # them); each block's says "no pipeline", so that megatron-core builds exactly the layers
+        # it is given, numbered as in the whole block (LayerBlock).
         model_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
                                           params_dtype, fp8, use_te)
-        dec_config = (transformer_config(cfg, block_parallel, dec_layers,
-                                         cfg.decoder_ffn_hidden_size, params_dtype, fp8, use_te)
-                      if self_contained_blocks else model_config)
+        block_parallel = dataclasses.replace(parallel, pipeline=1, virtual_pipeline=1,
+                                             pipeline_split=[])
         super().__init__(config=model_config)
-        self.cfg = cfg
+        if parallel.virtual_pipeline > 1:
+            self.vp_stage = stage // parallel.pipeline
+        self.cfg, self.stages, self.stage = cfg, stages, this
         self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules expect
-        self.pre_process, self.post_process = pre_process, post_process
-        self.self_contained_blocks = self_contained_blocks
+        self.pre_process, self.post_process = this.embedding, this.head
+        # Messages between stages have the stacked [stream; H_E] shape everywhere under the
+        # interleaved schedule (one shape) once any of them carries H_E.
+        self.padded_messages = parallel.virtual_pipeline > 1 and any(
+            s.sends_encoding for s in stages)
         self.stage_input: torch.Tensor | None = None
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.vocab_size = cfg.vocab_size
         self.max_sequence_length = cfg.seq_length
 
-        if pre_process:
+        if this.embedding:
             self.embedding = LanguageModelEmbedding(
                 config=model_config, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                 position_embedding_type="rope",
@@ -151,31 +157,82 @@ class LoopedLM(LanguageModule):
             use_cpu_initialization=model_config.use_cpu_initialization,
         )
         self.encoder = self.decoder = None
-        if enc_layers and (pre_process or not self_contained_blocks):
+        if this.held("encoder"):
             enc_config = transformer_config(cfg, block_parallel, enc_layers, cfg.ffn_hidden_size,
                                             params_dtype, fp8, use_te)
-            self.encoder = TransformerBlock(
+            self.encoder = LayerBlock(
                 enc_config, specs.layer_spec(cfg, "plain", use_te, moe=cfg.moe_in("encoder")),
-                post_layer_norm=False)
-        if post_process or not self_contained_blocks:
+                this.held("encoder"))
+        # The stage runs the last encoder layer (or, without an encoder, is the first stage): the
+        # decoder's input and encoding originate here.
+        self.encoding_starts_here = (this.start < enc_layers <= this.start + this.applications
+                                     if enc_layers else this.start == 0)
+        self._segments: list[Segment] = []
+        if this.held("decoder"):
+            dec_config = transformer_config(cfg, block_parallel, dec_layers,
+                                            cfg.decoder_ffn_hidden_size, params_dtype, fp8, use_te)
             decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te,
                                             moe=cfg.moe_in("decoder"), layer_offset=enc_layers)
-            self.decoder = TransformerBlock(
-                dec_config, decoder_spec, post_layer_norm=False,
-                pre_process=pre_process or self_contained_blocks, post_process=post_process)
-        if post_process:
+            self.decoder = LayerBlock(dec_config, decoder_spec, this.held("decoder"))
+            self._segments = [Segment(self.decoder.span(run.first, run.count), run.step,
+                                      run.first == 1) for run in this.runs
+                              if run.block == "decoder"]
+            self._mark_tied_copies()
+        if this.head:
             self.final_layernorm = build_module(specs.final_norm_spec(use_te), config=model_config,
                                                 hidden_size=cfg.hidden_size, eps=cfg.norm_eps)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, config=model_config,
                 init_method=model_config.init_method, bias=False, skip_bias_add=False,
                 gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and cfg.tie_embeddings,
+                skip_weight_param_allocation=this.embedding and cfg.tie_embeddings,
             )
         self.setup_embeddings_and_output_layer()
         self.routing_stats = self._attach_routing_stats(
             ([self.first_group] if enc_layers else [])
             + [f"{self.loop_group}{t}" for t in range(1, cfg.iterations + 1)])
+
+    # ------------------------------------------------------------------ tied decoder copies
+    def decoder_holders(self, layer: int) -> list[int]:
+        """The stages holding decoder layer ``layer`` (1-based), ascending: more than one when the
+        pipeline unrolls the loop over stages (tied copies); the first holds the primary copy."""
+        return [s.index for s in self.stages if layer in s.held("decoder")]
+
+    def is_primary_copy(self, layer: int) -> bool:
+        return self.decoder_holders(layer)[0] == self.stage.index
+
+    def _mark_tied_copies(self) -> None:
+        """Marks the parameters of the decoder layers whose primary copy is on another stage
+        ``shared`` (megatron-core's convention for a tied embedding's second copy): the gradient
+        norm counts each tied parameter once."""
+        for layer in self.decoder.layers:
+            if not self.is_primary_copy(layer.layer_number):
+                for param in layer.parameters():
+                    param.shared = True
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None):
+        """megatron-core's, with the tied decoder copies other than the primary one marked as
+        replicas: every copy maps to the same key and a checkpoint holds one (saved by the primary
+        holder; loading fills every copy)."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.decoder is None:
+            return state
+        for position, layer in enumerate(self.decoder.layers):
+            if self.is_primary_copy(layer.layer_number):
+                continue
+            layer_prefix = f"{prefix}decoder.layers.{position}."
+            for key, entry in state.items():
+                if key.startswith(layer_prefix):
+                    entry.replica_id = _replica_of_copy(entry.replica_id, self.stage.index)
+        return state
+
+    def train(self, mode: bool = True):
+        """Also sets the mode of the decoder spans, which are not submodules."""
+        super().train(mode)
+        for segment in self._segments:
+            segment.block.train(mode)
+        return self
 
     # MoE statistics labels of the block before the loop and of the loop's steps.
     first_group, loop_group = "encoder", "iter"
@@ -202,60 +259,93 @@ class LoopedLM(LanguageModule):
         return self.routing_stats.applying(group)
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Pipeline schedules hand a non-first stage its input activations here."""
+        """Pipeline schedules hand a non-first stage its input message here."""
         if isinstance(input_tensor, (list, tuple)):
             input_tensor = input_tensor[0]
-        if self.self_contained_blocks:
-            self.stage_input = input_tensor  # H_E from the encoder stage
-        elif self.decoder is not None:
-            self.decoder.set_input_tensor(input_tensor)
+        self.stage_input = input_tensor
 
     def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
-        """Global KV of every decoder layer, stacked on dim 0: [D, N, B, groups, 2 * head_dim]."""
+        """Global KV of every decoder layer this stage holds, stacked on dim 0:
+        [layers, N, B, groups, 2 * head_dim]."""
         return torch.stack([layer.self_attention.project_global_kv(encoder_output, rotary_pos_emb)
                             for layer in self.decoder.layers])
 
-    def loop(self, hidden: torch.Tensor, rope: torch.Tensor, steps: int) -> torch.Tensor:
-        """The weight-tied decoder K times (Full Loop: the stack R times), after the Global KV."""
+    def loop(self, state: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
+             steps: int) -> torch.Tensor:
+        """This stage's share of the weight-tied decoder iterations (all K without pipelining;
+        Full Loop: the stack R times), after the Global KV. ``state``: the decoder state arriving
+        (z_0 on the stage where the encoding originates); ``encoding``: H_E (AsymLoop), else the
+        embedding output on the first stage, else None."""
         cfg = self.cfg
-        context = self.global_kv(hidden, rope) if cfg.uses_global_kv else None
+        context = self.global_kv(encoding, rope) if self.stage.global_kv else None
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
-        return iterate(self.decoder, hidden, steps, additive=additive,
-                       step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
-                       attention_mask=None, context=context, rotary_pos_emb=rope)
+        segments = (self._segments if len(self.stages) > 1 else
+                    [Segment(self.decoder, t) for t in range(1, steps + 1)])
+        return run_segments(segments, encoding, state, additive=additive,
+                            step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
+                            attention_mask=None, context=context, rotary_pos_emb=rope)
+
+    def _unpack(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(stream, H_E or None) of a message from the previous stage."""
+        if self.stage.receives_encoding:
+            stream, encoding = message.chunk(2, dim=0)
+            return stream, encoding
+        return (message.chunk(2, dim=0)[0] if self.padded_messages else message), None
+
+    def _pack(self, stream: torch.Tensor, encoding: torch.Tensor | None) -> torch.Tensor:
+        """The message to the next stage: the stream, [stream; H_E] once the encoding travels."""
+        if self.stage.sends_encoding:
+            return torch.cat([stream, encoding])
+        return torch.cat([stream, torch.zeros_like(stream)]) if self.padded_messages else stream
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_iterations: int | None = None) -> torch.Tensor:
-        """Returns logits [B, N, V/tp] or, with ``labels``, per-token losses [B, N].
+        """Returns logits [B, N, V/tp] or, with ``labels``, per-token losses [B, N]; a stage
+        without the head returns its message to the next stage.
 
-        ``num_iterations`` overrides K (or R) for test-time depth scaling. Attention is causal by
-        construction; ``attention_mask`` is accepted for megatron-core's calling convention only.
+        ``num_iterations`` overrides K (or R) for test-time depth scaling (one stage only: a
+        pipeline unrolls exactly K). Attention is causal by construction; ``attention_mask`` is
+        accepted for megatron-core's calling convention only.
         """
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         steps = self.cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
+        if len(self.stages) > 1 and steps != self.cfg.iterations:
+            raise ValueError(f"num_iterations={steps}: a pipeline runs exactly the "
+                             f"iterations={self.cfg.iterations} its stages unroll")
         if self.pre_process:
-            hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [N, B, h]
-        else:  # None for Dense: its decoder block reads the tensor the schedule handed over
-            hidden = self.stage_input
+            state, encoding = self.embedding(input_ids=input_ids, position_ids=position_ids), None
+        else:
+            state, encoding = self._unpack(self.stage_input)
         rope = self.rotary_pos_emb(input_ids.shape[1])
         if self.encoder is not None:
             with self.applying(self.first_group):
-                hidden = self.encoder(hidden, attention_mask=None, rotary_pos_emb=rope)
-        if self.decoder is None:  # the encoder stage of a pipeline split sends H_E on
-            return hidden
-        hidden = self.loop(hidden, rope, steps)
+                state = self.encoder(state, attention_mask=None, rotary_pos_emb=rope)
+        if self.encoding_starts_here:  # z_0 follows from the encoding (recurrence.run_segments)
+            additive = self.cfg.arch == "asymloop" and self.cfg.injection == "additive"
+            encoding, state = state, torch.zeros_like(state) if additive else state
+        if self.decoder is not None:
+            state = self.loop(state, encoding, rope, steps)
         if not self.post_process:
-            return hidden
-        hidden = self.final_layernorm(hidden)
+            return self._pack(state, encoding)
+        hidden = self.final_layernorm(state)
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
         logits, _ = self.output_layer(hidden, weight=weight)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+
+def _replica_of_copy(replica_id, stage: int):
+    """A checkpoint entry's replica id marked as the tied copy of ``stage`` (> 0, the primary
+    copy's stage being lower): its first element, which megatron-core keeps for pipeline
+    replicas (as for the tied output layer), becomes ``stage``."""
+    if isinstance(replica_id, tuple):
+        return (stage, *replica_id[1:])
+    return (stage, 0, replica_id)
 
 
 def model_class(cfg: ModelConfig) -> type[LoopedLM]:

@@ -101,6 +101,7 @@ def init_distributed(
     pipeline_parallel: int = 1,
     expert_parallel: int = 1,
     seed: int = 1234,
+    virtual_pipeline: int = 1,
 ) -> LaunchEnv:
     """Initialises torch.distributed and megatron-core's model-parallel groups; returns the launch env.
 
@@ -128,6 +129,7 @@ def init_distributed(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         expert_model_parallel_size=expert_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
     )
     mcore_tp.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

@@ -2,7 +2,8 @@
 
 It prints the resolved config, the rank layout (which rank holds which tensor-parallel shard,
 pipeline stage and data-parallel replica, in megatron-core's rank order, and what each stage
-holds) and the per-GPU memory estimate with the verdict for the GPU's memory and, when it does
+holds, and under pipeline parallelism each stage's compute against the ideal and the bubble) and
+the per-GPU memory estimate with the verdict for the GPU's memory and, when it does
 not fit, the cheapest layouts that would.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import yaml
 
 from megaloop.config import RunConfig, to_dict
+from megaloop.models.pipeline import describe_split, stage_counts
 from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
 from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
 
@@ -46,8 +48,12 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
              f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
              f"{cfg.parallel.recompute}; {micro} micro-batches of {cfg.train.micro_batch_size} "
              "per step and data-parallel rank"]
-    for index, stage in enumerate(stage_layout(cfg.model, layout.pipeline)):
-        lines.append(f"stage {index}: {stage.describe()}")
+    if layout.pipeline > 1:
+        lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),
+                                layout.pipeline, micro, not cfg.parallel.pipeline_split,
+                                cfg.parallel.recompute == "full")
+    else:
+        lines.append(f"stage 0: {stage_layout(cfg.model, cfg.parallel)[0].describe()}")
     lines += rank_table(layout, gpus_per_node)
 
     device_bytes = int(gpu_memory_gib * GIB)

@@ -5,6 +5,7 @@ A layout string lists its parallel dimensions, comma-separated, in any order:
     "dp2"        2 data-parallel replicas          "tp2,sp"     tensor parallel + sequence parallel
     "pp2"        2 pipeline stages                 "ep2"        2 expert-parallel ranks (MoE)
     "tp2,pp2"    4 ranks                           "recompute"  full activation recomputation
+    "pp2,vp2"    2 pipeline ranks, 2 model chunks each (the interleaved schedule)
     "single"     one process (also "")
 
 The data-parallel size is what the ranks leave over (``world = tp * pp * dp``); expert parallelism
@@ -22,9 +23,10 @@ import re
 from dataclasses import dataclass
 
 from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from megaloop.models.pipeline import Stage, plan_stages, stage_counts
 
 MCORE_RANK_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default, which init_distributed uses
-_PART = re.compile(r"^(tp|pp|dp|ep)(\d+)$")
+_PART = re.compile(r"^(tp|pp|dp|ep|vp)(\d+)$")
 _FLAGS = {"sp": "sequence_parallel", "recompute": "recompute"}
 
 
@@ -36,6 +38,7 @@ class Layout:
     expert: int = 1
     sequence_parallel: bool = False
     recompute: bool = False
+    virtual: int = 1  # model chunks per pipeline rank
 
     @property
     def world_size(self) -> int:
@@ -44,24 +47,30 @@ class Layout:
     @property
     def name(self) -> str:
         parts = [f"{key}{value}" for key, value in (("tp", self.tensor), ("pp", self.pipeline),
-                                                    ("dp", self.data), ("ep", self.expert))
+                                                    ("vp", self.virtual), ("dp", self.data),
+                                                    ("ep", self.expert))
                  if value > 1]
         parts += [flag for flag, field in _FLAGS.items() if getattr(self, field)]
         return ",".join(parts) or "single"
 
-    def parallel_config(self) -> ParallelConfig:
+    def parallel_config(self, pipeline_split: list[int] | None = None) -> ParallelConfig:
         return ParallelConfig(tensor=self.tensor, pipeline=self.pipeline, expert=self.expert,
                               sequence_parallel=self.sequence_parallel,
-                              recompute="full" if self.recompute else "none")
+                              recompute="full" if self.recompute else "none",
+                              virtual_pipeline=self.virtual,
+                              pipeline_split=list(pipeline_split or []))
 
     def apply(self, cfg: RunConfig) -> RunConfig:
-        """A copy of ``cfg`` with this layout's parallel section."""
-        return dataclasses.replace(cfg, parallel=self.parallel_config())
+        """A copy of ``cfg`` with this layout's parallel section; ``cfg``'s
+        ``parallel.pipeline_split`` is kept when it has one count per stage of this layout."""
+        split = cfg.parallel.pipeline_split
+        keep = self.pipeline > 1 and len(split) == self.pipeline * self.virtual
+        return dataclasses.replace(cfg, parallel=self.parallel_config(split if keep else None))
 
 
 def parse_layout(text: str) -> Layout:
     """Parses a layout string (see the module docstring); mistakes are one-line ConfigErrors."""
-    sizes = {"tp": 1, "pp": 1, "dp": None, "ep": 1}
+    sizes = {"tp": 1, "pp": 1, "dp": None, "ep": 1, "vp": 1}
     flags = dict.fromkeys(_FLAGS.values(), False)
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
     for part in parts:
@@ -73,8 +82,8 @@ def parse_layout(text: str) -> Layout:
         elif match and int(match.group(2)) >= 1:
             sizes[match.group(1)] = int(match.group(2))
         else:
-            raise ConfigError(f"layout {text!r}: unknown part {part!r} (known: tpN, ppN, dpN, "
-                              "epN, sp, recompute, single; e.g. 'tp2,sp' or 'dp2,pp2')")
+            raise ConfigError(f"layout {text!r}: unknown part {part!r} (known: tpN, ppN, vpN, "
+                              "dpN, epN, sp, recompute, single; e.g. 'tp2,sp' or 'dp2,pp2')")
     tp, ep = sizes["tp"], sizes["ep"]
     # megatron-core builds expert groups of (expert tensor = tp) x ep ranks out of the tp x dp
     # ranks of a stage: dp must be a multiple of ep.
@@ -82,7 +91,8 @@ def parse_layout(text: str) -> Layout:
     if dp % ep:
         raise ConfigError(f"layout {text!r}: ep{ep} needs a data-parallel size that is a multiple "
                           f"of {ep} (got dp{dp}; e.g. dp{ep * math.ceil(dp / ep)})")
-    return Layout(tensor=tp, pipeline=sizes["pp"], data=dp, expert=ep, **flags)
+    return Layout(tensor=tp, pipeline=sizes["pp"], data=dp, expert=ep, virtual=sizes["vp"],
+                  **flags)
 
 
 def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
@@ -91,7 +101,7 @@ def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
     return Layout(tensor=parallel.tensor, pipeline=parallel.pipeline,
                   data=world_size // (parallel.tensor * parallel.pipeline),
                   expert=parallel.expert, sequence_parallel=parallel.sequence_parallel,
-                  recompute=parallel.recompute == "full")
+                  recompute=parallel.recompute == "full", virtual=parallel.virtual_pipeline)
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
@@ -123,60 +133,10 @@ def _divisors(n: int) -> list[int]:
 # which rank holds what
 # --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class LayerRun:
-    """Physical layers ``first``..``first + count - 1`` of a block, each run ``applications``
-    times per forward pass on this stage (K for a looped block)."""
-
-    block: str  # "encoder", "decoder" (the looped block of every architecture)
-    first: int
-    count: int
-    applications: int = 1
-
-
-@dataclass(frozen=True)
-class Stage:
-    """What one pipeline stage holds and runs."""
-
-    embedding: bool
-    runs: tuple[LayerRun, ...]
-    global_kv_layers: int  # decoder layers whose Global KV this stage projects (once per forward)
-    head: bool  # final norm + output layer
-
-    def describe(self) -> str:
-        """e.g. "Global KV of 2 layers, decoder layers 1-2 x3, final norm + head"."""
-        parts = ["embedding"] if self.embedding else []
-        for run in self.runs:
-            if run.block == "decoder" and self.global_kv_layers:
-                parts.append(f"Global KV of {self.global_kv_layers} layers")
-            last = run.first + run.count - 1
-            layers = f"layer {run.first}" if run.count == 1 else f"layers {run.first}-{last}"
-            times = f" x{run.applications}" if run.applications > 1 else ""
-            parts.append(f"{run.block} {layers}{times}")
-        if self.head:
-            parts.append("final norm + head")
-        return ", ".join(parts)
-
-
-def stage_layout(model: ModelConfig, pipeline: int) -> list[Stage]:
-    """The pipeline stages LoopedLM builds (megaloop.models.model): Dense splits its layers evenly;
-    AsymLoop takes two stages split where the recurrence starts; one stage otherwise."""
-    model = dataclasses.replace(model).resolve()
-    enc, dec, k = model.num_encoder_layers, model.num_decoder_layers, model.num_iterations
-    kv = dec if model.uses_global_kv else 0
-    if pipeline == 1:
-        runs = ((LayerRun("encoder", 1, enc),) if enc else ()) + (LayerRun("decoder", 1, dec, k),)
-        return [Stage(True, runs, kv, True)]
-    if model.arch == "asymloop" and pipeline == 2:
-        return [Stage(True, (LayerRun("encoder", 1, enc),), 0, False),
-                Stage(False, (LayerRun("decoder", 1, dec, k),), kv, True)]
-    if model.arch == "dense" and dec % pipeline == 0:
-        per = dec // pipeline
-        return [Stage(i == 0, (LayerRun("decoder", 1 + i * per, per),), 0, i == pipeline - 1)
-                for i in range(pipeline)]
-    raise ConfigError(f"parallel.pipeline={pipeline}: no stage layout for model.arch={model.arch} "
-                      f"with {model.num_layers} layers (Dense: a divisor of num_layers; AsymLoop: "
-                      "2; Full Loop: 1)")
+def stage_layout(model: ModelConfig, parallel: ParallelConfig) -> list[Stage]:
+    """The pipeline stages LoopedLM builds for ``parallel`` (megaloop.models.pipeline): the
+    model's chain of layer applications cut by ``parallel.pipeline_split`` or the balanced split."""
+    return plan_stages(model, stage_counts(model, parallel))
 
 
 def rank_groups(layout: Layout) -> dict[str, list[list[int]]]:

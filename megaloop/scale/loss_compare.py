@@ -5,8 +5,12 @@ initialisation draws differ between layouts, since each pipeline stage and tenso
 seeds its own part) and reads the same global batches, so the losses may differ only by the
 order of floating-point sums:
 
-- a layout that differs from the first only in its pipeline size must agree with it bit for bit:
-  the stages run the same operations in the same order, only on other processes;
+- a layout that differs from the first only in its pipeline size must agree with it bit for bit
+  at the first step: the stages run the same forward operations in the same order, only on other
+  processes. After that it agrees to ``RTOL``: a pipeline that unrolls a loop holds tied copies of
+  decoder layers, whose gradients (one partial sum per copy) are added in another order than one
+  process accumulates them (Dense, without tied copies, stays bit-exact; measured on the tiny Full
+  Loop config: one rounding step, 4.8e-7, at step 8 of 10);
 - a layout and the same layout with ``recompute`` must agree bit for bit at the first step
   (recomputation replays the same forward on the same weights); after that they may differ by
   rounding, since recomputing layer by layer changes the order in which the gradients of the K
@@ -104,10 +108,12 @@ def compare_curves(curves: dict[str, dict[int, float]], rtol: float = RTOL) -> l
             problems.append(f"{name}: step {step} loss {curve[step]!r} vs {twin} "
                             f"{curves[twin][step]!r} (recomputation must agree exactly at the "
                             "first step)")
-        exact = dataclasses.replace(parse_layout(name), pipeline=first.pipeline) == first
-        rule = "exactly (pipeline stages only)" if exact else f"to rtol={rtol:g}"
+        pipeline_only = dataclasses.replace(parse_layout(name), pipeline=first.pipeline) == first
         for step in sorted(reference):
             want, got = reference[step], curve[step]
+            exact = pipeline_only and step == min(reference)
+            rule = ("exactly at the first step (pipeline stages only)" if exact
+                    else f"to rtol={rtol:g}")
             if got != want if exact else abs(got - want) > rtol * abs(want):
                 problems.append(f"{name}: step {step} loss {got!r} vs {names[0]} {want!r} (must "
                                 f"agree {rule}; difference {got - want:.3g})")

@@ -17,7 +17,8 @@ sequence (norm inputs and outputs, residuals) are split over the tensor-parallel
 sequence parallelism; attention and FFN tensors are split over heads and FFN columns always.
 With full recomputation a layer application keeps only its input, and one layer's activations
 are rebuilt at a time. AsymLoop's Global KV (once per forward) stays saved, whatever the
-recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches.
+recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches
+(the interleaved schedule: its warm-up count of chunk-micro-batches, at the chunks' mean).
 The head adds the fp32 softmax megatron-core's vocab-parallel cross-entropy keeps (N x V / TP),
 and, in bf16, the logits while it runs (in fp32 it works on them in place).
 
@@ -93,10 +94,11 @@ def stage_parameters(model: ModelConfig, stage: Stage, tp: int) -> int:
         count += model.hidden_size  # final norm
         if not (model.tie_embeddings and stage.embedding):
             count += model.vocab_size * model.hidden_size // tp
-    for run in stage.runs:
-        decoder = run.block == "decoder"
+    for block in ("encoder", "decoder"):  # each layer held once, however often it runs
+        decoder = block == "decoder"
         ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
-        count += run.count * _layer_params(model, ffn, tp, decoder and model.uses_global_kv)
+        count += len(stage.held(block)) * _layer_params(model, ffn, tp,
+                                                         decoder and model.uses_global_kv)
     return count
 
 
@@ -159,11 +161,15 @@ def _bytes(saved: _Saved, tokens: int, tp: int, sp: bool, act_bytes: int, fp8: b
 def estimate(cfg: RunConfig, layout: Layout, *, device: str = "gpu",
              stage: int | None = None) -> MemoryEstimate:
     """Per-rank memory of ``cfg`` under ``layout``; ``device`` "gpu" (Transformer Engine, bf16 by
-    default) or "cpu" (local spec, fp32 by default); ``stage``: None for the busiest stage."""
-    stages = stage_layout(cfg.model, layout.pipeline)
+    default) or "cpu" (local spec, fp32 by default); ``stage``: the pipeline rank, None for the
+    busiest. With the interleaved schedule a rank holds one model chunk per virtual stage."""
+    # The config's own pipeline split when the layout is the config's; else the balanced one.
+    stages = stage_layout(cfg.model, cfg.parallel if cfg.parallel.pipeline == layout.pipeline
+                          and cfg.parallel.virtual_pipeline == layout.virtual
+                          else layout.parallel_config())
     if stage is None:
-        return max((estimate(cfg, layout, device=device, stage=s) for s in range(len(stages))),
-                   key=lambda e: e.total)
+        return max((estimate(cfg, layout, device=device, stage=s)
+                    for s in range(layout.pipeline)), key=lambda e: e.total)
     model = dataclasses.replace(cfg.model).resolve()
     precision = cfg.train.precision
     if precision == "auto":
@@ -171,9 +177,9 @@ def estimate(cfg: RunConfig, layout: Layout, *, device: str = "gpu",
     te, fp8 = device == "gpu", precision == "fp8"
     act_bytes = 4 if precision == "fp32" else 2
     tp, sp, dp = layout.tensor, layout.sequence_parallel, layout.data
-    this = stages[stage]
+    chunks = stages[stage::layout.pipeline]
 
-    params = stage_parameters(model, this, tp)
+    params = sum(stage_parameters(model, chunk, tp) for chunk in chunks)
     weights = params * (4 if precision == "fp32" else 2) + (2 * params if fp8 else 0)
     grads = params * 4
     optimizer = params * (8 + (0 if precision == "fp32" else 4))
@@ -183,30 +189,40 @@ def estimate(cfg: RunConfig, layout: Layout, *, device: str = "gpu",
     tokens = cfg.train.micro_batch_size * model.seq_length
     size = dict(tokens=tokens, tp=tp, sp=sp, act_bytes=act_bytes, fp8=fp8)
     layer_input = _bytes(_Saved(seq=model.hidden_size), **size)
-    saved, largest_layer = 0.0, 0.0
-    for run in this.runs:
-        decoder = run.block == "decoder"
-        ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
-        joint = decoder and model.uses_global_kv and model.local_kv
-        per_layer = _bytes(_layer_saved(model, ffn, joint, te), **size)
-        largest_layer = max(largest_layer, per_layer)
-        applications = run.count * run.applications
-        saved += applications * (layer_input if layout.recompute else per_layer)
-    if this.global_kv_layers:
-        saved += this.global_kv_layers * _bytes(_global_kv_saved(model, te), **size)
     vocab_split = tokens * model.vocab_size / tp
-    if this.head:
-        saved += _bytes(_Saved(seq=3 * model.hidden_size, fp32=1), **size) + 4 * vocab_split
-    in_flight = min(layout.pipeline - stage, _microbatches(cfg, layout))
+    saved, largest_layer = [], 0.0  # per chunk and micro-batch
+    for chunk in chunks:
+        chunk_saved = 0.0
+        for run in chunk.runs:
+            decoder = run.block == "decoder"
+            ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
+            joint = decoder and model.uses_global_kv and model.local_kv
+            per_layer = _bytes(_layer_saved(model, ffn, joint, te), **size)
+            largest_layer = max(largest_layer, per_layer)
+            chunk_saved += run.count * (layer_input if layout.recompute else per_layer)
+        if chunk.global_kv_layers:
+            chunk_saved += chunk.global_kv_layers * _bytes(_global_kv_saved(model, te), **size)
+        if chunk.head:
+            chunk_saved += (_bytes(_Saved(seq=3 * model.hidden_size, fp32=1), **size)
+                            + 4 * vocab_split)
+        saved.append(chunk_saved)
+    micro = _microbatches(cfg, layout)
+    if layout.virtual == 1:
+        in_flight = min(layout.pipeline - stage, micro)
+    else:  # megatron-core's interleaved warm-up, then one more, in chunk-micro-batches
+        in_flight = min(micro * layout.virtual,
+                        2 * (layout.pipeline - stage - 1) + (layout.virtual - 1) * layout.pipeline
+                        + 1)
     # At the peak: the logits in the activation dtype next to the fp32 softmax; the layer that
     # recomputation rebuilds; the gradient of one layer's output and input.
     # (In fp32 the cross-entropy works on the logits in place: no second copy.)
-    logits = act_bytes * vocab_split if this.head and act_bytes != 4 else 0
+    head = any(chunk.head for chunk in chunks)
+    logits = act_bytes * vocab_split if head and act_bytes != 4 else 0
     transient = logits + 2 * layer_input
     if layout.recompute:
         transient += largest_layer
     return MemoryEstimate(stage, params, int(weights), int(grads), int(optimizer),
-                          int(in_flight * saved), int(transient))
+                          int(in_flight * sum(saved) / len(saved)), int(transient))
 
 
 def _microbatches(cfg: RunConfig, layout: Layout) -> int:
@@ -230,7 +246,6 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                 trial = layout.apply(cfg)
                 try:
                     trial.parallel.validate(trial.model)
-                    stage_layout(trial.model, pp)
                 except ValueError:
                     continue
                 mem = estimate(trial, layout, device=device)

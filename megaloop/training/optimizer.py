@@ -174,9 +174,11 @@ class LRMultipliers:
     """
 
     def __init__(self, optimizer, scheduler: OptimizerParamScheduler, blocks: list[WeightBlock],
-                 params: dict[str, torch.Tensor], known: list[str] | None = None):
-        """``known``: names a multiplier may be set for, default the blocks'; under expert
-        parallelism also the experts other ranks hold (set everywhere, applied where held)."""
+                 params: dict[str, list[torch.Tensor]], known: list[str] | None = None):
+        """``params``: the tensors of each parameter name (several for the tied copies of a
+        decoder layer on one pipeline rank); ``known``: names a multiplier may be set for, default
+        the blocks'; under expert or pipeline parallelism also the blocks other ranks hold (set
+        everywhere, applied where held)."""
         self.optimizer, self.scheduler = optimizer, scheduler
         self.names = [b.name for b in blocks]
         self._known = set(known or self.names)
@@ -187,7 +189,8 @@ class LRMultipliers:
         for block in blocks:
             if block.rows is not None:
                 fused.setdefault(block.param, []).append(block)
-        self.scaling = (BlockUpdateScaling(optimizer, {params[p]: b for p, b in fused.items()})
+        self.scaling = (BlockUpdateScaling(optimizer, {t: b for p, b in fused.items()
+                                                       for t in params[p]})
                         if fused else None)
         self.multipliers: dict[str, float] = {}
 
@@ -229,27 +232,38 @@ class LRMultipliers:
         self.multipliers = dict(state["multipliers"])
 
 
-def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConfig):
-    """Returns (optimizer, scheduler, LRMultipliers); every weight matrix gets its own group."""
+def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunConfig):
+    """Returns (optimizer, scheduler, LRMultipliers); every weight matrix gets its own group.
+    ``model_chunks``: the DDP-wrapped chunks of ``models`` (this rank's pipeline stages)."""
+    from megatron.core import parallel_state as ps
+
     train = cfg.train
     opt_config = OptimizerConfig(
         optimizer="adam", lr=train.lr, min_lr=train.lr * train.min_lr_ratio,
         weight_decay=train.weight_decay, adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2,
-        clip_grad=train.clip_grad, bf16=unwrapped.config.bf16,
-        params_dtype=unwrapped.config.params_dtype,
+        clip_grad=train.clip_grad, bf16=models[0].config.bf16,
+        params_dtype=models[0].config.params_dtype,
         use_distributed_optimizer=train.distributed_optimizer,
     )
     # Passing overrides replaces megatron-core's default "no weight decay on 1-D params" rule, so
     # it is merged back in.
     overrides = get_standard_config_overrides(opt_config)
-    # MoE experts by their global index (the same names on every expert-parallel rank as ALRS's).
-    params = dict(experts.named_parameters(unwrapped))
-    layouts = (experts.global_layouts(unwrapped, fused_layouts(unwrapped))
-               if cfg.alrs.granularity == "block" else {})
-    blocks = weight_blocks(((n, p) for n, p in params.items() if p.requires_grad), layouts)
+    # Parameters by names every rank and layout agrees on (megaloop.alrs.experts): MoE experts by
+    # their global index, as ALRS names them; the tied copies of a decoder layer that pipeline
+    # stages hold share a name, so a group and an LR.
+    copies: dict[str, list[torch.Tensor]] = {}
+    layouts = {}
+    for model in models:
+        for name, param in experts.named_parameters(model):
+            copies.setdefault(name, []).append(param)
+        if cfg.alrs.granularity == "block":
+            layouts.update(experts.global_layouts(model, fused_layouts(model)))
+    blocks = weight_blocks(((n, held[0]) for n, held in copies.items() if held[0].requires_grad),
+                           layouts)
     for name in dict.fromkeys(b.param for b in blocks):
         # Matched by identity, so wrapper prefixes ("module.") in the names do not matter.
-        key = ParamKey(predicate=ParamPredicate(name=name, fn=lambda p, t=params[name]: p is t))
+        key = ParamKey(predicate=ParamPredicate(
+            name=name, fn=lambda p, held=copies[name]: any(p is t for t in held)))
         overrides[key] = {_GROUP_KEY: name}
     optimizer = get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
     warmup = int(train.warmup_fraction * train.train_steps)
@@ -259,6 +273,7 @@ def build_optimizer(model_chunks: list, unwrapped: torch.nn.Module, cfg: RunConf
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=train.train_steps,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler, LRMultipliers(
-        optimizer, scheduler, blocks, params,
-        known=[b.name for b in experts.every_expert(blocks, experts.num_experts(unwrapped))])
+    pipeline = ps.get_pipeline_model_parallel_group() if cfg.parallel.pipeline > 1 else None
+    every = experts.every_block(blocks, experts.num_experts(models[0]), pipeline)
+    return optimizer, scheduler, LRMultipliers(optimizer, scheduler, blocks, copies,
+                                               known=[b.name for b in every])

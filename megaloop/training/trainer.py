@@ -17,6 +17,7 @@ and return at the end of the current step (or at once, before the first step).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import signal
@@ -73,6 +74,12 @@ def _use_per_token_loss(model: torch.nn.Module) -> None:
             module.calculate_per_token_loss = True
 
 
+def _chunk_key(chunk: int) -> str:
+    """Checkpoint section of model chunk ``chunk`` (its entries' keys are global: any chunk
+    layout reads them)."""
+    return "model" if chunk == 0 else f"model{chunk}"
+
+
 class Trainer:
     """``Trainer(cfg).train()`` runs a whole training; ``close()`` (which ``train`` calls) releases
     the run lock, the signal handlers and the monitor of a Trainer used without ``train``.
@@ -106,13 +113,21 @@ class Trainer:
         self._consecutive_nonfinite = 0
         self._last_saved_step: int | None = None
         par = cfg.parallel
-        init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed)
+        init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed,
+                         virtual_pipeline=par.virtual_pipeline)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         micro_per_step = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
-        if micro_per_step * cfg.train.micro_batch_size * self.dp_size != cfg.train.global_batch_size:
+        per_step = cfg.train.micro_batch_size * self.dp_size
+        if micro_per_step * per_step != cfg.train.global_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={cfg.train.global_batch_size}: must be a multiple of "
-                f"micro_batch_size x data-parallel size = {cfg.train.micro_batch_size * self.dp_size}")
+                f"micro_batch_size x data-parallel size = {per_step}")
+        if par.virtual_pipeline > 1 and micro_per_step % par.pipeline:
+            raise ConfigError(
+                f"train.global_batch_size={cfg.train.global_batch_size}: the interleaved schedule "
+                f"(parallel.virtual_pipeline={par.virtual_pipeline}) runs micro-batches in groups "
+                f"of parallel.pipeline={par.pipeline}, but a step has {micro_per_step} per "
+                f"data-parallel rank; use a multiple of {per_step * par.pipeline}")
         self.num_microbatches = micro_per_step
         self.out_dir = Path(cfg.train.out_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
@@ -128,7 +143,7 @@ class Trainer:
 
         self._build_model()
         self.optimizer, self.scheduler, self.lr_multipliers = build_optimizer(
-            [self.ddp], self.model, cfg)
+            self.ddps, self.models, cfg)
         self.alrs = self._build_alrs()
         self.step = 0
         self.consumed_samples = 0
@@ -154,35 +169,64 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _build_model(self) -> None:
+        """The model chunks of this rank (one per virtual pipeline stage; one without the
+        interleaved schedule), their tied decoder copies made equal, each chunk in megatron-core
+        DDP."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
 
         from megaloop.models.model import model_class
+        from megaloop.models.pipeline import describe_split, stage_counts
+        from megaloop.training.tied import TiedCopies
 
-        cfg = self.cfg
+        cfg, par = self.cfg, self.cfg.parallel
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        model = model_class(cfg.model)(cfg.model, cfg.parallel, params_dtype=dtype,
-                                       fp8=self.cfg.train.resolved_fp8_recipe,
-                                       pre_process=ps.is_pipeline_first_stage(),
-                                       post_process=ps.is_pipeline_last_stage())
-        self.model = model
-        if torch.cuda.is_available():
-            model.cuda()
-        config = model.config
-        _use_per_token_loss(model)
-        wrapped = Float16Module(config, model) if dtype == torch.bfloat16 else model
-        self.ddp = DistributedDataParallel(
-            config,
-            DistributedDataParallelConfig(
-                use_distributed_optimizer=cfg.train.distributed_optimizer,
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            ),
-            wrapped,
-        )
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.ddp.no_sync
+        rank = ps.get_pipeline_model_parallel_rank()
+        self.models = [model_class(cfg.model)(cfg.model, par, params_dtype=dtype,
+                                              fp8=cfg.train.resolved_fp8_recipe,
+                                              stage=chunk * par.pipeline + rank)
+                       for chunk in range(par.virtual_pipeline)]
+        self.model = self.models[0]
+        if par.pipeline > 1 and dist.get_rank() == 0:
+            counts = stage_counts(cfg.model, par)
+            for line in describe_split(cfg.model, counts, par.pipeline, self.num_microbatches,
+                                       not par.pipeline_split, par.recompute == "full"):
+                log.info("%s", line)
+        self.tied = None
+        if par.pipeline > 1 or par.virtual_pipeline > 1:
+            self.tied = TiedCopies(self.models, par.pipeline,
+                                   ps.get_pipeline_model_parallel_group())
+            self.tied.sync_weights()
+        self.ddps = []
+        for model in self.models:
+            if torch.cuda.is_available():
+                model.cuda()
+            _use_per_token_loss(model)
+            wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
+            self.ddps.append(DistributedDataParallel(
+                model.config,
+                DistributedDataParallelConfig(
+                    use_distributed_optimizer=cfg.train.distributed_optimizer,
+                    grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                ),
+                wrapped,
+            ))
+        self.ddp = self.ddps[0]
+        # The schedules read these from the first chunk's config.
+        config = self.model.config
+        config.finalize_model_grads_func = self._finalize_grads
+        config.no_sync_func = ([ddp.no_sync for ddp in self.ddps] if len(self.ddps) > 1
+                               else self.ddp.no_sync)
+
+    def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
+        """megatron-core's finalize_model_grads, after summing the tied decoder copies' gradients
+        (megaloop.training.tied: before the data-parallel reduction)."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        if self.tied is not None:
+            self.tied.reduce_grads()
+        finalize_model_grads(model_chunks, num_tokens, **kwargs)
 
     def _build_alrs(self):
         if not self.cfg.train.use_alrs:
@@ -191,8 +235,10 @@ class Trainer:
 
         from megaloop.alrs import ALRS
 
-        return ALRS(self.model, total_steps=self.cfg.train.train_steps, config=self.cfg.alrs,
+        return ALRS(self.models, total_steps=self.cfg.train.train_steps, config=self.cfg.alrs,
                     tp_group=ps.get_tensor_model_parallel_group(),
+                    pipeline_group=(ps.get_pipeline_model_parallel_group()
+                                    if self.cfg.parallel.pipeline > 1 else None),
                     log_path=self.out_dir / "alrs.zarr")
 
     def _build_monitor(self):
@@ -237,11 +283,25 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        par, stage = self.cfg.parallel, self.model.stage
+        seq_length = self.cfg.model.seq_length * (2 if self.model.padded_messages else 1)
+
+        def message_shapes(recv, send):
+            """Per-boundary message shapes of the non-interleaved schedule: [stream; H_E] has
+            twice the sequence (megaloop.models.pipeline)."""
+            def stacked(shapes, doubled):
+                return [(length * (2 if doubled else 1), *rest) for length, *rest in shapes]
+            return stacked(recv, stage.receives_encoding), stacked(send, stage.sends_encoding)
+
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, num_iterations=num_iterations),
-            data_iterator=data, model=[self.ddp], num_microbatches=self.num_microbatches,
-            seq_length=self.cfg.model.seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
+            data_iterator=list(itertools.tee(data, len(self.ddps))) if len(self.ddps) > 1
+            else data,
+            model=self.ddps, num_microbatches=self.num_microbatches,
+            seq_length=seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
             forward_only=forward_only,
+            adjust_tensor_shapes_fn=message_shapes if par.pipeline > 1 and len(self.ddps) == 1
+            else None,
         )
         # Loss sums exist on the last pipeline stage only: reduce them so that every rank (all
         # stages, all data-parallel replicas) agrees on the loss and on whether it is finite.
@@ -256,7 +316,8 @@ class Trainer:
     def train_step(self, data: MicroBatches) -> tuple[float, float, float | None, bool]:
         """(loss, base LR, grad norm, skipped) of optimizer step ``self.step`` (1-based, already
         incremented)."""
-        self.ddp.zero_grad_buffer()
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss = self._run_microbatches(data, forward_only=False)
         base_lr = self.current_lr()
@@ -337,7 +398,8 @@ class Trainer:
         """Validation cross-entropy and perplexity on the fixed held-out batches."""
         if self.valid_data is None:
             return {}
-        self.ddp.eval()
+        for ddp in self.ddps:
+            ddp.eval()
         cfg = self.cfg.train
         data = MicroBatches(self.valid_data, cfg.micro_batch_size, self.dp_rank, self.dp_size, 0,
                             cfg.global_batch_size)
@@ -346,7 +408,8 @@ class Trainer:
             for _ in range(cfg.eval_iters):
                 total += self._run_microbatches(data, forward_only=True,
                                                 num_iterations=num_iterations)
-        self.ddp.train()
+        for ddp in self.ddps:
+            ddp.train()
         loss = total / cfg.eval_iters
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
@@ -369,8 +432,8 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        model_state = self.model.sharded_state_dict()
-        state = {"model": model_state}
+        state = {_chunk_key(v): model.sharded_state_dict() for v, model in enumerate(self.models)}
+        model_state = dict(state)  # every chunk's parameters, for the optimizer's state
         if weights_only:
             return state
         state.update(
@@ -477,7 +540,8 @@ class Trainer:
             self._materialise_optimizer_state()
         state = ckpt.load_checkpoint(path, self._sharded_state(
             is_loading=True, weights_only=weights_only, with_rng=same_layout))
-        self.model.load_state_dict(state["model"])
+        for chunk, model in enumerate(self.models):
+            model.load_state_dict(state[_chunk_key(chunk)])
         if weights_only:  # a fresh run from these weights
             # With bf16 params the optimizer keeps fp32 main copies made at construction; without
             # this they would overwrite the loaded weights at the first step.

@@ -15,6 +15,7 @@ from tests.distributed import run_distributed
     ("dp2", Layout(data=2)),
     ("sp,tp2", Layout(tensor=2, sequence_parallel=True)),
     ("tp2,pp2,dp2,recompute", Layout(tensor=2, pipeline=2, data=2, recompute=True)),
+    ("pp2,vp2", Layout(pipeline=2, virtual=2)),
     ("ep2", Layout(data=2, expert=2)),  # expert ranks come out of the data-parallel ones
     ("tp2,ep2,dp4", Layout(tensor=2, data=4, expert=2)),
 ])
@@ -24,7 +25,8 @@ def test_parse_layout(text, layout):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("tp2,xp2", "layout 'tp2,xp2': unknown part 'xp2' (known: tpN, ppN, dpN, epN, sp, recompute"),
+    ("tp2,xp2", "layout 'tp2,xp2': unknown part 'xp2' (known: tpN, ppN, vpN, dpN, epN, sp, "
+                "recompute"),
     ("tp0", "layout 'tp0': unknown part 'tp0'"),
     ("ep2,dp3", "layout 'ep2,dp3': ep2 needs a data-parallel size that is a multiple of 2 "
                 "(got dp3; e.g. dp4)"),
@@ -54,19 +56,30 @@ def test_a_layout_that_does_not_fit_the_world_says_what_would(parallel, world, m
 
 def test_stage_layouts_name_what_each_stage_holds():
     asym = ModelConfig(arch="asymloop", num_layers=8, iterations=3)
-    assert [s.describe() for s in stage_layout(asym, 1)] == [
-        "embedding, encoder layers 1-4, Global KV of 4 layers, decoder layers 1-4 x3, "
-        "final norm + head"]
-    assert [s.describe() for s in stage_layout(asym, 2)] == [
-        "embedding, encoder layers 1-4", "Global KV of 4 layers, decoder layers 1-4 x3, "
-                                         "final norm + head"]
-    dense = ModelConfig(arch="dense", num_layers=8, iterations=1)
-    assert [s.describe() for s in stage_layout(dense, 4)] == [
+    assert [s.describe() for s in stage_layout(asym, ParallelConfig())] == [
+        "embedding, encoder layers 1-4, Global KV of 4 layers, decoder layers 1-4 "
+        "(iterations 1-3), final norm + head"]
+    split = ParallelConfig(pipeline=2, pipeline_split=[4, 12])  # where the loop starts
+    assert [s.describe() for s in stage_layout(asym, split)] == [
+        "embedding, encoder layers 1-4",
+        "Global KV of 4 layers, decoder layers 1-4 (iterations 1-3), final norm + head"]
+    unrolled = ParallelConfig(pipeline=4, pipeline_split=[5, 4, 4, 3])
+    assert [s.describe() for s in stage_layout(asym, unrolled)] == [
+        "embedding, encoder layers 1-4, Global KV of 1 layer, decoder layer 1 (iteration 1)",
+        "Global KV of 4 layers, decoder layers 2-4 (iteration 1), decoder layer 1 (iteration 2)",
+        "Global KV of 4 layers, decoder layers 2-4 (iteration 2), decoder layer 1 (iteration 3)",
+        "Global KV of 3 layers, decoder layers 2-4 (iteration 3), final norm + head"]
+    # Balanced: a small vocabulary makes the head cheap next to a layer.
+    dense = ModelConfig(arch="dense", num_layers=8, iterations=1, vocab_size=256)
+    assert [s.describe() for s in stage_layout(dense, ParallelConfig(pipeline=4))] == [
         "embedding, decoder layers 1-2", "decoder layers 3-4", "decoder layers 5-6",
         "decoder layers 7-8, final norm + head"]
-    with pytest.raises(ConfigError, match="parallel.pipeline=2: no stage layout for "
-                                          "model.arch=fullloop"):
-        stage_layout(ModelConfig(arch="fullloop"), 2)
+    full = ModelConfig(arch="fullloop", num_layers=4, iterations=3)
+    assert [s.describe() for s in stage_layout(full, ParallelConfig(
+        pipeline=3, pipeline_split=[4, 5, 3]))] == [
+        "embedding, decoder layers 1-4 (iteration 1)",
+        "decoder layers 1-4 (iteration 2), decoder layer 1 (iteration 3)",
+        "decoder layers 2-4 (iteration 3), final norm + head"]
 
 
 def _real_groups(rank, world_size, layout):
@@ -109,12 +122,15 @@ def test_dry_run_prints_config_rank_layout_and_memory(capsys):
     assert "# resolved config" in out and "  hidden_size: 1024" in out
     assert ("16 ranks = tensor 2 x pipeline 2 x data 4 (expert 1 within data); sequence "
             "parallel on, recompute none; 4 micro-batches of 4") in out
-    assert "stage 0: embedding, encoder layers 1-12\n" in out
+    assert ("pipeline split [26, 22] (balanced by the layout chooser): slowest stage 1.04 x ideal, "
+            "bubble 23% at 4 micro-batches per step\nstage 0 (rank 0, 1.04 x ideal): embedding, "
+            "encoder layers 1-12, Global KV of 12 layers, decoder layers 1-12 (iteration 1), "
+            "decoder layers 1-2 (iteration 2)\n") in out
     # megatron-core's order: tensor ranks adjacent, then data, then pipeline stages.
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert rows["5"] == ["5", "0", "5", "1/2", "0", "2/4", "0/1"]
     assert rows["9"] == ["9", "1", "1", "1/2", "1", "0/4", "0/1"]
-    assert "# memory per GPU (busiest stage 1; GiB)" in out and "-> fits" in out
+    assert "# memory per GPU (busiest stage 0; GiB)" in out and "-> fits" in out
 
 
 def test_dry_run_refuses_a_layout_the_world_cannot_hold(capsys):

@@ -116,8 +116,13 @@ def test_memory_tool_prints_every_stage_and_refuses_a_layout_the_world_cannot_ho
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["layout"] == "pp2,dp4" and [s["stage"] for s in report["stages"]] == [0, 1]
-    # The decoder stage runs its layers K=3 times: it holds more activations.
-    assert report["stages"][1]["activations"] > report["stages"][0]["activations"]
+    # Balanced stages run about equal work; the first holds two micro-batches in flight.
+    assert report["stages"][0]["activations"] > report["stages"][1]["activations"]
+    # Split where the loop starts, the decoder stage runs its layers K=3 times.
+    split = _memory_tool("--preset", "350M", "--world-size", "8", "parallel.pipeline=2",
+                         "model.arch=asymloop", "parallel.pipeline_split=[12,36]")
+    stages = json.loads(split.stdout)["stages"]
+    assert stages[1]["activations"] > 2 * stages[0]["activations"]
     bad = _memory_tool("--preset", "350M", "--world-size", "6", "parallel.tensor=4")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("error: parallel.tensor=4 x parallel.pipeline=1 = 4 does not "

@@ -72,7 +72,7 @@ class PlainGPTLoop:
                                                   grad_reduce_in_fp32=True), model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.ddp.no_sync
-        self.optimizer, self.scheduler, _ = build_optimizer([self.ddp], model, cfg)
+        self.optimizer, self.scheduler, _ = build_optimizer([self.ddp], [model], cfg)
         n = cfg.model.seq_length
         self.mask = torch.ones(1, 1, n, n, dtype=torch.bool).triu(1)
         self.cfg, self.num_microbatches = cfg, trainer.num_microbatches
