@@ -89,6 +89,12 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         init_method_std=cfg.init_std,
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=(parallel.virtual_pipeline
+                                              if parallel.virtual_pipeline > 1 else None),
+        # The interleaved schedule on 2 pipeline ranks sends activations and gradients to the
+        # same peer in one step; batched p2p issues them in an order the peer does not receive
+        # them in (an activation arrives as a gradient), megatron-core's unbatched pairing does.
+        batch_p2p_comm=not (parallel.virtual_pipeline > 1 and parallel.pipeline == 2),
         expert_model_parallel_size=parallel.expert,
         sequence_parallel=parallel.sequence_parallel,
         recompute_granularity="full" if recompute else None,

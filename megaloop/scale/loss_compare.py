@@ -5,7 +5,8 @@ initialisation draws differ between layouts, since each pipeline stage and tenso
 seeds its own part) and reads the same global batches, so the losses may differ only by the
 order of floating-point sums:
 
-- a layout that differs from the first only in its pipeline size must agree with it bit for bit
+- a layout that differs from the first only in its pipeline (and virtual pipeline) size must agree
+  with it bit for bit
   at the first step: the stages run the same forward operations in the same order, only on other
   processes. After that it agrees to ``RTOL``: a pipeline that unrolls a loop holds tied copies of
   decoder layers, whose gradients (one partial sum per copy) are added in another order than one
@@ -108,7 +109,8 @@ def compare_curves(curves: dict[str, dict[int, float]], rtol: float = RTOL) -> l
             problems.append(f"{name}: step {step} loss {curve[step]!r} vs {twin} "
                             f"{curves[twin][step]!r} (recomputation must agree exactly at the "
                             "first step)")
-        pipeline_only = dataclasses.replace(parse_layout(name), pipeline=first.pipeline) == first
+        pipeline_only = dataclasses.replace(parse_layout(name), pipeline=first.pipeline,
+                                            virtual=first.virtual) == first
         for step in sorted(reference):
             want, got = reference[step], curve[step]
             exact = pipeline_only and step == min(reference)
