@@ -6,12 +6,11 @@ seeds its own part) and reads the same global batches, so the losses may differ 
 order of floating-point sums:
 
 - a layout that differs from the first only in its pipeline (and virtual pipeline) size must agree
-  with it bit for bit
-  at the first step: the stages run the same forward operations in the same order, only on other
-  processes. After that it agrees to ``RTOL``: a pipeline that unrolls a loop holds tied copies of
-  decoder layers, whose gradients (one partial sum per copy) are added in another order than one
-  process accumulates them (Dense, without tied copies, stays bit-exact; measured on the tiny Full
-  Loop config: one rounding step, 4.8e-7, at step 8 of 10);
+  with it bit for bit at the first step: the stages run the same forward operations in the same
+  order, only on other processes. After that it agrees to ``RTOL``: a pipeline that unrolls a loop
+  holds tied copies of decoder layers, whose gradients (one partial sum per copy) are added in
+  another order than one process accumulates them (Dense, without tied copies, stays bit-exact;
+  measured on the tiny Full Loop config: one rounding step, 4.8e-7, at step 8 of 10);
 - a layout and the same layout with ``recompute`` must agree bit for bit at the first step
   (recomputation replays the same forward on the same weights); after that they may differ by
   rounding, since recomputing layer by layer changes the order in which the gradients of the K
