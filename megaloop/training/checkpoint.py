@@ -34,7 +34,8 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import ConfigError, ModelConfig, RunConfig, save_yaml, write_text_atomic
+from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict,
+                             save_yaml, write_text_atomic)
 from megaloop.training.collective import is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -167,11 +168,43 @@ def saved_config(path: Path) -> dict:
         raise CheckpointError(f"{config_file}: unreadable checkpoint config ({e})") from None
 
 
+def _model_layout(model: ModelConfig, parallel: ParallelConfig) -> tuple:
+    """What decides which rank holds which weights: the tensor size and the pipeline stages
+    (each stage's layer applications, the split chosen or given)."""
+    from megaloop.models.pipeline import stage_counts
+
+    stages = tuple(stage_counts(model, parallel)) if parallel.pipeline > 1 else ()
+    return parallel.tensor, parallel.pipeline, stages
+
+
 def same_parallel_layout(saved: dict, cfg: RunConfig) -> bool:
     """Whether a checkpoint's ``saved_config`` has this run's tensor/pipeline layout."""
-    saved = saved["parallel"]
-    return (saved.get("tensor"), saved.get("pipeline")) == (cfg.parallel.tensor,
-                                                           cfg.parallel.pipeline)
+    try:
+        before = _model_layout(from_dict(ModelConfig, saved["model"]),
+                               from_dict(ParallelConfig, saved["parallel"]))
+    except ConfigError:  # saved by another version: not this layout
+        return False
+    return before == _model_layout(cfg.model, cfg.parallel)
+
+
+def check_optimizer_layout(path: Path, cfg: RunConfig) -> None:
+    """Refuses, in one line, to load distributed-optimizer state saved as dp_reshardable (flat
+    buffers per tensor/pipeline rank) into another tensor/pipeline layout, which would assign
+    the saved state to other weights."""
+    saved = saved_config(path)
+    format_ = saved.get("checkpoint", {}).get("optimizer_format", "dp_reshardable")
+    if (not cfg.checkpoint.load_optimizer or format_ != "dp_reshardable"
+            or not saved.get("train", {}).get("distributed_optimizer", True)
+            or same_parallel_layout(saved, cfg)):
+        return
+    before = saved["parallel"]
+    raise CheckpointError(
+        f"{path} holds distributed-optimizer state in checkpoint.optimizer_format=dp_reshardable, "
+        f"which reloads only into its own tensor/pipeline layout (parallel.tensor="
+        f"{before.get('tensor')}, pipeline={before.get('pipeline')}, virtual_pipeline="
+        f"{before.get('virtual_pipeline', 1)}, pipeline_split={before.get('pipeline_split', [])}"
+        f"); resume with that layout, or set checkpoint.load_optimizer=false to start from its "
+        f"weights")
 
 
 def check_compatible(path: Path, cfg: RunConfig) -> None:

@@ -136,6 +136,7 @@ class Trainer:
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
+            ckpt.check_optimizer_layout(self.resume_path, cfg)
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval
 
@@ -283,25 +284,13 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        par, stage = self.cfg.parallel, self.model.stage
-        seq_length = self.cfg.model.seq_length * (2 if self.model.padded_messages else 1)
-
-        def message_shapes(recv, send):
-            """Per-boundary message shapes of the non-interleaved schedule: [stream; H_E] has
-            twice the sequence (megaloop.models.pipeline)."""
-            def stacked(shapes, doubled):
-                return [(length * (2 if doubled else 1), *rest) for length, *rest in shapes]
-            return stacked(recv, stage.receives_encoding), stacked(send, stage.sends_encoding)
-
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, num_iterations=num_iterations),
             data_iterator=list(itertools.tee(data, len(self.ddps))) if len(self.ddps) > 1
             else data,
             model=self.ddps, num_microbatches=self.num_microbatches,
-            seq_length=seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
-            forward_only=forward_only,
-            adjust_tensor_shapes_fn=message_shapes if par.pipeline > 1 and len(self.ddps) == 1
-            else None,
+            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only,
+            **self.schedule_shapes(),
         )
         # Loss sums exist on the last pipeline stage only: reduce them so that every rank (all
         # stages, all data-parallel replicas) agrees on the loss and on whether it is finite.
@@ -312,6 +301,23 @@ class Trainer:
             dist.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
         return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def schedule_shapes(self) -> dict:
+        """The message shapes megatron-core's schedules send between pipeline stages: the
+        sequence length and, for the non-interleaved schedule, one per stage boundary ([stream;
+        H_E] has twice the sequence: megaloop.models.pipeline)."""
+        stage = self.model.stage
+        if self.model.padded_messages:  # the interleaved schedule: one shape
+            return {"seq_length": 2 * self.cfg.model.seq_length}
+        if self.cfg.parallel.pipeline == 1 or len(self.models) > 1:
+            return {"seq_length": self.cfg.model.seq_length}
+
+        def stacked(shapes, doubled):
+            return [(length * (2 if doubled else 1), *rest) for length, *rest in shapes]
+
+        return {"seq_length": self.cfg.model.seq_length,
+                "adjust_tensor_shapes_fn": lambda recv, send: (
+                    stacked(recv, stage.receives_encoding), stacked(send, stage.sends_encoding))}
 
     def train_step(self, data: MicroBatches) -> tuple[float, float, float | None, bool]:
         """(loss, base LR, grad norm, skipped) of optimizer step ``self.step`` (1-based, already

@@ -164,3 +164,49 @@ def test_tp_sharded_alpha_is_that_of_the_full_matrix():
         if dim is not None:  # a shard's α differs, so using one would fail the line above
             shard_alpha = spectral_stats(full.chunk(2, dim=dim)[0], name)[0].alpha
             assert abs(shard_alpha - expected) > 1e-2
+
+
+def _pipeline_multipliers(rank, world_size, data_prefix, out_dir, seed_checkpoint, parallel):
+    """ALRS over 2 steps of the tiny AsymLoop run: the multipliers, the matrices every rank lists,
+    and those this rank holds and analyses."""
+    from pathlib import Path
+
+    from tests.training.conftest import tiny_run
+    from megaloop.training.trainer import Trainer
+
+    cfg = tiny_run(data_prefix, Path(out_dir), parallel=parallel,
+                   train={"train_steps": 2, "global_batch_size": 8, "use_alrs": True},
+                   checkpoint={"load": seed_checkpoint, "load_optimizer": False})
+    trainer = Trainer(cfg)
+    trainer.train()
+    alrs = trainer.alrs
+    held = {name for model in trainer.models for name, _ in
+            sharded.experts.named_parameters(model)}
+    analysed = [n for n, owner in zip(alrs.names, alrs.owner) if owner == alrs.rank]
+    return dict(trainer.lr_multipliers.multipliers), alrs.names, held, analysed
+
+
+def test_pipeline_stages_analyse_what_they_hold_and_apply_the_one_process_multipliers(
+        mcore, tmp_path):
+    from tests.training.conftest import tiny_run, write_pattern_dataset
+    from megaloop.training.trainer import Trainer
+
+    data = write_pattern_dataset(tmp_path / "pattern")
+    Trainer(tiny_run(data, tmp_path / "seed")).save()
+    seed = str(tmp_path / "seed" / "checkpoints")
+    expected, names, _, _ = _pipeline_multipliers(0, 1, data, tmp_path / "single", seed, {})
+    assert len(set(expected.values())) > 4
+    # pp2 [3, 3] holds decoder layer 1 on both stages; pp2,vp2 [2, 1, 2, 1] on 3 chunks of 2 ranks.
+    for chunks in (1, 2):
+        parallel = {"pipeline": 2, "virtual_pipeline": chunks}
+        ranks = run_distributed(_pipeline_multipliers, world_size=2, data_prefix=data,
+                                out_dir=str(tmp_path / f"vp{chunks}"), seed_checkpoint=seed,
+                                parallel=parallel)
+        tied = {n for n in names if all(n.split(":")[0] in held for _, _, held, _ in ranks)}
+        assert any(n.startswith("decoder.layers.0.") for n in tied), parallel
+        analysed = [n for _, _, _, mine in ranks for n in mine]
+        assert sorted(analysed) == sorted(names)  # every matrix once, a tied one too
+        for multipliers, listed, held, mine in ranks:
+            assert listed == names and all(n.split(":")[0] in held for n in mine)
+            for name, value in expected.items():
+                assert multipliers[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name

@@ -302,3 +302,31 @@ def ckpt_model(path) -> ModelConfig:
     from megaloop.config import from_dict
 
     return from_dict(ModelConfig, ckpt.saved_config(path)["model"])
+
+
+def test_dp_reshardable_optimizer_state_resumes_only_into_its_own_layout(tmp_path):
+    import dataclasses
+
+    from megaloop.config import ParallelConfig
+
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    model = ModelConfig(arch="asymloop", num_layers=4, iterations=2, vocab_size=128).resolve()
+    saved = RunConfig(model=model, parallel=ParallelConfig(pipeline=2))
+    save_yaml(saved, path / "config.yaml")
+    ckpt.check_optimizer_layout(path, saved)  # the same layout; more data-parallel ranks are fine
+    other = dataclasses.replace(saved, parallel=ParallelConfig(pipeline=2, virtual_pipeline=2))
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_layout(path, other)
+    assert _one_line(error).endswith(
+        "holds distributed-optimizer state in checkpoint.optimizer_format=dp_reshardable, which "
+        "reloads only into its own tensor/pipeline layout (parallel.tensor=1, pipeline=2, "
+        "virtual_pipeline=1, pipeline_split=[]); resume with that layout, or set "
+        "checkpoint.load_optimizer=false to start from its weights")
+    # Another split of the same pipeline size moves weights between ranks too.
+    resplit = dataclasses.replace(saved, parallel=ParallelConfig(pipeline=2, pipeline_split=[2, 4]))
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.check_optimizer_layout(path, resplit)
+    weights_only = dataclasses.replace(other, checkpoint=dataclasses.replace(
+        other.checkpoint, load_optimizer=False))
+    ckpt.check_optimizer_layout(path, weights_only)
