@@ -166,6 +166,9 @@ def test_split_strings(split, weights):
     (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),
+    (["parallel.pipeline=2", "train.eval_depths=[2]"],
+     "train.eval_depths=[2]: must be empty when parallel.pipeline > 1 (the stages unroll "
+     "exactly model.iterations iterations)"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])

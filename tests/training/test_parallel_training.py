@@ -34,7 +34,7 @@ DENSE = {"arch": "dense", "iterations": 1}
     (DENSE, ["pp2", "pp4", "pp2,vp2"]),
     # MoE: each EP rank holds half the experts; dense weights data-parallel with the distributed
     # optimizer.
-    (MOE, ["ep2", "dp2"]),
+    (MOE, ["ep2", "dp2", "pp2"]),
     ({"arch": "latentloop", "iterations": 2, **MOE}, ["ep2"]),
     # each EP rank's half of the experts, narrowed to half their hidden units in visit 1
     ({"arch": "latentloop", "iterations": 2, **MOE, "latent_reduction": "expert_ffn"}, ["ep2"]),
@@ -142,3 +142,25 @@ def test_pipeline_checkpoints_reshard_and_tied_copies_stay_equal(mcore, data, tm
                           out_dir=str(tmp_path / "pp4"), parallel={"pipeline": 4},
                           checkpoint=saved, tokens=tokens)
     assert torch.equal(pp4[-1], single) and all(logits is None for logits in pp4[:-1])
+
+
+def _build(rank, world_size, data_prefix, out_dir, parallel, train):
+    from megaloop.config import ConfigError
+    from megaloop.training.trainer import Trainer
+
+    try:
+        Trainer(tiny_run(data_prefix, Path(out_dir), parallel=parallel, train=train)).close()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_the_interleaved_schedule_needs_whole_groups_of_micro_batches(data, tmp_path):
+    # 2 pipeline ranks: a multiple of 2 micro-batches per step; 6 sequences of 2 make 3.
+    errors = run_distributed(_build, world_size=2, data_prefix=data, out_dir=str(tmp_path),
+                             parallel={"pipeline": 2, "virtual_pipeline": 2},
+                             train={"global_batch_size": 6})
+    assert errors == [
+        "train.global_batch_size=6: the interleaved schedule (parallel.virtual_pipeline=2) runs "
+        "micro-batches in groups of parallel.pipeline=2, but a step has 3 per data-parallel rank; "
+        "use a multiple of 4"] * 2
