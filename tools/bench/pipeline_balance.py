@@ -1,9 +1,9 @@
-"""Pipeline stage balance of AsymLoop, measured on CPU: per-stage busy time under PP=2 and PP=4. Prints
-JSON.
+"""Pipeline stage balance of AsymLoop, measured on CPU: per-stage busy time under PP=2 and PP=4.
+Prints JSON.
 
 Each layout is one torchrun launch of ``megaloop.train``'s Trainer (one thread per process) for
-``--steps`` steps; the first ``--warmup`` are not counted. A stage's busy time is the CPU time of its
-process's main thread inside megatron-core's ``forward-compute`` and ``backward-compute`` timers
+``--steps`` steps; the first ``--warmup`` are not counted. A stage's busy time is the CPU time of
+its process's main thread inside megatron-core's ``forward-compute`` and ``backward-compute`` timers
 (``time.thread_time``: waiting for another stage or for a core, when several processes share one,
 costs no CPU time, so the figure holds on an oversubscribed machine). Per layout the JSON gives the
 split, each stage's busy seconds per step, the slowest stage against the mean (goal: <= 1.15 for the
@@ -123,8 +123,9 @@ def measure(name: str, cfg, split: list[int], args, tmp: Path) -> dict:
     save_yaml(cfg, run_dir / "run.yaml")
     result = run_dir / "busy.json"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={len(split)}", __file__, "--worker", str(run_dir / "run.yaml"),
-                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)],
+                    f"--nproc-per-node={len(split)}", __file__, "--worker",
+                    str(run_dir / "run.yaml"), "--steps", str(args.steps), "--warmup",
+                    str(args.warmup), "--out", str(result)],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     ranks = sorted(json.loads(result.read_text()), key=lambda r: r["stage"])
     busy = [r["forward_s"] + r["backward_s"] for r in ranks]
