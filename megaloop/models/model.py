@@ -29,7 +29,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import build_module
-from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megaloop.config import ModelConfig, ParallelConfig
