@@ -115,8 +115,11 @@ def run_harness(lm, tasks: Sequence[str], manager, *, num_fewshot: int, limit: i
     ``gen_kwargs`` update the generation tasks' settings (e.g. ``max_gen_toks``)."""
     from lm_eval import simple_evaluate
 
+    # No standard errors: lm-eval bootstraps some of them in a fork()ed multiprocessing pool, and a
+    # fork of a process that already runs threads (torch, gloo/NCCL: a training run evaluating
+    # its checkpoints, a test session) can deadlock in the child, hanging the evaluation forever.
     return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                           task_manager=manager, log_samples=log_samples, bootstrap_iters=1000,
+                           task_manager=manager, log_samples=log_samples, bootstrap_iters=0,
                            gen_kwargs=gen_kwargs)
 
 
