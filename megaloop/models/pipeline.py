@@ -303,3 +303,21 @@ def describe_split(model: ModelConfig, counts: list[int], pipeline: int, micro_b
                                                    if len(counts) > pipeline else "")
         lines.append(f"stage {stage.index} ({rank}, {relative:.2f} x ideal): {stage.describe()}")
     return lines
+
+
+def schedule_shapes(model, seq_length: int, pipeline: int, chunks: int = 1) -> dict:
+    """The message shapes megatron-core's schedules send between the stages of ``model`` (one
+    LoopedLM stage): the sequence length and, for the non-interleaved schedule, one per stage
+    boundary ([stream; H_E] has twice the sequence)."""
+    stage = model.stage
+    if model.padded_messages:  # the interleaved schedule: one shape
+        return {"seq_length": 2 * seq_length}
+    if pipeline == 1 or chunks > 1:
+        return {"seq_length": seq_length}
+
+    def stacked(shapes, doubled):
+        return [(length * (2 if doubled else 1), *rest) for length, *rest in shapes]
+
+    return {"seq_length": seq_length,
+            "adjust_tensor_shapes_fn": lambda recv, send: (
+                stacked(recv, stage.receives_encoding), stacked(send, stage.sends_encoding))}

@@ -303,21 +303,10 @@ class Trainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def schedule_shapes(self) -> dict:
-        """The message shapes megatron-core's schedules send between pipeline stages: the
-        sequence length and, for the non-interleaved schedule, one per stage boundary ([stream;
-        H_E] has twice the sequence: megaloop.models.pipeline)."""
-        stage = self.model.stage
-        if self.model.padded_messages:  # the interleaved schedule: one shape
-            return {"seq_length": 2 * self.cfg.model.seq_length}
-        if self.cfg.parallel.pipeline == 1 or len(self.models) > 1:
-            return {"seq_length": self.cfg.model.seq_length}
+        from megaloop.models.pipeline import schedule_shapes
 
-        def stacked(shapes, doubled):
-            return [(length * (2 if doubled else 1), *rest) for length, *rest in shapes]
-
-        return {"seq_length": self.cfg.model.seq_length,
-                "adjust_tensor_shapes_fn": lambda recv, send: (
-                    stacked(recv, stage.receives_encoding), stacked(send, stage.sends_encoding))}
+        return schedule_shapes(self.model, self.cfg.model.seq_length, self.cfg.parallel.pipeline,
+                               len(self.models))
 
     def train_step(self, data: MicroBatches) -> tuple[float, float, float | None, bool]:
         """(loss, base LR, grad norm, skipped) of optimizer step ``self.step`` (1-based, already

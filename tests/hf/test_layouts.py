@@ -11,9 +11,9 @@ from megaloop.config import ParallelConfig
 from tests.distributed import run_distributed
 from tests.hf.exports import perturb_norms, sample_tokens, variant_config
 
-LAYOUTS = {  # pipelining: Dense and AsymLoop are the architectures the trainer pipelines
+LAYOUTS = {  # pipelining: every architecture but LatentLoop
     "tp2": (ParallelConfig(tensor=2), ["dense", "fullloop", "asymloop", "latentloop"]),
-    "pp2": (ParallelConfig(pipeline=2), ["dense", "asymloop"]),
+    "pp2": (ParallelConfig(pipeline=2), ["dense", "fullloop", "asymloop"]),
     "ep2": (ParallelConfig(expert=2), ["asymloop_moe", "latentloop_moe"]),
 }
 
@@ -31,6 +31,7 @@ def _save_under_layout(rank, world_size, parallel, variants, root):
 
     from megaloop.config import DataConfig, RunConfig
     from megaloop.models.model import build_model
+    from megaloop.models.pipeline import schedule_shapes
     from megaloop.platform.distributed import init_distributed
     from megaloop.training.checkpoint import save_checkpoint
 
@@ -39,15 +40,19 @@ def _save_under_layout(rank, world_size, parallel, variants, root):
     for name in variants:
         cfg = variant_config(name)
         model = build_model(cfg, parallel, use_te=False, parallel_output=False,
-                            pre_process=ps.is_pipeline_first_stage(),
-                            post_process=ps.is_pipeline_last_stage()).eval()
+                            stage=ps.get_pipeline_model_parallel_rank()).eval()
         perturb_norms(model)
+        if parallel.pipeline > 1:  # the tied decoder copies start equal, as the trainer makes them
+            from megaloop.training.tied import TiedCopies
+
+            TiedCopies([model], parallel.pipeline, ps.get_pipeline_model_parallel_group()
+                       ).sync_weights()
         x = sample_tokens(cfg)
         with torch.no_grad():
             result = get_forward_backward_func()(
                 forward_step_func=_logits_step, data_iterator=iter([x]), model=[model],
-                num_microbatches=1, seq_length=cfg.seq_length, micro_batch_size=x.shape[0],
-                forward_only=True)
+                num_microbatches=1, micro_batch_size=x.shape[0], forward_only=True,
+                **schedule_shapes(model, cfg.seq_length, parallel.pipeline))
         if ps.is_pipeline_last_stage():
             found[name] = result[0]["logits"]
         run = RunConfig(model=cfg, parallel=parallel, data=DataConfig(eod_id=3))
