@@ -1,30 +1,95 @@
-"""The README's main job, shrunk: corpus, tokenizer, indexed data, three models, table, curves."""
+"""The README's main job, shrunk: task corpus, tokenizer, indexed data, four models, tables, curves."""
 
 import json
+import signal
 
-from megaloop.quickstart import main, multi_hop_program
+import pytest
 
-
-def test_generated_programs_answer_their_query():
-    import random
-
-    rng = random.Random(3)
-    for _ in range(50):
-        program = multi_hop_program(rng)
-        statements, query = program.rsplit(" ; ? ", 1)
-        name, value = query.split(" = ")
-        bindings = dict(s.split(" = ") for s in statements.split(" ; "))
-        while not bindings[name].isdigit():  # follow the chain of references
-            name = bindings[name]
-        assert bindings[name] == value
+from megaloop.data.tokenizer import SentencePieceTextTokenizer
+from megaloop.quickstart import EVAL_HOPS, RUNS, TEST_DEPTHS, main
 
 
 def test_quickstart_runs_end_to_end(mcore, tmp_path, capsys):
-    assert main(["--out", str(tmp_path), "--steps", "3", "--documents", "200"]) == 0
+    assert main(["--out", str(tmp_path), "--steps", "2", "--documents", "100",
+                 "--eval-per-hop", "4"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results) == {"dense", "fullloop", "asymloop"}
-    assert {r["depth"] for r in results.values()} == {8}
-    assert "val_loss_k6" in results["asymloop"] and results["dense"]["val_ppl"] > 1
+    assert list(results) == list(RUNS)
+    assert {name: r["depth"] for name, r in results.items()} == {
+        "dense8": 8, "dense4": 4, "fullloop": 8, "asymloop": 8}
+    hops = [str(h) for h in EVAL_HOPS]
+    for name, r in results.items():
+        assert list(r["accuracy"]["hops"]) == hops and 0 <= r["accuracy"]["all"] <= 1
+        assert r["val_loss"] > 0 and r["params"] > 0
+    for name in ("fullloop", "asymloop"):
+        by_depth = results[name]["accuracy_by_depth"]
+        assert list(by_depth) == [str(k) for k in TEST_DEPTHS]
+        trained = str(RUNS[name]["iterations"])
+        assert by_depth[trained] == results[name]["accuracy"]
+    assert results["asymloop"]["depth_at"] == {"1": 4, "2": 6, "3": 8, "4": 10, "5": 12, "6": 14}
+    assert "accuracy_by_depth" not in results["dense8"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+    tokenizer = SentencePieceTextTokenizer(tmp_path / "data" / "tokenizer.model")
+    assert len(tokenizer.encode_batch(["g=d;c=a;?e="])[0]) == 4  # space, 2 bindings, query
     table = capsys.readouterr().out
-    assert "asymloop" in table and "val CE" in table
+    assert "5-hop" in table and "matched" in table and "2+2x3" in table
+
+
+def test_quickstart_on_own_data_reports_cross_entropy(mcore, tmp_path, capsys):
+    corpus = tmp_path / "own.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document {i} of the user's corpus, word "
+                                                     f"{i * 7 % 13}"}) for i in range(300)))
+    out = tmp_path / "out"
+    assert main(["--input", str(corpus), "--out", str(out), "--steps", "2",
+                 "--models", "fullloop"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results) == ["fullloop"] and "accuracy" not in results["fullloop"]
+    assert "val_loss_k6" in results["fullloop"]
+    table = capsys.readouterr().out
+    assert "K=6" in table and "hop" not in table
+
+
+def test_own_data_too_small_to_validate_on_is_one_line(mcore, tmp_path, capsys):
+    text = tmp_path / "own.txt"  # a .txt file is one document: nothing left for validation
+    text.write_text("\n".join(f"line {i} of a single document" for i in range(300)))
+    assert main(["--input", str(text), "--out", str(tmp_path / "out"), "--steps", "2",
+                 "--models", "dense4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "valid split" in err and "\n" not in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps=0: must be >= 1"),
+    (["--input", "x.txt", "--documents", "5"], "--documents applies to the generated task"),
+    (["--input", "x.txt", "--eval-per-hop", "5"], "--eval-per-hop applies to the generated task"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_stop_signal_ends_the_job_without_results(tmp_path, monkeypatch, capsys):
+    import megaloop.training.trainer as trainer_module
+
+    trained = []
+
+    class StoppedTrainer:  # what Trainer.train returns after SIGTERM at step 7
+        def __init__(self, cfg):
+            trained.append(cfg.model.arch)
+            self.model = None
+
+        def train(self):
+            return {"step": 7, "stopped_by_signal": signal.SIGTERM}
+
+    monkeypatch.setattr(trainer_module, "Trainer", StoppedTrainer)
+    assert main(["--out", str(tmp_path), "--documents", "20", "--eval-per-hop", "2"]) == 143
+    assert trained == ["dense"]  # the job stops instead of training the next model
+    assert "signal 15 while training dense8 (step 7)" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_missing_input_file_is_one_line(mcore, tmp_path, capsys):
+    assert main(["--input", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "absent.jsonl" in err and "\n" not in err
