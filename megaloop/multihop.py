@@ -13,8 +13,8 @@ Answers are deterministic given the program, so a model that learned the task re
 Every binding ``x=y;`` and every query ``?x=`` is one token: the quickstart trains its tokenizer
 with them as user-defined pieces. A hop is then one attention lookup (the query's name against the
 bindings' names). Spelled out in separate tokens (``x``, ``=``, ``y``), each lookup first needs an
-induction-style circuit (the value's position learning which name precedes it), which the
-quickstart's few thousand CPU steps do not grow: with that spelling even one hop stayed at chance.
+induction-style circuit (the value's position learning which name precedes it): in trials of up to
+2000 CPU steps with that spelling, even one-hop lookups stayed near chance.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def follow(bindings: Sequence[tuple[str, str]], name: str) -> tuple[str, int]:
     hops = 0
     while not name.isdigit():
         if name not in table:
-            raise ValueError(f"{name!r} is not bound in {''.join(f'{n}={v};' for n, v in bindings)}")
+            program = "".join(f"{n}={v};" for n, v in bindings)
+            raise ValueError(f"{name!r} is not bound in {program}")
         if hops > len(table):
             raise ValueError(f"{name!r}: the bindings form a cycle")
         name, hops = table[name], hops + 1

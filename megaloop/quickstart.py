@@ -66,7 +66,9 @@ def run_config(name: str, prefix: str, tokenizer: Path, out: Path, steps: int,
     vocab = padded_vocab_size(load_tokenizer("SentencePieceTokenizer", tokenizer).vocab_size)
     return RunConfig(
         # init_std: megatron-core's 0.02 suits widths in the hundreds; at width 64 it leaves the
-        # attention near uniform, and no lookup was learned in 1200 steps (0.1: two hops in 500).
+        # attention near uniform (in trials no lookup was learned in 1200 steps; with 0.1 one hop
+        # was learned in a few hundred). lr 1e-3, the AsymLoop paper's best: with 3e-3 Full Loop
+        # learned nothing in 1000 steps.
         model=ModelConfig(hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
                           vocab_size=vocab, seq_length=64, init_std=0.1, **RUNS[name]),
         train=TrainConfig(micro_batch_size=16, global_batch_size=16, train_steps=steps, lr=1e-3,
@@ -143,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="models to train (default: all)")
     args = parser.parse_args(argv)
     for name in ("steps", "documents", "eval_per_hop"):
-        value = getattr(args, name)
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')}={value}: must be >= 1")
+            parser.error(f"{flag}={value}: must be >= 1")
         if value is not None and args.input and name != "steps":
-            parser.error(f"--{name.replace('_', '-')} applies to the generated task, not to --input")
+            parser.error(f"{flag} applies to the generated task, not to --input")
     args.models = list(dict.fromkeys(args.models))
 
     from megaloop.train import _quiet_third_party_warnings

@@ -1,4 +1,4 @@
-"""The quickstart's multi-hop task: programs, hop counting, corpus, encoding and the answer scorer."""
+"""The quickstart's multi-hop task: programs, hop counts, corpus, encoding and answer scoring."""
 
 import collections
 import json

@@ -1,4 +1,4 @@
-"""The README's main job, shrunk: task corpus, tokenizer, indexed data, four models, tables, curves."""
+"""The README's main job, shrunk: task corpus, tokenizer, indexed data, four models, tables."""
 
 import json
 import signal
