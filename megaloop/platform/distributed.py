@@ -142,9 +142,11 @@ def destroy_model_parallel() -> None:
     megatron-core's own ``destroy_model_parallel`` only forgets its group handles; torch keeps every
     group alive (gloo holds about 50 threads per set-up), so a process that re-initialises for each
     run, such as a test worker or a notebook, gathers thousands of idle threads. The default group
-    is kept.
+    is kept. megatron-core also memoises ``RotaryEmbedding.forward`` per module (lru_cache), which
+    keeps up to 32 dead models' rotary modules and their context-parallel groups alive: cleared too.
     """
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     if not parallel_state.model_parallel_is_initialized():
         return
@@ -153,3 +155,4 @@ def destroy_model_parallel() -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    RotaryEmbedding.forward.cache_clear()

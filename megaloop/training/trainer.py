@@ -174,10 +174,11 @@ class Trainer:
         interleaved schedule), their tied decoder copies made equal, each chunk in megatron-core
         DDP."""
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
 
         from megaloop.models.model import model_class
+        from megaloop.training.ddp import CollectableDDP
         from megaloop.models.pipeline import describe_split, stage_counts
         from megaloop.training.tied import TiedCopies
 
@@ -205,7 +206,7 @@ class Trainer:
                 model.cuda()
             _use_per_token_loss(model)
             wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
-            self.ddps.append(DistributedDataParallel(
+            self.ddps.append(CollectableDDP(
                 model.config,
                 DistributedDataParallelConfig(
                     use_distributed_optimizer=cfg.train.distributed_optimizer,
