@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from megaloop.cli import int_at_least
 from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
 
 VOCAB = 512  # a ceiling: a small corpus gets fewer pieces
@@ -140,25 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", help="corpus files (default: generated multi-hop)")
     parser.add_argument("--out", default="runs/quickstart", help="output directory")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per model")
-    parser.add_argument("--documents", type=int,
+    parser.add_argument("--steps", type=int_at_least(1), default=1000,
+                        help="optimizer steps per model")
+    parser.add_argument("--documents", type=int_at_least(1),
                         help=f"generated corpus size (default {DOCUMENTS}; not with --input)")
-    parser.add_argument("--eval-per-hop", type=int, help="held-out programs per hop count "
+    parser.add_argument("--eval-per-hop", type=int_at_least(1), help="held-out programs per hop count "
                         f"(default {EVAL_PER_HOP}; not with --input)")
     parser.add_argument("--models", nargs="+", choices=list(RUNS), default=list(RUNS),
                         help="models to train (default: all)")
     args = parser.parse_args(argv)
-    for name in ("steps", "documents", "eval_per_hop"):
-        value, flag = getattr(args, name), "--" + name.replace("_", "-")
-        if value is not None and value < 1:
-            parser.error(f"{flag}={value}: must be >= 1")
-        if value is not None and args.input and name != "steps":
-            parser.error(f"{flag} applies to the generated task, not to --input")
+    for name in ("documents", "eval_per_hop"):
+        if getattr(args, name) is not None and args.input:
+            parser.error(f"--{name.replace('_', '-')} applies to the generated task, not to "
+                         "--input")
     args.models = list(dict.fromkeys(args.models))
 
-    from megaloop.train import _quiet_third_party_warnings
+    from megaloop.cli import quiet_third_party_warnings
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     import dataclasses
 
     from megaloop import multihop

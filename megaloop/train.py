@@ -22,23 +22,11 @@ import dataclasses
 import logging
 import os
 import sys
-import warnings
 
+from megaloop.cli import quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal after saving a checkpoint
-
-
-def _quiet_third_party_warnings() -> None:
-    """megatron-core warns at import about optional GPU packages and deprecated torch APIs; on a
-    CPU machine those lines bury the training log."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|torch)\b.*")
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
-    # Raised inside megatron-core's DDP hooks, surfacing through the CPU layer's function mode.
-    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter INFO lists
 
 
 def build_config(argv: list[str] | None = None):
@@ -78,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from megaloop.config import ConfigError, save_yaml
 

@@ -45,10 +45,10 @@ def main(argv=None) -> int:
     from megaloop.config import ConfigError, load_yaml
     from megaloop.data.tokenizer import TokenizerError
     from megaloop.hf.common import ConversionError, ProbeMismatch, quiet_transformers
-    from megaloop.train import _quiet_third_party_warnings
+    from megaloop.cli import quiet_third_party_warnings
     from megaloop.training.checkpoint import CheckpointError
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     quiet_transformers()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only

@@ -21,6 +21,8 @@ import argparse
 import json
 import sys
 
+from megaloop.cli import int_at_least, quiet_third_party_warnings
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -30,23 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="tokenizer model (default: the checkpoint's)")
     parser.add_argument("--tokenizer-type", help="default: the checkpoint's, or "
                                                  "SentencePieceTokenizer")
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--num-iterations", type=int,
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=512)
+    parser.add_argument("--num-iterations", type=int_at_least(1),
                         help="test-time depth K (default: the checkpoint's)")
-    parser.add_argument("--limit", type=int, help="the first N questions only")
+    parser.add_argument("--limit", type=int_at_least(1), help="the first N questions only")
     parser.add_argument("--uncached", action="store_true",
                         help="decode without a KV cache, on the canonical model (the reference)")
     parser.add_argument("--predictions", default="gsm8k_predictions.jsonl",
                         help="output JSON lines (default: %(default)s)")
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "num_iterations", "limit"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
 
-    from megaloop.train import _quiet_third_party_warnings
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     import megaloop.api as ml
     from megaloop import gsm8k
     from megaloop.config import ConfigError, template_fields

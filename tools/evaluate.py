@@ -26,6 +26,8 @@ import contextlib
 import sys
 import tempfile
 
+from megaloop.cli import int_at_least, quiet_third_party_warnings
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -33,32 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", required=True, help="directory of the tasks' data files")
     parser.add_argument("--tasks", nargs="+", default=["asymloop_tasks"],
                         help="tasks or tags (default: %(default)s)")
-    parser.add_argument("--num-fewshot", type=int, nargs="+", default=[0],
+    parser.add_argument("--num-fewshot", type=int_at_least(0), nargs="+", default=[0],
                         help="few-shot settings (default: 0)")
-    parser.add_argument("--depths", type=int, nargs="+",
+    parser.add_argument("--depths", type=int_at_least(1), nargs="+",
                         help="test-time iterations K (default: the model's)")
-    parser.add_argument("--limit", type=int, help="the first N records of each task only")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-gen-toks", type=int,
+    parser.add_argument("--limit", type=int_at_least(1),
+                        help="the first N records of each task only")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=8)
+    parser.add_argument("--max-gen-toks", type=int_at_least(1),
                         help="new tokens of generation tasks (gsm8k; default: the task's 256)")
     parser.add_argument("--tokenizer", help="a checkpoint's tokenizer file (default: the run's)")
     parser.add_argument("--task-dir", help="task YAMLs (default: the repository's examples/eval)")
     parser.add_argument("--output", default="eval_results",
                         help="writes OUTPUT.md and OUTPUT.json (default: %(default)s)")
     args = parser.parse_args(argv)
-    for name in ("limit", "batch_size", "max_gen_toks"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
-    for name in ("num_fewshot", "depths"):
-        low = 0 if name == "num_fewshot" else 1
-        for value in getattr(args, name) or ():
-            if value < low:
-                parser.error(f"--{name.replace('_', '-')} {value}: must be >= {low}")
 
-    from megaloop.train import _quiet_third_party_warnings
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     from megaloop.config import ConfigError
     from megaloop.data.tokenizer import TokenizerError
     from megaloop.hf import evaluate as ev

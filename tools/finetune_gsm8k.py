@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                              "train.train_steps)")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
-    from megaloop.train import _quiet_third_party_warnings, main as train
+    from megaloop.cli import quiet_third_party_warnings
+    from megaloop.train import main as train
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     from megaloop import gsm8k
     from megaloop.config import ConfigError, save_yaml
     from megaloop.data import DataError

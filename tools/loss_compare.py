@@ -35,9 +35,10 @@ def main(argv=None) -> int:
     from megaloop.config import ConfigError, save_yaml
     from megaloop.scale.layout import parse_layout
     from megaloop.scale.loss_compare import compare_curves, read_curve, seeded_config
-    from megaloop.train import _quiet_third_party_warnings, build_config
+    from megaloop.cli import quiet_third_party_warnings
+    from megaloop.train import build_config
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     try:
         layouts = [parse_layout(text) for text in args.layouts]
         train_args = [a for flag in ("preset", "config") if getattr(args, flag)

@@ -106,7 +106,21 @@ def harness_model(model, tokenizer, batch_size: int = 8):
     """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
+    class CheckedHFLM(HFLM):
+        """HFLM whose too-long continuations are an EvaluationError naming the text: HFLM only
+        asserts (a bare AssertionError) when a continuation does not fit the model's context."""
+
+        def _loglikelihood_tokens(self, requests, *args, **kwargs):
+            for key, _, continuation in requests:
+                if len(continuation) > self.max_length:
+                    text = key[1] if isinstance(key, tuple) else key
+                    raise EvaluationError(
+                        f"a continuation of {len(continuation)} tokens does not fit the model's "
+                        f"{self.max_length}-token context ({str(text)[:40]!r}...); evaluate a "
+                        f"model with a longer seq_length or leave that task out")
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
+    return CheckedHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
 
 
 def run_harness(lm, tasks: Sequence[str], manager, *, num_fewshot: int, limit: int | None,

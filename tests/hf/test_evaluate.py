@@ -172,6 +172,18 @@ def test_test_time_depth_reaches_the_model_and_is_restored(harness):
                     data_dir=harness["data"], depths=(2,))
 
 
+def test_a_continuation_longer_than_the_context_is_one_line(harness):
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    names = ev.resolve_tasks(["piqa"], harness["manager"])
+    lm = ev.harness_model(export.model, export.tokenizer, batch_size=4)
+    lm._max_length = 3  # piqa's solutions are longer than three tokens
+    with pytest.raises(ev.EvaluationError, match=r"^a continuation of \d+ tokens does not fit "
+                                                 r"the model's 3-token context \("):
+        ev.run_harness(lm, names, harness["manager"], num_fewshot=0, limit=2)
+
+
 @pytest.mark.parametrize("arch", ["dense", "asymloop"])
 def test_lm_eval_cli_loads_the_export_offline(harness, arch, tmp_path, monkeypatch):
     import lm_eval.tasks

@@ -57,11 +57,11 @@ def worker(config_path: str, steps: int, warmup: int, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megaloop.config import load_yaml
-    from megaloop.train import _quiet_third_party_warnings
+    from megaloop.cli import quiet_third_party_warnings
     from megaloop.training.data import MicroBatches
     from megaloop.training.trainer import Trainer
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     trainer = Trainer(load_yaml(config_path))
     timers = ThreadTimers()
     trainer.model.config.timers = timers

@@ -224,9 +224,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per loop")
     args = parser.parse_args(argv)
 
-    from megaloop.train import _quiet_third_party_warnings
+    from megaloop.cli import quiet_third_party_warnings
 
-    _quiet_third_party_warnings()
+    quiet_third_party_warnings()
     result = {}
     if "dense" in args.rows:
         result["dense"] = dense_row(args)

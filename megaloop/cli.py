@@ -1,0 +1,35 @@
+"""What megaloop's command-line entry points share (``megaloop-train``, the quickstart, tools/)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+
+
+def quiet_third_party_warnings() -> None:
+    """megatron-core warns at import about optional GPU packages and deprecated torch APIs; on a
+    CPU machine those lines bury the training log."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|torch)\b.*")
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
+    # Raised inside megatron-core's DDP hooks, surfacing through the CPU layer's function mode.
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter INFO lists
+
+
+def int_at_least(minimum: int):
+    """An argparse ``type``: an integer >= ``minimum``; argparse reports any other value in one
+    line naming the flag (``argument --limit: 0: must be >= 1``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be >= {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse

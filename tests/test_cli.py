@@ -1,0 +1,31 @@
+"""The argparse type the command-line entry points share: one line naming the flag and value."""
+
+import argparse
+
+import pytest
+
+from megaloop.cli import int_at_least
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.add_argument("--limit", type=int_at_least(1))
+    parser.add_argument("--shots", type=int_at_least(0), nargs="+")
+    return parser
+
+
+def test_values_at_and_above_the_minimum_are_integers():
+    args = _parser().parse_args(["--limit", "1", "--shots", "0", "5"])
+    assert (args.limit, args.shots) == (1, [0, 5])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--limit", "0"], "tool: error: argument --limit: 0: must be >= 1"),
+    (["--shots", "2", "-1"], "tool: error: argument --shots: -1: must be >= 0"),
+    (["--limit", "1.5"], "tool: error: argument --limit: '1.5': not an integer"),
+])
+def test_other_values_exit_2_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err[-1] == message
