@@ -43,7 +43,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Sequence
 
-from megaloop.config import (ConfigError, RunConfig, _deep_merge, apply_overrides, from_dict,
+from megaloop.config import (ConfigError, RunConfig, apply_overrides, deep_merge, from_dict,
                              to_dict, write_text_atomic)
 from megaloop.data.readers import DataError
 
@@ -128,7 +128,7 @@ def finetune_config(base_checkpoint: str | os.PathLike, data_files: Sequence[str
            "data": {**RECIPE["data"], **{k: v for k, v in tokenizer.items() if v is not None},
                     "path": [str(f) for f in data_files]},
            "checkpoint": {**RECIPE["checkpoint"], "load": str(path)}}
-    cfg = from_dict(RunConfig, _deep_merge(to_dict(RunConfig()), run))
+    cfg = from_dict(RunConfig, deep_merge(to_dict(RunConfig()), run))
     return apply_overrides(cfg, list(overrides)).validate()
 
 

@@ -1,0 +1,336 @@
+"""The run's other sections (parallel, train, data, checkpoint; alrs lives in megaloop.alrs) and
+``RunConfig``, which holds them with the model and checks the settings that span sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megaloop.alrs.schedule import ALRSConfig
+from megaloop.config.errors import divisors_text, require
+from megaloop.config.model import ModelConfig
+
+# Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
+# "delayed" (amax history) and "mxfp8" (block scaling, Blackwell GPUs).
+Fp8Recipe = Literal["current", "delayed", "mxfp8"]
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel sizes (the data-parallel size is what the world leaves over).
+
+    Pipeline parallelism unrolls the model's chain of layer applications over the stages
+    (megaloop.models.pipeline): ``pipeline_split`` lists each stage's count of applications
+    (pipeline x virtual_pipeline entries, stage v * pipeline + p being chunk v of rank p); empty:
+    the split with the best compute balance. ``virtual_pipeline`` > 1 runs megatron-core's
+    interleaved schedule with that many model chunks per pipeline rank.
+    """
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    sequence_parallel: bool = False
+    recompute: Literal["none", "full"] = "none"
+    virtual_pipeline: int = 1
+    pipeline_split: list[int] = field(default_factory=list)
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of the chain: pipeline ranks x model chunks per rank."""
+        return self.pipeline * self.virtual_pipeline
+
+    def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
+        for name in ("tensor", "pipeline", "expert", "virtual_pipeline"):
+            require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        tp = self.tensor
+        # Tensor parallelism splits heads, query groups, FFN columns and the vocabulary.
+        split = {name: getattr(model, name) for name in (
+            "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+            "decoder_ffn_hidden_size", "vocab_size")}
+        if model.uses_moe and model.moe_ffn_hidden_size:  # experts split like the FFN
+            split["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
+        undivided = [f"model.{name}={size}" for name, size in split.items() if size % tp]
+        pad = "; or pad the vocabulary" if split["vocab_size"] % tp else ""
+        require(not undivided, prefix, "tensor", tp,
+                f"a divisor of {', '.join(undivided)} (tensor sizes that divide the heads, query "
+                f"groups, FFN widths and vocabulary: {divisors_text(math.gcd(*split.values()))}"
+                f"{pad})")
+        require(not self.sequence_parallel or tp > 1, prefix, "sequence_parallel",
+                self.sequence_parallel, "false unless tensor > 1 (it splits the sequence over TP)")
+        require(not self.sequence_parallel or model.seq_length % tp == 0, prefix,
+                "sequence_parallel", self.sequence_parallel,
+                f"false, or parallel.tensor={tp} a divisor of model.seq_length="
+                f"{model.seq_length} (sequence parallelism splits the sequence over the "
+                f"tensor-parallel ranks; sizes that fit: {divisors_text(model.seq_length, 64)})")
+        if self.expert > 1:
+            require(model.uses_moe, prefix, "expert", self.expert,
+                    "1 unless model.num_experts > 0 (expert parallelism splits the experts)")
+            require(model.num_experts % self.expert == 0, prefix, "expert", self.expert,
+                    f"a divisor of model.num_experts={model.num_experts}")
+        require(not (self.sequence_parallel and model.arch == "latentloop"), prefix,
+                "sequence_parallel", self.sequence_parallel,
+                "false for model.arch=latentloop (the writeback shifts across sequence shards)")
+        if model.uses_moe and tp > 1:
+            require(self.sequence_parallel, prefix, "tensor", tp,
+                    "1 for a MoE model unless parallel.sequence_parallel=true (megatron-core's "
+                    "MoE layer needs sequence parallelism with tensor parallelism)")
+        self._validate_pipeline(model, prefix)
+
+    def _validate_pipeline(self, model: ModelConfig, prefix: str) -> None:
+        from megaloop.models.pipeline import chain_length, check_split
+
+        require(self.virtual_pipeline == 1 or self.pipeline > 1, prefix, "virtual_pipeline",
+                self.virtual_pipeline, "1 unless parallel.pipeline > 1 (it interleaves the "
+                "pipeline ranks' model chunks)")
+        if self.pipeline == 1:
+            require(not self.pipeline_split, prefix, "pipeline_split", self.pipeline_split,
+                    "empty unless parallel.pipeline > 1")
+            return
+        require(model.arch != "latentloop", prefix, "pipeline", self.pipeline,
+                "1 for model.arch=latentloop (its visits are distinct modules with their own "
+                "compression and scales; pipeline parallelism covers dense, fullloop and "
+                "asymloop: use tensor/data/expert parallelism)")
+        require(self.virtual_pipeline == 1 or not model.uses_moe, prefix, "virtual_pipeline",
+                self.virtual_pipeline, "1 for a MoE model (its routing statistics are kept "
+                "per model chunk)")
+        stages, total = self.pipeline_stages, chain_length(model)
+        require(stages <= total, prefix, "pipeline", self.pipeline,
+                f"such that pipeline x virtual_pipeline = {stages} stages get at least one of "
+                f"the model's {total} layer applications each (at most {total} stages)")
+        if self.pipeline_split:
+            check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
+
+
+@dataclass
+class DownstreamEvalConfig:
+    """Downstream accuracy of the run's checkpoints while it trains (megaloop.training.downstream):
+    after every ``every``-th periodic checkpoint save and after the final one, rank 0 runs the LM
+    Evaluation Harness on ``tasks`` (examples/eval task names or tags, their files in
+    ``data_dir``) and appends a row per task to metrics.jsonl. Empty ``tasks``: off."""
+
+    tasks: list[str] = field(default_factory=list)
+    data_dir: str | None = None
+    task_dir: str | None = None  # None: the repository's examples/eval
+    limit: int | None = None  # the first N records of each task; None: all
+    num_fewshot: int = 0
+    every: int = 1  # evaluate every N-th periodic save (the final checkpoint always)
+    batch_size: int = 8
+
+    def validate(self, prefix: str = "train.downstream_eval") -> None:
+        if not self.tasks:  # off: any other field set would be ignored
+            changed = [f.name for f in dataclasses.fields(self)
+                       if getattr(self, f.name) != getattr(DownstreamEvalConfig(), f.name)]
+            require(not changed, prefix, "tasks", self.tasks,
+                    f"set (a list of task names or tags) when {prefix}."
+                    f"{changed[0] if changed else ''} is")
+            return
+        require(self.data_dir is not None, prefix, "data_dir", self.data_dir,
+                "the directory of the tasks' data files")
+        require(self.limit is None or self.limit >= 1, prefix, "limit", self.limit,
+                ">= 1 or null (all records)")
+        for name, low in (("num_fewshot", 0), ("every", 1), ("batch_size", 1)):
+            require(getattr(self, name) >= low, prefix, name, getattr(self, name), f">= {low}")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_steps: int = 100
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # Only with precision=fp8; None: "current". "delayed" keeps an amax history of 2K calls (max).
+    fp8_recipe: Fp8Recipe | None = None
+    distributed_optimizer: bool = True  # shard optimizer state over data-parallel ranks
+    use_alrs: bool = False  # layerwise LR multipliers from the `alrs` section
+    out_dir: str = "runs/default"
+    log_interval: int = 10
+    eval_interval: int = 0  # 0: evaluate at the end only
+    eval_iters: int = 10  # validation batches per evaluation
+    eval_depths: list[int] = field(default_factory=list)  # extra K for a test-time depth table
+    max_nonfinite_steps: int = 5  # consecutive NaN/Inf losses tolerated (skipped) before abort
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs auto, CPU none
+    downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+
+    def validate(self, prefix: str = "train") -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_steps", "log_interval",
+                     "eval_iters", "max_nonfinite_steps"):
+            require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        require(self.global_batch_size % self.micro_batch_size == 0, prefix,
+                "global_batch_size", self.global_batch_size,
+                f"a multiple of micro_batch_size={self.micro_batch_size}")
+        require(self.lr > 0, prefix, "lr", self.lr, "> 0")
+        require(0 <= self.min_lr_ratio <= 1, prefix, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
+                "in [0, 1)")
+        require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
+        require(all(k >= 1 for k in self.eval_depths), prefix, "eval_depths", self.eval_depths,
+                "a list of iteration counts >= 1")
+        require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
+                "a directory path (metrics, config.yaml and by default checkpoints go there)")
+        require(self.fp8_recipe is None or self.precision == "fp8", prefix, "fp8_recipe",
+                self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
+        self.downstream_eval.validate(f"{prefix}.downstream_eval")
+
+    @property
+    def resolved_fp8_recipe(self) -> str | None:
+        """The FP8 recipe a run uses, None without FP8."""
+        if self.precision != "fp8":
+            return None
+        return self.fp8_recipe or "current"
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron indexed datasets written by tools/preprocess_data.py
+    (``format=indexed``), or prompt/solution records for supervised fine-tuning (``format=sft``,
+    megaloop.data.sft: .jsonl/.parquet files, loss on the solution tokens only)."""
+
+    path: list[str] = field(default_factory=list)  # blend: [weight, prefix, ...] or [prefix, ...]
+    split: str = "969,30,1"  # train,valid,test proportions of the blend
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: str | None = None  # gives the EOD id and checks vocab_size
+    eod_id: int | None = None  # only without tokenizer_model
+    cache_dir: str | None = None  # shuffle-index cache; None: beside the first prefix
+    eod_mask_loss: bool = False
+    format: Literal["indexed", "sft"] = "indexed"
+    # format=sft: Python format strings over a record's fields, tokenized separately.
+    sft_prompt: str = "{prompt}"
+    sft_solution: str = "{solution}"
+
+    def validate(self, prefix: str = "data") -> None:
+        from megaloop.data.tokenizer import TOKENIZER_TYPES
+
+        require(bool(self.path), prefix, "path", self.path,
+                "a non-empty list of dataset prefixes (optionally weighted)"
+                if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
+        if self.format == "sft":
+            self._validate_sft(prefix)
+        else:  # the SFT templates would be silently ignored
+            for name in ("sft_prompt", "sft_solution"):
+                require(getattr(self, name) == getattr(DataConfig, name), prefix, name,
+                        getattr(self, name), "left at its default unless data.format='sft'")
+        require((self.tokenizer_model is None) != (self.eod_id is None), prefix,
+                "tokenizer_model", self.tokenizer_model, "given, or else data.eod_id (not both)")
+        require(self.tokenizer_type in TOKENIZER_TYPES, prefix, "tokenizer_type",
+                self.tokenizer_type, f"one of {', '.join(TOKENIZER_TYPES)}")
+        require(split_weights(self.split) is not None, prefix, "split", self.split,
+                "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'")
+
+    def _validate_sft(self, prefix: str) -> None:
+        require(self.tokenizer_model is not None, prefix, "tokenizer_model",
+                self.tokenizer_model, "given for data.format='sft' (records are text)")
+        for name in ("sft_prompt", "sft_solution"):
+            require(template_fields(getattr(self, name)) is not None, prefix, name,
+                    getattr(self, name), "a format string naming record fields, e.g. "
+                    "'Question: {question}'")
+        # Nothing is cached, and the EOD closing each solution is how the model learns to stop.
+        require(self.cache_dir is None, prefix, "cache_dir", self.cache_dir,
+                "unset for data.format='sft' (its datasets cache nothing)")
+        require(not self.eod_mask_loss, prefix, "eod_mask_loss", self.eod_mask_loss,
+                "false for data.format='sft' (the EOD after a solution teaches the model to stop)")
+
+
+def template_fields(template: str) -> tuple[str, ...] | None:
+    """The record fields a format string names, in order of first use; None when it is malformed,
+    names no field, or uses positional, attribute or index fields ("{}", "{a.b}", "{a[0]}")."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError:
+        return None
+    names = [name for _, name, _, _ in parsed if name is not None]
+    if not names or not all(name.isidentifier() for name in names):
+        return None
+    return tuple(dict.fromkeys(names))
+
+
+def split_weights(split: str) -> list[float] | None:
+    """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
+    when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
+    0,0,0, then divides by zero)."""
+    parts = re.split(r"[,/]", split.strip())
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        return None
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights):
+        return None
+    return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <train.out_dir>/checkpoints
+    save_interval: int = 0  # 0: at the end (and on SIGTERM/SIGUSR1) only
+    keep_last: int = 3
+    resume: bool = True  # continue from the latest checkpoint in `dir` when there is one
+    load: str | None = None  # a checkpoint directory to start from when `dir` has none
+    # On resume the config's LR schedule (train_steps, warmup, lr, floor, Adam betas, weight
+    # decay) replaces the checkpoint's, each change logged; true keeps the checkpoint's.
+    keep_schedule: bool = False
+    # A damaged checkpoint to resume from is an error naming the file; true resumes from the
+    # newest earlier complete checkpoint instead (the damaged one is renamed *.damaged).
+    fallback_to_previous: bool = False
+    # dp_reshardable: fast, fully parallel, reloadable only with the same TP/PP layout;
+    # fully_reshardable: gathers optimizer state at save so any TP/PP/DP layout can resume.
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    # False: only the weights of `load` (fine-tuning, a new parallel layout); the run's own
+    # checkpoints in `dir` still resume with optimizer and progress.
+    load_optimizer: bool = True
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")
+        require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    alrs: ALRSConfig = field(default_factory=ALRSConfig)
+
+    def validate(self) -> "RunConfig":
+        """Everything a training run needs, checked before any heavy work."""
+        self.model.validate()
+        self.parallel.validate(self.model)
+        self.train.validate()
+        self.data.validate()
+        self.checkpoint.validate()
+        require(not (self.train.eval_depths and self.parallel.pipeline > 1), "train",
+                "eval_depths", self.train.eval_depths, "empty when parallel.pipeline > 1 (the "
+                "stages unroll exactly model.iterations iterations)")
+        require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
+                "eval_depths", self.train.eval_depths,
+                "empty for model.arch=dense (a Dense model has no depth to vary)")
+        downstream = self.train.downstream_eval
+        if downstream.tasks:  # rank 0 evaluates its own copy of the whole model
+            layout = (self.parallel.tensor, self.parallel.pipeline, self.parallel.expert)
+            require(layout == (1, 1, 1), "train.downstream_eval", "tasks", downstream.tasks,
+                    f"empty with parallel tensor/pipeline/expert sizes {layout} (rank 0 holds "
+                    "only part of the model); evaluate the checkpoints with tools/evaluate.py")
+            require(self.data.tokenizer_model is not None, "train.downstream_eval", "tasks",
+                    downstream.tasks, "empty without data.tokenizer_model (the tasks are text)")
+        # Transformer Engine's recompute replays delayed-scaling state first in, first out, but a
+        # weight-tied block recomputes its K calls last to first: call K would get call 1's scales.
+        require(not (self.train.resolved_fp8_recipe == "delayed"
+                     and self.parallel.recompute == "full" and self.model.num_iterations > 1),
+                "train", "fp8_recipe", self.train.fp8_recipe,
+                "'current' or 'mxfp8' with parallel.recompute=full and a looped model "
+                "(delayed scaling would recompute iteration K with iteration 1's scales)")
+        return self

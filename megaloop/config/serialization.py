@@ -1,0 +1,150 @@
+"""Configs to and from plain dicts and YAML files, dotted ``section.field=value`` overrides, and
+the atomic write that saves them."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import secrets
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from megaloop.config.errors import ConfigError
+from megaloop.config.run import RunConfig
+
+
+def to_dict(cfg) -> dict:
+    """Plain dict of a config; tuples become lists so that yaml.safe_dump can write it."""
+    return dataclasses.asdict(cfg, dict_factory=lambda items: {
+        k: list(v) if isinstance(v, tuple) else v for k, v in items})
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Checks ``value`` against a field's type hint, converting ints to floats where declared."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        if value not in get_args(hint):
+            allowed = ", ".join(repr(a) for a in get_args(hint))
+            raise ConfigError(f"{where}={value!r}: must be one of {allowed}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(get_args(hint)):
+            return None
+        return _coerce(value, args[0], where)
+    if origin is list:
+        item = get_args(hint)[0]
+        if not isinstance(value, list):  # a single value where a list is expected
+            value = [value]
+        if item is str:  # blend weights in a data path arrive as YAML numbers
+            value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                     for v in value]
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a mapping of {hint.__name__} fields")
+        return from_dict(hint, value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint in (int, float, str, bool) and not isinstance(value, hint) or (
+        hint is int and isinstance(value, bool)
+    ):
+        raise ConfigError(f"{where}={value!r}: must be of type {hint.__name__}")
+    return value
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Builds dataclass ``cls`` from a (possibly partial) dict, rejecting unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"unknown field {path}{hint}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own __post_init__ checks (e.g. ALRSConfig)
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Applies ``section.field=value`` strings; values are parsed as YAML scalars."""
+    data = to_dict(cfg)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected the form section.field=value")
+        node, parts = data, key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
+            node = node[part]
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML (quote it, or "
+                              "write lists as [a, b])") from None
+    return from_dict(RunConfig, data)
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """``base`` with ``update``'s keys replacing its own, nested mappings merged key by key."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = deep_merge(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConfig:
+    """Reads a (possibly partial) YAML run config; its fields replace those of ``base``."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    try:
+        return from_dict(RunConfig, deep_merge(to_dict(base or RunConfig()), data))
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes a temporary file in the same directory, then renames it over ``path``. The file gets
+    the permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), not
+    ``tempfile.mkstemp``'s 0600, so that teammates can read a shared run."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Writes atomically (``write_text_atomic``)."""
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
