@@ -2,10 +2,11 @@
 
     python tools/match_budget.py                     # every tier: MoE base / MoE Loop / LatentLoop
     python tools/match_budget.py --tier 3B --json
-    python tools/match_budget.py --tier 3B --reference moe-loop-3B --target latentloop
+    python tools/match_budget.py --tier 3B --reduction width   # LatentLoop's visit 1 at d/2
 
 The MoE Loop preset of a tier is the reference. For a target structure (LatentLoop: the same
-prelude / middle x 2 visits / coda with visit 1 compressed; MoE base: as many unique layers as the
+prelude / middle x 2 visits / coda with visit 1 reduced by --reduction, by default the sequence
+compression; MoE base: as many unique layers as the
 loop has layer applications), the tool searches hidden size d (multiples of --width-step), head dim
 d_h (even) and expert count E so that parameters, KV cache per token and training FLOPs per token
 all lie within --tolerance of the reference's. With the same batch and steps, FLOPs per step and
@@ -19,8 +20,10 @@ import argparse
 import dataclasses
 import json
 import sys
+import typing
 
 from megaloop.config import ConfigError, ModelConfig
+from megaloop.config.model import LatentReduction
 from megaloop.models.flops import budget
 from megaloop.presets import LATENTLOOP_TIERS, preset
 
@@ -32,11 +35,14 @@ def relative_errors(cfg: ModelConfig, reference: dict) -> dict[str, float]:
     return {key: got[key] / reference[key] - 1 for key in BUDGET_KEYS}
 
 
-def target_structure(reference: ModelConfig, target: str) -> ModelConfig:
-    """The reference's layer structure as ``target``: "latentloop" (visit 1 compressed, learned
-    residual scales) or "moe_base" (no loop: one unique layer per layer application)."""
+def target_structure(reference: ModelConfig, target: str,
+                     reduction: LatentReduction = "sequence") -> ModelConfig:
+    """The reference's layer structure as ``target``: "latentloop" (visit 1 reduced by
+    ``reduction``, learned residual scales) or "moe_base" (no loop: one unique layer per layer
+    application)."""
     if target == "latentloop":
-        return dataclasses.replace(reference, latent_visits=[1], residual_scale="learned")
+        return dataclasses.replace(reference, latent_visits=[1], residual_scale="learned",
+                                   latent_reduction=reduction)
     if target == "moe_base":
         return ModelConfig(**{
             **{f.name: getattr(reference, f.name) for f in dataclasses.fields(ModelConfig)
@@ -92,8 +98,8 @@ def table_rows(models: dict[str, ModelConfig], tokens_per_step: int, steps: int)
     return rows
 
 
-def print_table(tier: str, rows: list[dict]) -> None:
-    print(f"tier {tier}")
+def print_table(tier: str, reduction: str, rows: list[dict]) -> None:
+    print(f"tier {tier}, LatentLoop's first visit reduced by {reduction}")
     header = (f"{'model':>11} {'L':>3} {'J':>3} {'d':>5} {'d_h':>4} {'E':>4} | {'params':>8} "
               f"{'active':>8} {'KV/token':>9} {'TFLOP/step':>11} {'total EFLOP':>11} | "
               f"{'params':>7} {'KV':>7} {'FLOPs':>7}  (vs MoE Loop)")
@@ -112,6 +118,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tier", choices=list(LATENTLOOP_TIERS), action="append",
                         help="tier(s) to match (default: all)")
+    parser.add_argument("--reduction", choices=typing.get_args(LatentReduction),
+                        default="sequence", help="how LatentLoop's first visit is reduced "
+                                                 "(model.latent_reduction; default: %(default)s)")
     parser.add_argument("--width-step", type=int, default=16, help="hidden size granularity")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument("--tokens-per-step", type=int, default=1024 * 2048)
@@ -125,12 +134,13 @@ def main(argv=None) -> int:
             models = {"moe_base": match(reference, target_structure(reference, "moe_base"),
                                         args.width_step, args.tolerance)[0],
                       "moe_loop": reference,
-                      "latentloop": match(reference, target_structure(reference, "latentloop"),
+                      "latentloop": match(reference, target_structure(reference, "latentloop",
+                                                                      args.reduction),
                                           args.width_step, args.tolerance)[0]}
             rows = table_rows(models, args.tokens_per_step, args.steps)
-            out.append({"tier": tier, "rows": rows})
+            out.append({"tier": tier, "reduction": args.reduction, "rows": rows})
             if not args.json:
-                print_table(tier, rows)
+                print_table(tier, args.reduction, rows)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

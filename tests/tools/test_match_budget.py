@@ -35,3 +35,17 @@ def test_an_unreachable_tolerance_is_a_one_line_error(load_tool):
     with pytest.raises(ConfigError, match=r"no width within 1e-06 \(relative\)"):
         tool.match(reference, tool.target_structure(reference, "latentloop"), width_step=256,
                    tolerance=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["top_k", "width", "expert_ffn"])
+def test_every_first_visit_reduction_is_matched_with_its_own_savings(load_tool, reduction):
+    tool = load_tool("match_budget")
+    reference = preset("moe-loop-1.3B")
+    found, errors = tool.match(reference, tool.target_structure(reference, "latentloop",
+                                                                reduction))
+    assert found.latent_reduction == reduction and max(abs(e) for e in errors.values()) < 0.01
+    # These reductions keep visit 1's sequence, so its KV cache: the search keeps the reference's
+    # head size, where the sequence compression's saved KV cache buys larger heads.
+    assert found.head_dim == reference.kv_channels
+    # Each saves FLOPs in visit 1 that the match spends on width.
+    assert found.hidden_size > reference.hidden_size
