@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from megaloop.config.errors import divisors_text
 from megaloop.models.pipeline import Stage, plan_stages, stage_counts
 
 MCORE_RANK_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default, which init_distributed uses
@@ -115,18 +116,14 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
             f"parallel.tensor={parallel.tensor} x parallel.pipeline={parallel.pipeline} = "
             f"{model_parallel} does not divide the world size {world_size}: launch a multiple of "
             f"{model_parallel} processes (e.g. {fits}) or choose tensor x pipeline among the "
-            f"divisors of {world_size} ({', '.join(map(str, _divisors(world_size)))})")
+            f"divisors of {world_size} ({divisors_text(world_size)})")
     data = world_size // model_parallel
     if parallel.expert > 1 and data % parallel.expert:
         raise ConfigError(
             f"parallel.expert={parallel.expert} does not divide the data-parallel size {data} "
             f"(world size {world_size} / tensor {parallel.tensor} / pipeline "
             f"{parallel.pipeline}): expert parallelism splits the data-parallel ranks; use "
-            f"expert in ({', '.join(map(str, _divisors(data)))})")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+            f"expert in ({divisors_text(data)})")
 
 
 # --------------------------------------------------------------------------------------------
