@@ -43,8 +43,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Sequence
 
-from megaloop.config import (ConfigError, RunConfig, apply_overrides, deep_merge, from_dict,
-                             to_dict, write_text_atomic)
+from megaloop.config import (ConfigError, RunConfig, apply_overrides, run_config_from,
+                             write_text_atomic)
 from megaloop.data.readers import DataError
 
 log = logging.getLogger("megaloop.gsm8k")
@@ -128,7 +128,7 @@ def finetune_config(base_checkpoint: str | os.PathLike, data_files: Sequence[str
            "data": {**RECIPE["data"], **{k: v for k, v in tokenizer.items() if v is not None},
                     "path": [str(f) for f in data_files]},
            "checkpoint": {**RECIPE["checkpoint"], "load": str(path)}}
-    cfg = from_dict(RunConfig, deep_merge(to_dict(RunConfig()), run))
+    cfg = run_config_from(run)
     return apply_overrides(cfg, list(overrides)).validate()
 
 

@@ -101,12 +101,12 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return from_dict(RunConfig, data)
 
 
-def deep_merge(base: dict, update: dict) -> dict:
+def _deep_merge(base: dict, update: dict) -> dict:
     """``base`` with ``update``'s keys replacing its own, nested mappings merged key by key."""
     merged = dict(base)
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            value = deep_merge(merged[key], value)
+            value = _deep_merge(merged[key], value)
         merged[key] = value
     return merged
 
@@ -123,9 +123,15 @@ def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConf
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     try:
-        return from_dict(RunConfig, deep_merge(to_dict(base or RunConfig()), data))
+        return run_config_from(data, base)
     except ConfigError as e:
         raise ConfigError(f"config file {path}: {e}") from None
+
+
+def run_config_from(data: dict, base: RunConfig | None = None) -> RunConfig:
+    """A RunConfig from a (possibly partial) nested mapping, as in a YAML file; its fields replace
+    those of ``base`` (default: the defaults)."""
+    return from_dict(RunConfig, _deep_merge(to_dict(base or RunConfig()), data))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
