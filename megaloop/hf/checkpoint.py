@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megaloop.config import DataConfig, ModelConfig, ParallelConfig, RunConfig
-from megaloop.hf.common import ConversionError
+from megaloop.hf.common import ConversionError, holding_dtype
 from megaloop.training import checkpoint as ckpt
 
 
@@ -64,6 +64,19 @@ def load_checkpoint_model(path: str | Path, requested: ModelConfig | None = None
     model = load_with(build, path)
     return model, RunConfig(model=model.cfg, data=ckpt.saved_section(path, DataConfig, "data")), \
         path
+
+
+def stored_dtype(path: Path, model) -> torch.dtype:
+    """The dtype checkpoint ``path`` holds ``model``'s weights in (bfloat16 after a bf16 run: the
+    fp32 main weights are optimizer state), float32 where it holds them in several."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return holding_dtype({stored[tensor.key].properties.dtype for tensor in
+                          nested_values(model.sharded_state_dict())
+                          if isinstance(tensor, ShardedTensor)})
 
 
 def weights(model) -> dict[str, torch.Tensor]:
