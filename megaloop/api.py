@@ -51,9 +51,20 @@ def load(checkpoint: str | os.PathLike, **overrides):
     or incomplete, ConfigError for an override of a field the weights fix.
     On a GPU the model is moved to the current device.
     """
+    return load_with(_build_on_device, checkpoint, **overrides)
+
+
+def _build_on_device(cfg):
+    model = _build(cfg, seed=0)  # every weight is replaced by the checkpoint's
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def load_with(build, checkpoint: str | os.PathLike, **overrides):
+    """``load`` with the model made by ``build(model config)`` (megaloop.hf converts on the CPU,
+    one process, megatron-core's local spec); its documentation holds for both."""
     import dataclasses
 
-    from megaloop.config import ConfigError, ModelConfig, from_dict
+    from megaloop.config import ConfigError, ModelConfig
     from megaloop.training import checkpoint as ckpt
 
     path = ckpt.find_checkpoint(checkpoint)
@@ -62,13 +73,8 @@ def load(checkpoint: str | os.PathLike, **overrides):
     if fixed:
         raise ConfigError(f"model.{fixed[0]}: fixed by the checkpoint {path}; a loaded model may "
                           f"change only {', '.join(ckpt.RESUMABLE_MODEL_FIELDS)}")
-    try:
-        cfg = from_dict(ModelConfig, ckpt.saved_config(path)["model"], "model")
-    except ConfigError as e:
-        raise ckpt.CheckpointError(f"{path / 'config.yaml'}: {e}") from None
-    model = _build(dataclasses.replace(cfg, **overrides), seed=0)  # weights replaced below
-    if torch.cuda.is_available():
-        model.cuda()
+    cfg = ckpt.saved_section(path, ModelConfig, "model")
+    model = build(dataclasses.replace(cfg, **overrides))
     state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})
     model.load_state_dict(state["model"])
     return model.eval()

@@ -50,6 +50,12 @@ def test_load_gives_the_saved_model_and_refuses_what_the_weights_fix(mcore, tmp_
         ml.load(tmp_path / "ckpt", hidden_size=64)
     with pytest.raises(CheckpointError, match=r"nowhere: no checkpoint there"):
         ml.load(tmp_path / "nowhere")
+    config = tmp_path / "ckpt" / "iter_0000007" / "config.yaml"
+    saved = config.read_text()
+    config.write_text(saved.replace("hidden_size:", "hiden_size:", 1))
+    with pytest.raises(CheckpointError, match=r"config.yaml: unknown field model.hiden_size"):
+        ml.load(tmp_path / "ckpt")
+    config.write_text(saved)
     (tmp_path / "ckpt" / "iter_0000007" / "common.pt").unlink()
     with pytest.raises(CheckpointError, match=r"common.pt: missing or truncated"):
         ml.load(tmp_path / "ckpt")

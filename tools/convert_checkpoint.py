@@ -2,6 +2,7 @@
 
     python tools/convert_checkpoint.py to-hf CHECKPOINT OUT [--config RUN.yaml]
                                        [--tokenizer FILE | --no-tokenizer]
+                                       [--dtype {float32,bfloat16,float16}]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT
 
 to-hf: CHECKPOINT is a checkpoint (iter_N) of any TP/PP/EP layout, or a checkpoint directory with a
@@ -9,10 +10,13 @@ to-hf: CHECKPOINT is a checkpoint (iter_N) of any TP/PP/EP layout, or a checkpoi
 tokenizer (data.tokenizer_model, or --tokenizer); a Dense model loads as a native transformers
 class where one fits, every other one as remote code:
 ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config refuses a checkpoint
-of another architecture than that run config's.
+of another architecture than that run config's. --dtype: what the safetensors hold and config.json's
+``dtype`` (what ``from_pretrained`` loads in); by default the dtype the checkpoint holds its weights
+in (bfloat16 after a bf16 run), which loses nothing.
 
 from-hf: OUT becomes a checkpoint directory that a run starts from with
-``checkpoint.load=OUT checkpoint.load_optimizer=false``.
+``checkpoint.load=OUT checkpoint.load_optimizer=false``; it holds the weights in the dtype
+HF_DIR's safetensors do.
 
 Both write into a temporary directory beside OUT and rename it only after the converted model's
 logits on a probe input equal the source's. Prints a JSON report; exits 2 on bad input (one line
@@ -37,6 +41,9 @@ def main(argv=None) -> int:
     tokenizer = to_hf.add_mutually_exclusive_group()
     tokenizer.add_argument("--tokenizer", help="tokenizer file instead of data.tokenizer_model")
     tokenizer.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
+    # Checked by export_checkpoint (one line, exit 2), not by argparse (usage and error, 3 lines).
+    to_hf.add_argument("--dtype", metavar="{float32,bfloat16,float16}",
+                       help="dtype of the exported weights (default: the checkpoint's)")
     from_hf = sub.add_parser("from-hf", help="Hugging Face directory -> megaloop checkpoint")
     from_hf.add_argument("hf_dir")
     from_hf.add_argument("out")
@@ -58,7 +65,8 @@ def main(argv=None) -> int:
                 requested = load_yaml(args.config).model if args.config else None
                 report = export_checkpoint(args.checkpoint, args.out, requested=requested,
                                            tokenizer=args.tokenizer,
-                                           with_tokenizer=not args.no_tokenizer)
+                                           with_tokenizer=not args.no_tokenizer,
+                                           dtype=args.dtype)
             else:
                 from megaloop.hf.from_hf import import_hf
 

@@ -13,20 +13,17 @@ from pathlib import Path
 
 import torch
 
-from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict
-from megaloop.hf.common import ConversionError
+from megaloop.config import DataConfig, ModelConfig, ParallelConfig, RunConfig
+from megaloop.hf.common import ConversionError, holding_dtype
 from megaloop.training import checkpoint as ckpt
 
 
 def checkpoint_path(path: str | Path) -> Path:
     """A checkpoint directory (``iter_N`` with config.yaml), or a checkpoint directory holding a
     ``latest`` pointer, resolved to the checkpoint itself."""
-    path = Path(path)
-    if not path.is_dir():
+    if not Path(path).is_dir():
         raise ConversionError(f"{path}: no such checkpoint directory")
-    if not (path / "config.yaml").is_file() and (path / ckpt.LATEST).is_file():
-        return ckpt.latest_checkpoint(path)
-    return path
+    return ckpt.find_checkpoint(path)
 
 
 def build_single_process_model(cfg: ModelConfig):
@@ -49,23 +46,37 @@ def build_single_process_model(cfg: ModelConfig):
 
 
 def load_checkpoint_model(path: str | Path, requested: ModelConfig | None = None):
-    """(model, run config, checkpoint path): the checkpoint's weights in a single-process model.
+    """(model, run config, checkpoint path): the checkpoint's weights in a single-process model
+    (``megaloop.api.load`` on the CPU, megatron-core's local spec); the run config holds the
+    checkpoint's model and data sections.
 
     ``requested``: the architecture the caller expects; a checkpoint of another one is refused,
     naming the fields that differ. Without it, the checkpoint's own config.yaml decides."""
+    from megaloop.api import load_with
+
     path = checkpoint_path(path)
-    ckpt.verify_checkpoint(path)
-    try:
-        run = from_dict(RunConfig, ckpt.saved_config(path))
-    except ConfigError as e:
-        raise ConversionError(f"{path / 'config.yaml'}: {e}") from None
-    if requested is not None:
-        ckpt.check_compatible(path, dataclasses.replace(run, model=requested))
-    run.model.validate()
-    model = build_single_process_model(run.model)
-    state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})
-    model.load_state_dict(state["model"])
-    return model, run, path
+
+    def build(cfg: ModelConfig):
+        if requested is not None:
+            ckpt.check_compatible(path, RunConfig(model=requested))
+        return build_single_process_model(cfg)
+
+    model = load_with(build, path)
+    return model, RunConfig(model=model.cfg, data=ckpt.saved_section(path, DataConfig, "data")), \
+        path
+
+
+def stored_dtype(path: Path, model) -> torch.dtype:
+    """The dtype checkpoint ``path`` holds ``model``'s weights in (bfloat16 after a bf16 run: the
+    fp32 main weights are optimizer state), float32 where it holds them in several."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return holding_dtype({stored[tensor.key].properties.dtype for tensor in
+                          nested_values(model.sharded_state_dict())
+                          if isinstance(tensor, ShardedTensor)})
 
 
 def weights(model) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ import torch
 # Relative and absolute tolerance of the probe comparison in fp32: the parity tests hold the
 # reference to megatron-core at 1e-5 on tiny models; deeper and wider models accumulate more.
 PROBE_TOLERANCE = 1e-4
+# What an export may store its weights in (config.json's ``dtype`` names the same).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def quiet_transformers() -> None:
@@ -30,6 +32,20 @@ class ConversionError(ValueError):
 
 class ProbeMismatch(RuntimeError):
     """The converted model's logits differ from the source's: a bug, not bad input."""
+
+
+def holding_dtype(dtypes: set) -> torch.dtype:
+    """The DTYPES member that holds tensors of ``dtypes`` (their floating dtypes) exactly: the
+    one they share, else float32."""
+    return next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= set(DTYPES.values()) \
+        else torch.float32
+
+
+def export_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``name`` (a DTYPES key), or a ConversionError naming the choices."""
+    if name not in DTYPES:
+        raise ConversionError(f"dtype {name!r}: an export stores {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 @contextlib.contextmanager
@@ -69,6 +85,16 @@ def probe_ids(vocab_size: int, length: int) -> torch.Tensor:
     """Two fixed pseudo-random sequences [2, length] of token ids."""
     generator = torch.Generator().manual_seed(20250611)
     return torch.randint(0, vocab_size, (2, length), generator=generator)
+
+
+def probe_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits on the CPU of a megaloop model or a Hugging Face one."""
+    from transformers import PreTrainedModel
+
+    with torch.no_grad():
+        if isinstance(model, PreTrainedModel):
+            return model(ids, use_cache=False).logits.float()
+        return model(ids.to(next(model.parameters()).device)).float().cpu()
 
 
 def compare_logits(source: torch.Tensor, converted: torch.Tensor, what: str) -> float:

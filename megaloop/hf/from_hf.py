@@ -22,7 +22,8 @@ import torch
 
 from megaloop.config import ConfigError, ModelConfig, RunConfig
 from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint, weights
-from megaloop.hf.common import ConversionError, compare_logits, probe_ids, staged_output
+from megaloop.hf.common import (ConversionError, compare_logits, holding_dtype, probe_ids,
+                                probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, model_config_from_native, to_native_state_dict
 from megaloop.hf.to_hf import probe_length
 
@@ -84,6 +85,20 @@ def load_hf_model(directory: str | Path):
     return model.eval(), cfg, family
 
 
+def safetensors_dtype(directory: Path) -> torch.dtype:
+    """The dtype the directory's safetensors hold the weights in (as ``holding_dtype`` says)."""
+    from safetensors import safe_open
+
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    floating = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as tensors:
+            floating |= {names.get(kind, kind) for kind in
+                         (tensors.get_slice(name).get_dtype() for name in tensors.keys())
+                         if kind.startswith(("F", "BF"))}
+    return holding_dtype(floating)
+
+
 def _more(items) -> str:
     return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
 
@@ -107,8 +122,7 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
         hf, cfg, family = load_hf_model(directory)
         state = {name: t.detach().float() for name, t in hf.state_dict().items()}
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
-        with torch.no_grad():
-            expected = hf(ids, use_cache=False).logits
+        expected = probe_logits(hf, ids)
         del hf
         model = build_single_process_model(cfg)
         shapes = {name: tuple(t.shape) for name, t in weights(model).items()}
@@ -120,12 +134,13 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
         except ValueError as e:
             raise ConversionError(f"{directory}: {e}") from None
         model.load_state_dict({**model.state_dict(), **converted})
-        path = save_weights_checkpoint(model, RunConfig(model=cfg), staging)
+        dtype = safetensors_dtype(Path(directory))  # kept: the checkpoint is no larger than HF's
+        path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg), staging)
         reloaded = build_single_process_model(cfg)
         reloaded.load_state_dict(load_checkpoint(path, {"model": reloaded.sharded_state_dict()})
                                  ["model"])
-        with torch.no_grad():
-            logits = reloaded(ids.to(next(reloaded.parameters()).device)).float().cpu()
-        difference = compare_logits(expected, logits, f"{out} (from {directory})")
+        difference = compare_logits(expected, probe_logits(reloaded, ids),
+                                    f"{out} (from {directory})")
     return {"source": str(directory), "output": str(out), "arch": cfg.arch,
-            "native_family": family, "probe_max_abs_difference": difference}
+            "native_family": family, "dtype": str(dtype).removeprefix("torch."),
+            "probe_max_abs_difference": difference}

@@ -9,7 +9,8 @@ torch and transformers) are copied beside the weights and registered in config.j
     AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
 
 Before the directory is renamed into place, it is loaded back through that very call and its
-logits on a probe input must equal the checkpoint's (megaloop.hf.common).
+logits on a probe input must equal the checkpoint's (megaloop.hf.common), in fp32 and with the
+weights rounded as the file holds them (``--dtype bfloat16`` or ``float16``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 import torch
 
 from megaloop.config import ModelConfig
-from megaloop.hf.checkpoint import load_checkpoint_model, weights
-from megaloop.hf.common import ConversionError, compare_logits, probe_ids, staged_output
+from megaloop.hf.checkpoint import load_checkpoint_model, stored_dtype, weights
+from megaloop.hf.common import (ConversionError, ProbeMismatch, compare_logits, export_dtype,
+                                probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
@@ -61,18 +63,24 @@ def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_token
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
                       requested: ModelConfig | None = None, tokenizer: str | None = None,
-                      with_tokenizer: bool = True) -> dict:
+                      with_tokenizer: bool = True, dtype: str | None = None) -> dict:
     """Converts ``checkpoint`` (any parallel layout) into the Hugging Face directory ``out``.
 
     ``requested``: refuse a checkpoint of another architecture. ``tokenizer``: a tokenizer file in
-    place of the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. Returns a
-    report (class, remote code or not and why, probe difference, tokenizer)."""
+    place of the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. ``dtype``
+    (a DTYPES name): what the safetensors hold and config.json's ``dtype`` says, the dtype
+    ``from_pretrained`` loads in; by default the one the checkpoint holds its weights in, which
+    loses nothing. Returns a report (class, remote code or not and why, dtype, file size, probe
+    differences, tokenizer)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from megaloop.models.export import reference_state_dict
 
+    chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         model, run, path = load_checkpoint_model(checkpoint, requested)
+        stored = stored_dtype(path, model)
+        chosen = stored if chosen is None else chosen
         cfg = run.model
         tokenizer = (tokenizer or run.data.tokenizer_model) if with_tokenizer else None
         if tokenizer is not None and not Path(tokenizer).exists():
@@ -81,8 +89,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
             raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                                   "--tokenizer PATH, or --no-tokenizer")
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
-        with torch.no_grad():
-            expected = model(ids.to(next(model.parameters()).device)).float().cpu()
+        exact = probe_logits(model, ids)
+        # Rounded to float32 or to the dtype they are stored in, the weights stay as they are.
+        expected = exact if chosen in (torch.float32, stored) else \
+            probe_logits(_round_weights(model, chosen), ids)
         reference = reference_state_dict(weights(model), cfg)
         del model
         family, why_not_native = native_family(cfg)
@@ -91,7 +101,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
             from megaloop.hf.tokenizer import write_tokenizer
 
             special_tokens = write_tokenizer(tokenizer, staging, cfg.vocab_size)
-        converted = hf_model(cfg, reference, special_tokens)
+        converted = hf_model(cfg, reference, special_tokens).to(chosen)
         converted.save_pretrained(staging)
         del converted
         GenerationConfig(**special_tokens, pad_token_id=special_tokens["eos_token_id"],
@@ -99,13 +109,51 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         if family is None:
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REFERENCE_DIR / name, staging / name)
+        what = f"{out} (from {path})"
+        # The mapping check: fp32 on both sides, the same (rounded) weights on both sides, so the
+        # fp32 tolerance holds at any dtype and size, and a wrong mapping fails as in fp32.
         loaded = AutoModelForCausalLM.from_pretrained(staging, trust_remote_code=family is None,
                                                       dtype=torch.float32)
-        with torch.no_grad():
-            logits = loaded(ids, use_cache=False).logits
-        difference = compare_logits(expected, logits, f"{out} (from {path})")
+        difference = compare_logits(expected, probe_logits(loaded, ids), what)
         class_name = type(loaded).__name__
+        del loaded
+        in_dtype = difference if chosen == torch.float32 else \
+            _difference_as_loaded(staging, family is None, ids, exact, what)
     return {"checkpoint": str(path), "output": str(out), "class": class_name,
             "remote_code": family is None, "why_remote_code": why_not_native or None,
-            "probe_max_abs_difference": difference, "tokenizer": str(tokenizer) if tokenizer
-            else None}
+            "dtype": str(chosen).removeprefix("torch."),
+            "safetensors_bytes": sum(f.stat().st_size for f in Path(out).glob("*.safetensors")),
+            "probe_max_abs_difference": difference,
+            "probe_max_abs_difference_in_dtype": in_dtype,
+            "tokenizer": str(tokenizer) if tokenizer else None}
+
+
+def _round_weights(model, dtype: torch.dtype):
+    """``model`` with each weight rounded to ``dtype`` in place (kept in fp32): the values the
+    export stores. A weight beyond the dtype's range (float16's 65504) is a ConversionError."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                rounded = tensor.to(dtype)
+                if not bool(torch.isfinite(rounded).all()):
+                    raise ConversionError(f"tensor {name}: values up to {tensor.abs().max():.3g}, "
+                                          f"beyond {dtype}'s range; export in bfloat16 or "
+                                          "float32")
+                tensor.copy_(rounded)
+    return model
+
+
+def _difference_as_loaded(directory: Path, remote_code: bool, ids: torch.Tensor,
+                          exact: torch.Tensor, what: str) -> float:
+    """Largest difference between the checkpoint's fp32 logits and the export's, loaded as a user
+    loads it (in config.json's dtype) and computing in that dtype. Reported, not bounded: rounding
+    grows with depth, width and the weights' scale, so no bound measured on small models holds
+    for every model. Logits that are not finite (float16 overflows at 65504) fail."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote_code)
+    logits = probe_logits(model, ids)
+    if not bool(torch.isfinite(logits).all()):
+        raise ProbeMismatch(f"{what}: probe logits in {model.dtype} are not finite (overflow); "
+                            "export in bfloat16 or float32")
+    return (logits - exact).abs().max().item()

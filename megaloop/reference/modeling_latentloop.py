@@ -120,8 +120,11 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         return {name: p.shape for name, p in template.named_parameters()}
 
     def _initial_scales(self) -> torch.Tensor:
+        """In the default dtype, which from_pretrained sets to the model's (config.json's dtype):
+        a float32 scale in a bfloat16 model would make ``model.dtype`` say float32."""
         cfg = self.config
-        return torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations, dtype=torch.float32)
+        return torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations,
+                            dtype=torch.get_default_dtype())
 
     def _init_weights(self, module):
         """transformers' init functions leave loaded tensors alone; a fixed scale is a buffer

@@ -168,6 +168,16 @@ def saved_config(path: Path) -> dict:
         raise CheckpointError(f"{config_file}: unreadable checkpoint config ({e})") from None
 
 
+def saved_section(path: Path, cls, section: str):
+    """Section ``section`` of the run config stored with checkpoint ``path``, as dataclass ``cls``
+    (a field missing there takes its default); a field it does not accept is a CheckpointError
+    naming the file and the field."""
+    try:
+        return from_dict(cls, saved_config(path).get(section) or {}, section)
+    except ConfigError as e:
+        raise CheckpointError(f"{path / 'config.yaml'}: {e}") from None
+
+
 def _model_layout(model: ModelConfig, parallel: ParallelConfig) -> tuple:
     """What decides which rank holds which weights: the tensor size and the pipeline stages
     (each stage's layer applications, the split chosen or given)."""

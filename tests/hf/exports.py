@@ -60,24 +60,34 @@ class Exported:
 
 
 class Exports:
-    """Each variant's checkpoint and Hugging Face export, made on first use."""
+    """Each variant's checkpoint and Hugging Face export (in each dtype asked for), made on first
+    use; ``dtype=None`` is the export's default, here float32 (the checkpoints hold fp32)."""
 
     def __init__(self, root: Path):
         self.root, self.done = root, {}
 
-    def get(self, name: str) -> Exported:
-        if name not in self.done:
-            from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
+    def get(self, name: str, dtype: str | None = None) -> Exported:
+        if (name, None) not in self.done:
+            self.done[name, None] = self._export_fp32(name)
+        if (name, dtype) not in self.done:
             from megaloop.hf.to_hf import export_checkpoint
 
-            cfg = variant_config(name)
-            torch.manual_seed(0)
-            model = build_single_process_model(cfg)
-            perturb_norms(model)
-            with torch.no_grad():
-                logits = model(sample_tokens(cfg)).float()
-            run = RunConfig(model=cfg, data=DataConfig(eod_id=3))
-            checkpoint = save_weights_checkpoint(model, run, self.root / name / "checkpoint")
-            report = export_checkpoint(checkpoint, self.root / name / "hf")
-            self.done[name] = Exported(cfg, checkpoint, self.root / name / "hf", logits, report)
-        return self.done[name]
+            source, out = self.done[name, None], self.root / name / f"hf-{dtype}"
+            self.done[name, dtype] = dataclasses.replace(
+                source, hf_dir=out, report=export_checkpoint(source.checkpoint, out, dtype=dtype))
+        return self.done[name, dtype]
+
+    def _export_fp32(self, name: str) -> Exported:
+        from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
+        from megaloop.hf.to_hf import export_checkpoint
+
+        cfg = variant_config(name)
+        torch.manual_seed(0)
+        model = build_single_process_model(cfg)
+        perturb_norms(model)
+        with torch.no_grad():
+            logits = model(sample_tokens(cfg)).float()
+        run = RunConfig(model=cfg, data=DataConfig(eod_id=3))
+        checkpoint = save_weights_checkpoint(model, run, self.root / name / "checkpoint")
+        report = export_checkpoint(checkpoint, self.root / name / "hf")
+        return Exported(cfg, checkpoint, self.root / name / "hf", logits, report)

@@ -1,5 +1,5 @@
-"""tools/convert_checkpoint.py: both directions print a JSON report; bad input exits 2 with one
-line naming the file."""
+"""tools/convert_checkpoint.py: both directions print a JSON report (a bfloat16 export comes back
+as a bfloat16 checkpoint); bad input exits 2 with one line naming the file or value."""
 
 import json
 
@@ -23,13 +23,16 @@ def checkpoint(mcore, tmp_path):
 
 def test_to_hf_and_back(load_tool, checkpoint, tmp_path, capsys):
     tool = load_tool("convert_checkpoint")
-    assert tool.main(["to-hf", str(checkpoint.parent), str(tmp_path / "hf")]) == 0
+    assert tool.main(["to-hf", str(checkpoint.parent), str(tmp_path / "hf"), "--dtype",
+                      "bfloat16"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["class"] == "LoopedLM" and report["remote_code"]
     assert report["checkpoint"] == str(checkpoint)  # the directory's latest checkpoint
+    assert report["dtype"] == "bfloat16"
     assert tool.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["arch"] == "asymloop" and (tmp_path / "back" / "latest").is_file()
+    assert report["dtype"] == "bfloat16"
 
 
 def test_bad_input_exits_2_with_one_line(load_tool, checkpoint, tmp_path, capsys):
@@ -37,6 +40,9 @@ def test_bad_input_exits_2_with_one_line(load_tool, checkpoint, tmp_path, capsys
     assert tool.main(["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {tmp_path / 'nowhere'}: no such checkpoint directory"
+    assert tool.main(["to-hf", str(checkpoint), str(tmp_path / "hf"), "--dtype", "bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: dtype 'bf16': an export stores float32, bfloat16, float16"
     (checkpoint / "metadata.json").unlink()
     assert tool.main(["to-hf", str(checkpoint), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
