@@ -86,6 +86,31 @@ def run_config(name: str, prefix: str, tokenizer: Path, out: Path, steps: int,
     )
 
 
+QUICKSTART_OUTPUTS = {"data", "results.json", "curves.png", *RUNS}
+
+
+def claim_output(out: Path) -> str | None:
+    """Makes ``out`` ready for a quickstart: a previous quickstart's outputs there are removed (a
+    rerun would otherwise stop at the old checkpoints, and megatron-core's index cache, keyed by
+    paths rather than contents, would sample the old corpus's documents from the new one); a
+    directory holding anything else is left alone and the reason returned."""
+    import shutil
+
+    if out.exists() and not out.is_dir():
+        return f"--out {out}: not a directory"
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in entries if name not in QUICKSTART_OUTPUTS]
+    if foreign:
+        return (f"--out {out}: holds {', '.join(foreign[:3])}, which the quickstart did not "
+                "write; choose an empty or new directory")
+    if entries:
+        print(f"replacing the previous quickstart in {out}")
+        for name in entries:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return None
+
+
 def task_accuracy(model, examples, tokenizer, depths) -> dict:
     """Answer accuracy of the trained ``model`` on the held-out ``examples``: overall and by hop
     count, at each test-time depth in ``depths`` (None: the trained depth)."""
@@ -169,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.training.trainer import Trainer
 
     out = Path(args.out)
+    problem = claim_output(out)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     embedded = args.input is None
     if embedded:
         corpus = out / "data" / "multi_hop.jsonl"

@@ -34,6 +34,26 @@ def test_quickstart_runs_end_to_end(mcore, tmp_path, capsys):
     assert "5-hop" in table and "matched" in table and "2+2x3" in table
 
 
+def test_a_rerun_replaces_the_previous_quickstart_and_a_foreign_directory_is_left_alone(
+        mcore, tmp_path, capsys):
+    argv = ["--out", str(tmp_path / "qs"), "--steps", "1", "--eval-per-hop", "2",
+            "--models", "dense4"]
+    assert main(argv + ["--documents", "60"]) == 0
+    first = (tmp_path / "qs" / "data" / "multi_hop.jsonl").read_text()
+    assert main(argv + ["--documents", "80", "--steps", "2"]) == 0
+    assert "replacing the previous quickstart" in capsys.readouterr().out
+    assert (tmp_path / "qs" / "data" / "multi_hop.jsonl").read_text() != first
+    assert json.loads((tmp_path / "qs" / "results.json").read_text())["dense4"]["step"] == 2
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "notes.txt").write_text("mine")
+    assert main(["--out", str(own), "--steps", "1", "--models", "dense4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --out {own}: holds notes.txt, which the quickstart did not write; "
+                   "choose an empty or new directory")
+    assert sorted(p.name for p in own.iterdir()) == ["notes.txt"]
+
+
 def test_quickstart_on_own_data_reports_cross_entropy(mcore, tmp_path, capsys):
     corpus = tmp_path / "own.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document {i} of the user's corpus, word "

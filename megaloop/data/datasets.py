@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import warnings
 from collections import OrderedDict
@@ -141,21 +142,37 @@ def build_gpt_datasets(
 
 
 def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence[int | None], mcore) -> None:
-    """Refuse a split that megatron-core would carve as empty yet must draw samples from."""
-    matrix = mcore.convert_split_vector_to_split_matrix(mcore.parse_and_normalize_split(split))
+    """Refuse a split that megatron-core would carve as empty. It builds every split of non-zero
+    weight, even one the run draws no samples from, and for an empty one it loops forever looking
+    for the one token a sample index needs (GPTDataset._get_num_epochs): a silent hang."""
+    weights = mcore.parse_and_normalize_split(split)
+    matrix = mcore.convert_split_vector_to_split_matrix(weights)
     for prefix, summary in summaries.items():
         lengths = sequence_lengths(summary)
         n = summary.num_sequences  # GPTDataset splits by sequence, as numel_low_level_dataset says
         for i, bounds in enumerate(matrix):
-            if bounds is None or num_samples[i] == 0:
+            if bounds is None:
                 continue
             # The same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
             beg, end = int(round(bounds[0] * float(n))), int(round(bounds[1] * float(n)))
             if int(lengths[beg:end].sum()) == 0:
+                unused = " (which this run draws no samples from)" if num_samples[i] == 0 else ""
                 raise DataError(
-                    f"{prefix}: split {split!r} gives the {SPLIT_NAMES[i]} split {end - beg} of its "
-                    f"{n} documents and no tokens; use more data or a split such as '100,0,0'"
+                    f"{prefix}: split {split!r} gives the {SPLIT_NAMES[i]} split{unused} {end - beg} "
+                    f"of its {n} documents and no tokens, which megatron-core cannot build; use "
+                    f"more data or a split such as {_split_without(split, i)!r}"
                 )
+
+
+def _split_without(split: str, index: int) -> str:
+    """``split`` with the weight of part ``index`` moved to the training part (or, for the
+    training part, all weight given to it): a split that leaves that part empty."""
+    weights = [float(w) for w in re.split(r"[,/]", split.strip())] + [0.0, 0.0]
+    weights = weights[:3]
+    if index == 0:
+        return "100,0,0"
+    weights[0], weights[index] = weights[0] + weights[index], 0.0
+    return ",".join(f"{w:g}" for w in weights)
 
 
 def _import_mcore_datasets():

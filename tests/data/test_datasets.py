@@ -43,6 +43,20 @@ def test_split_with_no_documents_is_refused(tmp_path, tokenized_articles):
         build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (10, 10, 10), split="99,1,0.01", cache_dir=str(tmp_path))
 
 
+@pytest.mark.timeout(120)  # megatron-core looped forever on such a split
+def test_an_empty_split_is_refused_even_when_no_samples_are_drawn_from_it(tmp_path,
+                                                                         tokenized_articles):
+    with pytest.raises(DataError, match=(
+            f"^{tokenized_articles}: split '969,30,1' gives the test split \\(which this run draws "
+            "no samples from\\) 0 of its 62 documents and no tokens, which megatron-core cannot "
+            "build; use more data or a split such as '970,30,0'$")):
+        build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (10, 10, 0), split="969,30,1",
+                           cache_dir=str(tmp_path))
+    train, valid, test = build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (10, 10, 0),
+                                            split="970,30,0", cache_dir=str(tmp_path))
+    assert len(train) >= 10 and len(valid) >= 10 and test is None
+
+
 def test_corrupt_dataset_is_refused_naming_the_file(tmp_path, tokenized_articles):
     prefix = str(tmp_path / "copy")
     shutil.copy(tokenized_articles + ".idx", prefix + ".idx")
