@@ -39,8 +39,14 @@ def rank_table(layout: Layout, gpus_per_node: int) -> list[str]:
 
 def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
            gpu_memory_gib: float = 80.0) -> str:
-    """The dry-run text for ``cfg`` launched on ``world_size`` processes."""
+    """The dry-run text for ``cfg`` launched on ``world_size`` processes. Raises ConfigError for
+    what the run would refuse at start-up without reading the data: a layout the world cannot
+    hold, a tokenizer that is missing or larger than ``model.vocab_size``."""
+    from megaloop.training.data import dataset_tokenizer
+
     layout = layout_of(cfg.parallel, world_size)
+    if cfg.data.tokenizer_model is not None:
+        dataset_tokenizer(cfg)
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data)
     lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "",
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
