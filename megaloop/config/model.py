@@ -35,8 +35,7 @@ _CONDITIONAL_FIELDS = {
                     (lambda m: m.arch == "asymloop", "arch=asymloop")),
     "global_kv_norm": (lambda m: m.uses_global_kv, "arch=asymloop with injection='global_kv'"),
     "joint_attention": (lambda m: m.decoder_attention == "joint",
-                        "arch=asymloop with injection='global_kv' and local_kv=true (the joint "
-                        "[Global; Local] attention)"),
+                        "arch=asymloop with injection='global_kv' and local_kv=true"),
     **dict.fromkeys(("moe_layers", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_expert_size",
                      "moe_aux_loss_coeff", "moe_z_loss_coeff"), _MOE_ONLY),
     **dict.fromkeys(("prelude_layers", "coda_layers", "latent_visits", "latent_stride",
