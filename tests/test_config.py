@@ -256,3 +256,115 @@ def test_layouts_that_do_not_divide_the_model_say_what_would(model, parallel, me
     with pytest.raises(ConfigError) as err:
         ParallelConfig(**parallel).validate(ModelConfig(**model).resolve())
     assert str(err.value) == message
+
+
+def _float_fields():
+    """``section.field`` of every float, optional float and list-of-floats field of a run."""
+    import typing
+
+    for section, cls in typing.get_type_hints(RunConfig).items():
+        for name, hint in typing.get_type_hints(cls).items():
+            if float in (hint, *typing.get_args(hint)):
+                yield f"{section}.{name}", typing.get_origin(hint) is list
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", "nan"])
+@pytest.mark.parametrize("key, is_list", list(_float_fields()))
+def test_every_float_field_refuses_inf_and_nan(key, is_list, value):
+    """A range check such as lr > 0 lets inf through (the run trained NaN and saved it)."""
+    overrides = ["data.path=[x]", "data.eod_id=0",
+                 f"{key}=[{value}]" if is_list else f"{key}={value}"]
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), overrides).validate()
+    message = str(err.value)
+    assert "\n" not in message
+    if message.startswith("alrs:"):  # ALRSConfig's own range checks, as it is built
+        assert f"{key.split('.')[1]}=" in message
+    else:
+        assert message.startswith(f"{key}=") and message.endswith(": must be finite (not inf "
+                                                                  "or nan)")
+
+
+def test_float_fields_list_covers_the_audited_ones():
+    keys = {key for key, _ in _float_fields()}
+    assert {"train.lr", "train.clip_grad", "train.peak_tflops", "model.rotary_base",
+            "model.residual_scale_init", "alrs.s2"} <= keys
+
+
+def test_a_model_validated_alone_refuses_non_finite_floats():
+    with pytest.raises(ConfigError, match=r"^model.init_std=inf: must be finite"):
+        ModelConfig(init_std=float("inf")).validate()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.arch=dense", "model.encoder_layers=3"],
+     "model.encoder_layers=3: must be left at its default None unless arch=asymloop"),
+    (["model.arch=fullloop", "model.encoder_layers=1"],
+     "model.encoder_layers=1: must be left at its default None unless arch=asymloop"),
+    (["model.arch=latentloop", "model.encoder_layers=1"],
+     "model.encoder_layers=1: must be left at its default None unless arch=asymloop"),
+    (["model.arch=dense", "model.global_kv_norm=false"],
+     "model.global_kv_norm=False: must be left at its default True unless arch=asymloop with "
+     "injection='global_kv'"),
+    (["model.injection=none", "model.global_kv_norm=false"], "model.global_kv_norm=False"),
+    (["model.arch=fullloop", "model.joint_attention=masked"],
+     "model.joint_attention='masked': must be left at its default 'fused' unless arch=asymloop "
+     "with injection='global_kv' and local_kv=true"),
+    (["model.local_kv=false", "model.joint_attention=masked"], "model.joint_attention='masked'"),
+    (["model.arch=dense", "model.local_kv=false"],
+     "model.local_kv=False: must be left at its default True unless arch=asymloop"),
+    (["model.moe_top_k=4"], "model.moe_top_k=4: must be left at its default 2 unless "
+                            "num_experts > 0"),
+    (["model.moe_shared_expert_size=64"], "model.moe_shared_expert_size=64"),
+    (["model.moe_layers=decoder"], "model.moe_layers='decoder'"),
+    (["model.moe_ffn_hidden_size=64"], "model.moe_ffn_hidden_size=64"),
+    (["model.moe_aux_loss_coeff=0.1"], "model.moe_aux_loss_coeff=0.1"),
+])
+def test_model_fields_the_architecture_ignores_are_refused(overrides, message):
+    cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.global_kv_norm=false", "model.joint_attention=masked", "model.encoder_layers=1"],
+    ["model.num_experts=8", "model.moe_top_k=4", "model.moe_shared_expert_size=64",
+     "model.moe_layers=decoder", "model.moe_ffn_hidden_size=64", "model.moe_aux_loss_coeff=0.1"],
+    ["model.arch=fullloop", "model.num_experts=4", "model.moe_top_k=1"],
+    ["model.arch=latentloop", "model.num_experts=4", "model.moe_top_k=1", "model.prelude_layers=1"],
+    ["model.arch=dense"],
+])
+def test_saved_configs_validate_again_as_a_resume_reads_them(tmp_path, overrides):
+    """A checkpoint's config.yaml holds every field, resolved: it must validate as it was saved."""
+    cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides]).validate()
+    save_yaml(cfg, tmp_path / "config.yaml")
+    assert load_yaml(tmp_path / "config.yaml").validate() == cfg
+
+
+def test_duplicate_yaml_keys_are_refused_naming_file_key_and_lines(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  arch: dense\n  num_layers: 4\n  arch: fullloop\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(path)
+    assert str(err.value) == (f"config file {path}: key 'arch' given twice in one mapping, on "
+                              "lines 2 and 4")
+    path.write_text("model: {arch: dense}\ntrain: {lr: 0.1}\nmodel: {num_layers: 2}\n")
+    with pytest.raises(ConfigError, match="key 'model' given twice in one mapping, on lines 1 "
+                                          "and 3"):
+        load_yaml(path)
+    # The same key in different mappings, and a key a merge brought in, may be set; tags stay safe.
+    path.write_text("model: {arch: dense, iterations: 1}\ntrain: {iterations: 2}\n"
+                    "data: {<<: {split: '9,1', path: [a]}, split: '8,2'}\n")
+    with pytest.raises(ConfigError, match="unknown field train.iterations"):
+        load_yaml(path)
+    path.write_text("model: {arch: dense, iterations: 1}\n"
+                    "data: {<<: {split: '9,1', path: [a]}, split: '8,2'}\n")
+    cfg = load_yaml(path)
+    assert (cfg.model.arch, cfg.data.split, cfg.data.path) == ("dense", "8,2", ["a"])
+    path.write_text("model: !!python/object/apply:os.system [echo]\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML \(could not determine a constructor"):
+        load_yaml(path)
+    with pytest.raises(ConfigError, match=r"override 'model=\{arch: dense, arch: fullloop\}': "
+                                          "key 'arch' given twice"):
+        apply_overrides(RunConfig(), ["model={arch: dense, arch: fullloop}"])

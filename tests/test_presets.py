@@ -45,3 +45,23 @@ def test_no_global_kv_wide_matches_parameters_within_a_percent():
     wide = no_global_kv_wide(asym)
     assert wide.injection == "none" and wide.decoder_ffn_hidden_size > asym.ffn_hidden_size
     assert abs(parameter_count(wide) / parameter_count(asym) - 1) < 0.001
+
+
+def test_the_command_lines_of_slurm_and_examples_validate():
+    """What slurm/train_paper.sh and slurm/asymloop_7b.sh run: a preset, its architecture set by an
+    override (the preset unresolved, so nothing of another architecture is left set), and the
+    example YAML on the 7B preset; every architecture-bound preset as it is."""
+    from pathlib import Path
+
+    from megaloop.train import build_config
+
+    data = ["data.path=[x]", "data.eod_id=0"]
+    for name in ("60M", "135M", "350M", "1B"):
+        for arch in ("dense", "fullloop", "asymloop"):
+            cfg, _ = build_config(["--preset", name, f"model.arch={arch}", *data])
+            assert cfg.model.arch == arch
+    examples = Path(__file__).resolve().parents[1] / "examples" / "configs"
+    for path in sorted(examples.glob("*.yaml")):
+        build_config(["--preset", "7B", "--config", str(path), *data])
+    for name in ARCH_BOUND:
+        build_config(["--preset", name, *data])

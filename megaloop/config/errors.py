@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 
@@ -13,6 +15,20 @@ class ConfigError(ValueError):
 def require(ok: bool, prefix: str, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{prefix}.{name}={value!r}: must be {allowed}")
+
+
+def require_finite(section: Any, prefix: str) -> None:
+    """Refuses inf and nan in every float field of a config section and of the sections it holds:
+    no setting means anything there, and range checks let them through (``lr > 0`` holds for inf;
+    nan fails every comparison). Clipping is off at train.clip_grad=0 (megatron-core), not inf."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            require_finite(value, f"{prefix}.{f.name}")
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        require(all(math.isfinite(v) for v in values if isinstance(v, float)), prefix, f.name,
+                value, "finite (not inf or nan)")
 
 
 def divisors_text(n: int, limit: int | None = None) -> str:

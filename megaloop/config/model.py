@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megaloop.config.errors import require
+from megaloop.config.errors import require, require_finite
 
 Arch = Literal["dense", "fullloop", "asymloop", "latentloop"]
 Block = Literal["llama", "olmo"]
@@ -26,10 +26,22 @@ FLASH_HEAD_DIM_MULTIPLE, FLASH_MAX_HEAD_DIM = 8, 256
 DEFAULT_ITERATIONS = {"dense": 1, "fullloop": 2, "asymloop": 3, "latentloop": 2}
 
 
-# ModelConfig fields that only arch=latentloop reads.
-_LATENTLOOP_FIELDS = ("prelude_layers", "coda_layers", "latent_visits", "latent_stride",
-                      "latent_writeback_lag", "latent_reduction", "residual_scale",
-                      "residual_scale_init", "untie_attention", "untie_moe")
+# ModelConfig fields that only some models read: (whether this model reads them, the models that
+# do). One set on another model would be silently ignored, so validate() refuses it.
+_LATENTLOOP_ONLY = (lambda m: m.arch == "latentloop", "arch=latentloop")
+_MOE_ONLY = (lambda m: m.uses_moe, "num_experts > 0")
+_CONDITIONAL_FIELDS = {
+    **dict.fromkeys(("encoder_layers", "injection", "local_kv"),
+                    (lambda m: m.arch == "asymloop", "arch=asymloop")),
+    "global_kv_norm": (lambda m: m.uses_global_kv, "arch=asymloop with injection='global_kv'"),
+    "joint_attention": (lambda m: m.decoder_attention == "joint",
+                        "arch=asymloop with injection='global_kv' and local_kv=true"),
+    **dict.fromkeys(("moe_layers", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_expert_size",
+                     "moe_aux_loss_coeff", "moe_z_loss_coeff"), _MOE_ONLY),
+    **dict.fromkeys(("prelude_layers", "coda_layers", "latent_visits", "latent_stride",
+                     "latent_writeback_lag", "latent_reduction", "residual_scale",
+                     "residual_scale_init", "untie_attention", "untie_moe"), _LATENTLOOP_ONLY),
+}
 
 
 @dataclass
@@ -194,6 +206,8 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         self.resolve()
+        require_finite(self, prefix)
+        self._validate_unused(prefix)
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "seq_length", "iterations",
                      "decoder_ffn_hidden_size"):
@@ -230,22 +244,24 @@ class ModelConfig:
             require(self.local_kv or self.injection == "global_kv", prefix, "local_kv",
                     self.local_kv, "true unless injection=global_kv (the decoder needs some keys)")
         else:
-            require(self.injection == "global_kv" and self.local_kv, prefix, "injection",
-                    self.injection, "left at its defaults unless arch=asymloop")
             require(self.decoder_ffn_hidden_size == self.ffn_hidden_size, prefix,
                     "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,
                     "unset unless arch=asymloop (widen ffn_hidden_size instead)")
         self._validate_moe(prefix)
         if self.arch == "latentloop":
             self._validate_latentloop(prefix)
-        else:  # a LatentLoop switch set on another architecture would be silently ignored
-            for f in dataclasses.fields(self):
-                if f.name in _LATENTLOOP_FIELDS:
-                    default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
-                        else f.default
-                    require(getattr(self, f.name) == default, prefix, f.name,
-                            getattr(self, f.name), f"left at its default {default!r} unless "
-                            "arch=latentloop")
+
+    def _validate_unused(self, prefix: str) -> None:
+        """Refuses a field set away from its default on a model that does not read it."""
+        for f in dataclasses.fields(self):
+            if f.name not in _CONDITIONAL_FIELDS:
+                continue
+            reads, readers = _CONDITIONAL_FIELDS[f.name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+                else f.default
+            require(reads(self) or getattr(self, f.name) == default, prefix, f.name,
+                    getattr(self, f.name), f"left at its default {default!r} unless {readers} "
+                    "(the only models that use it)")
 
     def _validate_moe(self, prefix: str) -> None:
         require(self.num_experts >= 0, prefix, "num_experts", self.num_experts,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megaloop.alrs.schedule import ALRSConfig
-from megaloop.config.errors import divisors_text, require
+from megaloop.config.errors import divisors_text, require, require_finite
 from megaloop.config.model import ModelConfig
 
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
@@ -307,6 +307,8 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         """Everything a training run needs, checked before any heavy work."""
+        for section in dataclasses.fields(self):
+            require_finite(getattr(self, section.name), section.name)
         self.model.validate()
         self.parallel.validate(self.model)
         self.train.validate()

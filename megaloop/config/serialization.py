@@ -18,6 +18,30 @@ from megaloop.config.errors import ConfigError
 from megaloop.config.run import RunConfig
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader that refuses a key given twice in one mapping, which PyYAML resolves
+    silently by keeping the last (``arch: dense`` then ``arch: fullloop`` would train fullloop).
+    Keys brought in by a ``<<`` merge may still be overridden: that is what a merge is for."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or \
+                        not isinstance(key_node, yaml.ScalarNode):
+                    continue  # a non-scalar key is SafeLoader's own error ("unhashable key")
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in first_line:
+                    raise ConfigError(f"key {key!r} given twice in one mapping, on lines "
+                                      f"{first_line[key]} and {line}")
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_load(stream):
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # a SafeLoader: safe_load's semantics
+
+
 def to_dict(cfg) -> dict:
     """Plain dict of a config; tuples become lists so that yaml.safe_dump can write it."""
     return dataclasses.asdict(cfg, dict_factory=lambda items: {
@@ -94,10 +118,12 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
             node = node[part]
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+            node[parts[-1]] = _yaml_load(raw) if raw else ""
         except yaml.YAMLError:
             raise ConfigError(f"override {item!r}: the value is not valid YAML (quote it, or "
                               "write lists as [a, b])") from None
+        except ConfigError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
     return from_dict(RunConfig, data)
 
 
@@ -115,11 +141,13 @@ def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConf
     """Reads a (possibly partial) YAML run config; its fields replace those of ``base``."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = _yaml_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: not found") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     try:
