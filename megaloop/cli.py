@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import warnings
 
 
@@ -32,4 +33,19 @@ def int_at_least(minimum: int):
         return value
 
     parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def float_above(bound: float):
+    """An argparse ``type``: a finite number > ``bound`` (``argument --tolerance: 0.0: must be > 0``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+        if not math.isfinite(value) or value <= bound:
+            raise argparse.ArgumentTypeError(f"{value}: must be > {bound:g}")
+        return value
+
+    parse.__name__ = f"number > {bound:g}"
     return parse

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 
-from megaloop.cli import quiet_third_party_warnings
+from megaloop.cli import int_at_least, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal after saving a checkpoint
@@ -40,10 +40,11 @@ def build_config(argv: list[str] | None = None):
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, rank layout and memory estimate; no "
                              "training")
-    parser.add_argument("--world-size", type=int,
+    parser.add_argument("--world-size", type=int_at_least(1),
                         help="processes for --dry-run (default: the launcher's)")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="section.field=value (before or after the "
+                                                     "options)")
+    args = parser.parse_intermixed_args(argv)
     cfg = RunConfig()
     if args.preset:
         from megaloop.presets import PRESETS

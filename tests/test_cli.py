@@ -4,25 +4,30 @@ import argparse
 
 import pytest
 
-from megaloop.cli import int_at_least
+from megaloop.cli import float_above, int_at_least
 
 
 def _parser():
     parser = argparse.ArgumentParser(prog="tool")
     parser.add_argument("--limit", type=int_at_least(1))
     parser.add_argument("--shots", type=int_at_least(0), nargs="+")
+    parser.add_argument("--tolerance", type=float_above(0))
     return parser
 
 
 def test_values_at_and_above_the_minimum_are_integers():
-    args = _parser().parse_args(["--limit", "1", "--shots", "0", "5"])
-    assert (args.limit, args.shots) == (1, [0, 5])
+    args = _parser().parse_args(["--limit", "1", "--shots", "0", "5", "--tolerance", "1e-9"])
+    assert (args.limit, args.shots, args.tolerance) == (1, [0, 5], 1e-9)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--limit", "0"], "tool: error: argument --limit: 0: must be >= 1"),
     (["--shots", "2", "-1"], "tool: error: argument --shots: -1: must be >= 0"),
     (["--limit", "1.5"], "tool: error: argument --limit: '1.5': not an integer"),
+    (["--tolerance", "0"], "tool: error: argument --tolerance: 0.0: must be > 0"),
+    (["--tolerance", "-0.1"], "tool: error: argument --tolerance: -0.1: must be > 0"),
+    (["--tolerance", "nan"], "tool: error: argument --tolerance: nan: must be > 0"),
+    (["--tolerance", "x"], "tool: error: argument --tolerance: 'x': not a number"),
 ])
 def test_other_values_exit_2_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

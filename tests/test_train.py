@@ -85,3 +85,22 @@ def test_a_run_saves_its_resolved_config_readable_by_others(tmp_path, pattern_da
     assert load_yaml(tmp_path / "config.yaml") == expected
     assert expected.model.encoder_layers == 2, "saved resolved"
     assert stat.S_IMODE((tmp_path / "config.yaml").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("size", ["0", "-2"])
+def test_dry_run_refuses_a_world_of_no_ranks(capsys, size):
+    with pytest.raises(SystemExit) as stop:
+        main(["--dry-run", "--preset", "tiny", "--world-size", size, "data.path=[x]",
+              "data.eod_id=0"])
+    captured = capsys.readouterr()
+    assert stop.value.code == 2 and captured.out == ""
+    assert captured.err.splitlines()[-1].endswith(
+        f"error: argument --world-size: {size}: must be >= 1")
+
+
+def test_overrides_may_come_before_and_after_the_options():
+    cfg, _ = build_config(["data.path=[x]", "--preset", "tiny", "train.lr=2e-3", "data.eod_id=0",
+                           "--world-size", "2", "model.arch=fullloop"])
+    assert cfg.data.path == ["x"] and cfg.train.lr == 2e-3 and cfg.model.arch == "fullloop"
+    assert cfg.model.hidden_size == build_config(["--preset", "tiny", "data.path=[x]",
+                                                  "data.eod_id=0"])[0].model.hidden_size

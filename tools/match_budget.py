@@ -22,6 +22,7 @@ import json
 import sys
 import typing
 
+from megaloop.cli import float_above, int_at_least
 from megaloop.config import ConfigError, ModelConfig
 from megaloop.config.model import LatentReduction
 from megaloop.models.flops import budget
@@ -121,10 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--reduction", choices=typing.get_args(LatentReduction),
                         default="sequence", help="how LatentLoop's first visit is reduced "
                                                  "(model.latent_reduction; default: %(default)s)")
-    parser.add_argument("--width-step", type=int, default=16, help="hidden size granularity")
-    parser.add_argument("--tolerance", type=float, default=0.01)
-    parser.add_argument("--tokens-per-step", type=int, default=1024 * 2048)
-    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--width-step", type=int_at_least(1), default=16,
+                        help="hidden size granularity")
+    parser.add_argument("--tolerance", type=float_above(0), default=0.01)
+    parser.add_argument("--tokens-per-step", type=int_at_least(1), default=1024 * 2048)
+    parser.add_argument("--steps", type=int_at_least(1), default=20_000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     out = []

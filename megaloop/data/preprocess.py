@@ -267,9 +267,7 @@ def check_usable(stats: PreprocessStats, keys: Sequence[str]) -> None:
         return
     wanted = ", ".join(map(repr, keys))
     if stats.bad.total:
-        why = f"{stats.bad.total:,} bad records ({stats.bad.reasons()}); first: {stats.bad.examples[0]}"
-        if stats.bad.keys_seen:
-            why += f"; --json-keys {wanted} but the records hold {', '.join(map(repr, stats.bad.keys_seen))}"
+        why = stats.bad.explain(keys)
     elif stats.docs:
         why = f"all {stats.docs:,} documents have empty {wanted} texts"
     elif stats.filtered:

@@ -39,6 +39,7 @@ MAX_EXAMPLES = 5  # bad records quoted with file:line; the rest are only counted
 RECORD_UNITS = {"jsonl": "", "parquet": "row ", "text": "paragraph "}
 MAX_KEYS_SEEN = 20  # field names kept from records lacking a wanted key, to name them in errors
 BOM = b"\xef\xbb\xbf"
+SCORE_FLAGS = {"int_score": "--min-int-score", "score": "--min-score"}  # the quality filter's keys
 
 
 class DataError(ValueError):
@@ -52,6 +53,7 @@ class BadRecords:
     counts: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
     keys_seen: list[str] = field(default_factory=list)  # fields of records that lacked a wanted key
+    keys_missing: list[str] = field(default_factory=list)  # the wanted keys those records lacked
 
     @property
     def total(self) -> int:
@@ -62,7 +64,9 @@ class BadRecords:
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {reason}{f' ({detail})' if detail else ''}")
 
-    def saw_keys(self, keys) -> None:
+    def saw_keys(self, keys, missing=()) -> None:
+        """A record (or parquet file) holding fields ``keys`` lacked the wanted ``missing``."""
+        self.keys_missing.extend(key for key in missing if key not in self.keys_missing)
         for key in keys:
             if len(self.keys_seen) >= MAX_KEYS_SEEN:
                 return
@@ -73,13 +77,26 @@ class BadRecords:
         for reason, n in other.counts.items():
             self.counts[reason] = self.counts.get(reason, 0) + n
         self.examples.extend(other.examples[: MAX_EXAMPLES - len(self.examples)])
-        self.saw_keys(other.keys_seen)
+        self.saw_keys(other.keys_seen, other.keys_missing)
 
     def reasons(self) -> str:
         return ", ".join(f"{n} {reason}" for reason, n in sorted(self.counts.items()))
 
     def summary(self) -> str:
         return f"skipped {self.total} bad records ({self.reasons()})"
+
+    def explain(self, keys: Sequence[str]) -> str:
+        """Why records were bad, for an input that gave nothing: the tally, the first one, and for
+        records lacking a field, which one (a --json-keys typo or no quality score) and the fields
+        they do hold."""
+        why = f"{self.total:,} bad records ({self.reasons()}); first: {self.examples[0]}"
+        held = ", ".join(map(repr, self.keys_seen))
+        if any(key in self.keys_missing for key in keys):
+            why += f"; --json-keys {', '.join(map(repr, keys))} but the records hold {held}"
+        for score, flag in SCORE_FLAGS.items():
+            if score in self.keys_missing:
+                why += f"; {flag} needs the score key {score!r} but the records hold {held}"
+        return why
 
 
 @dataclass
@@ -119,9 +136,12 @@ class RecordFilter:
     min_int_score: int | None = None
     min_score: float | None = None
 
+    def thresholds(self) -> tuple[tuple[str, int | float | None], ...]:
+        """(score key, minimum or None) for the keys of SCORE_FLAGS."""
+        return ("int_score", self.min_int_score), ("score", self.min_score)
+
     def columns(self) -> list[str]:
-        thresholds = (("int_score", self.min_int_score), ("score", self.min_score))
-        return list(self.keys) + [column for column, value in thresholds if value is not None]
+        return list(self.keys) + [column for column, value in self.thresholds() if value is not None]
 
 
 def input_kind(path: str | os.PathLike) -> str:
@@ -423,7 +443,7 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         if reason:
             bad.add(reason, where, detail)
             if reason == "missing key":
-                bad.saw_keys(record)
+                bad.saw_keys(record, _lacking(record_filter, record))
             continue
         if not keep:
             filtered += 1
@@ -432,14 +452,21 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         if reason:
             bad.add(reason, where, detail)
             if reason == "missing key":
-                bad.saw_keys(record)
+                bad.saw_keys(record, _lacking(record_filter, record))
             continue
         docs.append(texts)
     if chunk.error:
         reason, detail, count = chunk.error
         bad.add(reason, _record_location(chunk, len(rows)), detail, count)
-        bad.saw_keys(chunk.keys_seen)
+        if reason == "missing key":
+            bad.saw_keys(chunk.keys_seen, _lacking(record_filter, chunk.keys_seen))
     return ParsedChunk(docs, bad, filtered)
+
+
+def _lacking(record_filter: RecordFilter, held) -> list[str]:
+    """The wanted keys a record's fields (or a parquet file's columns) ``held`` lack or hold null."""
+    values = held if isinstance(held, dict) else dict.fromkeys(held, True)
+    return [key for key in record_filter.columns() if values.get(key) is None]
 
 
 def _record_location(chunk: Chunk, offset: int) -> str:
@@ -468,7 +495,7 @@ def _decode_record(raw, kind: str, keys: Sequence[str]) -> tuple[dict | None, st
 
 
 def _passes_filter(record: dict, f: RecordFilter) -> tuple[bool, str, str]:
-    for name, threshold in (("int_score", f.min_int_score), ("score", f.min_score)):
+    for name, threshold in f.thresholds():
         if threshold is None:
             continue
         value = record.get(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
@@ -35,6 +36,8 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
     supports instead of an error."""
     import sentencepiece as spm
 
+    output = os.fspath(output)
+    _check_output(output)  # before the training, which can take hours
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -58,13 +61,25 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
         )
     except RuntimeError as err:  # e.g. a vocab larger than the corpus allows
         raise DataError(f"sentencepiece training failed: {str(err).strip().splitlines()[-1]}")
-    output = os.fspath(output)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp = f"{output}.partial-{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(model.getvalue())
         os.replace(tmp, output)
+    except OSError as err:
+        raise DataError(f"{output}: cannot write the model ({err.strerror or err})") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _check_output(output: str) -> None:
+    """Refuses, writing nothing, a model path that cannot be created: a file where a directory
+    must be, or a directory where the file must be."""
+    path = Path(os.path.abspath(output))
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise DataError(f"{output}: {blocker} is a file, not a directory")
+    if path.is_dir():
+        raise DataError(f"{output}: is a directory, not a model file path")

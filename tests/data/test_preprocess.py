@@ -262,9 +262,10 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "empty texts"])
+@pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",
+                                  "empty texts"])
 def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
-    inputs, keys = tmp_path / "in", ["text"]
+    inputs, keys, extra = tmp_path / "in", ["text"], []
     inputs.mkdir()
     if case == "invalid lines":
         (inputs / "a.jsonl").write_bytes(b'{"text": \nnot json\n')
@@ -276,15 +277,21 @@ def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path
     elif case == "parquet without the column":
         pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 3), inputs / "a.parquet")
         expected = ["3 missing key", "--json-keys 'text' but the records hold 'body', 'url'"]
+    elif case == "no score":  # plain text has no quality score: the message names that key, not --json-keys
+        (inputs / "small.txt").write_text("one\n\ntwo\n")
+        extra = ["--min-int-score", 3]
+        expected = ["2 missing key", "missing key ('int_score')",
+                    "; --min-int-score needs the score key 'int_score' but the records hold 'text'"]
     else:
         (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
         expected = ["all 2 documents have empty 'text' texts"]
     out = tmp_path / "out"
     code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
-                    *_sp_args(sp_model))
+                    *extra, *_sp_args(sp_model))
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: no usable document: ")
     assert all(e in err for e in expected), err
+    assert ("--json-keys" in err) == (case in ("json-keys typo", "parquet without the column")), err
     assert os.listdir(out) == []
 
 

@@ -32,3 +32,30 @@ def test_impossible_vocab_is_a_clear_error(tmp_path, capsys, tool):
     assert code == 2
     assert capsys.readouterr().err.startswith("error: sentencepiece training failed")
     assert not (tmp_path / "t.model").exists()
+
+
+def test_a_json_keys_typo_names_the_keys_the_records_hold(tmp_path, capsys, tool):
+    corpus = tmp_path / "x.jsonl"
+    corpus.write_text('{"text": "a b c", "id": 1}\n')
+    code = tool.main(["--input", str(corpus), "--json-keys", "txt", "--output", str(tmp_path / "t.model"),
+                      "--vocab-size", "500"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: no usable document: 1 bad records (1 missing key)")
+    assert err.rstrip().endswith("--json-keys 'txt' but the records hold 'text', 'id'")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.jsonl"]
+
+
+@pytest.mark.parametrize("blocked", ["file/t.model", "dir"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_training(tmp_path, capsys, tool, blocked):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("a b c\n")
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "dir").mkdir()
+    output = tmp_path / blocked
+    code = tool.main(["--input", str(corpus), "--output", str(output), "--vocab-size", "5000"])
+    err = capsys.readouterr().err
+    reason = {"dir": "is a directory", "file/t.model": f"{tmp_path / 'file'} is a file"}[blocked]
+    assert code == 2 and err.startswith(f"error: {output}: {reason}") and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "tiny.txt"]
+    assert list((tmp_path / "dir").iterdir()) == []

@@ -127,3 +127,9 @@ def test_memory_tool_prints_every_stage_and_refuses_a_layout_the_world_cannot_ho
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("error: parallel.tensor=4 x parallel.pipeline=1 = 4 does not "
                                  "divide the world size 6") and bad.stderr.count("\n") == 1
+
+
+def test_memory_tool_refuses_a_world_of_no_gpus():
+    result = _memory_tool("--preset", "tiny", "--world-size", "0")
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].endswith("error: argument --world-size: 0: must be >= 1")

@@ -49,3 +49,17 @@ def test_every_first_visit_reduction_is_matched_with_its_own_savings(load_tool, 
     assert found.head_dim == reference.kv_channels
     # Each saves FLOPs in visit 1 that the match spends on width.
     assert found.hidden_size > reference.hidden_size
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--width-step", "0", "0: must be >= 1"),
+    ("--tokens-per-step", "-5", "-5: must be >= 1"),
+    ("--steps", "0", "0: must be >= 1"),
+    ("--tolerance", "0", "0.0: must be > 0"),
+])
+def test_a_non_positive_setting_is_refused_in_one_line(load_tool, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as stop:
+        load_tool("match_budget").main(["--tier", "1.3B", flag, value])
+    captured = capsys.readouterr()
+    assert stop.value.code == 2 and captured.out == ""
+    assert captured.err.splitlines()[-1].endswith(f"error: argument {flag}: {message}")
