@@ -9,6 +9,8 @@ not fit, the cheapest layouts that would.
 
 from __future__ import annotations
 
+import os
+
 import yaml
 
 from megaloop.config import RunConfig, to_dict
@@ -41,19 +43,25 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
            gpu_memory_gib: float = 80.0) -> str:
     """The dry-run text for ``cfg`` launched on ``world_size`` processes. Raises ConfigError for
     what the run would refuse at start-up without reading the data: a layout the world cannot
-    hold, a tokenizer that is missing or larger than ``model.vocab_size``."""
+    hold, a tokenizer larger than ``model.vocab_size`` or that cannot be loaded. A tokenizer file
+    absent here (a cluster recipe sized on another machine) is noted, not refused."""
     from megaloop.training.data import dataset_tokenizer
 
     layout = layout_of(cfg.parallel, world_size)
-    if cfg.data.tokenizer_model is not None:
+    tokenizer = cfg.data.tokenizer_model
+    tokenizer_note = []
+    if tokenizer is not None and os.path.exists(tokenizer):
         dataset_tokenizer(cfg)
+    elif tokenizer is not None:
+        tokenizer_note = [f"# note: data.tokenizer_model {tokenizer} is not on this machine; "
+                          "model.vocab_size is checked against it at start-up"]
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data)
     lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "",
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "
              f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
              f"{cfg.parallel.recompute}; {micro} micro-batches of {cfg.train.micro_batch_size} "
-             "per step and data-parallel rank"]
+             "per step and data-parallel rank"] + tokenizer_note
     if layout.pipeline > 1:
         lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),
                                 layout.pipeline, micro, not cfg.parallel.pipeline_split,
