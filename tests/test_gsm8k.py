@@ -138,9 +138,10 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
 
     finetune = load_tool("finetune_gsm8k").main
     run = tmp_path / "sft"
-    assert finetune(["--base", str(tmp_path / "base" / "checkpoints"), "--data",
+    assert finetune(["model.seq_length=512",  # overrides may come before the options too
+                     "--base", str(tmp_path / "base" / "checkpoints"), "--data",
                      str(tmp_path / "train.jsonl"), "--out", str(run), "--epochs", "1",
-                     "model.seq_length=512", "train.global_batch_size=4",
+                     "train.global_batch_size=4",
                      "train.micro_batch_size=4", "data.split=10,2,0", "train.eval_iters=1",
                      "train.tensorboard=false", "train.log_interval=100"]) == 0
     saved = yaml.safe_load((run / "config.yaml").read_text())

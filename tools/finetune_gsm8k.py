@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="passes over the training records (default 3; excludes an explicit "
                              "train.train_steps)")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after options
     from megaloop.cli import quiet_third_party_warnings
     from megaloop.train import main as train
 

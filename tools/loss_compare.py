@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="YAML run config (as megaloop-train)")
     parser.add_argument("--out", default="runs/loss_compare", help="work directory")
     parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after options
 
     from megaloop.config import ConfigError, save_yaml
     from megaloop.scale.layout import parse_layout

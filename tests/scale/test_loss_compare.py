@@ -60,8 +60,8 @@ def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
     save_yaml(tiny_run(data, tmp_path / "unused"), tmp_path / "run.yaml")
     tool = [sys.executable, "tools/loss_compare.py", "--config", str(tmp_path / "run.yaml"),
             "--steps", "2", "--out", str(tmp_path / "out")]
-    result = subprocess.run(tool + ["--layouts", "single", "pp2"], capture_output=True,
-                            text=True)
+    result = subprocess.run(tool + ["train.log_interval=100", "--layouts", "single", "pp2"],
+                            capture_output=True, text=True)  # an override before an option
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["agree"] and report["curves"]["pp2"] == report["curves"]["single"]
