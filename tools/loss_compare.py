@@ -21,11 +21,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megaloop.cli import int_at_least
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", required=True, help="e.g. single dp2 tp2,sp pp2")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int_at_least(1), default=10)
     parser.add_argument("--preset", help="model size preset (as megaloop-train)")
     parser.add_argument("--config", help="YAML run config (as megaloop-train)")
     parser.add_argument("--out", default="runs/loss_compare", help="work directory")

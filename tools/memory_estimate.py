@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from megaloop.cli import int_at_least
+from megaloop.cli import float_above, int_at_least
 
 
 def main(argv=None) -> int:
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", help="model size preset (as megaloop-train)")
     parser.add_argument("--config", help="YAML run config (as megaloop-train)")
     parser.add_argument("--world-size", type=int_at_least(1), required=True, help="number of GPUs")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser.add_argument("--gpu-memory-gib", type=float_above(0), default=80.0)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
     args = parser.parse_intermixed_args(argv)

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Iterator
 
+from megaloop.cli import int_at_least
 from megaloop.data.readers import BadRecords, DataError, RecordFilter
 from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import document_lines, train_sentencepiece
@@ -26,16 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to train on")
     p.add_argument("--output", required=True, help="path of the .model file to write")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--vocab-size", type=int_at_least(1), default=32000)
     p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="encode unseen characters as bytes instead of <unk> (default: on)")
     p.add_argument("--special-tokens", nargs="*", default=[], help="extra pieces kept whole, e.g. <|im_start|>")
     p.add_argument("--character-coverage", type=float, default=0.9995)
-    p.add_argument("--max-sentences", type=int, default=10_000_000, help="lines sampled for training")
-    p.add_argument("--max-docs", type=int, help="read at most this many documents")
+    p.add_argument("--max-sentences", type=int_at_least(1), default=10_000_000, help="lines sampled for training")
+    p.add_argument("--max-docs", type=int_at_least(1), help="read at most this many documents")
     p.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--pad-multiple", type=int, default=128, help="report the vocab padded to this multiple")
+    p.add_argument("--threads", type=int_at_least(1), default=os.cpu_count() or 1)
+    p.add_argument("--pad-multiple", type=int_at_least(1), default=128, help="report the vocab padded to this multiple")
     return p
 
 

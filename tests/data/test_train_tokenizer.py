@@ -34,6 +34,14 @@ def test_impossible_vocab_is_a_clear_error(tmp_path, capsys, tool):
     assert not (tmp_path / "t.model").exists()
 
 
+@pytest.mark.parametrize("flag", ["--vocab-size", "--threads", "--max-docs", "--pad-multiple"])
+def test_a_count_below_one_is_refused_in_one_line(tmp_path, capsys, tool, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(["--input", "x.txt", "--output", str(tmp_path / "t.model"), flag, "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err[-1].endswith(f"argument {flag}: 0: must be >= 1")
+
+
 def test_a_json_keys_typo_names_the_keys_the_records_hold(tmp_path, capsys, tool):
     corpus = tmp_path / "x.jsonl"
     corpus.write_text('{"text": "a b c", "id": 1}\n')
