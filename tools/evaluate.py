@@ -50,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="writes OUTPUT.md and OUTPUT.json (default: %(default)s)")
     args = parser.parse_args(argv)
 
-
     quiet_third_party_warnings()
     from megaloop.config import ConfigError
     from megaloop.data.tokenizer import TokenizerError

@@ -18,7 +18,7 @@ from typing import Iterator
 from megaloop.cli import int_at_least
 from megaloop.data.readers import BadRecords, DataError, RecordFilter
 from megaloop.data.tokenizer import padded_vocab_size
-from megaloop.data.tokenizer_training import document_lines, train_sentencepiece
+from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,24 +48,13 @@ def training_lines(args: argparse.Namespace, bad: BadRecords) -> Iterator[str]:
 
 def train(args: argparse.Namespace) -> dict:
     bad = BadRecords()
-    read = {"lines": 0, "all": False}
-
-    def counted_lines() -> Iterator[str]:
-        for line in training_lines(args, bad):
-            read["lines"] += 1
-            yield line
-        read["all"] = True
-
     try:
-        train_sentencepiece(counted_lines(), args.output, vocab_size=args.vocab_size,
+        train_sentencepiece(training_lines(args, bad), args.output, vocab_size=args.vocab_size,
                             model_type=args.model_type, byte_fallback=args.byte_fallback,
                             special_tokens=args.special_tokens,
                             character_coverage=args.character_coverage,
                             max_sentences=args.max_sentences, threads=args.threads)
-    except DataError:
-        if not (read["all"] and read["lines"] == 0):
-            raise
-        # sentencepiece's own words for an empty corpus are "[!sentences_.empty()]".
+    except EmptyCorpus:
         why = (bad.explain(args.json_keys) if bad.total
                else "every record is empty or below the score threshold")
         raise DataError(f"no usable document: {why}") from None

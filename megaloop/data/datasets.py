@@ -145,8 +145,7 @@ def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence
     """Refuse a split that megatron-core would carve as empty. It builds every split of non-zero
     weight, even one the run draws no samples from, and for an empty one it loops forever looking
     for the one token a sample index needs (GPTDataset._get_num_epochs): a silent hang."""
-    weights = mcore.parse_and_normalize_split(split)
-    matrix = mcore.convert_split_vector_to_split_matrix(weights)
+    matrix = mcore.convert_split_vector_to_split_matrix(mcore.parse_and_normalize_split(split))
     for prefix, summary in summaries.items():
         lengths = sequence_lengths(summary)
         n = summary.num_sequences  # GPTDataset splits by sequence, as numel_low_level_dataset says

@@ -8,11 +8,16 @@ as they are, digits split, byte fallback for unseen characters. The model file i
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
+
+
+class EmptyCorpus(DataError):
+    """No line to train a tokenizer on (sentencepiece's own words: "[!sentences_.empty()]")."""
 
 
 def document_lines(inputs, record_filter: RecordFilter, max_docs: int | None,
@@ -38,10 +43,14 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
 
     output = os.fspath(output)
     _check_output(output)  # before the training, which can take hours
+    lines = iter(lines)
+    first = next(lines, None)
+    if first is None:
+        raise EmptyCorpus("no text to train the tokenizer on")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
+            sentence_iterator=itertools.chain([first], lines),
             model_writer=model,
             model_type=model_type,
             vocab_size=vocab_size,

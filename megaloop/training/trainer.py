@@ -178,8 +178,8 @@ class Trainer:
         from megatron.core.transformer.module import Float16Module
 
         from megaloop.models.model import model_class
-        from megaloop.training.ddp import CollectableDDP
         from megaloop.models.pipeline import describe_split, stage_counts
+        from megaloop.training.ddp import CollectableDDP
         from megaloop.training.tied import TiedCopies
 
         cfg, par = self.cfg, self.cfg.parallel
