@@ -189,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop import multihop
     from megaloop.config import ConfigError
     from megaloop.data import DataError, load_tokenizer
+    from megaloop.data.readers import expand_inputs
     from megaloop.models.flops import parameter_count
     from megaloop.training.plots import load_run, plot_runs
     from megaloop.training.trainer import Trainer
 
     out = Path(args.out)
+    if args.input:  # a missing file is refused before a previous quickstart is replaced
+        try:
+            expand_inputs(args.input)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     problem = claim_output(out)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

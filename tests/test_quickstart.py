@@ -44,6 +44,11 @@ def test_a_rerun_replaces_the_previous_quickstart_and_a_foreign_directory_is_lef
     assert "replacing the previous quickstart" in capsys.readouterr().out
     assert (tmp_path / "qs" / "data" / "multi_hop.jsonl").read_text() != first
     assert json.loads((tmp_path / "qs" / "results.json").read_text())["dense4"]["step"] == 2
+    # A rerun that fails on a missing input leaves the previous quickstart in place.
+    assert main(["--out", str(tmp_path / "qs"), "--steps", "1", "--models", "dense4",
+                 "--input", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert (tmp_path / "qs" / "results.json").is_file()
     own = tmp_path / "own"
     own.mkdir()
     (own / "notes.txt").write_text("mine")
