@@ -222,8 +222,14 @@ def _deaths_reported(executor: ProcessPoolExecutor) -> Iterator[None]:
 def _death_cause(executor: ProcessPoolExecutor) -> str:
     # ProcessPoolExecutor keeps its processes private; the exit status is what tells OOM apart.
     processes = list((getattr(executor, "_processes", None) or {}).values())
+    # The pool's manager thread terminates the survivors and reaps every worker. Reaping alongside
+    # it races: only one caller of waitpid gets a status, and a worker read in between reports none
+    # (the SIGKILL was then missed, and a survivor's SIGTERM named as the cause).
+    manager = getattr(executor, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=30)
     for process in processes:
-        process.join(timeout=5)  # the dead one already ended; the pool terminates the others
+        process.join(timeout=5)  # a no-op once the manager thread has reaped it
     codes = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
     # The pool stops the survivors with SIGTERM, so another signal is the cause if there is one.
     code = next((c for c in codes if c != -signal.SIGTERM), codes[0] if codes else None)
