@@ -65,14 +65,15 @@ class StepMemory(TorchDispatchMode):
         self.live -= self._sizes.pop(pointer, 0)
 
 
-def resident_bytes(model: torch.nn.Module, ddp_buffers, optimizer) -> dict[str, int]:
-    """Bytes kept between steps: ``weights`` (the model's parameters), ``grads`` (the gradient
-    buffers) and ``optimizer`` (states and main parameters not shared with the model's).
+def resident_bytes(models: list[torch.nn.Module], ddps: list, optimizer) -> dict[str, int]:
+    """Bytes kept between steps: ``weights`` (the parameters of every model chunk), ``grads`` (the
+    gradient buffers) and ``optimizer`` (states and main parameters not shared with the model's).
 
-    ``ddp_buffers``: megatron-core DistributedDataParallel's ``buffers`` (and ``expert_parallel_
-    buffers``); ``optimizer``: its Megatron optimizer (chained or not)."""
-    weights = _storages([p for p in model.parameters()])
-    grads = _storages([b.grad_data for b in ddp_buffers])
+    ``models``: the rank's model chunks (several under the interleaved schedule); ``ddps``: their
+    megatron-core DistributedDataParallel wrappers (dense and expert-parallel buffers are counted);
+    ``optimizer``: the Megatron optimizer (chained or not)."""
+    weights = _storages([list(model.parameters()) for model in models])
+    grads = _storages([b.grad_data for ddp in ddps for b in (*ddp.buffers, *ddp.expert_parallel_buffers)])
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     state = _storages([[list(o.state.values()), [g["params"] for g in o.param_groups]]
                        for o in inner])
