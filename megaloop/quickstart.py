@@ -14,6 +14,8 @@ of 3 to 5 hops are longer than any seen: there a model needs more lookups than i
 is what more iterations at test time would have to provide.
 With ``--input`` the table has the validation CE only. Everything runs in one process with
 megatron-core on gloo; nothing is downloaded and nothing outside the output directory is read.
+A rerun builds the new quickstart inside the output directory and replaces the previous one only
+when it has finished (``StagedOutput``).
 """
 
 from __future__ import annotations
@@ -108,34 +110,23 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def stop_signals_raise():
-    """While the block runs, SIGINT, SIGTERM and SIGUSR1 raise Stopped, so that the staging
-    directory is removed however the run is stopped (SIGTERM's default would end the process on
-    the spot). A Trainer puts its own SIGTERM and SIGUSR1 handlers in while it trains: it finishes
-    the step and returns ``stopped_by_signal``."""
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def raise_stopped(signum, frame):
+    """The handler of STOP_SIGNALS while a quickstart runs: the staging directory is then removed
+    however the run is stopped (SIGTERM's default would end the process on the spot). A Trainer
+    puts its own SIGTERM and SIGUSR1 handlers in while it trains: it finishes the step and returns
+    ``stopped_by_signal``."""
+    raise Stopped(signum)
 
 
 @contextlib.contextmanager
-def signals_ignored():
-    """For the renames that put a finished quickstart in place and for the removal of a staging
-    directory: a stop signal there would leave half of each; both take milliseconds, and the run
-    ends right after them."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+def stop_signals_handled(handler):
+    """``handler`` for STOP_SIGNALS while the block runs; the previous handlers after it."""
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, before in previous.items():
+            signal.signal(s, before)
 
 
 def _remove(path: Path) -> None:
@@ -202,8 +193,10 @@ class StagedOutput:
         """Replaces the previous quickstart's outputs in ``out`` with the staged ones. The run
         configs saved with the checkpoints name paths inside the staging directory: they are
         rewritten to name ``out``, so that the models resume and export from where they end up.
-        Megatron-core's dataset index cache is keyed by those paths, so it is dropped (rebuilt
-        when the data is next read); a stale one would give the wrong corpus's sample order."""
+        Megatron-core's dataset index cache is keyed by the dataset's path, not its contents: made
+        for the staging path, it would not be read again, so it is dropped (rebuilt when the data
+        is next read from ``out``). The staging directory starts empty in every run, so no run
+        reads an index cache made for another corpus."""
         import yaml
 
         from megaloop.config import write_text_atomic
@@ -313,22 +306,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     staged = StagedOutput(out)
-    with stop_signals_raise():
+    with stop_signals_handled(raise_stopped):
         try:
             problem = staged.claim()
             if problem:
                 print(f"error: {problem}", file=sys.stderr)
                 return 2
             code = build(args, staged.path, out)
-            if code == 0:
-                with signals_ignored():
+            if code == 0:  # a stop signal during the renames would leave half of each quickstart
+                with stop_signals_handled(signal.SIG_IGN):
                     staged.install()
         except Stopped as stop:
             print(f"stopped by signal {stop.signum}; --out {out} is left as it was",
                   file=sys.stderr)
             return 128 + stop.signum
         finally:
-            with signals_ignored():
+            with stop_signals_handled(signal.SIG_IGN):
                 staged.close()
     if code == 0:
         print(f"curves: {out / 'curves.png'}   table: {out / 'results.json'}")
