@@ -14,12 +14,18 @@ of 3 to 5 hops are longer than any seen: there a model needs more lookups than i
 is what more iterations at test time would have to provide.
 With ``--input`` the table has the validation CE only. Everything runs in one process with
 megatron-core on gloo; nothing is downloaded and nothing outside the output directory is read.
+A rerun builds the new quickstart inside the output directory and replaces the previous one only
+when it has finished (``StagedOutput``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -87,28 +93,133 @@ def run_config(name: str, prefix: str, tokenizer: Path, out: Path, steps: int,
 
 
 QUICKSTART_OUTPUTS = {"data", "results.json", "curves.png", *RUNS}
+# The new quickstart is built in STAGING and moved into --out only when it has finished; REPLACED
+# holds the previous one during the renames of that move. A failed or stopped run removes both; a
+# killed one (kill -9) leaves them to the next run, which removes them under the lock on --out.
+STAGING = ".quickstart-staging"
+REPLACED = ".quickstart-replaced"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
-def claim_output(out: Path) -> str | None:
-    """Makes ``out`` ready for a quickstart: a previous quickstart's outputs there are removed (a
-    rerun would otherwise stop at the old checkpoints, and megatron-core's index cache, keyed by
-    paths rather than contents, would sample the old corpus's documents from the new one); a
-    directory holding anything else is left alone and the reason returned."""
-    import shutil
+class Stopped(BaseException):
+    """A stop signal received outside training (a BaseException, as KeyboardInterrupt is, so that
+    no ``except Exception`` on the way swallows it)."""
 
-    if out.exists() and not out.is_dir():
-        return f"--out {out}: not a directory"
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [name for name in entries if name not in QUICKSTART_OUTPUTS]
-    if foreign:
-        return (f"--out {out}: holds {', '.join(foreign[:3])}, which the quickstart did not "
-                "write; choose an empty or new directory")
-    if entries:
-        print(f"replacing the previous quickstart in {out}")
-        for name in entries:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return None
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_stopped(signum, frame):
+    """The handler of STOP_SIGNALS while a quickstart runs: the staging directory is then removed
+    however the run is stopped (SIGTERM's default would end the process on the spot). A Trainer
+    puts its own SIGTERM and SIGUSR1 handlers in while it trains: it finishes the step and returns
+    ``stopped_by_signal``."""
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_handled(handler):
+    """``handler`` for STOP_SIGNALS while the block runs; the previous handlers after it."""
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def relocated(value, staging: Path, out: Path):
+    """``value`` (a config value: dict, list, string...) with each path inside ``staging`` moved
+    to the same place inside ``out``."""
+    if isinstance(value, dict):
+        return {key: relocated(item, staging, out) for key, item in value.items()}
+    if isinstance(value, list):
+        return [relocated(item, staging, out) for item in value]
+    if isinstance(value, str) and Path(value).is_relative_to(staging):
+        return str(out / Path(value).relative_to(staging))
+    return value
+
+
+class StagedOutput:
+    """``--out`` for one quickstart: ``claim`` checks and locks it, the quickstart writes into
+    ``path`` (``<out>/.quickstart-staging``, on the same filesystem, so that moving it is a
+    rename), ``install`` replaces the previous quickstart with it, ``close`` removes what is left
+    of it and unlocks ``out``."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out / STAGING
+        self._lock = None
+
+    def claim(self) -> str | None:
+        """Returns why ``out`` cannot be used (a file, a directory holding anything the quickstart
+        did not write, one another quickstart is writing to), or locks it, removes what a killed
+        run left there and creates the staging directory."""
+        from megaloop.config import ConfigError
+        from megaloop.training.run_dir import LOCK_FILE, RunLock
+
+        out = self.out
+        if out.exists() and not out.is_dir():
+            return f"--out {out}: not a directory"
+        entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        own = QUICKSTART_OUTPUTS | {STAGING, REPLACED, LOCK_FILE}
+        foreign = [name for name in entries if name not in own]
+        if foreign:
+            return (f"--out {out}: holds {', '.join(foreign[:3])}, which the quickstart did not "
+                    "write; choose an empty or new directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self._lock = RunLock(out, "--out")  # a second quickstart there is refused
+            for leftover in (STAGING, REPLACED):
+                _remove(out / leftover)
+            self.path.mkdir()
+        except ConfigError as e:
+            return str(e)
+        except OSError as e:
+            return f"--out {out}: {e.strerror or e} ({e.filename})"
+        if QUICKSTART_OUTPUTS.intersection(entries):
+            print(f"the previous quickstart in {out} is replaced when this one has finished")
+        return None
+
+    def install(self) -> None:
+        """Replaces the previous quickstart's outputs in ``out`` with the staged ones. The run
+        configs saved with the checkpoints name paths inside the staging directory: they are
+        rewritten to name ``out``, so that the models resume and export from where they end up.
+        Megatron-core's dataset index cache is keyed by the dataset's path, not its contents: made
+        for the staging path, it would not be read again, so it is dropped (rebuilt when the data
+        is next read from ``out``). The staging directory starts empty in every run, so no run
+        reads an index cache made for another corpus."""
+        import yaml
+
+        from megaloop.config import write_text_atomic
+
+        for config in sorted(self.path.rglob("config.yaml")):
+            saved = relocated(yaml.safe_load(config.read_text()), self.path, self.out)
+            write_text_atomic(config, yaml.safe_dump(saved, sort_keys=False))
+        _remove(self.path / "data" / "cache")
+        replaced = self.out / REPLACED
+        replaced.mkdir()
+        for name in sorted(os.listdir(self.out)):
+            if name in QUICKSTART_OUTPUTS:
+                os.replace(self.out / name, replaced / name)
+        for name in sorted(os.listdir(self.path)):
+            os.replace(self.path / name, self.out / name)
+        _remove(replaced)
+
+    def close(self) -> None:
+        if self._lock is None:  # not claimed: a staging directory there is another run's
+            return
+        _remove(self.path)
+        self._lock.release()
+        self._lock = None
 
 
 def task_accuracy(model, examples, tokenizer, depths) -> dict:
@@ -184,37 +295,63 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.cli import quiet_third_party_warnings
 
     quiet_third_party_warnings()
-    import dataclasses
-
-    from megaloop import multihop
-    from megaloop.config import ConfigError
-    from megaloop.data import DataError, load_tokenizer
+    from megaloop.data import DataError
     from megaloop.data.readers import expand_inputs
-    from megaloop.models.flops import parameter_count
-    from megaloop.training.plots import load_run, plot_runs
-    from megaloop.training.trainer import Trainer
 
     out = Path(args.out)
-    if args.input:  # a missing file is refused before a previous quickstart is replaced
+    if args.input:  # checked first: nothing in --out is touched for a mistyped name
         try:
             expand_inputs(args.input)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    problem = claim_output(out)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    staged = StagedOutput(out)
+    with stop_signals_handled(raise_stopped):
+        try:
+            problem = staged.claim()
+            if problem:
+                print(f"error: {problem}", file=sys.stderr)
+                return 2
+            code = build(args, staged.path, out)
+            if code == 0:  # a stop signal during the renames would leave half of each quickstart
+                with stop_signals_handled(signal.SIG_IGN):
+                    staged.install()
+        except Stopped as stop:
+            print(f"stopped by signal {stop.signum}; --out {out} is left as it was",
+                  file=sys.stderr)
+            return 128 + stop.signum
+        finally:
+            with stop_signals_handled(signal.SIG_IGN):
+                staged.close()
+    if code == 0:
+        print(f"curves: {out / 'curves.png'}   table: {out / 'results.json'}")
+    return code
+
+
+def build(args: argparse.Namespace, work: Path, out: Path) -> int:
+    """The quickstart itself, written into ``work`` (the staging directory that becomes ``out``);
+    an exit status."""
+    import dataclasses
+
+    from megaloop import multihop
+    from megaloop.config import ConfigError
+    from megaloop.data import DataError, load_tokenizer
+    from megaloop.models.flops import parameter_count
+    from megaloop.training.plots import load_run, plot_runs
+    from megaloop.training.trainer import Trainer
+
     embedded = args.input is None
     if embedded:
-        corpus = out / "data" / "multi_hop.jsonl"
+        corpus = work / "data" / "multi_hop.jsonl"
         seen = multihop.write_corpus(corpus, args.documents or DOCUMENTS, MAX_HOPS)
         inputs, pieces = [str(corpus)], multihop.task_pieces()
+        source = f"the generated task ({out / 'data' / corpus.name})"
     else:
         inputs, pieces = args.input, []
-    print(f"[1/3] tokenizer (up to {VOCAB} pieces) and indexed dataset from {', '.join(inputs)}")
+        source = ", ".join(inputs)
+    print(f"[1/3] tokenizer (up to {VOCAB} pieces) and indexed dataset from {source}")
     try:
-        prefix, tokenizer_path = prepare_data(inputs, out / "data", pieces)
+        prefix, tokenizer_path = prepare_data(inputs, work / "data", pieces)
     except (DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -225,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         examples = multihop.encode_programs(tokenizer, held_out)
     results = {}
     for index, name in enumerate(args.models, start=1):
-        cfg = run_config(name, prefix, tokenizer_path, out, args.steps,
+        cfg = run_config(name, prefix, tokenizer_path, work, args.steps,
                          [] if embedded else [1, 2, 4, 6])
         model = cfg.model.resolve()
         print(f"[2/3] training {name} ({index}/{len(args.models)}): {layout(model)} layers, "
@@ -241,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if metrics.get("stopped_by_signal"):  # SIGTERM/SIGUSR1: the user or the scheduler
             signum = int(metrics["stopped_by_signal"])
             print(f"stopped by signal {signum} while training {name} (step {metrics['step']}); "
-                  "no results written", file=sys.stderr)
+                  f"--out {out} is left as it was", file=sys.stderr)
             return 128 + signum
         elapsed = time.perf_counter() - start
         tokens = args.steps * cfg.train.global_batch_size * cfg.model.seq_length
@@ -266,11 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         print_task_table(results, EVAL_HOPS)
     else:
         print_ce_table(results, [1, 2, 4, 6])
-    plot_runs({name: load_run(out / name) for name in results}, out / "curves.png")
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=2))
-    tmp.replace(out / "results.json")
-    print(f"curves: {out / 'curves.png'}   table: {out / 'results.json'}")
+    plot_runs({name: load_run(work / name) for name in results}, work / "curves.png")
+    (work / "results.json").write_text(json.dumps(results, indent=2))
     return 0
 
 

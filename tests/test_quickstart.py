@@ -1,12 +1,23 @@
 """The README's main job, shrunk: task corpus, tokenizer, indexed data, four models, tables."""
 
+import dataclasses
 import json
+import os
 import signal
 
 import pytest
 
 from megaloop.data.tokenizer import SentencePieceTextTokenizer
-from megaloop.quickstart import EVAL_HOPS, RUNS, TEST_DEPTHS, main
+from megaloop.quickstart import EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, main
+from megaloop.training.run_dir import LOCK_FILE, RunLock
+
+SMALL = ["--steps", "1", "--eval-per-hop", "2", "--models", "dense4", "--documents", "60"]
+
+
+def outputs(out):
+    """Every file under ``out`` with its bytes, but the lock each run rewrites."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p != out / LOCK_FILE}
 
 
 def test_quickstart_runs_end_to_end(mcore, tmp_path, capsys):
@@ -41,7 +52,7 @@ def test_a_rerun_replaces_the_previous_quickstart_and_a_foreign_directory_is_lef
     assert main(argv + ["--documents", "60"]) == 0
     first = (tmp_path / "qs" / "data" / "multi_hop.jsonl").read_text()
     assert main(argv + ["--documents", "80", "--steps", "2"]) == 0
-    assert "replacing the previous quickstart" in capsys.readouterr().out
+    assert "previous quickstart in" in capsys.readouterr().out
     assert (tmp_path / "qs" / "data" / "multi_hop.jsonl").read_text() != first
     assert json.loads((tmp_path / "qs" / "results.json").read_text())["dense4"]["step"] == 2
     # A rerun that fails on a missing input leaves the previous quickstart in place.
@@ -57,6 +68,106 @@ def test_a_rerun_replaces_the_previous_quickstart_and_a_foreign_directory_is_lef
     assert err == (f"error: --out {own}: holds notes.txt, which the quickstart did not write; "
                    "choose an empty or new directory")
     assert sorted(p.name for p in own.iterdir()) == ["notes.txt"]
+
+
+def test_a_rerun_that_fails_late_or_is_stopped_leaves_the_previous_quickstart_as_it_was(
+        mcore, tmp_path, monkeypatch, capsys):
+    import megaloop.quickstart as quickstart
+    import megaloop.training.trainer as trainer_module
+
+    out = tmp_path / "qs"
+    argv = ["--out", str(out), *SMALL]
+    assert main(argv) == 0
+    before = outputs(out)
+    handlers = {s: signal.getsignal(s) for s in quickstart.STOP_SIGNALS}
+    # A .txt file is one document: the tokenizer and dataset are built, the Trainer then finds no
+    # validation split.
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("\n".join(f"line {i} of a single document" for i in range(300)))
+    assert main(["--out", str(out), "--steps", "1", "--models", "dense4", "--input",
+                 str(tiny)]) == 2
+    assert "valid split" in capsys.readouterr().err
+    assert outputs(out) == before
+
+    prepare_data = quickstart.prepare_data
+
+    def prepare_then_terminate(*args):  # outside training SIGTERM's default ends the process
+        prepared = prepare_data(*args)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return prepared
+
+    with monkeypatch.context() as patch:
+        patch.setattr(quickstart, "prepare_data", prepare_then_terminate)
+        assert main(argv) == 128 + signal.SIGTERM
+    assert "stopped by signal 15" in capsys.readouterr().err
+    assert outputs(out) == before
+
+    train_step = trainer_module.Trainer.train_step
+
+    def interrupt_then_step(self, data):  # Ctrl-C in the middle of training
+        os.kill(os.getpid(), signal.SIGINT)
+        return train_step(self, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module.Trainer, "train_step", interrupt_then_step)
+        assert main(argv) == 128 + signal.SIGINT
+    assert f"--out {out} is left as it was" in capsys.readouterr().err
+    assert outputs(out) == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_FILE, "data", "dense4",
+                                                            "curves.png", "results.json"])
+    assert {s: signal.getsignal(s) for s in quickstart.STOP_SIGNALS} == handlers
+
+
+def test_a_killed_runs_leftovers_are_removed_but_a_running_quickstart_is_refused(
+        mcore, tmp_path, capsys):
+    out = tmp_path / "qs"
+    staged_checkpoint = out / STAGING / "dense4" / "checkpoints" / "iter_0000001.tmp"
+    staged_checkpoint.mkdir(parents=True)  # what kill -9 leaves in the middle of a save
+    (out / REPLACED / "dense8").mkdir(parents=True)  # ... or while moving the new one in
+    (out / "results.json").write_text("{}")
+    running = RunLock(out, "--out")
+    try:
+        assert main(["--out", str(out), *SMALL]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --out={str(out)!r}: in use by another run (pid ")
+        assert staged_checkpoint.is_dir()  # another quickstart's staging is not touched
+    finally:
+        running.release()
+    assert main(["--out", str(out), *SMALL]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_FILE, "data", "dense4",
+                                                            "curves.png", "results.json"])
+    assert list(json.loads((out / "results.json").read_text())) == ["dense4"]
+
+
+def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path):
+    """The models are trained in the staging directory; the run configs saved with their
+    checkpoints must name the files where they end up."""
+    from megaloop.api import load
+    from megaloop.config import load_yaml
+    from megaloop.hf.to_hf import export_checkpoint
+    from megaloop.training.trainer import Trainer
+
+    out = tmp_path / "qs"
+    assert main(["--out", str(out), *SMALL]) == 0
+    assert not (out / STAGING).exists()
+    checkpoints = out / "dense4" / "checkpoints"
+    cfg = load_yaml(checkpoints / "iter_0000001" / "config.yaml")
+    data = out / "data"
+    assert (cfg.train.out_dir, cfg.data.path, cfg.data.tokenizer_model, cfg.data.cache_dir) == (
+        str(out / "dense4"), [str(data / "corpus_text_document")], str(data / "tokenizer.model"),
+        str(data / "cache"))
+    assert load(checkpoints).cfg.num_layers == 4
+    trainer = Trainer(dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, train_steps=2),
+        checkpoint=dataclasses.replace(cfg.checkpoint, resume=True)))
+    assert trainer.step == 1  # resumed from the quickstart's checkpoint
+    assert trainer.train()["step"] == 2 and (checkpoints / "iter_0000002").is_dir()
+    # Megatron-core's index cache is keyed by the dataset's path: only the final one's is there.
+    described = [json.loads(p.read_text())["dataset_path"]
+                 for p in (data / "cache").glob("*-description.txt")]
+    assert described and set(described) == {str(data / "corpus_text_document")}
+    report = export_checkpoint(checkpoints, tmp_path / "hf")
+    assert report["tokenizer"] == str(data / "tokenizer.model")
 
 
 def test_quickstart_on_own_data_reports_cross_entropy(mcore, tmp_path, capsys):
