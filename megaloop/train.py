@@ -8,8 +8,11 @@ overrides. The resolved config is validated before anything heavy runs and writt
 ``<train.out_dir>/config.yaml``. Launch under torchrun, srun or mpiexec for more than one process.
 
 Exit codes: 0 finished; 2 a configuration, data, storage or checkpoint problem (one line on
-stderr); 3 training aborted (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 with a checkpoint saved
-(resumable). torchrun reports any failed worker as 1, so requeue-on-75 needs srun or a direct launch.
+stderr); 3 training aborted (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 (resumable: a
+checkpoint of the last step was saved, or the signal came during set-up, before there was anything
+to save); 128 + the signal's number (143, 138) on a second stop signal, which exits at once without
+saving (megaloop.training.signals). torchrun reports any failed worker as 1, so requeue-on-75 needs
+srun or a direct launch.
 
 Only the standard library is imported at module level: the stop-signal handlers go in before torch
 loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143.
@@ -26,7 +29,7 @@ import sys
 from megaloop.cli import int_at_least, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
-EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal after saving a checkpoint
+EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun continues the run
 
 
 def build_config(argv: list[str] | None = None):
@@ -87,7 +90,7 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
 
         try:
             trainer = Trainer(cfg, stop_signals)
-            if torch.distributed.get_rank() == 0:
+            if torch.distributed.get_rank() == 0 and not trainer.stopped_during_set_up:
                 save_yaml(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
             result = trainer.train()
         except (DataError, CheckpointError, TrainingAborted) as e:
@@ -96,8 +99,9 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Stopped early by SIGTERM/SIGUSR1 (with a checkpoint of any step run): "try again later", so
-    # that a job script can requeue (slurm/asymloop_7b.sh does) while a finished run exits 0.
+    # Stopped early by SIGTERM/SIGUSR1 (with a checkpoint of any step run, or during set-up with
+    # nothing to save): "try again later", so that a job script can requeue (slurm/common.sh does)
+    # while a finished run exits 0. The rerun resumes from the same checkpoint or starts afresh.
     return EXIT_RESUMABLE if result.get("stopped_by_signal") else 0
 
 

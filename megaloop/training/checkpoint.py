@@ -286,6 +286,20 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: R
     return final
 
 
+def left_by_an_exit(directory: Path, latest_step: int | None, saving_step: int | None) -> str:
+    """What a run exiting at once leaves in checkpoint ``directory``, in words: the checkpoint
+    ``latest`` names (this run's ``latest_step``, or none) and, if it was saving ``saving_step``,
+    what the save may have got to."""
+    latest = (f"{directory / LATEST} names {checkpoint_name(latest_step)}"
+              if latest_step is not None else f"{directory} holds no checkpoint of this run")
+    if saving_step is None:
+        return latest
+    name = checkpoint_name(saving_step)
+    return (f"the save of step {saving_step} is cut short: {latest} (or {name} if that save had "
+            f"just completed; an unfinished {name}.tmp is never loaded, and the next save "
+            "removes it)")
+
+
 def _free_space(directory: Path) -> str:
     """Space left for unprivileged writes: a full disk often surfaces as some other error (torch's
     zip writer says "unexpected pos")."""

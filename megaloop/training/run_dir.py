@@ -12,10 +12,15 @@ run's lifetime; a second run on either directory is refused with the holder's ho
 the file records). The kernel releases a flock when its process ends, however it ends (kill -9,
 OOM); on a network filesystem the server releases a dead client's locks when its lease expires or
 it is evicted (NFSv4: about 90 s). So a crashed run's lock does not block the next one, and there
-is no stale-lock cleanup to get wrong. Only rank 0
-locks: the other ranks of a run start together under one launcher and write only into the
-checkpoint's ``.tmp`` directory, which rank 0 owns. A filesystem without lock support (Lustre
-mounted ``noflock``) gets a warning and no lock.
+is no stale-lock cleanup to get wrong. Only rank 0 locks: the other ranks of a run start together
+under one launcher and write only into the checkpoint's ``.tmp`` directory, which rank 0 owns. A
+filesystem without lock support (Lustre mounted ``noflock``) gets a warning and no lock.
+
+A set-up that does not complete (a refused dataset, tokenizer or checkpoint, a stop signal) leaves
+the directories as it found them: ``RunDirs.undo`` removes the lock files this run created, while
+still holding them, and every directory it created that is still empty; whatever existed before
+or holds anything stays. A run that had opened a lock file just before its removal notices, once
+it holds the lock, that the path names another file or none, and locks afresh.
 """
 
 from __future__ import annotations
@@ -39,13 +44,27 @@ _NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 class RunLock:
     """An exclusive, non-blocking flock on ``<directory>/.megaloop.lock``; ConfigError naming
-    ``field`` and the holder when another live process has it."""
+    ``field`` and the holder when another live process has it. ``created``: whether this lock made
+    the file."""
 
     def __init__(self, directory: Path, field: str):
         self.path = directory / LOCK_FILE
-        self._file = open(self.path, "a+")
+        while True:
+            self.created, self._file = _open_or_create(self.path)
+            if not self._lock(directory, field) or self._holds_the_file_at_path():
+                break
+            self._file.close()  # removed by a run that gave up as this one opened it
+        self._file.seek(0)
+        self._file.truncate()
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
+        self._file.flush()
+
+    def _lock(self, directory: Path, field: str) -> bool:
+        """Takes the flock: True, or False (with a warning) on a filesystem without locks."""
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
         except BlockingIOError:
             self._file.seek(0)
             holder = self._file.read().strip() or "another process"
@@ -57,18 +76,33 @@ class RunLock:
                 raise
             log.warning("%s: the filesystem does not support file locks (%s); a second run on "
                         "this directory will not be detected", self.path, e.strerror)
-        self._file.seek(0)
-        self._file.truncate()
-        started = datetime.datetime.now().isoformat(timespec="seconds")
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
-        self._file.flush()
+            return False
 
-    def release(self) -> None:
-        """Closing the file drops the lock; the file itself stays (removing it would race with
-        a run that opened it meanwhile)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def _holds_the_file_at_path(self) -> bool:
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._file.fileno())
+        return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
+
+    def release(self, remove_created: bool = False) -> None:
+        """Closing the file drops the lock. The file stays, unless ``remove_created`` and this
+        lock made it: then it is removed first, while still held (see the module docstring)."""
+        if self._file is None:
+            return
+        if remove_created and self.created and self._holds_the_file_at_path():
+            self.path.unlink()
+        self._file.close()
+        self._file = None
+
+
+def _open_or_create(path: Path):
+    """(whether this call created ``path``, the file open for reading and appending)."""
+    try:
+        return True, os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), "a+")
+    except FileExistsError:
+        return False, open(path, "a+")
 
 
 def _prepare(directory: Path, field: str) -> None:
@@ -90,27 +124,61 @@ def _prepare(directory: Path, field: str) -> None:
                           f"{e.filename})") from None
 
 
-def prepare_run_dirs(out_dir: Path, checkpoint_dir: Path) -> list[RunLock]:
-    """Collective: checks both directories and returns rank 0's locks (none on other ranks); the
-    caller releases them when the run ends."""
-    fields = {out_dir.resolve(): "train.out_dir", checkpoint_dir.resolve(): "checkpoint.dir"}
-    locks: list[RunLock] = []
-    error = None
-    if is_rank0():
-        try:
-            for directory, field in fields.items():
-                _prepare(directory, field)
-                locks.append(RunLock(directory, field))
-        except ConfigError as e:
-            error = str(e)
-    error = first_error(error)
-    if error is None:
-        seen = checkpoint_dir.is_dir() and os.access(checkpoint_dir, os.W_OK)
-        error = first_error(None if seen else (
-            f"checkpoint.dir={str(checkpoint_dir)!r}: not a writable directory on "
-            f"{socket.gethostname()}; every node must see it on a shared filesystem"))
-    if error is not None:
-        for lock in locks:
+class RunDirs:
+    """``train.out_dir``, ``checkpoint.dir`` and ``data.cache_dir`` (when set) of one run.
+    Construct it before anything is created: on rank 0 it notes which of these directories and of
+    their parents do not exist yet."""
+
+    def __init__(self, out_dir: Path, checkpoint_dir: Path, cache_dir: str | None = None):
+        self.fields = {out_dir.resolve(): "train.out_dir",
+                       checkpoint_dir.resolve(): "checkpoint.dir"}
+        self.checkpoint_dir = checkpoint_dir
+        self.locks: list[RunLock] = []
+        missing = set()
+        if is_rank0():
+            for target in [*self.fields, *([Path(cache_dir).resolve()] if cache_dir else [])]:
+                missing.update(d for d in (target, *target.parents) if not d.exists())
+        self._new_dirs = sorted(missing, key=lambda d: len(d.parts), reverse=True)  # deepest first
+
+    def prepare(self) -> None:
+        """Collective: checks both run directories and takes rank 0's locks; after a ConfigError
+        the caller calls ``undo()``."""
+        error = None
+        if is_rank0():
+            try:
+                for directory, field in self.fields.items():
+                    _prepare(directory, field)
+                    self.locks.append(RunLock(directory, field))
+            except ConfigError as e:
+                error = str(e)
+        error = first_error(error)
+        if error is None:
+            directory = self.checkpoint_dir
+            seen = directory.is_dir() and os.access(directory, os.W_OK)
+            error = first_error(None if seen else (
+                f"checkpoint.dir={str(directory)!r}: not a writable directory on "
+                f"{socket.gethostname()}; every node must see it on a shared filesystem"))
+        if error is not None:
+            raise ConfigError(error)
+
+    def release(self) -> None:
+        """Drops the locks at the end of the run (idempotent)."""
+        for lock in self.locks:
             lock.release()
-        raise ConfigError(error)
-    return locks
+        self.locks = []
+
+    def undo(self) -> None:
+        """After a set-up that did not complete: removes the lock files this run created and the
+        directories it created that are empty (or hold only empty directories), and drops the
+        locks. Anything that existed before, or that holds a file, stays."""
+        for lock in self.locks:
+            lock.release(remove_created=True)
+        self.locks = []
+        for directory in self._new_dirs:
+            if not directory.is_dir():
+                continue
+            for inner, _, _ in os.walk(directory, topdown=False):  # all made by this run
+                try:
+                    os.rmdir(inner)
+                except OSError:  # not empty
+                    pass

@@ -1,6 +1,22 @@
-"""Preemption signals: SIGTERM (SLURM, ``timeout``, ``docker stop``) and SIGUSR1 (SLURM's
-``--signal``) are remembered instead of killing the process, so that training can save a checkpoint
-at the end of the current step and exit "resumable" (75).
+"""Stop signals: SIGTERM (SLURM, ``timeout``, ``docker stop``, ``kill``) and SIGUSR1 (SLURM's
+``--signal``).
+
+The first one is remembered, not fatal: training saves a checkpoint at the end of the current step
+and exits "resumable" (75), and set-up ends at its next phase boundary (nothing to save yet). A
+second one means "now": the process exits at once with the shell's status for that signal (128 +
+its number: 143 for SIGTERM, 138 for SIGUSR1) after one line on stderr saying what it leaves on
+disk (``left_behind``, which the trainer keeps current). Checkpoint saves are atomic
+(megaloop.training.checkpoint), so exiting in the middle of one leaves ``latest`` on a complete
+checkpoint.
+
+Python runs signal handlers in the main thread between bytecodes, so while that thread waits inside
+C++ (a rendezvous, a collective waiting for a dead peer, a write to a hung filesystem) a handler
+sees nothing, and two signals arriving meanwhile look like one when the call returns, if it ever
+does. The signals are therefore counted by a watcher thread reading the interpreter's wakeup fd
+(``signal.set_wakeup_fd``), to which the C-level handler writes each signal's number as it
+arrives; the thread runs whenever the main thread has released the GIL. A C++ routine that keeps
+the GIL (megatron-core's sample-index builder) delays the exit until it returns; SIGKILL ends a
+process at any instant.
 
 ``megaloop-train`` installs the handlers before it imports torch (about 1.5 s): a signal that
 arrives during start-up is then acted on too, rather than ending the process with 143 and no word.
@@ -8,24 +24,99 @@ arrives during start-up is then acted on too, rather than ending the process wit
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
+import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_STOP_WATCHING = 0  # a byte no signal writes to the wakeup fd
+_installed: list[StopSignals] = []  # innermost last
 
 
 class StopSignals:
-    """Remembers the first stop signal received while installed; ``restore()`` puts the previous
-    handlers back."""
+    """Remembers the first stop signal received while installed (``received``) and exits the
+    process on the second; ``restore()`` puts the previous handlers back."""
 
     def __init__(self):
         self.received: int | None = None
+        # What an immediate exit leaves; the trainer replaces it once it has something on disk.
+        self.left_behind = "the run had not started training"
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # the interpreter requires it of a wakeup fd
+        # The wakeup fd before the handlers, so that no signal reaches a handler uncounted.
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         self._previous = {s: signal.signal(s, self._remember) for s in STOP_SIGNALS}
+        self._watcher = threading.Thread(target=self._watch, name="megaloop-stop-signals",
+                                         daemon=True)
+        self._watcher.start()
+        _installed.append(self)
 
     def _remember(self, signum, frame) -> None:
+        """The Python-level handler (main thread): sets ``received`` as soon as the main thread
+        runs Python again, whether or not the watcher has had a turn yet."""
         if self.received is None:
             self.received = signum
 
+    def _watch(self) -> None:
+        count = 0
+        while True:
+            for signum in os.read(self._read_fd, 64):
+                if signum == _STOP_WATCHING:
+                    return
+                if signum not in STOP_SIGNALS:  # SIGINT and other handled signals pass through
+                    continue
+                count += 1
+                if count > 1:
+                    self._exit_now(signum)
+                if self.received is None:
+                    self.received = signum
+                _say(f"{signal.Signals(signum).name} received: stopping at the next step or "
+                     "set-up boundary (a second stop signal exits at once, without saving)")
+
+    def _exit_now(self, signum: int) -> None:
+        status = 128 + signum
+        _say(f"a second stop signal ({signal.Signals(signum).name}): exiting at once with status "
+             f"{status}, without saving; {self.left_behind}")
+        try:
+            for child in multiprocessing.active_children():  # checkpoint writers, managers
+                child.kill()
+        finally:
+            os._exit(status)
+
     def restore(self) -> None:
+        """Idempotent; signals received before it have been counted when it returns."""
+        if self not in _installed:
+            return
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
         for s, handler in self._previous.items():
             signal.signal(s, handler)
-        self._previous = {}
+        os.write(self._write_fd, bytes([_STOP_WATCHING]))
+        self._watcher.join()
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+        _installed.remove(self)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, written directly: from the watcher thread, ``sys.stderr`` may be locked
+    by a main thread that is stuck in the middle of a write."""
+    os.write(2, f"megaloop: {line}\n".encode())
+
+
+def _detach_forked_child() -> None:
+    """A forked child (dist_checkpointing's writer processes) keeps the handlers, so that a stop
+    signal sent to the whole process group (SLURM signals every process of a job step) does not end
+    a writer in the middle of the save the parent is completing; the parent's escalation kills its
+    children. The child loses the wakeup fd and the pipe, so that its signals are not counted as
+    the parent's. The watcher thread does not exist in the child."""
+    if not _installed:
+        return
+    signal.set_wakeup_fd(_installed[0]._previous_wakeup_fd)
+    for instance in _installed:
+        os.close(instance._read_fd)
+        os.close(instance._write_fd)
+    _installed.clear()
+
+
+os.register_at_fork(after_in_child=_detach_forked_child)

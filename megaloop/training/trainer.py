@@ -12,7 +12,8 @@ advances. The loss is summed over the global batch's unmasked tokens and megatro
 gradients by their total count (``calculate_per_token_loss``), so the gradient is that of the
 token-weighted mean loss whatever the micro-batch split and however many tokens the loss mask
 drops from each micro-batch. SIGTERM / SIGUSR1 (SLURM preemption) make the loop save a checkpoint
-and return at the end of the current step (or at once, before the first step).
+and return at the end of the current step, and set-up stop at its next phase boundary (nothing to
+save yet); a set-up that does not complete leaves the run directories as it found them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.data import MicroBatches, build_datasets
-from megaloop.training.run_dir import prepare_run_dirs
+from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
@@ -42,6 +43,10 @@ SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weig
 
 class TrainingAborted(RuntimeError):
     """Training cannot go on; the message says why and which checkpoint is the last good one."""
+
+
+class _StoppedDuringSetUp(Exception):
+    """A stop signal was agreed at a set-up phase boundary; the message names the phase done."""
 
 
 def _device() -> torch.device:
@@ -86,22 +91,30 @@ class Trainer:
 
     ``stop_signals``: handlers the caller installed earlier (``megaloop-train`` does so before
     importing torch); by default the Trainer installs its own and restores the previous ones when
-    it closes.
+    it closes. A stop signal during set-up ends it early: the Trainer is then closed,
+    ``stopped_during_set_up`` is True and ``train()`` only returns the stop.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg.validate()
         self.precision = _precision(cfg)
         # Installed before anything slow so that a preemption signal during set-up is remembered,
-        # not fatal; train() acts on it before its first step. A failed set-up closes the Trainer.
+        # not fatal.
         self._own_signals = stop_signals is None
         self.stop_signals = StopSignals() if stop_signals is None else stop_signals
-        self._locks, self.monitor, self.alrs, self.downstream = [], None, None, None
+        self._run_dirs, self.monitor, self.alrs, self.downstream = None, None, None, None
+        self.step, self.stopped_during_set_up = 0, False
         try:
             self._set_up()
-        except BaseException:
+        except BaseException as e:
+            if self._run_dirs is not None:
+                self._run_dirs.undo()
             self.close()
-            raise
+            if not isinstance(e, _StoppedDuringSetUp):
+                raise
+            log.warning("stopped by signal %d during set-up, after %s; nothing to save",
+                        self.stop_signals.received, e)
+            self.stopped_during_set_up = True
 
     def _set_up(self) -> None:
         from megatron.core import parallel_state as ps
@@ -115,6 +128,7 @@ class Trainer:
         par = cfg.parallel
         init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed,
                          virtual_pipeline=par.virtual_pipeline)
+        self._stop_point("joining the process group")
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         micro_per_step = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
         per_step = cfg.train.micro_batch_size * self.dp_size
@@ -131,27 +145,34 @@ class Trainer:
         self.num_microbatches = micro_per_step
         self.out_dir = Path(cfg.train.out_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
-        self._locks = prepare_run_dirs(self.out_dir, self.checkpoint_dir)
+        self._run_dirs = RunDirs(self.out_dir, self.checkpoint_dir, cfg.data.cache_dir)
+        self._run_dirs.prepare()
         self.train_data, self.valid_data = build_datasets(cfg)
+        self._stop_point("building the datasets")
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
             ckpt.check_optimizer_layout(self.resume_path, cfg)
+            self._stop_point(f"verifying {self.resume_path}")
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval
 
             self.downstream = DownstreamEval(cfg)
+            self._stop_point("setting up the downstream evaluation")
 
         self._build_model()
+        self._stop_point("building the model")
         self.optimizer, self.scheduler, self.lr_multipliers = build_optimizer(
             self.ddps, self.models, cfg)
         self.alrs = self._build_alrs()
-        self.step = 0
+        self._stop_point("building the optimizer")
         self.consumed_samples = 0
         self.skipped_steps = 0
         if self.resume_path is not None:
             self._load(self.resume_path)
+            self._stop_point(f"loading {self.resume_path}")
         self.monitor = self._build_monitor()
+        self._note_left_behind()
 
     def close(self) -> None:
         """Releases what the Trainer holds (idempotent): the signal handlers it installed, the
@@ -164,9 +185,8 @@ class Trainer:
             self.downstream.close()
         if self.monitor is not None:
             self.monitor.close()
-        for lock in self._locks:
-            lock.release()
-        self._locks = []
+        if self._run_dirs is not None:
+            self._run_dirs.release()
 
     # ------------------------------------------------------------------ set-up
     def _build_model(self) -> None:
@@ -332,12 +352,14 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
         """Runs to ``train.train_steps`` (or a stop signal); returns the final metrics."""
+        if self.stopped_during_set_up:
+            return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
         cfg = self.cfg.train
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)
         try:
-            if self._stop_requested():  # during set-up: nothing new to save
-                log.warning("stopped by signal %s before the first step; nothing to save",
+            if self._stop_requested():  # after the last set-up boundary: nothing new to save
+                log.warning("stopped by signal %d before the first step; nothing to save",
                             self.stop_signals.received)
                 return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
             while self.step < cfg.train_steps:
@@ -360,7 +382,7 @@ class Trainer:
                 interval = self.cfg.checkpoint.save_interval
                 if self._stop_requested():
                     self.save()
-                    log.warning("stopped by signal %s after step %d; checkpoint saved",
+                    log.warning("stopped by signal %d after step %d; checkpoint saved",
                                 self.stop_signals.received, self.step)
                     return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
                 # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
@@ -419,6 +441,17 @@ class Trainer:
             signals.received = signal.SIGTERM
         return bool(flag.item())
 
+    def _stop_point(self, done: str) -> None:
+        """A set-up phase boundary (collective): a stop signal any rank has received ends set-up
+        here on every rank."""
+        if self._stop_requested():
+            raise _StoppedDuringSetUp(done)
+
+    def _note_left_behind(self, saving: int | None = None) -> None:
+        """What an exit on a second stop signal leaves (megaloop.training.signals)."""
+        self.stop_signals.left_behind = ckpt.left_by_an_exit(self.checkpoint_dir,
+                                                             self._last_saved_step, saving)
+
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state(self, is_loading: bool = False, weights_only: bool = False,
                        with_rng: bool = True) -> dict:
@@ -459,9 +492,11 @@ class Trainer:
         if self._last_saved_step == self.step:
             return None
         self._materialise_optimizer_state()
+        self._note_left_behind(saving=self.step)
         path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
                                     self.cfg, self.cfg.checkpoint.keep_last)
         self._last_saved_step = self.step
+        self._note_left_behind()
         return path
 
     def _materialise_optimizer_state(self) -> None:

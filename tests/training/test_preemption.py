@@ -1,5 +1,6 @@
-"""Preemption and crashes, in real processes: SIGTERM saves and exits cleanly; a kill -9 in the
-middle of a save leaves the previous checkpoint as the one resumed."""
+"""Preemption and crashes, in real processes: SIGTERM saves and exits cleanly, or during set-up
+stops at the next phase boundary; a second SIGTERM exits at once; a second SIGTERM or a kill -9 in
+the middle of a save leaves the previous checkpoint as the one resumed."""
 
 import json
 import os
@@ -10,9 +11,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from megaloop.config import save_yaml
 from megaloop.train import EXIT_RESUMABLE
 from megaloop.training import checkpoint as ckpt
+from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
 
 REPO = Path(__file__).parents[2]
@@ -133,8 +137,145 @@ def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_da
                           capture_output=True, text=True, timeout=300)
     assert "importing torch; SIGTERM handled: True" in proc.stdout, proc.stdout
     assert proc.returncode == EXIT_RESUMABLE, proc.stderr[-2000:]
-    assert "stopped by signal 15 before the first step; nothing to save" in proc.stderr
-    assert not (tmp_path / "checkpoints" / "latest").exists()
+    assert ("stopped by signal 15 during set-up, after joining the process group; nothing to "
+            "save") in proc.stderr
+    # The first boundary: no dataset was built, and the run left no lock file or checkpoints/.
+    assert sorted(os.listdir(tmp_path)) == ["run.yaml", "start_up.py"]
+
+
+def _signalled_while_building_datasets(monkeypatch, signalled: bool = True):
+    import megaloop.training.trainer as trainer_module
+
+    build_datasets = trainer_module.build_datasets
+
+    def build(cfg):
+        if signalled:
+            signal.raise_signal(signal.SIGTERM)
+        return build_datasets(cfg)
+
+    monkeypatch.setattr(trainer_module, "build_datasets", build)
+
+
+def test_a_signal_during_set_up_stops_it_at_the_next_boundary(mcore, pattern_data, tmp_path,
+                                                              monkeypatch):
+    from megaloop.training.trainer import Trainer
+
+    _signalled_while_building_datasets(monkeypatch)
+    trainer = Trainer(tiny_run(pattern_data, tmp_path))
+    assert trainer.stopped_during_set_up
+    assert not hasattr(trainer, "model"), "the model is not built after a stop signal"
+    assert trainer.train() == {"step": 0, "stopped_by_signal": signal.SIGTERM}
+    # Only the dataset cache (tiny_run keeps it in the run directory) holds anything: it stays.
+    assert sorted(os.listdir(tmp_path)) == ["cache"]
+
+
+def _one_rank_signalled_while_building_datasets(rank, world_size, data_prefix, out_dir):
+    import pytest
+
+    from megaloop.training.trainer import Trainer
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _signalled_while_building_datasets(monkeypatch, signalled=rank == 1)
+        trainer = Trainer(tiny_run(data_prefix, Path(out_dir)))
+    return trainer.stopped_during_set_up, hasattr(trainer, "model"), trainer.train()
+
+
+def test_every_rank_stops_set_up_where_one_rank_saw_the_signal(mcore, pattern_data, tmp_path):
+    outcomes = run_distributed(_one_rank_signalled_while_building_datasets, world_size=2,
+                               data_prefix=pattern_data, out_dir=str(tmp_path))
+    assert outcomes == [(True, False, {"step": 0, "stopped_by_signal": signal.SIGTERM})] * 2
+
+
+HANG_IN_CPP = textwrap.dedent("""
+    import datetime, importlib, runpy, sys
+    import torch.distributed as dist
+
+
+    def hang_on_call(module_name, name, nth):
+        module = importlib.import_module(module_name)
+        original, calls = getattr(module, name), []
+
+        def hang(*args, **kwargs):  # stuck inside C++, as on a dead peer or a dead filesystem
+            calls.append(name)
+            if len(calls) < nth:
+                return original(*args, **kwargs)
+            store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(minutes=10))
+            print(f"hanging in {name}", flush=True)
+            store.wait(["never set"])
+
+        setattr(module, name, hang)
+
+
+    if __name__ == "__main__":  # not in the checkpoint writer's spawned processes
+        config, module_name, name, nth = sys.argv[1:]
+        hang_on_call(module_name, name, int(nth))
+        sys.argv = ["megaloop-train", "--config", config]
+        runpy.run_module("megaloop.train", run_name="__main__")
+""")
+
+
+
+def _two_stop_signals_while_hung(tmp_path: Path, cfg, hang: tuple[str, str, int],
+                                 second: int) -> tuple[int, str]:
+    """Runs megaloop-train until it hangs in ``hang`` (module, function, call number), sends
+    SIGTERM, then once it has said so ``second``; (exit status, stderr)."""
+    save_yaml(cfg, tmp_path / "run.yaml")
+    (tmp_path / "hang.py").write_text(HANG_IN_CPP)
+    out, err = tmp_path / "hang.out", tmp_path / "hang.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        # Own session: the killpg below ends whatever the test leaves (checkpoint writers).
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "hang.py"),
+                                 str(tmp_path / "run.yaml"), *map(str, hang)], env=_env(),
+                                cwd=tmp_path, stdout=stdout, stderr=stderr,
+                                start_new_session=True)
+    try:
+        for marker, path, then in ((f"hanging in {hang[1]}", out, signal.SIGTERM),
+                                   ("SIGTERM received", err, second)):
+            deadline = time.time() + 180
+            while marker not in path.read_text():
+                assert proc.poll() is None, err.read_text()[-2000:]
+                assert time.time() < deadline, f"no {marker!r}: {err.read_text()[-2000:]}"
+                time.sleep(0.1)
+            proc.send_signal(then)
+        return proc.wait(timeout=60), err.read_text()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_second_stop_signal_during_set_up_exits_at_once(mcore, pattern_data, tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path)
+    status, stderr = _two_stop_signals_while_hung(
+        tmp_path, cfg, ("megaloop.training.trainer", "build_datasets", 1), signal.SIGUSR1)
+    assert status == 128 + signal.SIGUSR1, stderr[-2000:]
+    assert ("megaloop: a second stop signal (SIGUSR1): exiting at once with status 138, without "
+            "saving; the run had not started training\n") in stderr
+
+
+@pytest.mark.parametrize("hang, left", [
+    (("megatron.core.dist_checkpointing", "save", 2), "iter_0000004.tmp"),
+    (("megaloop.training.checkpoint", "write_text_atomic", 2), "iter_0000004"),  # complete
+], ids=["writing the shards", "moving latest"])
+def test_a_second_sigterm_during_a_hung_save_leaves_the_previous_checkpoint(
+        mcore, pattern_data, tmp_path, hang, left):
+    from megaloop.training.trainer import Trainer
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 6},
+                   checkpoint={"save_interval": 2})
+    status, stderr = _two_stop_signals_while_hung(tmp_path, cfg, hang, signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM, stderr[-2000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert (f"exiting at once with status 143, without saving; the save of step 4 is cut short: "
+            f"{checkpoints / 'latest'} names iter_0000002 (or iter_0000004 if that save had just "
+            "completed; an unfinished iter_0000004.tmp is never loaded, and the next save "
+            "removes it)\n") in stderr
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000002"
+    assert (checkpoints / left).is_dir()
+    trainer = Trainer(cfg)  # verifies the checkpoint and loads it
+    assert trainer.step == 2
+    trainer.close()
 
 
 def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp_path):

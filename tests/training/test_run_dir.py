@@ -1,4 +1,5 @@
-"""Storage faults are found before training, and one directory serves one live run at a time."""
+"""Storage faults are found before training, one directory serves one live run at a time, and a
+refused set-up leaves the run directories as it found them."""
 
 import os
 import signal
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from megaloop.config import ConfigError
-from megaloop.training.run_dir import LOCK_FILE
+from megaloop.data import DataError
+from megaloop.training.run_dir import LOCK_FILE, RunLock
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
@@ -79,6 +81,7 @@ def test_a_read_only_checkpoint_dir_fails_before_step_one(mcore, pattern_data, t
         Trainer(cfg)
     message = _one_line(error)
     assert message.startswith(f"checkpoint.dir={str(read_only_dir)!r}: not writable"), message
+    assert not (tmp_path / "run").exists(), "train.out_dir, made first, is removed again"
 
 
 def test_a_second_trainer_on_a_directory_in_use_is_refused(mcore, pattern_data, tmp_path):
@@ -169,3 +172,69 @@ def test_a_filesystem_without_locks_warns_and_runs(tmp_path, monkeypatch, caplog
     monkeypatch.setattr(fcntl, "flock", io_error)
     with pytest.raises(OSError, match="I/O error"):
         RunLock(tmp_path, "train.out_dir")
+
+
+REFUSALS = {  # set-ups refused after the run directories were made: (config change, error)
+    "missing data file": (lambda cfg, tmp: setattr(cfg.data, "path", [str(tmp / "absent")]),
+                          DataError, "absent"),
+    "token ids beyond the vocabulary": (
+        lambda cfg, tmp: setattr(cfg.model, "vocab_size", 64), DataError,
+        "token id 120 is outside the model's vocabulary"),
+    "checkpoint.load names nothing": (
+        lambda cfg, tmp: setattr(cfg.checkpoint, "load", str(tmp / "no_checkpoint")),
+        ConfigError, "no checkpoint there"),
+}
+
+
+def _refused(cfg, tmp_path, refusal) -> None:
+    change, error, message = REFUSALS[refusal]
+    change(cfg, tmp_path)
+    with pytest.raises(error, match=message):
+        Trainer(cfg)
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_refused_set_up_removes_the_run_directories_it_made(mcore, pattern_data, tmp_path,
+                                                              refusal):
+    out_dir = tmp_path / "runs" / "first"
+    cfg = tiny_run(pattern_data, out_dir)
+    cfg.data.cache_dir = str(tmp_path / "cache")  # shared with other runs: made, and kept
+    _refused(cfg, tmp_path, refusal)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_refused_set_up_keeps_what_the_run_directory_held(mcore, pattern_data, tmp_path,
+                                                            refusal):
+    out_dir = tmp_path / "run"
+    (out_dir / "empty").mkdir(parents=True)
+    (out_dir / "notes.txt").write_text("mine")
+    (out_dir / "checkpoints").mkdir()
+    (out_dir / "checkpoints" / LOCK_FILE).write_text("pid 1 on a finished run\n")
+    before = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*"))
+    cfg = tiny_run(pattern_data, out_dir)
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    _refused(cfg, tmp_path, refusal)
+    assert sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")) == before
+
+
+def test_a_lock_file_removed_as_another_run_opens_it_is_locked_afresh(tmp_path, monkeypatch):
+    """A run that gives up during set-up removes the lock file it made while holding it; a run
+    that opened the file just before then locks a file no longer at the path, and must retry."""
+    import fcntl
+
+    giving_up = RunLock(tmp_path, "train.out_dir")
+    assert giving_up.created
+    flock = fcntl.flock
+
+    def the_other_run_gives_up_first(file, operation):
+        monkeypatch.setattr(fcntl, "flock", flock)
+        giving_up.release(remove_created=True)
+        return flock(file, operation)
+
+    monkeypatch.setattr(fcntl, "flock", the_other_run_gives_up_first)
+    holder = RunLock(tmp_path, "train.out_dir")
+    assert f"pid {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()
+    with pytest.raises(ConfigError, match="in use by another run"):
+        RunLock(tmp_path, "train.out_dir")
+    holder.release()
