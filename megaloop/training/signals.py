@@ -18,6 +18,21 @@ arrives; the thread runs whenever the main thread has released the GIL. A C++ ro
 the GIL (megatron-core's sample-index builder) delays the exit until it returns; SIGKILL ends a
 process at any instant.
 
+SLURM (``--signal``, ``scancel --signal``) and ``kill -- -PGID`` signal every process of the job,
+not only the trainer, and the processes it starts must live through a first stop signal, or the
+save that signal asks for fails (megatron-core's dist_checkpointing starts a results-queue manager
+with ``spawn`` at the first save and keeps it, and forks writer processes at each save; the spawned
+manager brings multiprocessing's resource tracker). While the handlers are installed, the
+installing (main) thread therefore blocks the stop signals: a child inherits the blocked mask
+through fork and exec, whichever library starts it and whenever, and leaves the signals pending.
+The process still gets them: the kernel delivers a signal sent to the process (``kill``,
+``killpg``) to a thread that does not block it, the watcher, whose C-level handler writes the
+wakeup fd, and the main thread runs the Python handler at its next bytecode as before. Only a
+signal sent to the main thread alone (``signal.raise_signal``, ``pthread_kill``) waits, until
+``restore()``. The children end as they would anyway: their owners stop them at a normal exit (the
+manager gets a shutdown message, writers are joined, the resource tracker leaves when its pipe
+closes), and the exit on a second stop signal kills multiprocessing's first.
+
 ``megaloop-train`` installs the handlers before it imports torch (about 1.5 s): a signal that
 arrives during start-up is then acted on too, rather than ending the process with 143 and no word.
 """
@@ -50,6 +65,9 @@ class StopSignals:
         self._watcher = threading.Thread(target=self._watch, name="megaloop-stop-signals",
                                          daemon=True)
         self._watcher.start()
+        # After the watcher starts: threads and processes inherit the mask of their creator.
+        self._previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        _start_resource_tracker()
         _installed.append(self)
 
     def _remember(self, signum, frame) -> None:
@@ -59,6 +77,8 @@ class StopSignals:
             self.received = signum
 
     def _watch(self) -> None:
+        # The thread stop signals are delivered to, even if started while they were blocked.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         count = 0
         while True:
             for signum in os.read(self._read_fd, 64):
@@ -88,6 +108,8 @@ class StopSignals:
         """Idempotent; signals received before it have been counted when it returns."""
         if self not in _installed:
             return
+        # First, while the handlers are ours: a signal sent to this thread alone arrives now.
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         for s, handler in self._previous.items():
             signal.signal(s, handler)
@@ -104,11 +126,23 @@ def _say(line: str) -> None:
     os.write(2, f"megaloop: {line}\n".encode())
 
 
+def _start_resource_tracker() -> None:
+    """Starts multiprocessing's resource tracker now, unless it runs, so that it inherits the
+    blocked stop signals. Left to the first ``spawn`` (megatron-core's results-queue manager, at the
+    first save), its start would unblock SIGINT and SIGTERM in the starting thread whatever their
+    state before (CPython issue 127586, present in 3.11), and that manager and every later child
+    would die of a SIGTERM sent to the group."""
+    from multiprocessing import resource_tracker
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _detach_forked_child() -> None:
-    """A forked child (dist_checkpointing's writer processes) keeps the handlers, so that a stop
-    signal sent to the whole process group (SLURM signals every process of a job step) does not end
-    a writer in the middle of the save the parent is completing; the parent's escalation kills its
-    children. The child loses the wakeup fd and the pipe, so that its signals are not counted as
+    """A forked child (dist_checkpointing's writer processes) keeps the blocked mask of the thread
+    that forked it and the handlers (a child that unblocks the signals remembers them, and is not
+    ended by them), but loses the wakeup fd and the pipe, so that its signals are not counted as
     the parent's. The watcher thread does not exist in the child."""
     if not _installed:
         return

@@ -1,6 +1,8 @@
 """Preemption and crashes, in real processes: SIGTERM saves and exits cleanly, or during set-up
 stops at the next phase boundary; a second SIGTERM exits at once; a second SIGTERM or a kill -9 in
-the middle of a save leaves the previous checkpoint as the one resumed."""
+the middle of a save leaves the previous checkpoint as the one resumed. Signals go to the whole
+process group, as SLURM and ``kill -- -PGID`` send them: the trainer's children (megatron-core's
+checkpoint writers and results-queue manager) get them too, and none is left behind."""
 
 import json
 import os
@@ -16,6 +18,7 @@ import pytest
 from megaloop.config import save_yaml
 from megaloop.train import EXIT_RESUMABLE
 from megaloop.training import checkpoint as ckpt
+from megaloop.training.signals import StopSignals
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
 
@@ -34,25 +37,79 @@ def _train_lines(out_dir: Path) -> list[dict]:
     return [x for x in lines if x["kind"] == "train"]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_resumable(mcore, pattern_data, tmp_path):
-    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1})
+def _processes_in_group(group: int) -> list[str]:
+    """The command lines of the live processes of process group ``group`` (a zombie has ended:
+    it only waits to be reaped)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["status", "cmdline"]):
+        try:
+            if (os.getpgid(process.pid) == group
+                    and process.info["status"] != psutil.STATUS_ZOMBIE):
+                found.append(" ".join(process.info["cmdline"] or []))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+def _wait_until_group_ends(group: int) -> None:
+    """Children leave once the trainer has gone (the resource tracker when its pipe closes)."""
+    deadline = time.time() + 60
+    while left := _processes_in_group(group):
+        assert time.time() < deadline, f"left alive: {left}"
+        time.sleep(0.1)
+
+
+def _end_group(group: int) -> None:
+    """Whatever a failed test leaves."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _train(tmp_path: Path, *overrides: str, log: str = "train.log") -> subprocess.Popen:
+    """megaloop-train on ``tmp_path/run.yaml``, leader of a process group of its own."""
+    with open(tmp_path / log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "megaloop.train", "--config",
+                                 str(tmp_path / "run.yaml"), *overrides], env=_env(),
+                                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumable(
+        mcore, pattern_data, tmp_path, signum):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1},
+                   checkpoint={"save_interval": 2})
     save_yaml(cfg, tmp_path / "run.yaml")
-    log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "megaloop.train", "--config",
-                             str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while len(_train_lines(tmp_path)) < 3:
-        assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
-        assert time.time() < deadline, "training did not start"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == EXIT_RESUMABLE
-    log.close()
+    proc = _train(tmp_path)
+    try:
+        deadline = time.time() + 180
+        while len(_train_lines(tmp_path)) < 3:  # the save of step 2 has started the children
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
+            assert time.time() < deadline, "training did not start"
+            time.sleep(0.2)
+        assert len(_processes_in_group(proc.pid)) > 1, "the trainer has children to signal"
+        os.killpg(proc.pid, signum)
+        assert proc.wait(timeout=120) == EXIT_RESUMABLE, \
+            (tmp_path / "train.log").read_text()[-2000:]
+        _wait_until_group_ends(proc.pid)
+    finally:
+        _end_group(proc.pid)
     latest = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     last_logged = _train_lines(tmp_path)[-1]["step"]
     assert latest is not None and ckpt.step_of(latest) == last_logged >= 3
-    assert last_logged < 10_000
+
+    resumed = _train(tmp_path, f"train.train_steps={last_logged + 1}", log="resumed.log")
+    try:
+        assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-2000:]
+        _wait_until_group_ends(resumed.pid)  # a normal exit leaves no child either
+    finally:
+        _end_group(resumed.pid)
+    assert "resumed from" in (tmp_path / "resumed.log").read_text()
+    assert _train_lines(tmp_path)[-1]["step"] == last_logged + 1
 
 
 KILL_DURING_SECOND_SAVE = textwrap.dedent("""
@@ -93,10 +150,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pat
         try:
             returncode = proc.wait(timeout=300)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _end_group(proc.pid)
     assert returncode == -signal.SIGKILL, log.read_text()[-2000:]
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "iter_0000004.tmp").is_dir()
@@ -111,7 +165,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pat
 
 
 SIGTERM_DURING_START_UP = textwrap.dedent("""
-    import runpy, signal, sys
+    import os, runpy, signal, sys
 
     class ReportFirstTorchImport:  # a meta-path finder that only watches
         def find_spec(self, name, path=None, target=None):
@@ -119,7 +173,7 @@ SIGTERM_DURING_START_UP = textwrap.dedent("""
                 sys.meta_path.remove(self)
                 handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
                 print(f"importing torch; SIGTERM handled: {handled}", flush=True)
-                signal.raise_signal(signal.SIGTERM)  # preempted in the first second
+                os.kill(os.getpid(), signal.SIGTERM)  # preempted in the first second
             return None
 
     sys.meta_path.insert(0, ReportFirstTorchImport())
@@ -143,14 +197,25 @@ def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_da
     assert sorted(os.listdir(tmp_path)) == ["run.yaml", "start_up.py"]
 
 
-def _signalled_while_building_datasets(monkeypatch, signalled: bool = True):
+def _signal_this_process(signum: int, stop_signals: StopSignals) -> None:
+    """Sends ``signum`` to this process, as ``kill`` does (the watcher thread takes it: the main
+    thread blocks stop signals), and returns once ``stop_signals`` has noticed it."""
+    os.kill(os.getpid(), signum)
+    deadline = time.time() + 60
+    while stop_signals.received is None:
+        assert time.time() < deadline, f"signal {signum} not noticed"
+        time.sleep(0.01)
+
+
+def _signalled_while_building_datasets(monkeypatch, stop_signals: StopSignals,
+                                       signalled: bool = True):
     import megaloop.training.trainer as trainer_module
 
     build_datasets = trainer_module.build_datasets
 
     def build(cfg):
         if signalled:
-            signal.raise_signal(signal.SIGTERM)
+            _signal_this_process(signal.SIGTERM, stop_signals)
         return build_datasets(cfg)
 
     monkeypatch.setattr(trainer_module, "build_datasets", build)
@@ -160,8 +225,12 @@ def test_a_signal_during_set_up_stops_it_at_the_next_boundary(mcore, pattern_dat
                                                               monkeypatch):
     from megaloop.training.trainer import Trainer
 
-    _signalled_while_building_datasets(monkeypatch)
-    trainer = Trainer(tiny_run(pattern_data, tmp_path))
+    stop_signals = StopSignals()
+    try:
+        _signalled_while_building_datasets(monkeypatch, stop_signals)
+        trainer = Trainer(tiny_run(pattern_data, tmp_path), stop_signals)
+    finally:
+        stop_signals.restore()
     assert trainer.stopped_during_set_up
     assert not hasattr(trainer, "model"), "the model is not built after a stop signal"
     assert trainer.train() == {"step": 0, "stopped_by_signal": signal.SIGTERM}
@@ -174,9 +243,13 @@ def _one_rank_signalled_while_building_datasets(rank, world_size, data_prefix, o
 
     from megaloop.training.trainer import Trainer
 
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        _signalled_while_building_datasets(monkeypatch, signalled=rank == 1)
-        trainer = Trainer(tiny_run(data_prefix, Path(out_dir)))
+    stop_signals = StopSignals()
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _signalled_while_building_datasets(monkeypatch, stop_signals, signalled=rank == 1)
+            trainer = Trainer(tiny_run(data_prefix, Path(out_dir)), stop_signals)
+    finally:
+        stop_signals.restore()
     return trainer.stopped_during_set_up, hasattr(trainer, "model"), trainer.train()
 
 
@@ -218,12 +291,12 @@ HANG_IN_CPP = textwrap.dedent("""
 def _two_stop_signals_while_hung(tmp_path: Path, cfg, hang: tuple[str, str, int],
                                  second: int) -> tuple[int, str]:
     """Runs megaloop-train until it hangs in ``hang`` (module, function, call number), sends
-    SIGTERM, then once it has said so ``second``; (exit status, stderr)."""
+    SIGTERM to its process group, then once it has said so ``second``; (exit status, stderr),
+    once no process of the group is left."""
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "hang.py").write_text(HANG_IN_CPP)
     out, err = tmp_path / "hang.out", tmp_path / "hang.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        # Own session: the killpg below ends whatever the test leaves (checkpoint writers).
         proc = subprocess.Popen([sys.executable, str(tmp_path / "hang.py"),
                                  str(tmp_path / "run.yaml"), *map(str, hang)], env=_env(),
                                 cwd=tmp_path, stdout=stdout, stderr=stderr,
@@ -236,13 +309,12 @@ def _two_stop_signals_while_hung(tmp_path: Path, cfg, hang: tuple[str, str, int]
                 assert proc.poll() is None, err.read_text()[-2000:]
                 assert time.time() < deadline, f"no {marker!r}: {err.read_text()[-2000:]}"
                 time.sleep(0.1)
-            proc.send_signal(then)
-        return proc.wait(timeout=60), err.read_text()
+            os.killpg(proc.pid, then)
+        status = proc.wait(timeout=60)
+        _wait_until_group_ends(proc.pid)  # the exit at once kills the trainer's children
+        return status, err.read_text()
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _end_group(proc.pid)
 
 
 def test_a_second_stop_signal_during_set_up_exits_at_once(mcore, pattern_data, tmp_path):
@@ -288,7 +360,7 @@ def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp
 
     def signalled_during_step_3(data):
         if trainer.step == 3:
-            signal.raise_signal(signal.SIGUSR1)
+            _signal_this_process(signal.SIGUSR1, trainer.stop_signals)
         return train_step(data)
 
     trainer.train_step = signalled_during_step_3

@@ -1,15 +1,23 @@
-"""Stop signals in a process that forks (dist_checkpointing's writers): a forked child outlives a
-stop signal sent to the whole process group, so that the save in progress completes, and its
+"""Stop signals in a process that starts others: SLURM and ``kill -- -PGID`` signal every process of
+the job, so a child started while the handlers are installed (forked or spawned, by any library)
+outlives a stop signal, while the process itself still notices one sent to it; a forked child's
 signals are not counted as the parent's."""
 
 import multiprocessing
+import os
 import signal
+import subprocess
 import sys
+import textwrap
+import time
+from pathlib import Path
 
 from megaloop.training.signals import StopSignals
 
 
 def _signalled_then_done() -> None:
+    # The child inherits the blocked mask; unblocked, the inherited handler only remembers.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     signal.raise_signal(signal.SIGTERM)
     sys.exit(7)
 
@@ -28,3 +36,68 @@ def test_a_forked_child_outlives_sigterm_and_the_parent_does_not_count_it():
     assert stop_signals.received is None
     assert signal.getsignal(signal.SIGTERM) is handler, "the handlers are put back"
     assert signal.set_wakeup_fd(wakeup_fd) == wakeup_fd, "and so is the wakeup fd"
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.time() + 60
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def test_spawned_children_outlive_stop_signals_that_the_process_notices():
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    stop_signals = StopSignals()
+    try:
+        # An exec'd program (as multiprocessing's spawn and subprocess start them) that waits for
+        # its stdin to close.
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE)
+        for signum in (signal.SIGTERM, signal.SIGUSR1):  # the group-wide signal's share
+            child.send_signal(signum)
+        os.kill(os.getpid(), signal.SIGUSR1)  # and the process's own
+        _wait_for(lambda: stop_signals.received is not None, "the process missed its signal")
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+    finally:
+        stop_signals.restore()
+    assert stop_signals.received == signal.SIGUSR1
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == mask, "the mask is put back"
+
+
+def test_a_signal_sent_to_the_main_thread_alone_is_handled_when_the_handlers_go():
+    stop_signals = StopSignals()
+    try:
+        signal.raise_signal(signal.SIGUSR1)  # blocked in this thread: pending
+        assert signal.SIGUSR1 in signal.sigpending()
+    finally:
+        # Unblocked while the handlers are still installed: SIGUSR1's default would end pytest.
+        stop_signals.restore()
+    assert stop_signals.received == signal.SIGUSR1
+    assert not signal.sigpending()
+
+
+FIRST_SPAWN = textwrap.dedent("""
+    import multiprocessing, os, signal
+    from megaloop.training.signals import StopSignals
+
+    if __name__ == "__main__":
+        stop_signals = StopSignals()
+        # megatron-core's results queue: this process's first spawn, as at a trainer's first save
+        queue = multiprocessing.get_context("spawn").Manager().Queue()
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGTERM)
+        queue.put("the manager outlived SIGTERM")
+        print(queue.get())
+        print("SIGTERM blocked:", signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, ()))
+        stop_signals.restore()
+""")
+
+
+def test_the_first_spawned_child_outlives_sigterm(tmp_path):
+    """multiprocessing's resource tracker, started by a process's first spawn, unblocks SIGTERM."""
+    (tmp_path / "first_spawn.py").write_text(FIRST_SPAWN)
+    repo = Path(__file__).parents[2]
+    run = subprocess.run([sys.executable, str(tmp_path / "first_spawn.py")], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.stdout == "the manager outlived SIGTERM\nSIGTERM blocked: True\n", run.stderr
