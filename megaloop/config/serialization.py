@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import secrets
 import types
 import typing
@@ -162,12 +163,15 @@ def run_config_from(data: dict, base: RunConfig | None = None) -> RunConfig:
     return from_dict(RunConfig, _deep_merge(to_dict(base or RunConfig()), data))
 
 
+_TOKEN_BYTES = 4  # of the temporary name's random part
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Writes a temporary file in the same directory, then renames it over ``path``. The file gets
     the permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), not
     ``tempfile.mkstemp``'s 0600, so that teammates can read a shared run."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(_TOKEN_BYTES)}")
     try:
         with open(tmp, "x") as f:
             f.write(text)
@@ -177,6 +181,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_leftovers(path: str | os.PathLike) -> list[Path]:
+    """The temporary files that ``write_text_atomic(path, ...)`` calls left beside ``path`` when
+    their process was killed between the write and the rename (``.<name>-<pid>-<hex>``). They are
+    stale only where no other process is writing ``path`` (a run's ``latest``, under its lock)."""
+    path = Path(path)
+    name = re.compile(rf"\.{re.escape(path.name)}-\d+-[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
+    if not path.parent.is_dir():
+        return []
+    return sorted(p for p in path.parent.iterdir() if name.fullmatch(p.name))
 
 
 def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:

@@ -6,6 +6,7 @@ Layout of ``<dir>``::
     iter_0000200.tmp/      a save in progress, or one killed mid-way: never loaded, removed later
     iter_0000300.damaged*  a damaged checkpoint set aside by checkpoint.fallback_to_previous
     latest                 text file naming the newest complete checkpoint, replaced atomically
+    .latest-<pid>-<hex>    the new ``latest`` of a pointer move killed mid-way: removed later
 
 A save writes into ``iter_N.tmp``, and only when every rank has finished does rank 0 rename it to
 ``iter_N`` and then repoint ``latest``. A ``kill -9`` at any moment therefore leaves ``latest`` on
@@ -34,8 +35,8 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict,
-                             save_yaml, write_text_atomic)
+from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig,
+                             atomic_write_leftovers, from_dict, save_yaml, write_text_atomic)
 from megaloop.training.collective import is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -247,6 +248,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: R
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("iter_*.tmp"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in atomic_write_leftovers(directory / LATEST):  # by a killed pointer move
+            stale.unlink(missing_ok=True)
         if final.exists():
             if previous == final:
                 raise CheckpointError(f"{final}: already the latest checkpoint; refusing to "

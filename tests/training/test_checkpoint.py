@@ -105,6 +105,24 @@ def test_a_failed_second_save_resumes_exactly_from_the_first(saved_run, pattern_
     assert ckpt.latest_checkpoint(out / "checkpoints").name == "iter_0000004"
 
 
+def test_the_next_save_removes_what_a_killed_pointer_move_left(saved_run, pattern_data,
+                                                               tmp_path):
+    """A process killed between writing the new `latest` and renaming it over the old one leaves
+    the temporary file; the next save removes it, and nothing that only looks like one."""
+    out = _copy(saved_run, tmp_path)
+    checkpoints = out / "checkpoints"
+    stale = checkpoints / ".latest-4242-0123abcd"
+    others = [".latest-4242-0123abc", ".latest-4242-0123ABCD", ".latest-x-0123abcd",
+              ".latest-4242-0123abcd.bak", "latest-4242-0123abcd", ".config.yaml-4242-0123abcd"]
+    for name in [stale.name, *others]:
+        (checkpoints / name).write_text("iter_0000002\n")
+    Trainer(tiny_run(pattern_data, out, train={"train_steps": STEPS + 2},
+                     checkpoint={"save_interval": 2})).train()
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000006"
+    assert not stale.exists()
+    assert [name for name in others if not (checkpoints / name).exists()] == []
+
+
 def _mount_tmpfs(directory, size_bytes):
     import subprocess
 
