@@ -16,6 +16,10 @@ three GEMMs instead of one, Transformer Engine's fused norm+linear lost, and che
 megatron-core tool reads. The cost here is one fp32 copy of the fused weights' optimizer shards
 (1/DP of them under the distributed optimizer) for the duration of the step, and three element-wise
 passes over them; nothing at all while every multiplier is 1.
+
+Without apex / Transformer Engine, megatron-core's distributed optimizer runs torch Adam, whose
+per-parameter state a checkpoint needs help with: ``materialise_optimizer_state`` before saving or
+loading a fresh optimizer, ``restore_torch_adam_steps`` after a load.
 """
 
 from __future__ import annotations
@@ -277,3 +281,34 @@ def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunC
     every = experts.every_block(blocks, experts.num_experts(models[0]), pipeline)
     return optimizer, scheduler, LRMultipliers(optimizer, scheduler, blocks, copies,
                                                known=[b.name for b in every])
+
+
+def materialise_optimizer_state(optimizer) -> None:
+    """Without apex / Transformer Engine, megatron-core's DistributedOptimizer.state_dict() reads
+    the step counter from torch Adam's per-parameter state, which exists only after a first step;
+    a fresh optimizer (about to be loaded into, or saved at step 0) gets megatron-core's own
+    zero-gradient dummy step, at the scheduler's initial LR of 0 so that no weight moves."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def restore_torch_adam_steps(optimizer, optimizer_state: dict) -> None:
+    """After ``optimizer.load_state_dict(optimizer_state)``: torch Adam (used without apex /
+    Transformer Engine) keeps a per-parameter step count that megatron-core's dp_reshardable
+    parameter state does not store, so the load leaves the loading template's value; the true
+    count is in the saved param groups."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [optimizer_state] if len(inner) == 1 else [optimizer_state[i]
+                                                        for i in range(len(inner))]
+    for distributed, saved in zip(inner, states):
+        if not isinstance(distributed, DistributedOptimizer):
+            continue
+        steps = {g["step"] for g in saved["optimizer"]["param_groups"] if "step" in g}
+        for param_state in distributed.optimizer.state.values():
+            if "step" in param_state and len(steps) == 1:
+                param_state["step"] = torch.tensor(float(next(iter(steps))))

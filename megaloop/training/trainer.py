@@ -489,27 +489,17 @@ class Trainer:
         """Saves a checkpoint of the current step (collective) unless this step is saved already.
         At step 0 it is a seed checkpoint: the initial weights, from which runs with other
         parallel layouts can start identically."""
+        from megaloop.training.optimizer import materialise_optimizer_state
+
         if self._last_saved_step == self.step:
             return None
-        self._materialise_optimizer_state()
+        materialise_optimizer_state(self.optimizer)
         self._note_left_behind(saving=self.step)
         path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
                                     self.cfg, self.cfg.checkpoint.keep_last)
         self._last_saved_step = self.step
         self._note_left_behind()
         return path
-
-    def _materialise_optimizer_state(self) -> None:
-        """Without apex / Transformer Engine, megatron-core's DistributedOptimizer.state_dict()
-        reads the step counter from torch Adam's per-parameter state, which exists only after a
-        first step; a fresh optimizer (about to be loaded into, or saved at step 0) gets
-        megatron-core's own zero-gradient dummy step, at the scheduler's initial LR of 0 so that no
-        weight moves."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if isinstance(optimizer, DistributedOptimizer) and not optimizer.optimizer.state:
-                optimizer._init_optimizer_states_with_dummy_values()
 
     def _resume_schedule(self, saved_train: dict, scheduler_state: dict, path: Path) -> None:
         """The LR schedule after a resume: the config's (each change from the checkpoint logged
@@ -538,24 +528,10 @@ class Trainer:
         scheduler.load_state_dict(scheduler_state)
         scheduler.step(0)  # load_state_dict sets the groups' weight decay before loading its own
 
-    def _restore_torch_adam_steps(self, optimizer_state) -> None:
-        """torch Adam (used without apex / Transformer Engine) keeps a per-parameter step count
-        that megatron-core's dp_reshardable parameter state does not store, so the load leaves the
-        loading template's value; the true count is in the saved param groups."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        states = [optimizer_state] if len(inner) == 1 else [optimizer_state[i]
-                                                            for i in range(len(inner))]
-        for optimizer, saved in zip(inner, states):
-            if not isinstance(optimizer, DistributedOptimizer):
-                continue
-            steps = {g["step"] for g in saved["optimizer"]["param_groups"] if "step" in g}
-            for param_state in optimizer.optimizer.state.values():
-                if "step" in param_state and len(steps) == 1:
-                    param_state["step"] = torch.tensor(float(next(iter(steps))))
-
     def _load(self, path: Path) -> None:
+        from megaloop.training.optimizer import (materialise_optimizer_state,
+                                                 restore_torch_adam_steps)
+
         # checkpoint.load_optimizer=false concerns the checkpoint a run starts from
         # (checkpoint.load); the run's own checkpoints always resume whole, fine-tuning included.
         own = path.parent.resolve() == self.checkpoint_dir.resolve()
@@ -568,7 +544,7 @@ class Trainer:
         saved = ckpt.saved_config(path)
         same_layout = ckpt.same_parallel_layout(saved, self.cfg)
         if not weights_only:
-            self._materialise_optimizer_state()
+            materialise_optimizer_state(self.optimizer)
         state = ckpt.load_checkpoint(path, self._sharded_state(
             is_loading=True, weights_only=weights_only, with_rng=same_layout))
         for chunk, model in enumerate(self.models):
@@ -581,7 +557,7 @@ class Trainer:
             return
         with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
             self.optimizer.load_state_dict(state["optimizer"])
-        self._restore_torch_adam_steps(state["optimizer"])
+        restore_torch_adam_steps(self.optimizer, state["optimizer"])
         trainer = state["trainer"]
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
         self._resume_schedule(saved["train"], state["scheduler"], path)
