@@ -31,7 +31,7 @@ wakeup fd, and the main thread runs the Python handler at its next bytecode as b
 signal sent to the main thread alone (``signal.raise_signal``, ``pthread_kill``) waits, until
 ``restore()``. The children end as they would anyway: their owners stop them at a normal exit (the
 manager gets a shutdown message, writers are joined, the resource tracker leaves when its pipe
-closes), and the exit on a second stop signal kills multiprocessing's first.
+closes), and the exit on a second stop signal first kills those multiprocessing started.
 
 ``megaloop-train`` installs the handlers before it imports torch (about 1.5 s): a signal that
 arrives during start-up is then acted on too, rather than ending the process with 143 and no word.
@@ -51,7 +51,8 @@ _installed: list[StopSignals] = []  # innermost last
 
 class StopSignals:
     """Remembers the first stop signal received while installed (``received``) and exits the
-    process on the second; ``restore()`` puts the previous handlers back."""
+    process on the second; ``restore()`` puts the previous handlers and signal mask back. Install
+    it from the main thread, which then blocks the stop signals (see the module docstring)."""
 
     def __init__(self):
         self.received: int | None = None
