@@ -43,3 +43,16 @@ def pytest_collection_modifyitems(config, items):
         # checkout in a directory called "gpu" would skip every test.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_released():
+    """A test that leaves stop-signal handlers installed (a Trainer it never closed) fails, and the
+    handlers are restored: left, they would block SIGTERM for every later test in the process."""
+    from megaloop.training import signals
+
+    yield
+    left = list(signals._installed)
+    for stop_signals in reversed(left):
+        stop_signals.restore()
+    assert not left, f"{len(left)} StopSignals left installed: a Trainer was not closed"

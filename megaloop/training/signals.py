@@ -109,11 +109,20 @@ class StopSignals:
         """Idempotent; signals received before it have been counted when it returns."""
         if self not in _installed:
             return
-        # First, while the handlers are ours: a signal sent to this thread alone arrives now.
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
-        signal.set_wakeup_fd(self._previous_wakeup_fd)
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        position = _installed.index(self)
+        if position + 1 < len(_installed):
+            # Restored before one installed after it (two Trainers, the first closed first): that
+            # one stays in place, and puts back what this one found when it is restored in turn.
+            inner = _installed[position + 1]
+            inner._previous_mask = self._previous_mask
+            inner._previous_wakeup_fd = self._previous_wakeup_fd
+            inner._previous = self._previous
+        else:
+            # First, while the handlers are ours: a signal sent to this thread alone arrives now.
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
         os.write(self._write_fd, bytes([_STOP_WATCHING]))
         self._watcher.join()
         os.close(self._read_fd)

@@ -70,10 +70,9 @@ def _parity(rank, world_size, data_prefix, out_dir, parallel=None, distributed_o
     for step in range(1, STEPS + 1):
         base_lr = trainer.current_lr()
         trainer.step = step
-        _, _, grad_norm, skipped = trainer.train_step(_batches(tokens, trainer.dp_rank,
-                                                               trainer.dp_size))
-        assert not skipped
-        grad_norms.append(grad_norm)
+        outcome = trainer.train_step(_batches(tokens, trainer.dp_rank, trainer.dp_size))
+        assert not outcome.skipped
+        grad_norms.append(outcome.grad_norm)
 
         logits = reference(tokens[:, :-1]).logits
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -87,6 +86,7 @@ def _parity(rank, world_size, data_prefix, out_dir, parallel=None, distributed_o
         differences.append(max(_relative_update_error(actual[n] - initial[n], p.detach() - initial[n])
                                for n, p in reference.named_parameters()))
     cut = distributed_optimizer and _shards_cut_blocks(trainer)
+    trainer.close()
     return differences, grad_norms, cut
 
 
@@ -136,6 +136,7 @@ def test_bf16_main_params_are_paired_with_their_model_params(mcore, pattern_data
 
     trainer = Trainer(tiny_run(pattern_data, tmp_path, model=MODEL, train={
         "precision": "bf16", "distributed_optimizer": distributed_optimizer}))
+    trainer.close()
     targets = trainer.lr_multipliers.scaling.targets
     fused = {id(p) for n, p in trainer.model.named_parameters()
              if n.endswith(("linear_qkv.weight", "linear_fc1.weight", "linear_kv_global.weight"))}

@@ -101,3 +101,19 @@ def test_the_first_spawned_child_outlives_sigterm(tmp_path):
     run = subprocess.run([sys.executable, str(tmp_path / "first_spawn.py")], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
     assert run.stdout == "the manager outlived SIGTERM\nSIGTERM blocked: True\n", run.stderr
+
+
+def test_two_installed_and_restored_in_either_order_put_everything_back():
+    """Two Trainers alive at once in a notebook or a test, closed first-made first: the second
+    restored used to hand the interpreter the first one's closed wakeup fd (EBADF)."""
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1),
+              signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+    for order in ((0, 1), (1, 0)):
+        pair = [StopSignals(), StopSignals()]
+        pair[order[0]].restore()
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled by the one left, whichever it is
+        _wait_for(lambda: pair[order[1]].received == signal.SIGUSR1, "the one left does not count")
+        pair[order[1]].restore()
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1),
+                signal.pthread_sigmask(signal.SIG_BLOCK, set())) == before
+        assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd is the one found"
