@@ -53,7 +53,7 @@ PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 # Keys a train record always carries; extra metrics may not shadow them.
 TRAIN_FIELDS = ("kind", "step", "time", "loss", "lr", "grad_norm", "skipped", "step_time_s",
-                "tokens_per_s", "tflops_per_device", "mfu", "eta_s")
+                "tokens_per_s", "loss_tokens_per_s", "tflops_per_device", "mfu", "eta_s")
 # The first step a process runs includes warm-up (allocator growth, kernel autotuning), so it is left
 # out of the window of recent step times that the ETA is estimated from.
 ETA_WINDOW_STEPS = 50
@@ -427,8 +427,13 @@ class Monitor:
         return step % self.log_interval == 0 or step == self.total_steps or self._steps_logged == 1
 
     def log_step(self, step: int, *, loss: float, lr: float, grad_norm: float | None,
-                 step_time_s: float, skipped: bool, extra: dict | None = None) -> None:
-        """Record one optimizer step; ``step_time_s`` is its wall time, data loading included."""
+                 step_time_s: float, skipped: bool, loss_tokens: int | None = None,
+                 extra: dict | None = None) -> None:
+        """Record one optimizer step; ``step_time_s`` is its wall time, data loading included.
+        ``loss_tokens``: the tokens of the step the loss counts. ``tokens_per_s`` counts every
+        position processed (padding and prompts included: the rate the hardware sustains, as
+        Megatron-LM reports it); where the loss mask drops some, as in fine-tuning,
+        ``loss_tokens_per_s`` is the rate of tokens trained on."""
         if not self.is_writer:
             return
         if not step_time_s > 0:
@@ -439,6 +444,7 @@ class Monitor:
         mean_step_s = (sum(self._recent_step_times) / len(self._recent_step_times)
                        if self._recent_step_times else step_time_s)
         tokens_per_s = self.tokens_per_step / step_time_s
+        loss_tokens_per_s = None if loss_tokens is None else loss_tokens / step_time_s
         tflops_per_device = tokens_per_s * self.model_flops_per_token / self.world_size / 1e12
         mfu = (tflops_per_device / self.peak_tflops_per_device
                if self.peak_tflops_per_device is not None else None)
@@ -447,6 +453,7 @@ class Monitor:
             "loss": _json_number(float(loss)), "lr": float(lr),
             "grad_norm": None if grad_norm is None else _json_number(float(grad_norm)),
             "skipped": bool(skipped), "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
+            "loss_tokens_per_s": loss_tokens_per_s,
             "tflops_per_device": tflops_per_device, "mfu": mfu,
             "eta_s": max(self.total_steps - step, 0) * mean_step_s,
         }
@@ -457,8 +464,10 @@ class Monitor:
             record.update(_checked_metrics(extra, TRAIN_FIELDS + tuple(stats), "Monitor.log_step extra"))
         self._write(record)
 
-        status = (f"loss {_format_number(record['loss'], '.4f')} | lr {lr:.3e}"
-                  f" | {_format_rate(tokens_per_s)} tok/s"
+        rate = f"{_format_rate(tokens_per_s)} tok/s"
+        if loss_tokens is not None and loss_tokens < self.tokens_per_step:
+            rate += f" ({_format_rate(loss_tokens_per_s)} in the loss)"
+        status = (f"loss {_format_number(record['loss'], '.4f')} | lr {lr:.3e} | {rate}"
                   f" | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
                   f" | ETA {_format_eta(record['eta_s'])}")
         if self._bar is not None:

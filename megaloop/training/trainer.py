@@ -24,6 +24,7 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,18 @@ SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weig
 
 class TrainingAborted(RuntimeError):
     """Training cannot go on; the message says why and which checkpoint is the last good one."""
+
+
+class StepOutcome(NamedTuple):
+    """One optimizer step: the token-weighted mean ``loss``, the base ``lr`` (multiplier 1), the
+    ``grad_norm`` (None when ``skipped`` for a non-finite loss) and ``loss_tokens``, the tokens of
+    the global batch the loss counts (below the batch's positions where the loss mask drops
+    prompts or padding, as in fine-tuning)."""
+    loss: float
+    lr: float
+    grad_norm: float | None
+    skipped: bool
+    loss_tokens: int
 
 
 class _StoppedDuringSetUp(Exception):
@@ -298,8 +311,9 @@ class Trainer:
         return output, loss_func
 
     def _run_microbatches(self, data: MicroBatches, forward_only: bool,
-                          num_iterations: int | None = None):
-        """Returns the token-weighted mean loss over the global batch (identical on every rank)."""
+                          num_iterations: int | None = None) -> tuple[float, int]:
+        """The token-weighted mean loss over the global batch and the number of tokens it counts
+        (identical on every rank)."""
         from functools import partial
 
         from megatron.core import parallel_state as ps
@@ -321,7 +335,7 @@ class Trainer:
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
 
     def schedule_shapes(self) -> dict:
         from megaloop.models.pipeline import schedule_shapes
@@ -329,25 +343,24 @@ class Trainer:
         return schedule_shapes(self.model, self.cfg.model.seq_length, self.cfg.parallel.pipeline,
                                len(self.models))
 
-    def train_step(self, data: MicroBatches) -> tuple[float, float, float | None, bool]:
-        """(loss, base LR, grad norm, skipped) of optimizer step ``self.step`` (1-based, already
-        incremented)."""
+    def train_step(self, data: MicroBatches) -> StepOutcome:
+        """Optimizer step ``self.step`` (1-based, already incremented)."""
         for ddp in self.ddps:
             ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self._run_microbatches(data, forward_only=False)
+        loss, loss_tokens = self._run_microbatches(data, forward_only=False)
         base_lr = self.current_lr()
         if not math.isfinite(loss):
             self.skipped_steps += 1
             self._consecutive_nonfinite += 1
-            return loss, base_lr, None, True
+            return StepOutcome(loss, base_lr, None, True, loss_tokens)
         self._consecutive_nonfinite = 0
         if self.alrs is not None:
             self.lr_multipliers.set(self.alrs.step(self.step, base_lr))
         self.lr_multipliers.apply()  # the group LRs of this step, multipliers included
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        return loss, base_lr, grad_norm, False
+        return StepOutcome(loss, base_lr, grad_norm, False, loss_tokens)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -365,11 +378,13 @@ class Trainer:
             while self.step < cfg.train_steps:
                 self.step += 1
                 start = time.perf_counter()
-                loss, lr, grad_norm, skipped = self.train_step(data)
+                outcome = self.train_step(data)
                 self.consumed_samples += cfg.global_batch_size
-                self.monitor.log_step(self.step, loss=loss, lr=lr,
-                                      grad_norm=grad_norm, step_time_s=time.perf_counter() - start,
-                                      skipped=skipped, extra=self._routing_metrics())
+                self.monitor.log_step(self.step, loss=outcome.loss, lr=outcome.lr,
+                                      grad_norm=outcome.grad_norm,
+                                      step_time_s=time.perf_counter() - start,
+                                      skipped=outcome.skipped, loss_tokens=outcome.loss_tokens,
+                                      extra=self._routing_metrics())
                 if self._consecutive_nonfinite >= cfg.max_nonfinite_steps:
                     latest = ckpt.latest_checkpoint(self.checkpoint_dir)
                     raise TrainingAborted(
@@ -425,7 +440,7 @@ class Trainer:
         with torch.no_grad():
             for _ in range(cfg.eval_iters):
                 total += self._run_microbatches(data, forward_only=True,
-                                                num_iterations=num_iterations)
+                                                num_iterations=num_iterations)[0]
         for ddp in self.ddps:
             ddp.train()
         loss = total / cfg.eval_iters

@@ -47,11 +47,11 @@ def _grads_at_the_optimizer(trainer, step):
 
     trainer.optimizer.step = recording_step
     trainer.step = 1
-    loss, _, grad_norm, skipped = trainer.train_step(MicroBatches(
+    outcome = trainer.train_step(MicroBatches(
         trainer.train_data, trainer.cfg.train.micro_batch_size, 0, 1, step * GLOBAL_BATCH,
         GLOBAL_BATCH))
-    assert not skipped and grad_norm == seen["norm"]
-    return loss, seen["grads"], grad_norm
+    assert not outcome.skipped and outcome.grad_norm == seen["norm"]
+    return outcome.loss, seen["grads"], outcome.grad_norm
 
 
 def _reference_grads(trainer, step):
@@ -98,7 +98,7 @@ def test_accumulated_gradients_equal_one_batch_of_the_same_samples(mcore, patter
 
 def _loss_and_grads(trainer, batches):
     trainer.ddp.zero_grad_buffer()
-    loss = trainer._run_microbatches(iter(batches), forward_only=False)
+    loss, _ = trainer._run_microbatches(iter(batches), forward_only=False)
     return loss, {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
 
 

@@ -80,6 +80,21 @@ def test_step_record_has_exact_throughput_mfu_and_eta(tmp_path, no_nvml):
     assert second["skipped_total"] == 0 and second["aux_loss"] == 0.125
 
 
+def test_tokens_in_the_loss_get_their_own_rate_where_the_mask_drops_some(tmp_path, capsys, no_nvml):
+    with _monitor(tmp_path, log_interval=1) as m:
+        m.log_step(1, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.5, skipped=False,
+                   loss_tokens=8192)  # pre-training: every position counts
+        m.log_step(2, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.5, skipped=False,
+                   loss_tokens=1024)  # fine-tuning: prompts and padding masked out
+        m.log_step(3, loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.5, skipped=False)
+    records = _lines(tmp_path)
+    assert [r["tokens_per_s"] for r in records] == [16384.0] * 3
+    assert [r["loss_tokens_per_s"] for r in records] == [16384.0, 2048.0, None]
+    rates = [line.split(" | ")[3] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("step ")]
+    assert rates == ["16.4k tok/s", "16.4k tok/s (2.0k in the loss)", "16.4k tok/s"]
+
+
 def test_non_finite_loss_is_null_and_the_file_stays_strict_json(tmp_path, no_nvml):
     with _monitor(tmp_path) as m:
         m.log_step(1, loss=float("nan"), lr=1e-4, grad_norm=None, step_time_s=1.0, skipped=True)

@@ -47,7 +47,8 @@ def test_prompt_and_padding_contribute_nothing_to_loss_and_gradients(mcore, sft_
 
     def loss_and_grads(b):
         trainer.ddp.zero_grad_buffer()
-        loss = trainer._run_microbatches(iter([b]), forward_only=False)
+        loss, loss_tokens = trainer._run_microbatches(iter([b]), forward_only=False)
+        assert loss_tokens == int(mask.sum())  # what the monitor's loss_tokens_per_s counts
         return loss, [p.main_grad.clone() for p in trainer.model.parameters()]
 
     loss, grads = loss_and_grads(batch)

@@ -128,9 +128,11 @@ def dense_row(args) -> dict:
         def megaloop_step(data):
             trainer.step += 1
             start = time.perf_counter()
-            loss, lr, grad_norm, skipped = trainer.train_step(data)
-            trainer.monitor.log_step(trainer.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                                     step_time_s=time.perf_counter() - start, skipped=skipped)
+            outcome = trainer.train_step(data)
+            trainer.monitor.log_step(trainer.step, loss=outcome.loss, lr=outcome.lr,
+                                     grad_norm=outcome.grad_norm,
+                                     step_time_s=time.perf_counter() - start,
+                                     skipped=outcome.skipped, loss_tokens=outcome.loss_tokens)
 
         steppers = {"megaloop": megaloop_step, **{k: v.step for k, v in loops.items()}}
         data = {name: MicroBatches(trainer.train_data, 4, 0, 1, 0, 8) for name in steppers}
