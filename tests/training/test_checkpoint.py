@@ -330,3 +330,65 @@ def test_dp_reshardable_optimizer_state_resumes_only_into_its_own_layout(tmp_pat
     weights_only = dataclasses.replace(other, checkpoint=dataclasses.replace(
         other.checkpoint, load_optimizer=False))
     ckpt.check_optimizer_layout(path, weights_only)
+    # The run's own checkpoints always load their optimizer state, whatever load_optimizer says
+    # (before the fix this passed, and megatron-core failed on a shape mismatch or not at all).
+    own = dataclasses.replace(weights_only, checkpoint=dataclasses.replace(
+        weights_only.checkpoint, dir=str(tmp_path)))
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_layout(path, own)
+    assert _one_line(error).endswith(
+        "resume with that layout, or start a new run from its weights (checkpoint.load="
+        f"{str(path)!r}, checkpoint.load_optimizer=false, another checkpoint.dir)")
+
+
+def _saved_moe(tmp_path, **train) -> RunConfig:
+    from megaloop.config import ParallelConfig, TrainConfig
+
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    model = ModelConfig(arch="asymloop", num_layers=4, vocab_size=128, num_experts=4,
+                        moe_ffn_hidden_size=32).resolve()
+    saved = RunConfig(model=model, parallel=ParallelConfig(expert=2), train=TrainConfig(**train))
+    save_yaml(saved, path / "config.yaml")
+    return saved
+
+
+@pytest.mark.parametrize("optimizer_format", ["dp_reshardable", "fully_reshardable"])
+def test_optimizer_state_resumes_only_into_its_own_expert_parallel_size(tmp_path,
+                                                                         optimizer_format):
+    import dataclasses
+
+    saved = _saved_moe(tmp_path)
+    saved.checkpoint.optimizer_format = optimizer_format
+    path = tmp_path / "iter_0000001"
+    save_yaml(saved, path / "config.yaml")
+    ckpt.check_optimizer_layout(path, saved)
+    other = dataclasses.replace(saved, parallel=dataclasses.replace(saved.parallel, expert=4))
+    # Before the fix: megatron-core's 10 kB key list (dp_reshardable) or KeyError 'step'.
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_layout(path, other)
+    assert _one_line(error) == (
+        f"{path} holds the optimizer state of parallel.expert=2, which megatron-core does not "
+        "reload into parallel.expert=4; resume with 2, or set checkpoint.load_optimizer=false to "
+        "start from its weights")
+    ckpt.check_optimizer_layout(path, dataclasses.replace(other, checkpoint=dataclasses.replace(
+        other.checkpoint, load_optimizer=False)))
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_optimizer_state_of_the_other_optimizer_kind_is_refused(tmp_path, distributed):
+    import dataclasses
+
+    saved = _saved_moe(tmp_path, distributed_optimizer=distributed)
+    path = tmp_path / "iter_0000001"
+    now = dataclasses.replace(saved, train=dataclasses.replace(
+        saved.train, distributed_optimizer=not distributed))
+    # Before the fix: megatron-core's KeyError 'pre_wd_mult' traceback, or a 10 kB key list.
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_layout(path, now)
+    assert _one_line(error) == (
+        f"{path} holds the optimizer state of train.distributed_optimizer={distributed}, which "
+        f"does not load into train.distributed_optimizer={not distributed}; resume with "
+        f"{distributed}, or set checkpoint.load_optimizer=false to start from its weights")
+    ckpt.check_optimizer_layout(path, dataclasses.replace(now, checkpoint=dataclasses.replace(
+        now.checkpoint, load_optimizer=False)))
