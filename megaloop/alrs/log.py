@@ -82,7 +82,7 @@ class ALRSLog:
         # A store without "format" is an interrupted creation: start it again.
         self.root = zarr.open_group(self.path, mode="a" if existing else "w")
         if existing:
-            self._check_same_run(matrices, shapes, lr_groups)
+            self._check_same_run(matrices, shapes, lr_groups, log_eigenvalues)
         else:
             self._create(list(matrices), [list(map(int, s)) for s in shapes], list(lr_groups),
                          dict(config or {}), log_eigenvalues)
@@ -111,7 +111,7 @@ class ALRSLog:
                                 "config": config, "log_eigenvalues": log_eigenvalues,
                                 "n_spectra": 0, "n_lr": 0, "format": FORMAT})
 
-    def _check_same_run(self, matrices, shapes, lr_groups) -> None:
+    def _check_same_run(self, matrices, shapes, lr_groups, log_eigenvalues) -> None:
         attrs = self.root.attrs
         if (list(attrs["matrices"]) != list(matrices)
                 or [tuple(s) for s in attrs["shapes"]] != [tuple(map(int, s)) for s in shapes]
@@ -119,6 +119,10 @@ class ALRSLog:
             raise config_error(f"ALRS log {self.path} belongs to a run with other matrices "
                                "(another model, alrs.granularity or alrs.exclude): use another "
                                "train.out_dir")
+        if bool(attrs["log_eigenvalues"]) != bool(log_eigenvalues):
+            raise config_error(f"ALRS log {self.path} was written with alrs.log_eigenvalues="
+                               f"{bool(attrs['log_eigenvalues'])}, which cannot change within "
+                               "it: set it back, or use another train.out_dir")
 
     def append_spectra(self, step: int, allocated: bool, stats: Mapping[str, Sequence[float]],
                        eigenvalues: Mapping[str, np.ndarray] | None = None) -> None:
