@@ -138,14 +138,19 @@ class ALRS:
         self._last_analysis = 0
         self._last_step = 0
         is_writer = not self._distributed or dist.get_rank() == 0
-        self.log = None
+        self.log, self._log_rewound = None, False
         if log_path is not None and is_writer:
             self.log = ALRSLog(log_path, self.names, [m.full_shape for m in self.matrices],
                                self.names + [BASE_GROUP], self.config.to_dict(),
                                self.config.log_eigenvalues)
 
     def step(self, step: int, base_lr: float | None = None) -> dict[str, float]:
-        """Multipliers for optimizer step ``step``; analyses and allocates when the schedule says."""
+        """Multipliers for optimizer step ``step``; analyses and allocates when the schedule says.
+        The first call forgets the log's rows at and after ``step`` (those of a run that started
+        over in the same directory, or went past the checkpoint it is resumed from)."""
+        if self.log is not None and not self._log_rewound:
+            self.log.truncate_after(step - 1)
+            self._log_rewound = True
         if step != self._last_analysis and self.config.analyses_at(step, self.total_steps):
             try:
                 self._analyse(step)

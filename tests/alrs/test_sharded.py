@@ -210,3 +210,18 @@ def test_pipeline_stages_analyse_what_they_hold_and_apply_the_one_process_multip
             assert listed == names and all(n.split(":")[0] in held for n in mine)
             for name, value in expected.items():
                 assert multipliers[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
+
+
+def test_a_run_starting_over_in_a_directory_rewrites_its_log_from_its_first_step(tmp_path):
+    from megaloop.alrs import read_log
+
+    params = _params()
+    for steps in (4, 2):  # a run, then a fresh one (its checkpoints were removed) in its place
+        alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=2, fraction=1.0),
+                    log_path=tmp_path / "alrs.zarr")
+        for t in range(1, steps + 1):
+            alrs.step(t, base_lr=1e-3)
+        alrs.close()
+    log = read_log(tmp_path / "alrs.zarr")
+    # Before the fix the second run appended: spectra [1, 2, 4, 1, 2], LRs [1, 2, 3, 4, 1, 2].
+    assert log.spectra_step.tolist() == [1, 2] and log.lr_step.tolist() == [1, 2]
