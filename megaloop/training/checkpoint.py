@@ -391,6 +391,11 @@ def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
         raise ConfigError(f"checkpoint.resume=false: {checkpoint_dir} holds another run's "
                           f"checkpoints (newest {complete[-1].name}) that this run would "
                           "overwrite; use another checkpoint.dir or remove them")
+    unusable = sorted(p.name for p in checkpoint_dir.glob("iter_*") if p.is_dir())
+    if unusable:  # interrupted saves (.tmp) or damaged checkpoints set aside
+        log.warning("%s holds no complete checkpoint, only %s; the run starts %s", checkpoint_dir,
+                    ", ".join(unusable), f"from {cfg.checkpoint.load}" if cfg.checkpoint.load
+                    else "from step 0")
     if cfg.checkpoint.load:
         path = named_checkpoint(cfg.checkpoint.load)
         if path is None:

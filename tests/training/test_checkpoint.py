@@ -211,6 +211,21 @@ def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint(saved_run, pa
         ["iter_0000002", "iter_0000004", "iter_0000006"]
 
 
+def test_a_directory_holding_only_an_interrupted_save_starts_over_saying_so(tmp_path, caplog):
+    from megaloop.config import DataConfig
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "iter_0000002.tmp").mkdir(parents=True)  # the first save, killed
+    (checkpoints / "iter_0000001.damaged-1700000000").mkdir()
+    cfg = RunConfig(data=DataConfig(path=["x"], eod_id=0))
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        assert ckpt.resume_source(cfg, checkpoints) is None
+    # Before the fix: a silent start from step 0.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{checkpoints} holds no complete checkpoint, only iter_0000001.damaged-1700000000, "
+        "iter_0000002.tmp; the run starts from step 0"]
+
+
 def test_resume_false_refuses_a_directory_holding_checkpoints(saved_run, pattern_data, tmp_path,
                                                                monkeypatch):
     out = _copy(saved_run, tmp_path)
