@@ -84,6 +84,12 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
         (evaluate, [str(base_checkpoint), "--test", "t.jsonl"], "tok.model: tokenizer file not "
                                                                 "found"),
         (evaluate, [str(tmp_path / "none"), "--test", "t.jsonl"], "none: no checkpoint there"),
+        # Before the fix: a traceback after decoding every question.
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--predictions",
+                    "/dev/null/p.jsonl"], "error: --predictions /dev/null/p.jsonl: cannot be "
+                                          "written (/dev/null is not a writable directory)"),
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--predictions", str(tmp_path)],
+         f"error: --predictions {tmp_path}: cannot be written (it is a directory)"),
     ]
     for main, argv, message in cases:
         assert main(argv) == 2
@@ -109,7 +115,10 @@ def gsm8k_files():
     return GSM8K_TRAIN, GSM8K_TEST, SP_MODEL
 
 
-def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys):
+def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys,
+                                                    monkeypatch):
+    import errno
+
     import torch
     import yaml
 
@@ -180,3 +189,13 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
     assert evaluate(argv + ["--uncached"]) == 0
     assert json.loads(capsys.readouterr().out)["decoder"] == "uncached"
     assert [json.loads(line) for line in predictions.read_text().splitlines()] == rows
+
+    def full_disk(path, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gsm8k, "write_predictions", full_disk)
+    assert evaluate(argv + ["--limit", "1"]) == 2  # the accuracy is printed all the same
+    out, err = capsys.readouterr()
+    assert json.loads(out)["total"] == 1 and json.loads(out)["predictions"] is None
+    assert err.splitlines()[-1] == (f"error: --predictions {predictions}: not written (No space "
+                                    "left on device)")

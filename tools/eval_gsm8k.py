@@ -19,9 +19,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from megaloop.cli import int_at_least, quiet_third_party_warnings
+
+
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (None when it can), checked before decoding, which takes
+    hours: it must not be a directory, and its nearest existing ancestor (where the missing
+    directories will be made) must be a writable directory."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        return "it is a directory"
+    ancestor = target.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not a writable directory"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.training import checkpoint as ckpt
 
     try:
+        problem = unwritable(args.predictions)
+        if problem is not None:
+            raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
         data = ckpt.saved_config(path).get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
@@ -67,9 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, records, prompt=prompt, max_new_tokens=args.max_new_tokens,
             num_iterations=args.num_iterations, source=", ".join(args.test),
             cached=not args.uncached)
-        gsm8k.write_predictions(args.predictions, predictions)
     except (ConfigError, DataError, TokenizerError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        gsm8k.write_predictions(args.predictions, predictions)
+    except OSError as e:  # e.g. a full disk: the accuracy is still printed
+        print(json.dumps({**summary, "checkpoint": str(path), "test": args.test,
+                          "predictions": None}))
+        print(f"error: --predictions {args.predictions}: not written ({e.strerror or e})",
+              file=sys.stderr)
         return 2
     print(json.dumps({**summary, "checkpoint": str(path), "test": args.test,
                       "predictions": args.predictions}))
