@@ -78,6 +78,9 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
     cases = [
         (finetune, common + ["--epochs", "1", "train.train_steps=5"],
          "--epochs and train.train_steps both set the run's length"),
+        # An override right after --data's file is an override (it was taken for a data file).
+        (finetune, common[:4] + ["train.train_steps=5"] + common[4:] + ["--epochs", "1"],
+         "--epochs and train.train_steps both set the run's length"),
         (finetune, common, "data.tokenizer_model='tok.model': tok.model: tokenizer file not found"),
         (finetune, common + ["--epochs", "0", "data.tokenizer_model=null"],
          "data.tokenizer_model=None: must be given for data.format='sft'"),
