@@ -19,26 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
-from megaloop.cli import int_at_least, quiet_third_party_warnings
-
-
-def unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written (None when it can), checked before decoding, which takes
-    hours: it must not be a directory, and its nearest existing ancestor (where the missing
-    directories will be made) must be a writable directory."""
-    target = Path(path).absolute()
-    if target.is_dir():
-        return "it is a directory"
-    ancestor = target.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{ancestor} is not a writable directory"
-    return None
+from megaloop.cli import int_at_least, quiet_third_party_warnings, unwritable
 
 
 def main(argv: list[str] | None = None) -> int:

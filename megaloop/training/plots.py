@@ -73,6 +73,11 @@ def plot_runs(runs: dict[str, tuple[list[dict], list[dict]]], out: str | os.Path
     # Written beside the target and renamed, so an existing plot is never left half-written.
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
