@@ -180,8 +180,13 @@ class ALRSLog:
 
 
 def read_log(path: str | os.PathLike) -> ALRSLogData:
-    """Reads the committed rows of an ALRS log (read-only)."""
-    root = require_zarr().open_group(os.fspath(path), mode="r")
+    """Reads the committed rows of an ALRS log (read-only); a path that holds none is a
+    ValueError naming it."""
+    try:
+        root = require_zarr().open_group(os.fspath(path), mode="r")
+    except OSError:  # missing, or no zarr group there (zarr's GroupNotFoundError)
+        raise ValueError(f"{os.fspath(path)}: no ALRS log there (a run with train.use_alrs=true "
+                         "writes <out_dir>/alrs.zarr)") from None
     attrs = root.attrs
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{os.fspath(path)} is not an ALRS log (format {attrs.get('format')!r})")
