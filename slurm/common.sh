@@ -2,10 +2,12 @@
 # Shared by the slurm/ job scripts (sourced, not run): the rendezvous address, the container
 # launch, the dry run and the requeue on preemption. Settings, all optional:
 #   IMAGE           container image for srun --container-image (pyxis/enroot); unset: no container
+#                   (training and conversion; preprocess.sh runs mpiexec and refuses it)
 #   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre
 #   GPUS_PER_NODE   default 8
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g. `DRY_RUN=1 NODES=16 bash slurm/asymloop_7b.sh`
+#                   (training scripts; preprocess.sh and convert.sh refuse it)
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
@@ -22,6 +24,14 @@ fi
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
 megaloop_srun() {
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
+}
+
+# megaloop_no_dry_run: for the scripts without a dry run, so that DRY_RUN=1 never starts a real job.
+megaloop_no_dry_run() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "error: DRY_RUN=1: $(basename "$0") has no dry run (the training scripts have one)" >&2
+    exit 2
+  fi
 }
 
 # megaloop_train ARGS...: one task per GPU runs megaloop.train with ARGS; with DRY_RUN=1 one

@@ -174,3 +174,18 @@ def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
     assert job.wait(timeout=60) == 3
     assert "requeue" not in log.read_text()
 
+
+@pytest.mark.parametrize("script, env", [
+    ("preprocess.sh", {"DRY_RUN": "1"}), ("convert.sh", {"DRY_RUN": "1"}),
+    ("preprocess.sh", {"IMAGE": "/images/megaloop.sqsh"}),
+])
+def test_settings_a_script_would_ignore_are_refused_in_one_line(script, env):
+    """Before the fix: DRY_RUN=1 started the real job; preprocess.sh ran outside IMAGE."""
+    variables = {"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
+                 "CHECKPOINT": "/runs/a/checkpoints", "OUT": "/hf/a", **env}
+    result = subprocess.run(["bash", str(REPO / "slurm" / script)], cwd="/", text=True,
+                            capture_output=True, env={**os.environ, **variables,
+                                                      "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    name = next(iter(env))
+    assert result.stderr.startswith(f"error: {name}="), result.stderr
