@@ -189,3 +189,11 @@ def test_settings_a_script_would_ignore_are_refused_in_one_line(script, env):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     name = next(iter(env))
     assert result.stderr.startswith(f"error: {name}="), result.stderr
+
+
+def test_requeued_jobs_append_to_their_log():
+    """A requeued job keeps its id, hence its %j output file, which SLURM truncates by default."""
+    requeued = [s for s in SCRIPTS if "#SBATCH --requeue" in s.read_text()]
+    assert requeued
+    for script in requeued:
+        assert "#SBATCH --open-mode=append" in script.read_text(), script.name
