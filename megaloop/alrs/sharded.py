@@ -139,10 +139,20 @@ class ALRS:
         self._last_step = 0
         is_writer = not self._distributed or dist.get_rank() == 0
         self.log, self._log_rewound = None, False
+        error = None
         if log_path is not None and is_writer:
-            self.log = ALRSLog(log_path, self.names, [m.full_shape for m in self.matrices],
-                               self.names + [BASE_GROUP], self.config.to_dict(),
-                               self.config.log_eigenvalues)
+            try:
+                self.log = ALRSLog(log_path, self.names, [m.full_shape for m in self.matrices],
+                                   self.names + [BASE_GROUP], self.config.to_dict(),
+                                   self.config.log_eigenvalues)
+            except (ValueError, OSError) as e:  # ConfigError: another run's log
+                error = str(e)
+        if self.world_size > 1:  # the writer's failure fails every rank, none waits for it
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, error, group=self.group)
+            error = next((e for e in everyone if e), None)
+        if error is not None:
+            raise config_error(error)
 
     def step(self, step: int, base_lr: float | None = None) -> dict[str, float]:
         """Multipliers for optimizer step ``step``; analyses and allocates when the schedule says.

@@ -225,3 +225,25 @@ def test_a_run_starting_over_in_a_directory_rewrites_its_log_from_its_first_step
     log = read_log(tmp_path / "alrs.zarr")
     # Before the fix the second run appended: spectra [1, 2, 4, 1, 2], LRs [1, 2, 3, 4, 1, 2].
     assert log.spectra_step.tolist() == [1, 2] and log.lr_step.tolist() == [1, 2]
+
+
+def _another_runs_log_body(rank, world_size, path):
+    from megaloop.config import ConfigError
+
+    params = _params()
+    try:
+        ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), log_path=path)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_log_refused_on_the_writing_rank_fails_every_rank(tmp_path):
+    from megaloop.alrs import ALRSLog
+
+    path = str(tmp_path / "alrs.zarr")
+    ALRSLog(path, ["other.weight"], [(4, 4)], ["other.weight", "base"])  # another run's log
+    # Before the fix only rank 0 raised; the others went on to wait in their next collective.
+    messages = run_distributed(_another_runs_log_body, world_size=2, path=path)
+    assert messages[0] == messages[1] and messages[0].startswith(f"ALRS log {path} belongs to "
+                                                                 "a run with other matrices")
