@@ -98,6 +98,10 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
         changed = {k: v for k, v in changed.items()
                    if not k.startswith("checkpoint.") and k != "train.out_dir"}
     step = ckpt.step_of(path)
+    if cfg.train.train_steps < step:  # the loop would run no step and exit 0
+        raise ConfigError(f"train.train_steps={cfg.train.train_steps}: {path} is at step {step} "
+                          f"already; a resume trains up to train.train_steps (give {step} or "
+                          "more)")
     where = f"resume from {path}"
     first = next_allocation(step, cfg)
     alrs_on = cfg.train.use_alrs and before["train.use_alrs"]

@@ -240,6 +240,18 @@ def test_a_change_a_resume_cannot_apply_is_refused_in_one_line(tmp_path, caplog,
     assert not caplog.records  # nothing logged as if applied before the refusal
 
 
+def test_fewer_steps_than_the_checkpoint_has_taken_are_refused(tmp_path, caplog):
+    from megaloop.config import ConfigError
+
+    path, cfg = _checkpoint(tmp_path, train={"train_steps": 8})
+    _check(path, _changed(cfg, "train", train_steps=4), caplog)  # a finished run, rerun
+    # Before the fix: no step run, exit 0.
+    with pytest.raises(ConfigError, match=r"^train.train_steps=3: .*iter_0000004 is at step 4 "
+                                          r"already; a resume trains up to train.train_steps "
+                                          r"\(give 4 or more\)$"):
+        _check(path, _changed(cfg, "train", train_steps=3), caplog)
+
+
 def test_alrs_options_apply_at_the_next_allocation_while_alrs_allocates(tmp_path, caplog):
     # 1000 steps: ALRS allocates every 100 steps up to step 200.
     path, cfg = _checkpoint(tmp_path, train={"use_alrs": True, "train_steps": 1000})
