@@ -11,8 +11,9 @@ Layout (M matrices, A analysis rows, S LR rows, G LR groups):
 Crash safety: rows are written first and the committed row counts (root attributes ``n_spectra``
 and ``n_lr``) last. zarr's local store replaces files atomically, so a crash leaves either the old
 or the new count, and readers never look past the count. Rows past it are overwritten by the next
-append. LR rows are buffered and flushed every ``flush_every`` steps, so a crash loses at most that
-many LR rows, never the store.
+append. LR rows are buffered and flushed every ``flush_every`` steps and whenever a checkpoint
+takes ALRS's state (``ALRS.state_dict``), so a crash loses only rows after the last checkpoint,
+which the resumed run writes again, never the store.
 
 zarr is imported only when a log is opened, so that megaloop (and ALRS without a log) works on a
 machine without zarr; opening a log there is one clear ``ConfigError``.

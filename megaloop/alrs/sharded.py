@@ -179,6 +179,10 @@ class ALRS:
         return multipliers
 
     def state_dict(self) -> dict:
+        """What a checkpoint holds; also commits the buffered LR rows, so that a resume from
+        this checkpoint continues a log without a gap."""
+        if self.log is not None:
+            self.log.flush()
         return {"names": list(self.names), "schedule": self.schedule.state_dict(),
                 "last_analysis": self._last_analysis, "last_step": self._last_step}
 

@@ -247,3 +247,23 @@ def test_a_log_refused_on_the_writing_rank_fails_every_rank(tmp_path):
     messages = run_distributed(_another_runs_log_body, world_size=2, path=path)
     assert messages[0] == messages[1] and messages[0].startswith(f"ALRS log {path} belongs to "
                                                                  "a run with other matrices")
+
+
+def test_a_checkpoint_commits_the_lr_rows_up_to_its_step(tmp_path):
+    from megaloop.alrs import read_log
+
+    params = _params()
+    first = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10),
+                 log_path=tmp_path / "alrs.zarr")
+    for t in range(1, 31):
+        first.step(t, base_lr=1e-3)
+    state = first.state_dict()  # a checkpoint at step 30; then the run is killed (no close)
+    first.step(31, base_lr=1e-3)
+    resumed = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10),
+                   log_path=tmp_path / "alrs.zarr")
+    resumed.load_state_dict(state)
+    for t in range(31, 41):
+        resumed.step(t, base_lr=1e-3)
+    resumed.close()
+    # Before the fix rows were flushed every 100 steps: steps 1-30 were lost with the process.
+    assert read_log(tmp_path / "alrs.zarr").lr_step.tolist() == list(range(1, 41))
