@@ -29,6 +29,7 @@ import numpy as np
 from megaloop.cli import float_above, unwritable
 from megaloop.config import ConfigError, RunConfig, load_yaml
 from megaloop.models.flops import model_flops_per_token
+from megaloop.training.plots import save_figure
 from megaloop.training.monitor import read_metrics
 
 MIN_POINTS = 3  # three parameters
@@ -160,9 +161,7 @@ def plot(result: dict, path: str, target: float | None) -> None:
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("validation NLL")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -181,14 +180,16 @@ def main(argv=None) -> int:
         if args.plot and unwritable(args.plot):
             raise ConfigError(f"--plot {args.plot}: cannot be written ({unwritable(args.plot)})")
         result = analyse(args.runs, args.target, args.baseline, args.all_evals)
-        if args.plot:
-            plot(result, args.plot, args.target)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"error: --plot {args.plot}: cannot be written ({e.strerror or e})", file=sys.stderr)
-        return 2
+    if args.plot:
+        try:
+            plot(result, args.plot, args.target)
+        except (OSError, ValueError) as e:  # ValueError: an image format matplotlib lacks
+            print(f"error: --plot {args.plot}: cannot be written "
+                  f"({getattr(e, 'strerror', None) or e})", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(result["fits"], indent=2))
         return 0

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
 from megaloop.cli import unwritable  # noqa: E402
+from megaloop.training.plots import save_figure  # noqa: E402
 
 SECTIONS = ("encoder", "decoder")
 SECTION_COLORS = ("C0", "C1")  # the same in every panel (Global KV has a decoder curve only)
@@ -94,22 +95,7 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
         ratio_ax.legend()
     else:
         ratio_ax.text(0.5, 0.5, "no encoder in this model", ha="center", transform=ratio_ax.transAxes)
-    _save(fig, path)
-
-
-def _save(fig, path: str) -> None:
-    """Written beside the target and renamed, so an existing figure is never left half-written."""
-    fig.tight_layout()
-    tmp = path + ".tmp"
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
@@ -127,7 +113,7 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
         ax.set(title=f"normalised stable rank, {module}", xlabel="step",
                ylabel="stable rank / min(m, n)")
         ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _read(path: str, need_lrs: bool) -> ALRSLogData:

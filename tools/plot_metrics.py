@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> str:
     try:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         plot_runs(runs, args.out)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: an image format matplotlib lacks
         raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written "
-                         f"({error.strerror or error})") from None
+                         f"({getattr(error, 'strerror', None) or error})") from None
     print(args.out)
     return args.out
 

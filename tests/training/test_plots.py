@@ -110,3 +110,13 @@ def test_a_failed_write_is_a_one_line_error_leaving_no_temporary(tmp_path, monke
     with pytest.raises(SystemExit, match=r"c.png: cannot be written \(No space left on device\)$"):
         plot_metrics.main([str(run), "--out", str(tmp_path / "out" / "c.png")])
     assert not list((tmp_path / "out").iterdir())
+
+
+def test_the_image_format_follows_the_file_name(tmp_path):
+    run = _run(tmp_path / "dense", 4.0)
+    plot_metrics.main([str(run), "--out", str(tmp_path / "c.svg")])
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(SystemExit, match=r"c.xyz: cannot be written \(.*c.xyz: matplotlib "
+                                         r"writes no .xyz files \(it writes .*png"):
+        plot_metrics.main([str(run), "--out", str(tmp_path / "c.xyz")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.svg", "dense"]
