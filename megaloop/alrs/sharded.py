@@ -122,7 +122,9 @@ class ALRS:
         if models is not None and self.config.granularity == "block":
             for model in models:
                 layouts.update(experts.global_layouts(model, fused_layouts(model)))
-        local = weight_blocks(self._named_parameters(), layouts, self.config.exclude, tp_size)
+        named = list(self._named_parameters())
+        self._check_exclude_matches([name for name, _ in named])
+        local = weight_blocks(named, layouts, self.config.exclude, tp_size)
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
         self.names = [m.name for m in self.matrices]
@@ -303,6 +305,19 @@ class ALRS:
         if self._distributed and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _check_exclude_matches(self, names: list[str]) -> None:
+        """A pattern of ``exclude`` that no parameter of any rank contains (a typo) would leave
+        the matrices it was meant for scaled: refused in one line."""
+        unmatched = {p for p in self.config.exclude if not any(p in name for name in names)}
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, unmatched, group=self.group)
+            unmatched = set.intersection(*everyone)
+        if unmatched:
+            raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
+                               f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
+                               f"{names[0] if names else 'none'!r})")
 
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]

@@ -267,3 +267,15 @@ def test_a_checkpoint_commits_the_lr_rows_up_to_its_step(tmp_path):
     resumed.close()
     # Before the fix rows were flushed every 100 steps: steps 1-30 were lost with the process.
     assert read_log(tmp_path / "alrs.zarr").lr_step.tolist() == list(range(1, 41))
+
+
+def test_an_exclude_pattern_matching_no_parameter_is_refused():
+    from megaloop.config import ConfigError
+
+    params = _params()
+    kept = ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1",))).names
+    assert kept and not any("linear_fc1" in name for name in kept)
+    # Before the fix a typo excluded nothing, silently.
+    with pytest.raises(ConfigError, match=r"^alrs.exclude=\['linear_fc1', 'routr'\]: 'routr' is "
+                                          r"in no parameter name \(e.g. '"):
+        ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1", "routr")))
