@@ -45,17 +45,21 @@ def test_reference_and_equality():
     assert not gsm8k.same_number(None, "18")
 
 
-@pytest.fixture(scope="module")
-def base_checkpoint(mcore, tmp_path_factory) -> Path:
-    """A tiny model's checkpoint whose config names a tokenizer file that does not exist."""
+def _save_tiny(directory: Path, **fields) -> None:
     import megaloop.api as ml
     from megaloop.config import DataConfig, RunConfig
     from megaloop.training.checkpoint import save_checkpoint
 
-    model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2)
+    model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, **fields)
     base = RunConfig(model=model.cfg, data=DataConfig(path=["x"], tokenizer_model="tok.model"))
-    directory = tmp_path_factory.mktemp("base") / "checkpoints"
     save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(mcore, tmp_path_factory) -> Path:
+    """A tiny model's checkpoint whose config names a tokenizer file that does not exist."""
+    directory = tmp_path_factory.mktemp("base") / "checkpoints"
+    _save_tiny(directory)
     return directory
 
 
@@ -97,6 +101,13 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
     for main, argv, message in cases:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+    # Before the fix a Dense model was looped 5 times without a word.
+    dense = tmp_path.parent / "dense" / "checkpoints"
+    _save_tiny(dense, arch="dense", iterations=1)
+    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "5"]) == 2
+    assert capsys.readouterr().err == (f"error: --num-iterations 5: {dense / 'iter_0000000'} holds "
+                                       "a Dense model, which has no depth to vary (it would loop "
+                                       "its layers)\n")
     with pytest.raises(SystemExit) as exit_:
         evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
     assert exit_.value.code == 2

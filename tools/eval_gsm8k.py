@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
-        data = ckpt.saved_config(path).get("data", {})
+        saved = ckpt.saved_config(path)
+        if saved["model"].get("arch") == "dense" and args.num_iterations not in (None, 1):
+            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a Dense "
+                              "model, which has no depth to vary (it would loop its layers)")
+        data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
         if tokenizer_model is None:
