@@ -4,7 +4,8 @@
 #   IMAGE           container image for srun --container-image (pyxis/enroot); unset: no container
 #                   (training and conversion; preprocess.sh runs mpiexec and refuses it)
 #   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre
-#   GPUS_PER_NODE   default 8
+#   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size (default 8); a job's own come from
+#                   sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g. `DRY_RUN=1 NODES=16 bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it)
