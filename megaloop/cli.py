@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import warnings
+from pathlib import Path
 
 
 def quiet_third_party_warnings() -> None:
@@ -49,3 +51,18 @@ def float_above(bound: float):
 
     parse.__name__ = f"number > {bound:g}"
     return parse
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why an output file cannot be written at ``path`` (None when it can), for a check before
+    hours of work: the path must not be a directory, and its nearest existing ancestor (where the
+    missing directories will be made) must be a writable directory."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        return "it is a directory"
+    ancestor = target.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not a writable directory"
+    return None

@@ -23,6 +23,7 @@
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@600
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 set -euo pipefail
 
 : "${DATA:?set DATA to the dataset prefix from tools/preprocess_data.py}"

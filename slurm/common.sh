@@ -2,24 +2,37 @@
 # Shared by the slurm/ job scripts (sourced, not run): the rendezvous address, the container
 # launch, the dry run and the requeue on preemption. Settings, all optional:
 #   IMAGE           container image for srun --container-image (pyxis/enroot); unset: no container
+#                   (training and conversion; preprocess.sh runs mpiexec and refuses it)
 #   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre
-#   GPUS_PER_NODE   default 8
+#   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size (default 8); a job's own come from
+#                   sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g. `DRY_RUN=1 NODES=16 bash slurm/asymloop_7b.sh`
+#                   (training scripts; preprocess.sh and convert.sh refuse it)
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MEGALOOP_ROOT="${MEGALOOP_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 cd "$MEGALOOP_ROOT" || exit 1
 
-# srun [--container-*] ...: runs a command on every task of the allocation.
+# srun's container options (pyxis/enroot), none without IMAGE.
+CONTAINER=()
+if [ -n "${IMAGE:-}" ]; then
+  CONTAINER=(--container-image="$IMAGE" --container-workdir=/workspace/megaloop
+             --container-mounts="$MEGALOOP_ROOT:/workspace/megaloop${MOUNTS:+,$MOUNTS}")
+fi
+
+# megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
 megaloop_srun() {
-  local container=()
-  if [ -n "${IMAGE:-}" ]; then
-    container=(--container-image="$IMAGE" --container-workdir=/workspace/megaloop
-               --container-mounts="$MEGALOOP_ROOT:/workspace/megaloop${MOUNTS:+,$MOUNTS}")
+  srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
+}
+
+# megaloop_no_dry_run: for the scripts without a dry run, so that DRY_RUN=1 never starts a real job.
+megaloop_no_dry_run() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "error: DRY_RUN=1: $(basename "$0") has no dry run (the training scripts have one)" >&2
+    exit 2
   fi
-  srun "${container[@]}" --kill-on-bad-exit=1 "$@"
 }
 
 # megaloop_train ARGS...: one task per GPU runs megaloop.train with ARGS; with DRY_RUN=1 one
@@ -38,11 +51,20 @@ megaloop_train() {
   export NCCL_IB_TIMEOUT=22 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
   # megaloop reads SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID itself.
-  megaloop_srun python -m megaloop.train "$@" &
-  local srun_pid=$! rc=0
-  trap 'kill -USR1 "$srun_pid" 2>/dev/null' USR1
-  while kill -0 "$srun_pid" 2>/dev/null; do
+  # Not --kill-on-bad-exit: after a stop signal every task exits 75 once the checkpoint is saved,
+  # and srun would kill the tasks still exiting when the first one does; it then reports their
+  # signal (128 + n, above 75) and the job would not be requeued. --wait ends the step this long
+  # after its first task ends instead (a crashed rank's peers would otherwise hang in NCCL).
+  # srun itself in the background, not megaloop_srun: $! would be the subshell running the
+  # function, which SIGUSR1 kills (exit 138, srun orphaned, the tasks never told, no requeue).
+  srun ${CONTAINER[@]+"${CONTAINER[@]}"} --kill-on-bad-exit=0 --wait=120 \
+    python -m megaloop.train "$@" &
+  local srun_pid=$! rc=0 interrupted=0
+  trap 'interrupted=1; kill -USR1 "$srun_pid" 2>/dev/null' USR1
+  while :; do  # wait returns early (128 + 10) when the trap runs: then wait again
+    interrupted=0
     wait "$srun_pid" && rc=0 || rc=$?
+    [ "$interrupted" = 1 ] || break
   done
   if [ "$rc" -eq 75 ]; then  # stopped early with a checkpoint saved: continue in a new allocation
     scontrol requeue "$SLURM_JOB_ID"

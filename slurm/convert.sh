@@ -21,5 +21,6 @@ set -euo pipefail
 : "${OUT:?set OUT to the Hugging Face output directory}"
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+megaloop_no_dry_run
 
 megaloop_srun python tools/convert_checkpoint.py to-hf "$CHECKPOINT" "$OUT" "$@"

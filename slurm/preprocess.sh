@@ -24,6 +24,12 @@ TASKS_PER_NODE="${TASKS_PER_NODE:-1}"
 WORKERS="${WORKERS:-${SLURM_CPUS_PER_TASK:-8}}"
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+megaloop_no_dry_run
+if [ -n "${IMAGE:-}" ]; then  # mpiexec starts the ranks on the nodes themselves, not in IMAGE
+  echo "error: IMAGE=$IMAGE: preprocess.sh runs mpiexec on the nodes, outside any container;" \
+       "unset IMAGE and run it where megaloop is installed" >&2
+  exit 2
+fi
 
 PREPROCESS_ARGS=(
   --input "$INPUT" --output-prefix "$OUTPUT"

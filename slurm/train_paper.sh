@@ -22,6 +22,7 @@
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@600
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 set -euo pipefail
 
 PRESET="${1:?usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH(dense|fullloop|asymloop) [overrides]}"

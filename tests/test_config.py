@@ -169,6 +169,8 @@ def test_split_strings(split, weights):
     (["parallel.pipeline=2", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty when parallel.pipeline > 1 (the stages unroll "
      "exactly model.iterations iterations)"),
+    (["alrs.s2=3"], "train.use_alrs=False: must be true when alrs.s2=3.0 is set (the alrs "
+                    "section is read only with ALRS on)"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])
@@ -368,3 +370,9 @@ def test_duplicate_yaml_keys_are_refused_naming_file_key_and_lines(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'model=\{arch: dense, arch: fullloop\}': "
                                           "key 'arch' given twice"):
         apply_overrides(RunConfig(), ["model={arch: dense, arch: fullloop}"])
+
+
+def test_alrs_granularity_is_read_without_alrs_too():
+    """It shapes the optimizer's per-block LR multipliers, which work without ALRS."""
+    apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0",
+                                  "alrs.granularity=parameter"]).validate()

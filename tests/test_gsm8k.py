@@ -45,17 +45,21 @@ def test_reference_and_equality():
     assert not gsm8k.same_number(None, "18")
 
 
-@pytest.fixture(scope="module")
-def base_checkpoint(mcore, tmp_path_factory) -> Path:
-    """A tiny model's checkpoint whose config names a tokenizer file that does not exist."""
+def _save_tiny(directory: Path, **fields) -> None:
     import megaloop.api as ml
     from megaloop.config import DataConfig, RunConfig
     from megaloop.training.checkpoint import save_checkpoint
 
-    model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2)
+    model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, **fields)
     base = RunConfig(model=model.cfg, data=DataConfig(path=["x"], tokenizer_model="tok.model"))
-    directory = tmp_path_factory.mktemp("base") / "checkpoints"
     save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
+
+
+@pytest.fixture(scope="module")
+def base_checkpoint(mcore, tmp_path_factory) -> Path:
+    """A tiny model's checkpoint whose config names a tokenizer file that does not exist."""
+    directory = tmp_path_factory.mktemp("base") / "checkpoints"
+    _save_tiny(directory)
     return directory
 
 
@@ -78,16 +82,32 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
     cases = [
         (finetune, common + ["--epochs", "1", "train.train_steps=5"],
          "--epochs and train.train_steps both set the run's length"),
+        # An override right after --data's file is an override (it was taken for a data file).
+        (finetune, common[:4] + ["train.train_steps=5"] + common[4:] + ["--epochs", "1"],
+         "--epochs and train.train_steps both set the run's length"),
         (finetune, common, "data.tokenizer_model='tok.model': tok.model: tokenizer file not found"),
         (finetune, common + ["--epochs", "0", "data.tokenizer_model=null"],
          "data.tokenizer_model=None: must be given for data.format='sft'"),
         (evaluate, [str(base_checkpoint), "--test", "t.jsonl"], "tok.model: tokenizer file not "
                                                                 "found"),
         (evaluate, [str(tmp_path / "none"), "--test", "t.jsonl"], "none: no checkpoint there"),
+        # Before the fix: a traceback after decoding every question.
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--predictions",
+                    "/dev/null/p.jsonl"], "error: --predictions /dev/null/p.jsonl: cannot be "
+                                          "written (/dev/null is not a writable directory)"),
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--predictions", str(tmp_path)],
+         f"error: --predictions {tmp_path}: cannot be written (it is a directory)"),
     ]
     for main, argv, message in cases:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+    # Before the fix a Dense model was looped 5 times without a word.
+    dense = tmp_path.parent / "dense" / "checkpoints"
+    _save_tiny(dense, arch="dense", iterations=1)
+    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "5"]) == 2
+    assert capsys.readouterr().err == (f"error: --num-iterations 5: {dense / 'iter_0000000'} holds "
+                                       "a Dense model, which has no depth to vary (it would loop "
+                                       "its layers)\n")
     with pytest.raises(SystemExit) as exit_:
         evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
     assert exit_.value.code == 2
@@ -109,7 +129,10 @@ def gsm8k_files():
     return GSM8K_TRAIN, GSM8K_TEST, SP_MODEL
 
 
-def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys):
+def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys,
+                                                    monkeypatch):
+    import errno
+
     import torch
     import yaml
 
@@ -180,3 +203,13 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
     assert evaluate(argv + ["--uncached"]) == 0
     assert json.loads(capsys.readouterr().out)["decoder"] == "uncached"
     assert [json.loads(line) for line in predictions.read_text().splitlines()] == rows
+
+    def full_disk(path, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gsm8k, "write_predictions", full_disk)
+    assert evaluate(argv + ["--limit", "1"]) == 2  # the accuracy is printed all the same
+    out, err = capsys.readouterr()
+    assert json.loads(out)["total"] == 1 and json.loads(out)["predictions"] is None
+    assert err.splitlines()[-1] == (f"error: --predictions {predictions}: not written (No space "
+                                    "left on device)")

@@ -69,3 +69,131 @@ def test_7b_recipe_dry_run_and_bad_input():
     assert "-> fits" in result.stdout
     bad = _dry_run("train_paper.sh", "2B", "asymloop")
     assert bad.returncode == 2 and bad.stderr.startswith("error: PRESET=2B: one of")
+
+
+# ----------------------------------------------------------- the job logic, with srun stubbed
+
+# srun as SLURM documents it: one process per task; SIGUSR1 forwarded to the tasks; with
+# --kill-on-bad-exit=1 the first task to exit non-zero gets the others terminated; the exit code
+# is the highest of the tasks', a task ended by signal n counting as 128 + n.
+SRUN = r'''#!/usr/bin/env python3
+import os, signal, subprocess, sys, time
+TASK = """
+import os, signal, sys, time
+if os.environ["STUB_TASKS"] == "crash":
+    sys.exit(3)
+stop = []
+signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+open(os.environ["STUB_LOG"], "a").write("task up\\n")
+while not stop:
+    time.sleep(0.01)
+# Checkpoint saved: megaloop.train restores the default handlers and exits 75, each task after
+# its own teardown.
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+time.sleep(float(sys.argv[1]))
+sys.exit(75)
+"""
+kill_on_bad_exit = "--kill-on-bad-exit=1" in sys.argv
+delays = ["0", "1"] if os.environ["STUB_TASKS"] != "crash" else ["0"]
+tasks = [subprocess.Popen([sys.executable, "-c", TASK, d]) for d in delays]
+signal.signal(signal.SIGUSR1, lambda *a: [t.send_signal(signal.SIGUSR1) for t in tasks])
+def end(*args):  # the test's clean-up
+    for task in tasks:
+        task.kill()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, end)
+open(os.environ["STUB_LOG"] + ".srun_pid", "w").write(str(os.getpid()))
+codes = []
+while len(codes) < len(tasks):
+    time.sleep(0.01)
+    for task in tasks:
+        if task.returncode is None and task.poll() is not None:
+            codes.append(task.returncode if task.returncode >= 0 else 128 - task.returncode)
+            if kill_on_bad_exit and task.returncode:
+                for other in tasks:
+                    if other.poll() is None:
+                        other.terminate()
+sys.exit(max(codes))
+'''
+SCONTROL = """#!/bin/bash
+case "$1" in
+  show) echo node1 ;;
+  requeue) echo "requeue $2" >> "$STUB_LOG" ;;
+esac
+"""
+
+
+def _job(tmp_path, tasks):
+    """The 7B job script under stubbed srun and scontrol (STUB_TASKS: "stop" or "crash")."""
+    import stat
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(stat.S_IRWXU)
+    log = tmp_path / "log"
+    log.touch()
+    env = {**os.environ, "DATA": "/data/fwe", "TOKENIZER": "/data/tok.model",
+           "RUN_DIR": str(tmp_path / "run"), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_SUBMIT_DIR": str(REPO), "STUB_TASKS": tasks, "STUB_LOG": str(log),
+           "PATH": os.pathsep.join([str(stubs), os.path.dirname(sys.executable),
+                                    os.environ["PATH"]])}
+    # Output to a file: a pipe would stay open in a stray srun after a failure.
+    with open(tmp_path / "job.out", "w") as out:
+        job = subprocess.Popen(["bash", str(REPO / "slurm" / "asymloop_7b.sh")], env=env,
+                               cwd="/", stdout=out, stderr=subprocess.STDOUT)
+    return job, log
+
+
+def test_a_stop_signal_requeues_the_job_when_its_tasks_exit_75_one_after_another(tmp_path):
+    import signal
+    import time
+
+    job, log = _job(tmp_path, "stop")
+    deadline = time.monotonic() + 60
+    while log.read_text().count("task up") < 2:  # both tasks are training
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.out").read_text()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # SLURM's --signal=B:USR1 before the time limit
+    # Before the fix the signal killed the subshell running srun (the job script exited 138,
+    # srun and the tasks ran on untold); and srun's --kill-on-bad-exit=1 would have terminated
+    # the slower task when the first one exited 75, reporting 143: no requeue either way.
+    try:
+        assert job.wait(timeout=60) == 0, (tmp_path / "job.out").read_text()
+    finally:  # a stray srun (the bug) and its tasks
+        try:
+            os.kill(int((tmp_path / "log.srun_pid").read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    assert log.read_text().splitlines()[-1] == "requeue 42"
+
+
+def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
+    job, log = _job(tmp_path, "crash")
+    assert job.wait(timeout=60) == 3
+    assert "requeue" not in log.read_text()
+
+
+@pytest.mark.parametrize("script, env", [
+    ("preprocess.sh", {"DRY_RUN": "1"}), ("convert.sh", {"DRY_RUN": "1"}),
+    ("preprocess.sh", {"IMAGE": "/images/megaloop.sqsh"}),
+])
+def test_settings_a_script_would_ignore_are_refused_in_one_line(script, env):
+    """Before the fix: DRY_RUN=1 started the real job; preprocess.sh ran outside IMAGE."""
+    variables = {"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
+                 "CHECKPOINT": "/runs/a/checkpoints", "OUT": "/hf/a", **env}
+    result = subprocess.run(["bash", str(REPO / "slurm" / script)], cwd="/", text=True,
+                            capture_output=True, env={**os.environ, **variables,
+                                                      "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    name = next(iter(env))
+    assert result.stderr.startswith(f"error: {name}="), result.stderr
+
+
+def test_requeued_jobs_append_to_their_log():
+    """A requeued job keeps its id, hence its %j output file, which SLURM truncates by default."""
+    requeued = [s for s in SCRIPTS if "#SBATCH --requeue" in s.read_text()]
+    assert requeued
+    for script in requeued:
+        assert "#SBATCH --open-mode=append" in script.read_text(), script.name

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 
+from megaloop.cli import int_at_least
 from megaloop.data.readers import first_line
 
 REPO_ID = "HuggingFaceFW/fineweb-edu"
@@ -31,7 +32,11 @@ class HubSource:
     """The dataset repository on the Hugging Face hub (huggingface_hub resumes partial files)."""
 
     def __init__(self, repo_id: str = REPO_ID, revision: str | None = None):
-        from huggingface_hub import HfApi
+        try:
+            from huggingface_hub import HfApi
+        except ImportError:
+            raise DownloadError("the hub needs huggingface_hub, which is not installed: pip "
+                                "install -e .[hf] (or give --source a local mirror)") from None
 
         self.repo_id, self.revision, self.api = repo_id, revision, HfApi()
 
@@ -122,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--name", help=f"named subset: {', '.join(SUBSETS)}")
     which.add_argument("--shards", nargs="+", help="glob patterns of repository paths, e.g. 'data/CC-MAIN-2024-10/*'")
     p.add_argument("--output", required=True, help="directory; files keep their repository paths")
-    p.add_argument("--max-files", type=int, help="fetch only the first N matching files")
+    p.add_argument("--max-files", type=int_at_least(1), help="fetch only the first N matching files")
     p.add_argument("--source", default="hub", help="'hub' (default) or a local directory laid out like the repository")
     p.add_argument("--revision", help="hub revision (branch, tag or commit)")
     args = p.parse_args(argv)
+    if args.revision and args.source != "hub":
+        p.error(f"--revision {args.revision}: a hub revision; --source {args.source} is a local directory")
     try:
         source = HubSource(revision=args.revision) if args.source == "hub" else LocalSource(args.source)
         sizes = source.list_files()
@@ -133,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         fetched = download(source, args.output, paths, sizes, log=lambda m: print(m, file=sys.stderr))
     except DownloadError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the output directory (or the mirror) cannot be written or read
+        print(f"error: {err.filename or args.output}: {err.strerror or err}", file=sys.stderr)
         return 2
     total = sum(sizes[p] for p in paths)
     print(f"{len(paths)} files ({total / 1e9:.2f} GB) in {args.output}, {fetched} fetched now", file=sys.stderr)

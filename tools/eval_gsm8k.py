@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from megaloop.cli import int_at_least, quiet_third_party_warnings
+from megaloop.cli import int_at_least, quiet_third_party_warnings, unwritable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.training import checkpoint as ckpt
 
     try:
+        problem = unwritable(args.predictions)
+        if problem is not None:
+            raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
-        data = ckpt.saved_config(path).get("data", {})
+        saved = ckpt.saved_config(path)
+        if saved["model"].get("arch") == "dense" and args.num_iterations not in (None, 1):
+            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a Dense "
+                              "model, which has no depth to vary (it would loop its layers)")
+        data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
         if tokenizer_model is None:
@@ -67,9 +74,16 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, records, prompt=prompt, max_new_tokens=args.max_new_tokens,
             num_iterations=args.num_iterations, source=", ".join(args.test),
             cached=not args.uncached)
-        gsm8k.write_predictions(args.predictions, predictions)
     except (ConfigError, DataError, TokenizerError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        gsm8k.write_predictions(args.predictions, predictions)
+    except OSError as e:  # e.g. a full disk: the accuracy is still printed
+        print(json.dumps({**summary, "checkpoint": str(path), "test": args.test,
+                          "predictions": None}))
+        print(f"error: --predictions {args.predictions}: not written ({e.strerror or e})",
+              file=sys.stderr)
         return 2
     print(json.dumps({**summary, "checkpoint": str(path), "test": args.test,
                       "predictions": args.predictions}))

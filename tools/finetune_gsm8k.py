@@ -22,6 +22,15 @@ import sys
 from pathlib import Path
 
 
+def is_override(word: str) -> bool:
+    """Whether ``word`` is a ``section.field=value`` override rather than a data file."""
+    from megaloop.config import RunConfig
+
+    key, sep, _ = word.partition("=")
+    return bool(sep) and key.split(".")[0] in RunConfig.__dataclass_fields__ \
+        and not os.path.exists(word)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True,
@@ -35,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
                              "train.train_steps)")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_intermixed_args(argv)  # overrides before or after options
+    # "--data a.jsonl train.lr=1e-5": argparse gives --data every word up to the next option.
+    taken = [d for d in args.data if is_override(d)]
+    args.data = [d for d in args.data if d not in taken]
+    args.overrides = taken + args.overrides
+    if not args.data:
+        parser.error("--data: no file given (only section.field=value overrides)")
     from megaloop.cli import quiet_third_party_warnings
     from megaloop.train import main as train
 

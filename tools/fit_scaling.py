@@ -26,8 +26,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megaloop.cli import float_above, unwritable
 from megaloop.config import ConfigError, RunConfig, load_yaml
 from megaloop.models.flops import model_flops_per_token
+from megaloop.training.plots import save_figure
 from megaloop.training.monitor import read_metrics
 
 MIN_POINTS = 3  # three parameters
@@ -76,6 +78,10 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
     if not evals:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
+    for r in evals:  # a NaN point would make the whole label's fit NaN
+        if not math.isfinite(float(r["val_loss"])):
+            raise ConfigError(f"{metrics}: val_loss={r['val_loss']} at step {r['step']} (a "
+                              "diverged run: leave it out)")
     return label_of(cfg), [(per_step * r["step"], float(r["val_loss"])) for r in evals]
 
 
@@ -103,8 +109,12 @@ def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
 def analyse(runs: list[str], target: float | None, baseline: str | None,
             all_evals: bool) -> dict:
     points: dict[str, list[tuple[float, float]]] = {}
+    seen = set()
     for run in runs:
         label, _, path = run.rpartition("=")
+        if Path(path).resolve() in seen:  # a glob overlapping another: its points twice
+            raise ConfigError(f"{path}: given twice")
+        seen.add(Path(path).resolve())
         found, run_pts = run_points(Path(path), all_evals)
         points.setdefault(label or found, []).extend(run_pts)
     if baseline is not None and baseline not in points:
@@ -151,15 +161,13 @@ def plot(result: dict, path: str, target: float | None) -> None:
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("validation NLL")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR")
-    parser.add_argument("--target", type=float, help="NLL at which to compare compute")
+    parser.add_argument("--target", type=float_above(0), help="NLL at which to compare compute")
     parser.add_argument("--baseline", help="label the savings are measured against")
     parser.add_argument("--all-evals", action="store_true",
                         help="every evaluation of a run is a point (default: its last)")
@@ -169,12 +177,19 @@ def main(argv=None) -> int:
     try:
         if args.baseline is not None and args.target is None:
             raise ConfigError("--baseline needs --target (the NLL at which compute is compared)")
+        if args.plot and unwritable(args.plot):
+            raise ConfigError(f"--plot {args.plot}: cannot be written ({unwritable(args.plot)})")
         result = analyse(args.runs, args.target, args.baseline, args.all_evals)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.plot:
-        plot(result, args.plot, args.target)
+        try:
+            plot(result, args.plot, args.target)
+        except (OSError, ValueError) as e:  # ValueError: an image format matplotlib lacks
+            print(f"error: --plot {args.plot}: cannot be written "
+                  f"({getattr(e, 'strerror', None) or e})", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(result["fits"], indent=2))
         return 0
@@ -184,8 +199,10 @@ def main(argv=None) -> int:
         if args.target is not None:
             needed = fit["compute_for_target"]
             line += f" | C({args.target}) = " + (f"{needed:.3e}" if needed else "unreachable")
-            if args.baseline is not None and fit.get("saving_vs_baseline_pct") is not None:
-                line += f" | saving vs {args.baseline}: {fit['saving_vs_baseline_pct']:+.1f}%"
+            saving = fit.get("saving_vs_baseline_pct")
+            if args.baseline is not None:  # n/a: one of the two never reaches the target
+                line += f" | saving vs {args.baseline}: " + (f"{saving:+.1f}%" if saving is not
+                                                             None else "n/a")
         print(line)
     return 0
 

@@ -7,7 +7,8 @@ Layouts are megaloop.scale.layout strings (tpN, ppN, dpN, epN, sp, recompute, si
 the reference. Every layout runs ``megaloop.train`` under torchrun (as many processes as it needs)
 from the same seed checkpoint, written first by one process. The tolerances are those of
 megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
-disagree, 2 on bad input.
+disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
+earlier comparison).
 """
 
 from __future__ import annotations
@@ -22,6 +23,25 @@ import sys
 from pathlib import Path
 
 from megaloop.cli import int_at_least
+
+
+def check_layouts_and_out(texts: list[str], layouts: list, out: Path) -> None:
+    """Refuses (ConfigError) a comparison with nothing to compare, the same layout twice, and an
+    ``out`` holding an earlier comparison (its checkpoints would be refused mid-way)."""
+    from megaloop.config import ConfigError
+
+    if len(layouts) < 2:
+        raise ConfigError(f"--layouts {' '.join(texts)}: give at least two (the first is the "
+                          "reference the others are compared with)")
+    names = [layout.name for layout in layouts]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"--layouts: {texts[names.index(name)]!r} and {texts[i]!r} are "
+                              "the same layout")
+    earlier = [d for d in ["seed", *(n.replace(",", "_") for n in names)] if (out / d).exists()]
+    if earlier:
+        raise ConfigError(f"--out {out}: holds an earlier comparison ({', '.join(earlier)}); "
+                          "remove it or give another --out")
 
 
 def main(argv=None) -> int:
@@ -50,6 +70,7 @@ def main(argv=None) -> int:
                                                                  eval_iters=1))
         for layout in layouts:
             layout.apply(cfg).validate()
+        check_layouts_and_out(args.layouts, layouts, Path(args.out))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -63,8 +84,7 @@ def main(argv=None) -> int:
     curves = {}
     for text, layout in zip(args.layouts, layouts):
         run_dir = out / layout.name.replace(",", "_")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        run_dir.mkdir(parents=True)
         config_path = run_dir / "layout.yaml"
         save_yaml(seeded_config(cfg, layout, seed, str(run_dir)), config_path)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",

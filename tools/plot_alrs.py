@@ -13,6 +13,9 @@ up and down. Embedding and output head are in no figure. Dense and Full Loop nam
 ``decoder``: their plots have no encoder curves.
 
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
+
+A path without an ALRS log, a log without rows yet and an ``--out`` that cannot be written are
+one-line errors (exit code 1).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
+from megaloop.cli import unwritable  # noqa: E402
+from megaloop.training.plots import save_figure  # noqa: E402
 
 SECTIONS = ("encoder", "decoder")
 SECTION_COLORS = ("C0", "C1")  # the same in every panel (Global KV has a decoder curve only)
@@ -90,9 +95,7 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
         ratio_ax.legend()
     else:
         ratio_ax.text(0.5, 0.5, "no encoder in this model", ha="center", transform=ratio_ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
@@ -110,9 +113,17 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
         ax.set(title=f"normalised stable rank, {module}", xlabel="step",
                ylabel="stable rank / min(m, n)")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def _read(path: str, need_lrs: bool) -> ALRSLogData:
+    """The log at ``path``, refused in one line when it holds no rows to draw."""
+    log = read_log(path)
+    if not len(log.spectra_step) or (need_lrs and not len(log.lr_step)):
+        raise ValueError(f"{path}: no {'spectra' if not len(log.spectra_step) else 'LR'} rows "
+                         "committed yet (LR rows are written every 100 steps and at the end of "
+                         "a run)")
+    return log
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -121,14 +132,22 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--uniform", help="zarr log of the uniform-LR run, for Figure 4")
     parser.add_argument("--out", default=".", help="directory for the PNG files")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    alrs = read_log(args.alrs)
-    runs = {"ALRS": alrs}
-    if args.uniform:
-        runs["uniform"] = read_log(args.uniform)
     written = [os.path.join(args.out, "fig3_lr.png"), os.path.join(args.out, "fig4_stable_rank.png")]
-    plot_lr(alrs, written[0])
-    plot_stable_rank(runs, written[1])
+    try:
+        problem = unwritable(written[0])
+        if problem is not None:
+            raise ValueError(f"--out {args.out}: cannot be written ({problem})")
+        runs = {"ALRS": _read(args.alrs, need_lrs=True)}
+        if args.uniform:
+            runs["uniform"] = _read(args.uniform, need_lrs=False)
+        os.makedirs(args.out, exist_ok=True)
+        plot_lr(runs["ALRS"], written[0])
+        plot_stable_rank(runs, written[1])
+    except ValueError as error:  # megaloop's ConfigError (no zarr) included
+        raise SystemExit(f"plot_alrs: {error}") from None
+    except OSError as error:
+        raise SystemExit(f"plot_alrs: --out {args.out}: cannot be written "
+                         f"({error.strerror or error})") from None
     print("\n".join(written))
     return written
 

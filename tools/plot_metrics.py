@@ -5,7 +5,8 @@ one colour per run, labelled by the run directory's name.
     python tools/plot_metrics.py runs/dense runs/asymloop --out curves.png
 
 Unreadable lines (a crash can leave the last one half-written) are skipped and counted on stderr; a
-missing, empty or wholly unreadable metrics.jsonl is a one-line error.
+missing, empty or wholly unreadable metrics.jsonl, and an ``--out`` that cannot be written, are
+one-line errors.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megaloop.cli import unwritable
 from megaloop.training.plots import MetricsError, load_run, plot_runs, run_labels
 
 
@@ -21,13 +23,19 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default="curves.png", help="PNG file to write")
     args = parser.parse_args(argv)
+    problem = unwritable(args.out)
+    if problem is not None:
+        raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written ({problem})")
     try:
         runs = {label: load_run(d) for label, d in zip(run_labels(args.run_dirs), args.run_dirs)}
     except MetricsError as error:
         raise SystemExit(f"plot_metrics: {error}") from None
-    out_dir = Path(args.out).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot_runs(runs, args.out)
+    try:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        plot_runs(runs, args.out)
+    except (OSError, ValueError) as error:  # ValueError: an image format matplotlib lacks
+        raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written "
+                         f"({getattr(error, 'strerror', None) or error})") from None
     print(args.out)
     return args.out
 

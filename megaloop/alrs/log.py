@@ -11,8 +11,9 @@ Layout (M matrices, A analysis rows, S LR rows, G LR groups):
 Crash safety: rows are written first and the committed row counts (root attributes ``n_spectra``
 and ``n_lr``) last. zarr's local store replaces files atomically, so a crash leaves either the old
 or the new count, and readers never look past the count. Rows past it are overwritten by the next
-append. LR rows are buffered and flushed every ``flush_every`` steps, so a crash loses at most that
-many LR rows, never the store.
+append. LR rows are buffered and flushed every ``flush_every`` steps and whenever a checkpoint
+takes ALRS's state (``ALRS.state_dict``), so a crash loses only rows after the last checkpoint,
+which the resumed run writes again, never the store.
 
 zarr is imported only when a log is opened, so that megaloop (and ALRS without a log) works on a
 machine without zarr; opening a log there is one clear ``ConfigError``.
@@ -82,7 +83,7 @@ class ALRSLog:
         # A store without "format" is an interrupted creation: start it again.
         self.root = zarr.open_group(self.path, mode="a" if existing else "w")
         if existing:
-            self._check_same_run(matrices, shapes, lr_groups)
+            self._check_same_run(matrices, shapes, lr_groups, log_eigenvalues)
         else:
             self._create(list(matrices), [list(map(int, s)) for s in shapes], list(lr_groups),
                          dict(config or {}), log_eigenvalues)
@@ -111,7 +112,7 @@ class ALRSLog:
                                 "config": config, "log_eigenvalues": log_eigenvalues,
                                 "n_spectra": 0, "n_lr": 0, "format": FORMAT})
 
-    def _check_same_run(self, matrices, shapes, lr_groups) -> None:
+    def _check_same_run(self, matrices, shapes, lr_groups, log_eigenvalues) -> None:
         attrs = self.root.attrs
         if (list(attrs["matrices"]) != list(matrices)
                 or [tuple(s) for s in attrs["shapes"]] != [tuple(map(int, s)) for s in shapes]
@@ -119,6 +120,10 @@ class ALRSLog:
             raise config_error(f"ALRS log {self.path} belongs to a run with other matrices "
                                "(another model, alrs.granularity or alrs.exclude): use another "
                                "train.out_dir")
+        if bool(attrs["log_eigenvalues"]) != bool(log_eigenvalues):
+            raise config_error(f"ALRS log {self.path} was written with alrs.log_eigenvalues="
+                               f"{bool(attrs['log_eigenvalues'])}, which cannot change within "
+                               "it: set it back, or use another train.out_dir")
 
     def append_spectra(self, step: int, allocated: bool, stats: Mapping[str, Sequence[float]],
                        eigenvalues: Mapping[str, np.ndarray] | None = None) -> None:
@@ -176,8 +181,13 @@ class ALRSLog:
 
 
 def read_log(path: str | os.PathLike) -> ALRSLogData:
-    """Reads the committed rows of an ALRS log (read-only)."""
-    root = require_zarr().open_group(os.fspath(path), mode="r")
+    """Reads the committed rows of an ALRS log (read-only); a path that holds none is a
+    ValueError naming it."""
+    try:
+        root = require_zarr().open_group(os.fspath(path), mode="r")
+    except OSError:  # missing, or no zarr group there (zarr's GroupNotFoundError)
+        raise ValueError(f"{os.fspath(path)}: no ALRS log there (a run with train.use_alrs=true "
+                         "writes <out_dir>/alrs.zarr)") from None
     attrs = root.attrs
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{os.fspath(path)} is not an ALRS log (format {attrs.get('format')!r})")

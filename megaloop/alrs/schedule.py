@@ -148,7 +148,7 @@ class MultiplierSchedule:
 
     def state_dict(self) -> dict:
         return {"start": dict(self.start), "target": dict(self.target), "ramp_step": self.ramp_step,
-                "transition": self.transition, "allocated": self.allocated}
+                "allocated": self.allocated}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state["target"]) != set(self.target):
@@ -156,6 +156,6 @@ class MultiplierSchedule:
         self.start = dict(state["start"])
         self.target = dict(state["target"])
         self.ramp_step = int(state["ramp_step"])
-        self.transition = int(state["transition"])
+        # The transition stays the configured one (alrs.transition): a resume may change it.
         # Checkpoints written before "allocated" existed had allocated iff a ramp had started.
         self.allocated = bool(state.get("allocated", self.ramp_step > 0))

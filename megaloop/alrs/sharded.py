@@ -122,7 +122,9 @@ class ALRS:
         if models is not None and self.config.granularity == "block":
             for model in models:
                 layouts.update(experts.global_layouts(model, fused_layouts(model)))
-        local = weight_blocks(self._named_parameters(), layouts, self.config.exclude, tp_size)
+        named = list(self._named_parameters())
+        self._check_exclude_matches([name for name, _ in named])
+        local = weight_blocks(named, layouts, self.config.exclude, tp_size)
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
         self.names = [m.name for m in self.matrices]
@@ -138,14 +140,29 @@ class ALRS:
         self._last_analysis = 0
         self._last_step = 0
         is_writer = not self._distributed or dist.get_rank() == 0
-        self.log = None
+        self.log, self._log_rewound = None, False
+        error = None
         if log_path is not None and is_writer:
-            self.log = ALRSLog(log_path, self.names, [m.full_shape for m in self.matrices],
-                               self.names + [BASE_GROUP], self.config.to_dict(),
-                               self.config.log_eigenvalues)
+            try:
+                self.log = ALRSLog(log_path, self.names, [m.full_shape for m in self.matrices],
+                                   self.names + [BASE_GROUP], self.config.to_dict(),
+                                   self.config.log_eigenvalues)
+            except (ValueError, OSError) as e:  # ConfigError: another run's log
+                error = str(e)
+        if self.world_size > 1:  # the writer's failure fails every rank, none waits for it
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, error, group=self.group)
+            error = next((e for e in everyone if e), None)
+        if error is not None:
+            raise config_error(error)
 
     def step(self, step: int, base_lr: float | None = None) -> dict[str, float]:
-        """Multipliers for optimizer step ``step``; analyses and allocates when the schedule says."""
+        """Multipliers for optimizer step ``step``; analyses and allocates when the schedule says.
+        The first call forgets the log's rows at and after ``step`` (those of a run that started
+        over in the same directory, or went past the checkpoint it is resumed from)."""
+        if self.log is not None and not self._log_rewound:
+            self.log.truncate_after(step - 1)
+            self._log_rewound = True
         if step != self._last_analysis and self.config.analyses_at(step, self.total_steps):
             try:
                 self._analyse(step)
@@ -164,6 +181,10 @@ class ALRS:
         return multipliers
 
     def state_dict(self) -> dict:
+        """What a checkpoint holds; also commits the buffered LR rows, so that a resume from
+        this checkpoint continues a log without a gap."""
+        if self.log is not None:
+            self.log.flush()
         return {"names": list(self.names), "schedule": self.schedule.state_dict(),
                 "last_analysis": self._last_analysis, "last_step": self._last_step}
 
@@ -284,6 +305,19 @@ class ALRS:
         if self._distributed and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _check_exclude_matches(self, names: list[str]) -> None:
+        """A pattern of ``exclude`` that no parameter of any rank contains (a typo) would leave
+        the matrices it was meant for scaled: refused in one line."""
+        unmatched = {p for p in self.config.exclude if not any(p in name for name in names)}
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, unmatched, group=self.group)
+            unmatched = set.intersection(*everyone)
+        if unmatched:
+            raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
+                               f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
+                               f"{names[0] if names else 'none'!r})")
 
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]

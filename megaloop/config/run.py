@@ -320,6 +320,14 @@ class RunConfig:
         require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
                 "eval_depths", self.train.eval_depths,
                 "empty for model.arch=dense (a Dense model has no depth to vary)")
+        if not self.train.use_alrs:  # the alrs section would be silently ignored
+            # ...except granularity, which also shapes the optimizer's LR multipliers.
+            changed = [f"alrs.{f.name}={getattr(self.alrs, f.name)!r}"
+                       for f in dataclasses.fields(self.alrs) if f.name != "granularity"
+                       and getattr(self.alrs, f.name) != getattr(ALRSConfig(), f.name)]
+            require(not changed, "train", "use_alrs", False,
+                    f"true when {changed[0] if changed else ''} is set (the alrs section is read "
+                    "only with ALRS on)")
         downstream = self.train.downstream_eval
         if downstream.tasks:  # rank 0 evaluates its own copy of the whole model
             layout = (self.parallel.tensor, self.parallel.pipeline, self.parallel.expert)

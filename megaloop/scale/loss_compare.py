@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from megaloop.config import RunConfig
@@ -85,6 +86,10 @@ def train_curve(rank: int, world_size: int, cfg: RunConfig, layout: str, seed_ch
     return read_curve(out_dir) if rank == 0 else None
 
 
+def _finite(loss) -> bool:
+    return isinstance(loss, (int, float)) and math.isfinite(loss)
+
+
 def _without_recompute(layout: str) -> str:
     return dataclasses.replace(parse_layout(layout), recompute=False).name
 
@@ -95,7 +100,15 @@ def compare_curves(curves: dict[str, dict[int, float]], rtol: float = RTOL) -> l
     names = list(curves)
     reference, first = curves[names[0]], parse_layout(names[0])
     by_layout = {parse_layout(name).name: name for name in names}
+    # A skipped step logs loss null; a NaN would compare as within tolerance of anything.
     problems = []
+    for name, curve in curves.items():
+        skipped = [step for step in sorted(curve) if not _finite(curve[step])]
+        if skipped:
+            problems.append(f"{name}: step {skipped[0]} loss {curve[skipped[0]]!r}: a skipped "
+                            "(NaN/Inf) step, nothing to compare")
+    if problems:
+        return problems
     for name in names[1:]:
         curve = curves[name]
         if curve.keys() != reference.keys():

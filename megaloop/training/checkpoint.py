@@ -198,24 +198,58 @@ def same_parallel_layout(saved: dict, cfg: RunConfig) -> bool:
     return before == _model_layout(cfg.model, cfg.parallel)
 
 
+def is_own_checkpoint(path: Path, cfg: RunConfig) -> bool:
+    """Whether ``path`` is in the run's own checkpoint directory (which always resumes whole,
+    optimizer and progress included), not a ``checkpoint.load`` from elsewhere."""
+    directory = Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+    return path.parent.resolve() == directory.resolve()
+
+
 def check_optimizer_layout(path: Path, cfg: RunConfig) -> None:
-    """Refuses, in one line, to load distributed-optimizer state saved as dp_reshardable (flat
-    buffers per tensor/pipeline rank) into another tensor/pipeline layout, which would assign
-    the saved state to other weights."""
+    """``check_optimizer_state``, then every other setting that differs from the checkpoint's
+    (``megaloop.training.resume.check_changed_settings``: refused in one line, or logged). The
+    trainer calls it before building the model, after ``check_compatible``."""
+    from megaloop.training.resume import check_changed_settings
+
+    check_optimizer_state(path, cfg)
+    check_changed_settings(path, cfg)
+
+
+def check_optimizer_state(path: Path, cfg: RunConfig) -> None:
+    """Refuses, in one line, to load optimizer state that cannot go where this run would put it:
+    state of the other kind of optimizer (``train.distributed_optimizer`` changed), of another
+    expert-parallel size (megatron-core 0.16 fails on it in either optimizer_format: EP=2 -> 1
+    and 2 -> 4 measured), or distributed-optimizer state saved as dp_reshardable (flat buffers
+    per tensor/pipeline rank) into another tensor/pipeline layout, which would assign it to
+    other weights."""
+    if not (cfg.checkpoint.load_optimizer or is_own_checkpoint(path, cfg)):
+        return  # weights only
     saved = saved_config(path)
-    format_ = saved.get("checkpoint", {}).get("optimizer_format", "dp_reshardable")
-    if (not cfg.checkpoint.load_optimizer or format_ != "dp_reshardable"
-            or not saved.get("train", {}).get("distributed_optimizer", True)
-            or same_parallel_layout(saved, cfg)):
-        return
+    own = is_own_checkpoint(path, cfg)
+    way_out = (f"start a new run from its weights (checkpoint.load={str(path)!r}, "
+               "checkpoint.load_optimizer=false, another checkpoint.dir)" if own else
+               "set checkpoint.load_optimizer=false to start from its weights")
+    distributed = saved.get("train", {}).get("distributed_optimizer", True)
+    if distributed != cfg.train.distributed_optimizer:
+        raise CheckpointError(
+            f"{path} holds the optimizer state of train.distributed_optimizer={distributed}, "
+            f"which does not load into train.distributed_optimizer="
+            f"{cfg.train.distributed_optimizer}; resume with {distributed}, or {way_out}")
     before = saved["parallel"]
+    if before.get("expert", 1) != cfg.parallel.expert:  # measured: every optimizer_format fails
+        raise CheckpointError(
+            f"{path} holds the optimizer state of parallel.expert={before.get('expert', 1)}, "
+            f"which megatron-core does not reload into parallel.expert={cfg.parallel.expert}; "
+            f"resume with {before.get('expert', 1)}, or {way_out}")
+    format_ = saved.get("checkpoint", {}).get("optimizer_format", "dp_reshardable")
+    if format_ != "dp_reshardable" or not distributed or same_parallel_layout(saved, cfg):
+        return
     raise CheckpointError(
         f"{path} holds distributed-optimizer state in checkpoint.optimizer_format=dp_reshardable, "
         f"which reloads only into its own tensor/pipeline layout (parallel.tensor="
         f"{before.get('tensor')}, pipeline={before.get('pipeline')}, virtual_pipeline="
         f"{before.get('virtual_pipeline', 1)}, pipeline_split={before.get('pipeline_split', [])}"
-        f"); resume with that layout, or set checkpoint.load_optimizer=false to start from its "
-        f"weights")
+        f"); resume with that layout, or {way_out}")
 
 
 def check_compatible(path: Path, cfg: RunConfig) -> None:
@@ -374,6 +408,11 @@ def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
         raise ConfigError(f"checkpoint.resume=false: {checkpoint_dir} holds another run's "
                           f"checkpoints (newest {complete[-1].name}) that this run would "
                           "overwrite; use another checkpoint.dir or remove them")
+    unusable = sorted(p.name for p in checkpoint_dir.glob("iter_*") if p.is_dir())
+    if unusable:  # interrupted saves (.tmp) or damaged checkpoints set aside
+        log.warning("%s holds no complete checkpoint, only %s; the run starts %s", checkpoint_dir,
+                    ", ".join(unusable), f"from {cfg.checkpoint.load}" if cfg.checkpoint.load
+                    else "from step 0")
     if cfg.checkpoint.load:
         path = named_checkpoint(cfg.checkpoint.load)
         if path is None:

@@ -69,10 +69,29 @@ def plot_runs(runs: dict[str, tuple[list[dict], list[dict]]], out: str | os.Path
     for ax in (loss_ax, lr_ax, rate_ax):
         if ax.lines:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    # Written beside the target and renamed, so an existing plot is never left half-written.
+    save_figure(fig, out)
+
+
+def save_figure(fig, out: str | os.PathLike) -> None:
+    """Writes ``fig`` beside ``out`` and renames it, so that an existing plot is never left
+    half-written and a failed write leaves no temporary; closes the figure. The format is the
+    file name's suffix (PNG without one); one matplotlib cannot write is a ValueError."""
+    import matplotlib.pyplot as plt
+
     out = Path(out)
+    kind = out.suffix[1:].lower() or "png"
+    supported = fig.canvas.get_supported_filetypes()
+    if kind not in supported:
+        plt.close(fig)
+        raise ValueError(f"{out}: matplotlib writes no .{kind} files (it writes "
+                         f"{', '.join(sorted(supported))})")
+    fig.tight_layout()
     tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, dpi=120, format=kind)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)

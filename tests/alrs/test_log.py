@@ -90,3 +90,14 @@ def test_refuses_another_models_log_and_unknown_groups(tmp_path):
         ALRSLog(tmp_path / "other", NAMES, SHAPES, GROUPS)
     with pytest.raises(ValueError, match="not an ALRS log"):
         read_log(tmp_path / "other")
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_reopening_with_the_other_eigenvalue_setting_is_refused_in_one_line(tmp_path, first):
+    ALRSLog(tmp_path / "r.zarr", NAMES, SHAPES, GROUPS, log_eigenvalues=first)
+    # Before the fix the store's setting silently won (no eigenvalues, or eigenvalues anyway).
+    with pytest.raises(ValueError) as error:
+        ALRSLog(tmp_path / "r.zarr", NAMES, SHAPES, GROUPS, log_eigenvalues=not first)
+    assert str(error.value) == (
+        f"ALRS log {tmp_path / 'r.zarr'} was written with alrs.log_eigenvalues={first}, which "
+        f"cannot change within it: set it back, or use another train.out_dir")

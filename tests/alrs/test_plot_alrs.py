@@ -64,3 +64,34 @@ def test_group_means_over_matching_matrices():
     means = plot_alrs.group_means(np.array([[1.0, 3.0, 5.0, 7.0]]), names)
     assert means.keys() == {("encoder", "ffn"), ("decoder", "ffn")}
     assert means["encoder", "ffn"].tolist() == [2.0] and means["decoder", "ffn"].tolist() == [5.0]
+
+
+def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path):
+    import pytest
+
+    from megaloop.alrs import ALRSLog
+
+    _run(tmp_path / "a.zarr", "alrs")
+    ALRSLog(tmp_path / "new.zarr", ["decoder.layers.0.mlp.linear_fc2.weight"], [(4, 4)],
+            ["decoder.layers.0.mlp.linear_fc2.weight", "base"])  # a run killed before its rows
+    (tmp_path / "file").write_text("x")
+    out = str(tmp_path / "plots")
+    cases = [  # before the fix: tracebacks, or empty figures and exit 0
+        (["--alrs", str(tmp_path / "none.zarr"), "--out", out],
+         f"{tmp_path / 'none.zarr'}: no ALRS log there (a run with train.use_alrs=true writes "
+         "<out_dir>/alrs.zarr)"),
+        (["--alrs", str(tmp_path), "--out", out], f"{tmp_path}: no ALRS log there"),
+        (["--alrs", str(tmp_path / "new.zarr"), "--out", out],
+         f"{tmp_path / 'new.zarr'}: no spectra rows committed yet"),
+        (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "none.zarr"),
+          "--out", out], f"{tmp_path / 'none.zarr'}: no ALRS log there"),
+        (["--alrs", str(tmp_path / "a.zarr"), "--out", str(tmp_path / "file")],
+         f"--out {tmp_path / 'file'}: cannot be written ({tmp_path / 'file'} is not a writable "
+         "directory)"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            plot_alrs.main(argv)
+        assert str(exit_.value).startswith(f"plot_alrs: {message}"), exit_.value
+        assert "\n" not in str(exit_.value)
+    assert not (tmp_path / "plots").exists()

@@ -120,3 +120,13 @@ def test_resume_from_state_dict_is_exact():
     second.load_state_dict(state)
     for t in range(15, 60):
         assert second.step(t) == first.step(t)
+
+
+def test_a_resume_ramps_with_the_configured_transition_not_the_saved_one():
+    saved = MultiplierSchedule({"a": 1.0}, transition=2)
+    saved.retarget(1, {"a": 1.0})
+    saved.retarget(10, {"a": 3.0})  # a ramp from step 10 to step 12
+    resumed = MultiplierSchedule({"a": 1.0}, transition=20)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.transition == 20  # was 2: alrs.transition was silently the checkpoint's
+    assert resumed.at(20) == {"a": 2.0}  # halfway along the 20-step ramp

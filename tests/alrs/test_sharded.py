@@ -210,3 +210,72 @@ def test_pipeline_stages_analyse_what_they_hold_and_apply_the_one_process_multip
             assert listed == names and all(n.split(":")[0] in held for n in mine)
             for name, value in expected.items():
                 assert multipliers[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
+
+
+def test_a_run_starting_over_in_a_directory_rewrites_its_log_from_its_first_step(tmp_path):
+    from megaloop.alrs import read_log
+
+    params = _params()
+    for steps in (4, 2):  # a run, then a fresh one (its checkpoints were removed) in its place
+        alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=2, fraction=1.0),
+                    log_path=tmp_path / "alrs.zarr")
+        for t in range(1, steps + 1):
+            alrs.step(t, base_lr=1e-3)
+        alrs.close()
+    log = read_log(tmp_path / "alrs.zarr")
+    # Before the fix the second run appended: spectra [1, 2, 4, 1, 2], LRs [1, 2, 3, 4, 1, 2].
+    assert log.spectra_step.tolist() == [1, 2] and log.lr_step.tolist() == [1, 2]
+
+
+def _another_runs_log_body(rank, world_size, path):
+    from megaloop.config import ConfigError
+
+    params = _params()
+    try:
+        ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), log_path=path)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_log_refused_on_the_writing_rank_fails_every_rank(tmp_path):
+    from megaloop.alrs import ALRSLog
+
+    path = str(tmp_path / "alrs.zarr")
+    ALRSLog(path, ["other.weight"], [(4, 4)], ["other.weight", "base"])  # another run's log
+    # Before the fix only rank 0 raised; the others went on to wait in their next collective.
+    messages = run_distributed(_another_runs_log_body, world_size=2, path=path)
+    assert messages[0] == messages[1] and messages[0].startswith(f"ALRS log {path} belongs to "
+                                                                 "a run with other matrices")
+
+
+def test_a_checkpoint_commits_the_lr_rows_up_to_its_step(tmp_path):
+    from megaloop.alrs import read_log
+
+    params = _params()
+    first = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10),
+                 log_path=tmp_path / "alrs.zarr")
+    for t in range(1, 31):
+        first.step(t, base_lr=1e-3)
+    state = first.state_dict()  # a checkpoint at step 30; then the run is killed (no close)
+    first.step(31, base_lr=1e-3)
+    resumed = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10),
+                   log_path=tmp_path / "alrs.zarr")
+    resumed.load_state_dict(state)
+    for t in range(31, 41):
+        resumed.step(t, base_lr=1e-3)
+    resumed.close()
+    # Before the fix rows were flushed every 100 steps: steps 1-30 were lost with the process.
+    assert read_log(tmp_path / "alrs.zarr").lr_step.tolist() == list(range(1, 41))
+
+
+def test_an_exclude_pattern_matching_no_parameter_is_refused():
+    from megaloop.config import ConfigError
+
+    params = _params()
+    kept = ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1",))).names
+    assert kept and not any("linear_fc1" in name for name in kept)
+    # Before the fix a typo excluded nothing, silently.
+    with pytest.raises(ConfigError, match=r"^alrs.exclude=\['linear_fc1', 'routr'\]: 'routr' is "
+                                          r"in no parameter name \(e.g. '"):
+        ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1", "routr")))

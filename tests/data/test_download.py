@@ -79,3 +79,32 @@ def test_partial_file_longer_than_the_source_is_fetched_again(tmp_path, capsys, 
     code, err = _run(tool, capsys, "--shards", path, "--output", tmp_path / "out", "--source", root)
     assert code == 0, err
     assert (tmp_path / "out" / path).read_bytes() == files[path] and not partial.exists()
+
+
+def test_bad_arguments_and_an_unwritable_output_are_one_line_errors(tmp_path, capsys, tool,
+                                                                      mirror):
+    root, _ = mirror
+    (tmp_path / "file").write_text("x")
+    # Before the fix: a traceback.
+    code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", tmp_path / "file" / "o",
+                     "--source", root)
+    assert code == 2 and err.splitlines()[-1] == f"error: {tmp_path / 'file' / 'o'}: Not a directory"
+    # Before the fix: --max-files 0 fetched every file, -1 all but the last; --revision was
+    # silently ignored with a local source.
+    for args, message in ((["--max-files", "0"], "argument --max-files: 0: must be >= 1"),
+                          (["--max-files", "-1"], "argument --max-files: -1: must be >= 1"),
+                          (["--revision", "v2"], "--revision v2: a hub revision; --source")):
+        with pytest.raises(SystemExit) as exit_:
+            tool.main(["--name", "sample-10BT", "--output", str(tmp_path / "o"), "--source",
+                       str(root), *args])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_without_huggingface_hub_the_hub_is_one_line(tmp_path, capsys, tool, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # "import" raises ImportError
+    code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", tmp_path / "o")
+    assert code == 2 and err.startswith("error: the hub needs huggingface_hub, which is not "
+                                        "installed")

@@ -47,6 +47,12 @@ def test_compare_curves_catches_a_difference():
     assert line.startswith("tp2,recompute: step 1") and "exactly" in line
     [line] = compare_curves({"single": reference, "pp2": {1: 5.0}})
     assert line == "pp2: steps [1] differ from single's [1, 2]"
+    # A skipped step: its loss is logged null (a TypeError before), a NaN passed as agreeing.
+    for loss in (None, float("nan")):
+        assert compare_curves({"single": reference, "dp2": {1: 5.0, 2: loss}}) == [
+            f"dp2: step 2 loss {loss!r}: a skipped (NaN/Inf) step, nothing to compare"]
+        assert compare_curves({"single": {1: loss, 2: 4.0}, "dp2": reference}) == [
+            f"single: step 1 loss {loss!r}: a skipped (NaN/Inf) step, nothing to compare"]
 
 
 def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
@@ -72,3 +78,14 @@ def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
     assert bad.stderr.startswith("error: parallel.pipeline=8: must be such that pipeline x "
                                  "virtual_pipeline = 8 stages get at least one of the model's 6 "
                                  "layer applications each")
+    # Before the fixes: a rerun into the same --out was a traceback (its seed checkpoint is
+    # refused), one layout "agreed" with nothing, a layout twice was compared with itself.
+    for layouts, message in ((["single", "pp2"], f"--out {tmp_path / 'out'}: holds an earlier "
+                                                 "comparison (seed, single, pp2); remove it or "
+                                                 "give another --out"),
+                             (["single"], "--layouts single: give at least two"),
+                             (["tp2,sp", "sp,tp2"], "--layouts: 'tp2,sp' and 'sp,tp2' are the "
+                                                    "same layout")):
+        bad = subprocess.run(tool + ["--layouts", *layouts], capture_output=True, text=True)
+        assert (bad.returncode, bad.stderr.count("\n")) == (2, 1), bad.stderr
+        assert bad.stderr.startswith(f"error: {message}"), bad.stderr

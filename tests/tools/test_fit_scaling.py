@@ -82,6 +82,10 @@ def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
     (["{one}"], "label 'latentloop': 1 distinct compute values"),
     (["{runs}", "--target", "2", "--baseline", "moe"], "--baseline='moe': no such label"),
     (["{runs}", "--baseline", "moe_base"], "--baseline needs --target"),
+    # Before the fixes: a traceback after the fits; the run's points counted twice.
+    (["{runs}", "--plot", "/dev/null/x.png"],
+     "--plot /dev/null/x.png: cannot be written (/dev/null is not a writable directory)"),
+    (["{runs}", "{one}"], "_256000: given twice"),
 ])
 def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, args, message):
     tool = load_tool("fit_scaling")
@@ -92,3 +96,24 @@ def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, args,
     assert tool.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_a_diverged_run_is_named_instead_of_fitting_nan(load_tool, runs, capsys):
+    tool = load_tool("fit_scaling")
+    metrics = f"{runs[0]}/metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"kind": "eval", "step": 2_000, "val_loss": float("nan")}) + "\n")
+    assert tool.main(runs) == 2  # was exit 0 with "L(C) = nan + nan * C^-nan"
+    assert capsys.readouterr().err.strip() == (f"error: {metrics}: val_loss=nan at step 2000 (a "
+                                               "diverged run: leave it out)")
+
+
+def test_a_saving_that_cannot_be_computed_says_so(load_tool, runs, capsys):
+    tool = load_tool("fit_scaling")
+    with pytest.raises(SystemExit):
+        tool.main(runs + ["--target", "nan"])  # was "C(nan) = unreachable"
+    assert "argument --target: nan: must be > 0" in capsys.readouterr().err
+    # The fitted floors: moe_base 1.7985 reaches 1.8, latentloop (1.8018) never does.
+    assert tool.main(runs + ["--target", "1.8", "--baseline", "moe_base"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("C(1.8) = unreachable | saving vs moe_base: n/a"), lines

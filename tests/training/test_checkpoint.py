@@ -229,6 +229,21 @@ def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint(saved_run, pa
         ["iter_0000002", "iter_0000004", "iter_0000006"]
 
 
+def test_a_directory_holding_only_an_interrupted_save_starts_over_saying_so(tmp_path, caplog):
+    from megaloop.config import DataConfig
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "iter_0000002.tmp").mkdir(parents=True)  # the first save, killed
+    (checkpoints / "iter_0000001.damaged-1700000000").mkdir()
+    cfg = RunConfig(data=DataConfig(path=["x"], eod_id=0))
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        assert ckpt.resume_source(cfg, checkpoints) is None
+    # Before the fix: a silent start from step 0.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{checkpoints} holds no complete checkpoint, only iter_0000001.damaged-1700000000, "
+        "iter_0000002.tmp; the run starts from step 0"]
+
+
 def test_resume_false_refuses_a_directory_holding_checkpoints(saved_run, pattern_data, tmp_path,
                                                                monkeypatch):
     out = _copy(saved_run, tmp_path)
@@ -332,10 +347,10 @@ def test_dp_reshardable_optimizer_state_resumes_only_into_its_own_layout(tmp_pat
     model = ModelConfig(arch="asymloop", num_layers=4, iterations=2, vocab_size=128).resolve()
     saved = RunConfig(model=model, parallel=ParallelConfig(pipeline=2))
     save_yaml(saved, path / "config.yaml")
-    ckpt.check_optimizer_layout(path, saved)  # the same layout; more data-parallel ranks are fine
+    ckpt.check_optimizer_state(path, saved)  # the same layout; more data-parallel ranks are fine
     other = dataclasses.replace(saved, parallel=ParallelConfig(pipeline=2, virtual_pipeline=2))
     with pytest.raises(ckpt.CheckpointError) as error:
-        ckpt.check_optimizer_layout(path, other)
+        ckpt.check_optimizer_state(path, other)
     assert _one_line(error).endswith(
         "holds distributed-optimizer state in checkpoint.optimizer_format=dp_reshardable, which "
         "reloads only into its own tensor/pipeline layout (parallel.tensor=1, pipeline=2, "
@@ -344,7 +359,69 @@ def test_dp_reshardable_optimizer_state_resumes_only_into_its_own_layout(tmp_pat
     # Another split of the same pipeline size moves weights between ranks too.
     resplit = dataclasses.replace(saved, parallel=ParallelConfig(pipeline=2, pipeline_split=[2, 4]))
     with pytest.raises(ckpt.CheckpointError):
-        ckpt.check_optimizer_layout(path, resplit)
+        ckpt.check_optimizer_state(path, resplit)
     weights_only = dataclasses.replace(other, checkpoint=dataclasses.replace(
         other.checkpoint, load_optimizer=False))
-    ckpt.check_optimizer_layout(path, weights_only)
+    ckpt.check_optimizer_state(path, weights_only)
+    # The run's own checkpoints always load their optimizer state, whatever load_optimizer says
+    # (before the fix this passed, and megatron-core failed on a shape mismatch or not at all).
+    own = dataclasses.replace(weights_only, checkpoint=dataclasses.replace(
+        weights_only.checkpoint, dir=str(tmp_path)))
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_state(path, own)
+    assert _one_line(error).endswith(
+        "resume with that layout, or start a new run from its weights (checkpoint.load="
+        f"{str(path)!r}, checkpoint.load_optimizer=false, another checkpoint.dir)")
+
+
+def _saved_moe(tmp_path, **train) -> RunConfig:
+    from megaloop.config import ParallelConfig, TrainConfig
+
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    model = ModelConfig(arch="asymloop", num_layers=4, vocab_size=128, num_experts=4,
+                        moe_ffn_hidden_size=32).resolve()
+    saved = RunConfig(model=model, parallel=ParallelConfig(expert=2), train=TrainConfig(**train))
+    save_yaml(saved, path / "config.yaml")
+    return saved
+
+
+@pytest.mark.parametrize("optimizer_format", ["dp_reshardable", "fully_reshardable"])
+def test_optimizer_state_resumes_only_into_its_own_expert_parallel_size(tmp_path,
+                                                                         optimizer_format):
+    import dataclasses
+
+    saved = _saved_moe(tmp_path)
+    saved.checkpoint.optimizer_format = optimizer_format
+    path = tmp_path / "iter_0000001"
+    save_yaml(saved, path / "config.yaml")
+    ckpt.check_optimizer_state(path, saved)
+    other = dataclasses.replace(saved, parallel=dataclasses.replace(saved.parallel, expert=4))
+    # Before the fix: megatron-core's 10 kB key list (dp_reshardable) or KeyError 'step'.
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_state(path, other)
+    assert _one_line(error) == (
+        f"{path} holds the optimizer state of parallel.expert=2, which megatron-core does not "
+        "reload into parallel.expert=4; resume with 2, or set checkpoint.load_optimizer=false to "
+        "start from its weights")
+    ckpt.check_optimizer_state(path, dataclasses.replace(other, checkpoint=dataclasses.replace(
+        other.checkpoint, load_optimizer=False)))
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_optimizer_state_of_the_other_optimizer_kind_is_refused(tmp_path, distributed):
+    import dataclasses
+
+    saved = _saved_moe(tmp_path, distributed_optimizer=distributed)
+    path = tmp_path / "iter_0000001"
+    now = dataclasses.replace(saved, train=dataclasses.replace(
+        saved.train, distributed_optimizer=not distributed))
+    # Before the fix: megatron-core's KeyError 'pre_wd_mult' traceback, or a 10 kB key list.
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_optimizer_state(path, now)
+    assert _one_line(error) == (
+        f"{path} holds the optimizer state of train.distributed_optimizer={distributed}, which "
+        f"does not load into train.distributed_optimizer={not distributed}; resume with "
+        f"{distributed}, or set checkpoint.load_optimizer=false to start from its weights")
+    ckpt.check_optimizer_state(path, dataclasses.replace(now, checkpoint=dataclasses.replace(
+        now.checkpoint, load_optimizer=False)))

@@ -81,3 +81,42 @@ def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
 def test_labels_are_dir_names_unless_they_clash(tmp_path):
     assert plots.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
     assert plots.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
+
+
+def test_an_out_path_that_cannot_be_written_is_a_one_line_error_leaving_nothing(tmp_path):
+    run = _run(tmp_path / "runs" / "dense", 4.0)
+    target = tmp_path / "plots"
+    target.mkdir()
+    # Before the fix: tracebacks, and a stray plots.tmp beside the directory.
+    metrics = tmp_path / "runs" / "dense" / "metrics.jsonl"
+    for out, reason in ((target, "it is a directory"),
+                        (metrics / "c.png", f"{metrics} is not a writable directory")):
+        with pytest.raises(SystemExit) as exc:
+            plot_metrics.main([str(run), "--out", str(out)])
+        assert str(exc.value) == f"plot_metrics: --out {out}: cannot be written ({reason})"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "runs"]
+    assert not list(target.iterdir())
+
+
+def test_a_failed_write_is_a_one_line_error_leaving_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    run = _run(tmp_path / "dense", 4.0)
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plots.os, "replace", full_disk)
+    with pytest.raises(SystemExit, match=r"c.png: cannot be written \(No space left on device\)$"):
+        plot_metrics.main([str(run), "--out", str(tmp_path / "out" / "c.png")])
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_the_image_format_follows_the_file_name(tmp_path):
+    run = _run(tmp_path / "dense", 4.0)
+    plot_metrics.main([str(run), "--out", str(tmp_path / "c.svg")])
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(SystemExit, match=r"c.xyz: cannot be written \(.*c.xyz: matplotlib "
+                                         r"writes no .xyz files \(it writes .*png"):
+        plot_metrics.main([str(run), "--out", str(tmp_path / "c.xyz")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.svg", "dense"]

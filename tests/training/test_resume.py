@@ -134,3 +134,172 @@ def test_lr_multipliers_set_by_hand_survive_save_and_resume_group_by_group(
         assert lr == pytest.approx(base * chosen.get(name, 1.0), rel=1e-12), name
     for name, lr in block_lrs.items():
         assert lr == pytest.approx(base * chosen.get(name, 1.0), rel=1e-12), name
+
+
+# ----------------------------------------------------------- every other changed setting
+
+def test_every_run_config_field_has_one_resume_rule():
+    import dataclasses
+
+    from megaloop.config import RunConfig
+    from megaloop.training import checkpoint as ckpt
+    from megaloop.training import resume
+
+    fields = [f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig)
+              for f in dataclasses.fields(s.type if isinstance(s.type, type) else
+                                          type(getattr(RunConfig(), s.name)))]
+    rules = [*(f"model.{k}" for k in ckpt.ARCHITECTURE_FIELDS), *resume.REPORTED_BY_TRAINER,
+             *resume.APPLIED, *resume.BOOKKEEPING, *resume.NOT_APPLICABLE,
+             *resume.AT_NEXT_ALLOCATION, *resume.AT_START, *resume.OWN_RULES]
+    assert sorted(rules) == sorted(fields)  # each field once
+    assert {f"train.{k}" for k in SCHEDULE_FIELDS} <= set(resume.REPORTED_BY_TRAINER)
+
+
+def _checkpoint(tmp_path, **sections):
+    """A run config and its checkpoint at step 4 (config.yaml and common.pt: all the settings
+    check reads), in the run's own checkpoint directory."""
+    import dataclasses
+
+    import torch
+
+    from megaloop.config import ModelConfig, RunConfig, save_yaml
+
+    model = ModelConfig(arch="asymloop", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                        num_attention_heads=4, vocab_size=128).resolve()
+    cfg = RunConfig(model=model)
+    for name, values in sections.items():
+        setattr(cfg, name, dataclasses.replace(getattr(cfg, name), **values))
+    cfg.train.out_dir = str(tmp_path)
+    path = tmp_path / "checkpoints" / "iter_0000004"
+    path.mkdir(parents=True)
+    save_yaml(cfg, path / "config.yaml")
+    torch.save({"trainer": {"step": 4}}, path / "common.pt")
+    return path, cfg
+
+
+def _changed(cfg, section, **values):
+    import copy
+    import dataclasses
+
+    cfg = copy.deepcopy(cfg)
+    setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **values))
+    return cfg
+
+
+def _check(path, cfg, caplog):
+    from megaloop.training.resume import check_changed_settings
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        check_changed_settings(path, cfg)
+    return [(r.levelno, r.getMessage()) for r in caplog.records]
+
+
+@pytest.mark.parametrize("section, field, value, level", [
+    ("model", "iterations", 5, logging.WARNING),
+    ("parallel", "recompute", "full", logging.WARNING),
+    ("train", "clip_grad", 0.5, logging.WARNING),
+    ("train", "global_batch_size", 16, logging.WARNING),
+    ("data", "eod_id", 5, logging.WARNING),
+    ("train", "log_interval", 1, logging.INFO),
+    ("checkpoint", "keep_last", 1, logging.INFO),
+])
+def test_a_change_a_resume_applies_is_one_line(tmp_path, caplog, section, field, value, level):
+    path, cfg = _checkpoint(tmp_path, data={"eod_id": 0})
+    assert _check(path, cfg, caplog) == []
+    before = getattr(getattr(cfg, section), field)
+    assert _check(path, _changed(cfg, section, **{field: value}), caplog) == [
+        (level, f"resume from {path}: {section}.{field} changed from {before!r} to {value!r}; "
+                "in effect from step 5")]
+
+
+@pytest.mark.parametrize("sections, section, values, named", [
+    ({}, "model", {"init_std": 0.5}, "model.init_std=0.5"),
+    ({}, "checkpoint", {"load": "/runs/base"}, "checkpoint.load='/runs/base'"),
+    ({}, "checkpoint", {"load_optimizer": False}, "checkpoint.load_optimizer=False"),
+    ({"train": {"use_alrs": True}}, "train", {"use_alrs": False}, "train.use_alrs=False"),
+    ({"train": {"use_alrs": True}}, "alrs", {"mode": "uniform"}, "alrs.mode='uniform'"),
+    ({"train": {"use_alrs": True}}, "alrs", {"exclude": ("router",)}, "alrs.exclude=['router']"),
+    # The allocation window of 100 steps ends at step 20: the saved multipliers are frozen.
+    ({"train": {"use_alrs": True}}, "alrs", {"s2": 3.0}, "alrs.s2=3.0"),
+    ({"train": {"use_alrs": True}}, "alrs", {"transition": 10}, "alrs.transition=10"),
+    ({"train": {"use_alrs": True}, "alrs": {"mode": "decoder_boost"}}, "alrs",
+     {"decoder_boost": 3.0}, "alrs.decoder_boost=3.0"),
+    ({}, "train", {"use_alrs": True}, "train.use_alrs=True"),  # no allocation step left
+])
+def test_a_change_a_resume_cannot_apply_is_refused_in_one_line(tmp_path, caplog, sections,
+                                                               section, values, named):
+    from megaloop.config import ConfigError
+
+    path, cfg = _checkpoint(tmp_path, **sections)
+    with pytest.raises(ConfigError) as error:
+        _check(path, _changed(cfg, section, **values), caplog)
+    message = str(error.value)
+    assert message.startswith(f"{named}: differs from ") and "\n" not in message
+    assert f"in {path / 'config.yaml'}, and a resume cannot apply it (" in message
+    assert not caplog.records  # nothing logged as if applied before the refusal
+
+
+def test_fewer_steps_than_the_checkpoint_has_taken_are_refused(tmp_path, caplog):
+    from megaloop.config import ConfigError
+
+    path, cfg = _checkpoint(tmp_path, train={"train_steps": 8})
+    _check(path, _changed(cfg, "train", train_steps=4), caplog)  # a finished run, rerun
+    # Before the fix: no step run, exit 0.
+    with pytest.raises(ConfigError, match=r"^train.train_steps=3: .*iter_0000004 is at step 4 "
+                                          r"already; a resume trains up to train.train_steps "
+                                          r"\(give 4 or more\)$"):
+        _check(path, _changed(cfg, "train", train_steps=3), caplog)
+
+
+def test_alrs_options_apply_at_the_next_allocation_while_alrs_allocates(tmp_path, caplog):
+    # 1000 steps: ALRS allocates every 100 steps up to step 200.
+    path, cfg = _checkpoint(tmp_path, train={"use_alrs": True, "train_steps": 1000})
+    assert _check(path, _changed(cfg, "alrs", s2=3.0), caplog) == [
+        (logging.WARNING, f"resume from {path}: alrs.s2 changed from 5.0 to 3.0; in effect from "
+                          "ALRS's next allocation, at step 100")]
+    path, cfg = _checkpoint(tmp_path / "off", train={"train_steps": 1000})
+    assert _check(path, _changed(cfg, "train", use_alrs=True), caplog) == [
+        (logging.WARNING, f"resume from {path}: train.use_alrs changed from False to True; in "
+                          "effect from ALRS's next allocation, at step 100")]
+
+
+def test_latentloop_residual_scale_init_applies_only_to_fixed_scales(tmp_path, caplog):
+    from megaloop.config import ConfigError
+
+    model = {"arch": "latentloop", "num_layers": 4, "iterations": 2, "encoder_layers": None,
+             "prelude_layers": 1, "coda_layers": 1, "num_experts": 4, "moe_ffn_hidden_size": 16}
+    path, cfg = _checkpoint(tmp_path, model={**model, "residual_scale": "fixed"})
+    assert _check(path, _changed(cfg, "model", residual_scale_init=[0.5, 1.0]), caplog)[0][0] \
+        == logging.WARNING
+    path, cfg = _checkpoint(tmp_path / "learned", model={**model, "residual_scale": "learned"})
+    with pytest.raises(ConfigError, match="learned residual scales are weights"):
+        _check(path, _changed(cfg, "model", residual_scale_init=[0.5, 1.0]), caplog)
+
+
+def test_another_runs_checkpoint_is_compared_only_when_its_optimizer_state_is_loaded(tmp_path,
+                                                                                    caplog):
+    path, cfg = _checkpoint(tmp_path)
+    elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path),
+                         load_optimizer=False)
+    elsewhere.model.init_std = 0.5
+    assert _check(path, elsewhere, caplog) == []  # a new run from the weights
+    elsewhere.checkpoint.load_optimizer = True
+    elsewhere.model.init_std = cfg.model.init_std
+    elsewhere.train.clip_grad = 0.5
+    assert [m for _, m in _check(path, elsewhere, caplog)] == [
+        f"resume from {path}: train.clip_grad changed from 1.0 to 0.5; in effect from step 5"]
+
+
+def test_a_changed_setting_is_checked_before_the_model_is_built(run_at_step_4, pattern_data,
+                                                                tmp_path, caplog):
+    from megaloop.config import ConfigError
+
+    out = _copy(run_at_step_4, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        Trainer(tiny_run(pattern_data, out, train={"train_steps": 4, "clip_grad": 0.5})).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resume from {out / 'checkpoints' / 'iter_0000004'}: train.clip_grad changed from 1.0 "
+        "to 0.5; in effect from step 5"]
+    with pytest.raises(ConfigError, match=r"^model.init_std=0.5: differs from 0.02 in "):
+        Trainer(tiny_run(pattern_data, out, model={"init_std": 0.5}, train={"train_steps": 4}))

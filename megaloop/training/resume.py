@@ -1,0 +1,149 @@
+"""What a resume does with each setting that differs from the config saved with its checkpoint.
+
+Every field of ``RunConfig`` has one rule (tests hold the tables below to the dataclasses, so that
+a new field has to be placed):
+
+- the architecture (``checkpoint.ARCHITECTURE_FIELDS``): refused by ``check_compatible``;
+- the LR schedule and what decides the sample order: reported by ``Trainer._load``;
+- ``APPLIED``: in effect from the next step, each change one warning line;
+- ``BOOKKEEPING`` (logging, evaluation, saving): in effect, each change one info line;
+- ``NOT_APPLICABLE``: read only when a run starts from scratch, so a change cannot take effect
+  and is refused in one line naming the field;
+- the ALRS switches and options, ``checkpoint.load`` / ``load_optimizer`` and
+  ``model.residual_scale_init``: rules of their own below.
+
+A run that takes only the weights of another run's checkpoint (``checkpoint.load`` with
+``load_optimizer=false``) starts afresh: only the architecture is compared. One that continues
+another run's checkpoint with its optimizer is a resume, except that its checkpoint section and
+``train.out_dir`` are its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megaloop.config import ConfigError, RunConfig, to_dict
+from megaloop.training import checkpoint as ckpt
+
+log = logging.getLogger("megaloop.train")
+
+REPORTED_BY_TRAINER = (
+    "train.train_steps", "train.warmup_fraction", "train.lr", "train.min_lr_ratio",
+    "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "checkpoint.keep_schedule",
+    "train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
+APPLIED = (
+    "model.iterations", "model.joint_attention", "model.rotary_base", "model.norm_eps",
+    "model.moe_top_k", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
+    # Layouts the optimizer state cannot move to are refused by checkpoint.check_optimizer_layout.
+    "parallel.tensor", "parallel.pipeline", "parallel.expert", "parallel.sequence_parallel",
+    "parallel.recompute", "parallel.virtual_pipeline", "parallel.pipeline_split",
+    "train.micro_batch_size", "train.global_batch_size", "train.clip_grad", "train.precision",
+    "train.fp8_recipe", "train.distributed_optimizer", "train.max_nonfinite_steps",
+    "data.tokenizer_type", "data.tokenizer_model", "data.eod_id", "data.format",
+    "data.sft_prompt", "data.sft_solution",
+    "alrs.interval", "alrs.fraction", "alrs.eig_method")
+BOOKKEEPING = (
+    "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_iters",
+    "train.eval_depths", "train.tensorboard", "train.wandb_project", "train.peak_tflops",
+    "train.downstream_eval", "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval",
+    "checkpoint.keep_last", "checkpoint.resume", "checkpoint.fallback_to_previous",
+    "checkpoint.optimizer_format", "alrs.log_eigenvalues", "alrs.monitor_after_freeze")
+NOT_APPLICABLE = {
+    "model.init_std": "it initialises the weights of a run that starts from scratch",
+    "alrs.mode": "the multipliers saved in the checkpoint would stay in effect",
+    "alrs.granularity": "the matrices ALRS scales are those saved in the checkpoint",
+    "alrs.exclude": "the matrices ALRS scales are those saved in the checkpoint",
+}
+# Read only when ALRS allocates (alrs.mode=alrs): in effect at the next allocation, refused once
+# the multipliers are frozen. decoder_boost and decoder_prefix set the multipliers of
+# alrs.mode=decoder_boost once, at the start of a run.
+AT_NEXT_ALLOCATION = ("alrs.s1", "alrs.s2", "alrs.transition", "alrs.embedding_head",
+                      "alrs.embedding_head_prefixes")
+AT_START = ("alrs.decoder_boost", "alrs.decoder_prefix")
+OWN_RULES = ("model.residual_scale_init", "train.use_alrs", "checkpoint.load",
+             "checkpoint.load_optimizer")
+
+
+def _flat(section: dict, prefix: str) -> dict:
+    """{"section.field": value}; train.downstream_eval stays one entry (it is one setting)."""
+    return {f"{prefix}.{k}": v for k, v in section.items()}
+
+
+def next_allocation(step: int, cfg: RunConfig) -> int | None:
+    """The first step after ``step`` at which ALRS allocates, or None when none is left."""
+    alrs, total = cfg.alrs, cfg.train.train_steps
+    if alrs.mode != "alrs":
+        return None
+    if step == 0:
+        return 1
+    candidate = (step // alrs.interval + 1) * alrs.interval
+    return candidate if alrs.allocates_at(candidate, total) else None
+
+
+def check_changed_settings(path: Path, cfg: RunConfig) -> None:
+    """Refuses, in one ConfigError line, a changed setting that a resume from ``path`` cannot
+    apply; logs each other change in one line. Call after the architecture check."""
+    own = ckpt.is_own_checkpoint(path, cfg)
+    if not own and not cfg.checkpoint.load_optimizer or not ckpt.holds_training_state(path):
+        return  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
+    saved = ckpt.saved_config(path)
+    defaults, now = to_dict(RunConfig()), to_dict(cfg)
+    before, after = {}, {}
+    for section in ("model", "parallel", "train", "data", "checkpoint", "alrs"):
+        before.update(_flat({**defaults[section], **(saved.get(section) or {})}, section))
+        after.update(_flat(now[section], section))
+    changed = {k: (before[k], after[k]) for k in after if before.get(k) != after[k]}
+    if not own:  # another run's checkpoint: its directory options and out_dir are its own
+        changed = {k: v for k, v in changed.items()
+                   if not k.startswith("checkpoint.") and k != "train.out_dir"}
+    step = ckpt.step_of(path)
+    if cfg.train.train_steps < step:  # the loop would run no step and exit 0
+        raise ConfigError(f"train.train_steps={cfg.train.train_steps}: {path} is at step {step} "
+                          f"already; a resume trains up to train.train_steps (give {step} or "
+                          "more)")
+    where = f"resume from {path}"
+    first = next_allocation(step, cfg)
+    alrs_on = cfg.train.use_alrs and before["train.use_alrs"]
+    if not alrs_on:  # the alrs section is read only while ALRS runs
+        changed = {k: v for k, v in changed.items() if not k.startswith("alrs.")}
+    for name, (old, new) in changed.items():
+        reason = None
+        if name in NOT_APPLICABLE:
+            reason = NOT_APPLICABLE[name]
+        elif name in AT_NEXT_ALLOCATION and first is None:
+            reason = (f"ALRS allocates no more after step {step} (alrs.mode={cfg.alrs.mode!r}, "
+                      f"every alrs.interval={cfg.alrs.interval} steps up to alrs.fraction x "
+                      f"train.train_steps = {cfg.alrs.fraction * cfg.train.train_steps:g}): the "
+                      "multipliers saved in the checkpoint hold")
+        elif name in AT_START and cfg.alrs.mode == "decoder_boost":
+            reason = "the multipliers saved in the checkpoint hold"
+        elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":
+            reason = "learned residual scales are weights, restored from the checkpoint"
+        elif name == "checkpoint.load":
+            reason = (f"{path.parent} holds this run's own checkpoints, which a resume continues; "
+                      "to start from another checkpoint use another checkpoint.dir")
+        elif name == "checkpoint.load_optimizer":
+            reason = (f"it concerns checkpoint.load; this run's own checkpoints in {path.parent} "
+                      "always resume with their optimizer state and progress")
+        elif name == "train.use_alrs" and old:
+            reason = ("the ALRS multipliers saved in the checkpoint would stay in effect; to "
+                      "train without ALRS start from its weights (checkpoint.load, "
+                      "load_optimizer=false)")
+        elif name == "train.use_alrs" and cfg.alrs.mode == "alrs" and first is None:
+            reason = (f"ALRS would never allocate: it allocates every alrs.interval="
+                      f"{cfg.alrs.interval} steps up to alrs.fraction x train.train_steps = "
+                      f"{cfg.alrs.fraction * cfg.train.train_steps:g}, and the run is at step "
+                      f"{step}")
+        if reason is not None:
+            raise ConfigError(f"{name}={new!r}: differs from {old!r} in {path / 'config.yaml'}, "
+                              f"and a resume cannot apply it ({reason}); set it back, or start "
+                              "a new run")
+    for name, (old, new) in changed.items():
+        if name in REPORTED_BY_TRAINER:
+            continue
+        when = f"from step {step + 1}"
+        if name in AT_NEXT_ALLOCATION or (name == "train.use_alrs" and cfg.alrs.mode == "alrs"):
+            when = f"from ALRS's next allocation, at step {first}"
+        level = logging.INFO if name in BOOKKEEPING else logging.WARNING
+        log.log(level, "%s: %s changed from %r to %r; in effect %s", where, name, old, new, when)
