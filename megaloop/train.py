@@ -24,7 +24,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
+from typing import NoReturn
 
 from megaloop.cli import int_at_least, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
@@ -62,11 +64,23 @@ def build_config(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """megaloop-train in this process: the exit status, with the previous signal handlers back."""
+    return _with_stop_signals(argv, afterwards=None)
+
+
+def cli() -> NoReturn:
+    """The ``megaloop-train`` command. Once the run has ended, stop signals are ignored until the
+    process exits: with the default handler back, one arriving then (srun ending the job step
+    while slower ranks finish their save) would turn a saved run's 75, or 0, into 143."""
+    sys.exit(_with_stop_signals(None, afterwards=signal.SIG_IGN))
+
+
+def _with_stop_signals(argv: list[str] | None, afterwards) -> int:
     stop_signals = StopSignals()  # first: see the module docstring
     try:
         return _run(argv, stop_signals)
     finally:
-        stop_signals.restore()
+        stop_signals.restore(afterwards)
 
 
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
@@ -106,4 +120,4 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -104,3 +104,30 @@ def test_overrides_may_come_before_and_after_the_options():
     assert cfg.data.path == ["x"] and cfg.train.lr == 2e-3 and cfg.model.arch == "fullloop"
     assert cfg.model.hidden_size == build_config(["--preset", "tiny", "data.path=[x]",
                                                   "data.eod_id=0"])[0].model.hidden_size
+
+
+# A stop signal that arrives once the run has ended (srun ending the job step while slower ranks
+# finish their save) must not change the status the run ended with.
+SIGNALLED_ON_THE_WAY_OUT = """
+import atexit, os, signal, sys, time
+import megaloop.train as train
+
+train._run = lambda argv, stop_signals: 75  # a run stopped by preemption, its checkpoint saved
+
+def signalled_while_exiting():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # a SIGTERM with its default action would end the process here
+
+atexit.register(signalled_while_exiting)
+sys.argv = ["megaloop-train"]
+train.cli()
+"""
+
+
+def test_a_stop_signal_on_the_way_out_keeps_the_exit_status():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", SIGNALLED_ON_THE_WAY_OUT], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 75, result.stderr[-2000:]

@@ -205,16 +205,6 @@ def is_own_checkpoint(path: Path, cfg: RunConfig) -> bool:
     return path.parent.resolve() == directory.resolve()
 
 
-def check_optimizer_layout(path: Path, cfg: RunConfig) -> None:
-    """``check_optimizer_state``, then every other setting that differs from the checkpoint's
-    (``megaloop.training.resume.check_changed_settings``: refused in one line, or logged). The
-    trainer calls it before building the model, after ``check_compatible``."""
-    from megaloop.training.resume import check_changed_settings
-
-    check_optimizer_state(path, cfg)
-    check_changed_settings(path, cfg)
-
-
 def check_optimizer_state(path: Path, cfg: RunConfig) -> None:
     """Refuses, in one line, to load optimizer state that cannot go where this run would put it:
     state of the other kind of optimizer (``train.distributed_optimizer`` changed), of another

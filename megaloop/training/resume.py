@@ -4,7 +4,8 @@ Every field of ``RunConfig`` has one rule (tests hold the tables below to the da
 a new field has to be placed):
 
 - the architecture (``checkpoint.ARCHITECTURE_FIELDS``): refused by ``check_compatible``;
-- the LR schedule and what decides the sample order: reported by ``Trainer._load``;
+- the LR schedule: applied by ``resume_schedule`` unless ``checkpoint.keep_schedule``, each
+  change one warning line; what decides the sample order: reported by ``Trainer._load``;
 - ``APPLIED``: in effect from the next step, each change one warning line;
 - ``BOOKKEEPING`` (logging, evaluation, saving): in effect, each change one info line;
 - ``NOT_APPLICABLE``: read only when a run starts from scratch, so a change cannot take effect
@@ -28,6 +29,10 @@ from megaloop.training import checkpoint as ckpt
 
 log = logging.getLogger("megaloop.train")
 
+# Train fields that shape the LR schedule and the optimizer's update (``resume_schedule``).
+SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weight_decay",
+                   "adam_beta1", "adam_beta2")
+
 REPORTED_BY_TRAINER = (
     "train.train_steps", "train.warmup_fraction", "train.lr", "train.min_lr_ratio",
     "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "checkpoint.keep_schedule",
@@ -35,7 +40,7 @@ REPORTED_BY_TRAINER = (
 APPLIED = (
     "model.iterations", "model.joint_attention", "model.rotary_base", "model.norm_eps",
     "model.moe_top_k", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
-    # Layouts the optimizer state cannot move to are refused by checkpoint.check_optimizer_layout.
+    # Layouts the optimizer state cannot move to are refused by checkpoint.check_optimizer_state.
     "parallel.tensor", "parallel.pipeline", "parallel.expert", "parallel.sequence_parallel",
     "parallel.recompute", "parallel.virtual_pipeline", "parallel.pipeline_split",
     "train.micro_batch_size", "train.global_batch_size", "train.clip_grad", "train.precision",
@@ -147,3 +152,32 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
             when = f"from ALRS's next allocation, at step {first}"
         level = logging.INFO if name in BOOKKEEPING else logging.WARNING
         log.log(level, "%s: %s changed from %r to %r; in effect %s", where, name, old, new, when)
+
+
+def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,
+                    path: Path, step: int) -> None:
+    """Loads megatron-core's LR ``scheduler`` (``OptimizerParamScheduler``) for a resume at
+    ``step`` from ``path``: the config's schedule (each change from the checkpoint logged in one
+    line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups reloaded from a
+    checkpoint carry its peak/floor LR and Adam betas, and megatron-core's scheduler would take its
+    warmup, decay length and weight decay from the checkpoint."""
+    train, keep = cfg.train, cfg.checkpoint.keep_schedule
+    for name in SCHEDULE_FIELDS:
+        before, now = saved_train.get(name), getattr(train, name)
+        if before is None or before == now:
+            continue
+        if keep:
+            log.warning("resume: train.%s=%r, but %s's schedule (%r) is kept "
+                        "(checkpoint.keep_schedule=true)", name, now, path.name, before)
+        else:
+            log.warning("resume: train.%s changed from %r to %r; the LR schedule follows the "
+                        "config from step %d (checkpoint.keep_schedule=true keeps %s's)",
+                        name, before, now, step, path.name)
+    scheduler.use_checkpoint_opt_param_scheduler = keep
+    scheduler.override_opt_param_scheduler = not keep
+    if not keep:
+        for group in scheduler.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
+            group["betas"] = (train.adam_beta1, train.adam_beta2)
+    scheduler.load_state_dict(scheduler_state)
+    scheduler.step(0)  # load_state_dict sets the groups' weight decay before loading its own

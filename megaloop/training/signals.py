@@ -105,10 +105,14 @@ class StopSignals:
         finally:
             os._exit(status)
 
-    def restore(self) -> None:
-        """Idempotent; signals received before it have been counted when it returns."""
+    def restore(self, afterwards=None) -> None:
+        """Idempotent; signals received before it have been counted when it returns.
+        ``afterwards``: the stop signals' handler from now on instead of the previous ones (a
+        process about to exit keeps them ignored: ``signal.SIG_IGN``)."""
         if self not in _installed:
             return
+        if afterwards is not None:
+            self._previous = dict.fromkeys(STOP_SIGNALS, afterwards)
         position = _installed.index(self)
         if position + 1 < len(_installed):
             # Restored before one installed after it (two Trainers, the first closed first): that

@@ -32,15 +32,11 @@ import torch.distributed as dist
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.data import MicroBatches, build_datasets
+from megaloop.training.resume import check_changed_settings, resume_schedule
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
-
-# Train fields that shape the LR schedule and the optimizer's update, compared on resume.
-SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weight_decay",
-                   "adam_beta1", "adam_beta2")
-
 
 class TrainingAborted(RuntimeError):
     """Training cannot go on; the message says why and which checkpoint is the last good one."""
@@ -165,7 +161,8 @@ class Trainer:
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
-            ckpt.check_optimizer_layout(self.resume_path, cfg)
+            ckpt.check_optimizer_state(self.resume_path, cfg)
+            check_changed_settings(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval
@@ -516,33 +513,6 @@ class Trainer:
         self._note_left_behind()
         return path
 
-    def _resume_schedule(self, saved_train: dict, scheduler_state: dict, path: Path) -> None:
-        """The LR schedule after a resume: the config's (each change from the checkpoint logged
-        in one line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups
-        reloaded from a checkpoint carry its peak/floor LR and Adam betas, and megatron-core's
-        scheduler would take its warmup, decay length and weight decay from the checkpoint."""
-        train, keep = self.cfg.train, self.cfg.checkpoint.keep_schedule
-        for name in SCHEDULE_FIELDS:
-            before, now = saved_train.get(name), getattr(train, name)
-            if before is None or before == now:
-                continue
-            if keep:
-                log.warning("resume: train.%s=%r, but %s's schedule (%r) is kept "
-                            "(checkpoint.keep_schedule=true)", name, now, path.name, before)
-            else:
-                log.warning("resume: train.%s changed from %r to %r; the LR schedule follows the "
-                            "config from step %d (checkpoint.keep_schedule=true keeps %s's)",
-                            name, before, now, self.step, path.name)
-        scheduler = self.scheduler
-        scheduler.use_checkpoint_opt_param_scheduler = keep
-        scheduler.override_opt_param_scheduler = not keep
-        if not keep:
-            for group in self.optimizer.param_groups:
-                group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
-                group["betas"] = (train.adam_beta1, train.adam_beta2)
-        scheduler.load_state_dict(scheduler_state)
-        scheduler.step(0)  # load_state_dict sets the groups' weight decay before loading its own
-
     def _load(self, path: Path) -> None:
         from megaloop.training.optimizer import (materialise_optimizer_state,
                                                  restore_torch_adam_steps)
@@ -575,7 +545,8 @@ class Trainer:
         restore_torch_adam_steps(self.optimizer, state["optimizer"])
         trainer = state["trainer"]
         self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
-        self._resume_schedule(saved["train"], state["scheduler"], path)
+        resume_schedule(self.scheduler, self.cfg, saved["train"], state["scheduler"], path,
+                        self.step)
         if own:
             self._last_saved_step = self.step  # this very checkpoint: no need to write it again
         cfg = self.cfg

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from megaloop.training.trainer import SCHEDULE_FIELDS, Trainer
+from megaloop.training.resume import SCHEDULE_FIELDS
+from megaloop.training.trainer import Trainer
 from tests.training.conftest import tiny_run
 
 LR = 3e-3
