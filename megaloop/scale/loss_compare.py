@@ -59,7 +59,8 @@ def save_seed_checkpoint(cfg: RunConfig, out_dir: str) -> str:
         cfg, parallel=Layout().parallel_config(),
         train=dataclasses.replace(cfg.train, out_dir=out_dir),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=None, load=None, resume=False))
-    Trainer(seed).save()
+    with Trainer(seed) as trainer:
+        trainer.save()
     return str(Path(out_dir) / "checkpoints")
 
 

@@ -96,7 +96,8 @@ def _chunk_key(chunk: int) -> str:
 
 class Trainer:
     """``Trainer(cfg).train()`` runs a whole training; ``close()`` (which ``train`` calls) releases
-    the run lock, the signal handlers and the monitor of a Trainer used without ``train``.
+    the run lock, the signal handlers and the monitor of a Trainer used without ``train``, as
+    ``with Trainer(cfg) as trainer:`` does (a seed checkpoint: ``trainer.save()``).
 
     ``stop_signals``: handlers the caller installed earlier (``megaloop-train`` does so before
     importing torch); by default the Trainer installs its own and restores the previous ones when
@@ -197,6 +198,12 @@ class Trainer:
             self.monitor.close()
         if self._run_dirs is not None:
             self._run_dirs.release()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ set-up
     def _build_model(self) -> None:

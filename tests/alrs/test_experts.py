@@ -52,7 +52,8 @@ def data(tmp_path_factory):
 def test_ep2_ranks_get_the_one_process_multipliers_for_every_expert(mcore, data, tmp_path):
     from megaloop.training.trainer import Trainer
 
-    Trainer(tiny_run(data, tmp_path / "seed", model=MOE)).save()
+    with Trainer(tiny_run(data, tmp_path / "seed", model=MOE)) as trainer:
+        trainer.save()
     seed = str(tmp_path / "seed" / "checkpoints")
     expected, held = _multipliers(0, 1, data, tmp_path / "single", seed, {})
     assert held == [0, 1, 2, 3]

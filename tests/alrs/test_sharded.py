@@ -192,7 +192,8 @@ def test_pipeline_stages_analyse_what_they_hold_and_apply_the_one_process_multip
     from megaloop.training.trainer import Trainer
 
     data = write_pattern_dataset(tmp_path / "pattern")
-    Trainer(tiny_run(data, tmp_path / "seed")).save()
+    with Trainer(tiny_run(data, tmp_path / "seed")) as trainer:
+        trainer.save()
     seed = str(tmp_path / "seed" / "checkpoints")
     expected, names, _, _ = _pipeline_multipliers(0, 1, data, tmp_path / "single", seed, {})
     assert len(set(expected.values())) > 4

@@ -51,7 +51,8 @@ def test_routing_metrics_are_logged_per_iteration_and_never_enter_reported_losse
     from megaloop.training.trainer import Trainer
 
     seed = tmp_path / "seed"
-    Trainer(tiny_run(data, seed, model=MOE)).save()
+    with Trainer(tiny_run(data, seed, model=MOE)) as trainer:
+        trainer.save()
     results = {}
     for coeff in (0.01, 100.0):
         out = tmp_path / f"aux{coeff}"

@@ -89,7 +89,7 @@ def test_resume_with_a_different_architecture_is_a_clear_error(mcore, pattern_da
                                                    r"in the checkpoint, 64 now"):
         Trainer(tiny_run(pattern_data, tmp_path, model=dict(hidden_size=64)))
     # Test-time depth is not architecture: a different K resumes.
-    Trainer(tiny_run(pattern_data, tmp_path, model=dict(iterations=4)))
+    Trainer(tiny_run(pattern_data, tmp_path, model=dict(iterations=4))).close()
 
 
 def test_missing_or_corrupt_data_fails_before_the_model_is_built(mcore, pattern_data, tmp_path,
@@ -121,9 +121,9 @@ def test_batch_sizes_must_divide(mcore, pattern_data, tmp_path):
 def test_weights_only_load_trains_from_the_loaded_weights(mcore, pattern_data, tmp_path, precision):
     """In bf16 the optimizer holds fp32 main copies; a weights-only load must refresh them, or
     the first step writes the new run's random initialisation back."""
-    seed = Trainer(tiny_run(pattern_data, tmp_path / "seed", train={"precision": precision}))
-    seed.save()
-    seed_weights = {n: p.detach().float().clone() for n, p in seed.model.named_parameters()}
+    with Trainer(tiny_run(pattern_data, tmp_path / "seed", train={"precision": precision})) as seed:
+        seed.save()
+        seed_weights = {n: p.detach().float().clone() for n, p in seed.model.named_parameters()}
     cfg = tiny_run(pattern_data, tmp_path / "run",
                    train={"precision": precision, "seed": 99, "train_steps": 1},
                    checkpoint={"load": str(tmp_path / "seed" / "checkpoints"),
@@ -150,7 +150,8 @@ def test_a_weights_only_checkpoint_starts_a_run_but_is_no_resume(mcore, pattern_
                                                    r"set checkpoint.load_optimizer=false"):
         Trainer(cfg)
     cfg.checkpoint.load_optimizer = False
-    loaded = weights(Trainer(cfg).model)
+    with Trainer(cfg) as trainer:
+        loaded = weights(trainer.model)
     for name, tensor in weights(source).items():
         assert torch.equal(loaded[name], tensor), name
 
