@@ -79,9 +79,10 @@ def stored_dtype(path: Path, model) -> torch.dtype:
                           if isinstance(tensor, ShardedTensor)})
 
 
-def weights(model) -> dict[str, torch.Tensor]:
-    """A single-process model's tensors (fp32, CPU), without Transformer Engine's extra state."""
-    return {name: tensor.detach().float().cpu() for name, tensor in model.state_dict().items()
+def weights(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A single-process model's tensors (in ``dtype``, on the CPU: the model's own tensors where
+    they are so already), without Transformer Engine's extra state."""
+    return {name: tensor.detach().to("cpu", dtype) for name, tensor in model.state_dict().items()
             if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")}
 
 
