@@ -64,6 +64,7 @@ def load_hf_model(directory: str | Path):
         cfg.validate()
     except ConfigError as e:
         raise ConversionError(f"{directory / 'config.json'}: {e}") from None
+    _check_safetensors_headers(directory)
     try:
         model, info = model_class.from_pretrained(
             directory, config=hf_config, dtype=torch.float32, use_safetensors=True,
@@ -83,6 +84,21 @@ def load_hf_model(directory: str | Path):
         if names:
             raise ConversionError(f"{directory}: tensor {names[0]}: {problem}{_more(names)}")
     return model.eval(), cfg, family
+
+
+def _check_safetensors_headers(directory: Path) -> None:
+    """Each safetensors file of ``directory`` opens (its header parses and covers the file): a
+    truncated or corrupted one is a ConversionError naming it, where transformers would fail with
+    a message naming no file."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConversionError(f"{file}: not a readable safetensors file (truncated or "
+                                  f"corrupted? {e})") from None
 
 
 def safetensors_dtype(directory: Path) -> torch.dtype:

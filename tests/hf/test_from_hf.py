@@ -90,3 +90,20 @@ def test_refuses_what_megaloop_does_not_compute_naming_the_field(exports, tmp_pa
     directory = _copy(exports, "dense", tmp_path)
     _edit_config(directory, **fields)
     _refused(directory, tmp_path, match)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_refuses_a_damaged_safetensors_file_naming_it(exports, tmp_path, damage):
+    """One shard of a sharded directory (a native model saved in pieces), cut short or
+    overwritten."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(exports.get("dense").hf_dir).save_pretrained(
+        tmp_path / "hf", max_shard_size="100KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    if damage == "truncated":
+        with open(shard, "r+b") as file:
+            file.truncate(shard.stat().st_size // 2)
+    else:
+        shard.write_bytes(b"not safetensors")
+    _refused(tmp_path / "hf", tmp_path, rf"^{shard}: not a readable safetensors file")
