@@ -15,6 +15,7 @@ equal the Hugging Face model's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -45,13 +46,45 @@ def _config(directory: Path):
     if model_type in MEGALOOP_MODEL_TYPES:
         config_class = LatentLoopConfig if model_type == "megaloop_latentloop" else MegaloopConfig
         hf = config_class.from_pretrained(directory)
-        cfg = model_config(hf)
+        cfg = _megaloop_model_config(hf, config_file)
         return hf, cfg, reference_class(cfg), None
     if model_type not in FAMILIES:
         raise ConversionError(f"{config_file}: model_type={model_type!r}: megaloop imports "
                               f"{', '.join(MEGALOOP_MODEL_TYPES + tuple(FAMILIES))}")
     hf = transformers.AutoConfig.from_pretrained(directory)
     return hf, model_config_from_native(hf), getattr(transformers, FAMILIES[model_type]), model_type
+
+
+# The reference configuration's names for ModelConfig fields (megaloop/reference).
+_HF_NAMES = {"max_position_embeddings": "seq_length", "initializer_range": "init_std",
+             "tie_word_embeddings": "tie_embeddings"}
+
+
+def _megaloop_model_config(hf, config_file: Path) -> ModelConfig:
+    """The ModelConfig of a megaloop export's configuration ``hf``. Its fields must have the types
+    and choices a run config allows, and hold what megaloop reads them as (an export writes them
+    resolved): an edited field the reference model would read otherwise (``iterations: null``) is
+    a ConversionError naming it, not a failure inside the model."""
+    import inspect
+
+    from megaloop.config import from_dict
+    from megaloop.models.export import model_config, reference_config
+    from megaloop.reference.configuration_megaloop import MegaloopConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    given = hf.to_dict()
+    try:
+        from_dict(ModelConfig, {_HF_NAMES.get(k, k): v for k, v in given.items()
+                                if _HF_NAMES.get(k, k) in fields})
+    except ConfigError as e:
+        raise ConversionError(f"{config_file}: {e}") from None
+    cfg = model_config(hf)
+    resolved = reference_config(cfg).to_dict()
+    for name in inspect.signature(MegaloopConfig.__init__).parameters:
+        if name in resolved and name in given and given[name] != resolved[name]:
+            raise ConversionError(f"{config_file}: {name}={given[name]!r}: megaloop reads this "
+                                  f"model as {name}={resolved[name]!r}; write that")
+    return cfg
 
 
 def load_hf_model(directory: str | Path):

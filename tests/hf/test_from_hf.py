@@ -107,3 +107,18 @@ def test_refuses_a_damaged_safetensors_file_naming_it(exports, tmp_path, damage)
     else:
         shard.write_bytes(b"not safetensors")
     _refused(tmp_path / "hf", tmp_path, rf"^{shard}: not a readable safetensors file")
+
+
+@pytest.mark.parametrize("variant, fields, match", [
+    ("asymloop", dict(hidden_size="64"), r"config.json: hidden_size='64': must be of type int$"),
+    ("asymloop", dict(injection="globalkv"), r"config.json: injection='globalkv': must be one of "),
+    ("latentloop", dict(latent_visits=[1, "2"]), r"latent_visits\[1\]='2': must be of type int$"),
+    ("asymloop", dict(iterations=None), r"config.json: iterations=None: megaloop reads this model "
+                                        r"as iterations=3; write that$"),
+])
+def test_refuses_an_edited_megaloop_config_naming_the_field(exports, tmp_path, variant, fields,
+                                                            match):
+    """Without the check: a TypeError inside the model, or a message about tensors."""
+    directory = _copy(exports, variant, tmp_path)
+    _edit_config(directory, **fields)
+    _refused(directory, tmp_path, match)
