@@ -116,7 +116,19 @@ def load_hf_model(directory: str | Path):
         names = sorted(info.get(key) or ())
         if names:
             raise ConversionError(f"{directory}: tensor {names[0]}: {problem}{_more(names)}")
+    _check_tied(model, cfg, directory)
     return model.eval(), cfg, family
+
+
+def _check_tied(model, cfg: ModelConfig, directory: Path) -> None:
+    """transformers loads an output layer the safetensors hold even where config.json ties it to
+    the embedding; megaloop would tie it, computing another function."""
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if cfg.tie_embeddings and head is not embedding and not torch.equal(head, embedding):
+        name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head)
+        raise ConversionError(f"{directory}: tensor {name}: differs from the embedding, which "
+                              "config.json's tie_word_embeddings=true makes it; set that false, "
+                              f"or leave {name} out")
 
 
 def _check_safetensors_headers(directory: Path) -> None:

@@ -122,3 +122,13 @@ def test_refuses_an_edited_megaloop_config_naming_the_field(exports, tmp_path, v
     directory = _copy(exports, variant, tmp_path)
     _edit_config(directory, **fields)
     _refused(directory, tmp_path, match)
+
+
+@pytest.mark.parametrize("variant", ["dense", "asymloop"])
+def test_refuses_an_untied_output_layer_under_tie_word_embeddings(exports, tmp_path, variant):
+    """transformers loads the stored lm_head.weight all the same; megaloop would tie it (before:
+    a probe mismatch, exit 1, as if the conversion were wrong)."""
+    directory = _copy(exports, variant, tmp_path)
+    _edit_config(directory, tie_word_embeddings=True)
+    _refused(directory, tmp_path, r"tensor lm_head.weight: differs from the embedding, which "
+                                  r"config.json's tie_word_embeddings=true makes it")
