@@ -151,3 +151,14 @@ def test_a_probe_mismatch_fails_loudly_and_leaves_nothing(exports, tmp_path, mon
     with pytest.raises(ProbeMismatch, match="probe logits differ"):
         export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
     _assert_nothing_written(tmp_path / "out")
+
+
+def test_takes_the_latest_pointer_itself_and_names_a_file_given_for_a_checkpoint(exports,
+                                                                                 tmp_path):
+    """A shell completes runs/x/checkpoints/latest as readily as its directory."""
+    checkpoint = exports.get("dense").checkpoint
+    report = export_checkpoint(checkpoint.parent / "latest", tmp_path / "out")
+    assert report["checkpoint"] == str(checkpoint)
+    with pytest.raises(ConversionError, match=r"config.yaml: a file, not a checkpoint directory"):
+        export_checkpoint(checkpoint / "config.yaml", tmp_path / "other")
+    _assert_nothing_written(tmp_path / "other")
