@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from megaloop.config import ModelConfig
-from megaloop.hf.checkpoint import load_checkpoint_model, stored_dtype, weights
+from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, stored_dtype,
+                                    weights)
 from megaloop.hf.common import (ConversionError, ProbeMismatch, compare_logits, export_dtype,
                                 probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
@@ -97,15 +98,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
 
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
-        model, run, path = load_checkpoint_model(checkpoint, requested)
+        path = checkpoint_path(checkpoint)
+        tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
+        model, run, path = load_checkpoint_model(path, requested)
         chosen = stored_dtype(path, model) if chosen is None else chosen
         cfg = run.model
-        tokenizer = (tokenizer or run.data.tokenizer_model) if with_tokenizer else None
-        if tokenizer is not None and not Path(tokenizer).exists():
-            source = "--tokenizer" if tokenizer != run.data.tokenizer_model else \
-                "the run's data.tokenizer_model"
-            raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
-                                  "--tokenizer PATH, or --no-tokenizer")
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         exact = probe_logits(model, ids)
         expected = exact if chosen == torch.float32 else \
@@ -114,11 +111,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         reference = reference_state_dict(weights(model.to(chosen), chosen), cfg)
         del model
         family, why_not_native = native_family(cfg)
-        special_tokens = {"bos_token_id": None, "eos_token_id": run.data.eod_id}
-        if tokenizer is not None:
-            from megaloop.hf.tokenizer import write_tokenizer
-
-            special_tokens = write_tokenizer(tokenizer, staging, cfg.vocab_size)
         converted = hf_model(cfg, reference, special_tokens)
         converted.save_pretrained(staging)
         del converted
@@ -136,6 +128,29 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
             "probe_max_abs_difference": difference,
             "probe_max_abs_difference_in_dtype": in_dtype,
             "tokenizer": str(tokenizer) if tokenizer else None}
+
+
+def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, staging: Path):
+    """(the tokenizer file written into ``staging``, the special token ids) of checkpoint
+    ``path``: ``tokenizer``, else the run's data.tokenizer_model, if ``with_tokenizer``. Read
+    from the checkpoint's config alone, so that a missing or unsuitable tokenizer fails before
+    the weights are read."""
+    from megaloop.config import DataConfig
+    from megaloop.training.checkpoint import saved_section
+
+    data = saved_section(path, DataConfig, "data")
+    if not with_tokenizer or (tokenizer is None and data.tokenizer_model is None):
+        return None, {"bos_token_id": None, "eos_token_id": data.eod_id}
+    tokenizer = tokenizer or data.tokenizer_model
+    if not Path(tokenizer).exists():
+        source = "--tokenizer" if tokenizer != data.tokenizer_model else \
+            "the run's data.tokenizer_model"
+        raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
+                              "--tokenizer PATH, or --no-tokenizer")
+    from megaloop.hf.tokenizer import write_tokenizer
+
+    vocab_size = saved_section(path, ModelConfig, "model").vocab_size
+    return tokenizer, write_tokenizer(tokenizer, staging, vocab_size)
 
 
 def _round_weights(model, dtype: torch.dtype):

@@ -162,3 +162,23 @@ def test_takes_the_latest_pointer_itself_and_names_a_file_given_for_a_checkpoint
     with pytest.raises(ConversionError, match=r"config.yaml: a file, not a checkpoint directory"):
         export_checkpoint(checkpoint / "config.yaml", tmp_path / "other")
     _assert_nothing_written(tmp_path / "other")
+
+
+def test_a_tokenizer_problem_fails_before_the_weights_are_read(exports, tmp_path, monkeypatch):
+    """Reading a large checkpoint takes minutes; a missing or too large tokenizer is known from
+    its config alone."""
+    from megaloop.hf import to_hf
+    from tests.data.conftest import HF_TOKENIZER
+
+    def read(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(to_hf, "load_checkpoint_model", read)
+    checkpoint = exports.get("dense").checkpoint
+    with pytest.raises(ConversionError, match=r"gone.model: tokenizer file not found"):
+        export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(tmp_path / "gone.model"))
+    if HF_TOKENIZER.is_file():  # GPT-2's 50257 tokens, the model's 128 rows
+        with pytest.raises(ConversionError, match=r"50257 tokens, more than the model's "
+                                                  r"vocab_size=128"):
+            export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(HF_TOKENIZER))
+    _assert_nothing_written(tmp_path / "out")
