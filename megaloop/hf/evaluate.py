@@ -80,6 +80,24 @@ def resolve_tasks(names: Sequence[str], manager) -> list[str]:
     return resolved
 
 
+def check_fewshot(manager, names: Sequence[str], shots: int) -> None:
+    """Each task's few-shot records hold ``shots`` examples besides the question being asked
+    (lm-eval leaves it out): an EvaluationError naming the file where they do not, where lm-eval
+    would fail with a bare 'Sample larger than population'."""
+    if shots == 0:
+        return
+    for name, task in manager.load(list(names))["tasks"].items():
+        split = task.config.fewshot_split
+        same = split == task.config.test_split
+        have = len(task.fewshot_docs())
+        if have < shots + same:
+            file = (task.config.dataset_kwargs or {}).get("data_files", {}).get(split, split)
+            raise EvaluationError(f"num_fewshot {shots}: task {name.removeprefix(TASK_PREFIX)} "
+                                  f"draws its examples from {file}, which holds {have} records "
+                                  f"({shots + same} needed"
+                                  f"{', the question itself left out' if same else ''})")
+
+
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
@@ -176,6 +194,7 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
         model.config.iterations = configured
     manager = task_manager(data_dir, task_dir)
     names = resolve_tasks(tasks, manager)
+    check_fewshot(manager, names, max(num_fewshot))
     lm = harness_model(model, tokenizer, batch_size)
     rows = []
     try:

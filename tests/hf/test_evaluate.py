@@ -271,3 +271,20 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         assert exit_.value.code == 2
     assert not (tmp_path / "out").exists()
 
+
+
+def test_more_shots_than_a_file_holds_is_one_line(harness, tmp_path):
+    """The written SciQ and MMLU files hold three records: 3 shots leave SciQ's question out of
+    three (4 needed); MMLU draws from its dev file (3 needed). lm-eval alone raises a bare
+    ValueError from random.sample."""
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    with pytest.raises(ev.EvaluationError, match=r"^num_fewshot 3: task sciq draws its examples "
+                                                 r"from sciq_test.jsonl, which holds 3 records "
+                                                 r"\(4 needed, the question itself left out\)$"):
+        ev.evaluate(export.model, export.tokenizer, ["mmlu", "sciq"], data_dir=harness["data"],
+                    num_fewshot=(0, 3), limit=1)
+    rows = ev.evaluate(export.model, export.tokenizer, ["mmlu", "sciq"], data_dir=harness["data"],
+                       num_fewshot=(2,), limit=1)
+    assert sorted(r["task"] for r in rows) == ["mmlu", "sciq"]
