@@ -138,6 +138,22 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                         f"model with a longer seq_length or leave that task out")
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
+        def generate_until(self, requests, *args, **kwargs):
+            """HFLM only asserts (a bare AssertionError) when the new tokens leave no room for a
+            prompt in the model's context."""
+            from lm_eval.models.utils import normalize_gen_kwargs
+
+            for request in requests:
+                new_tokens = normalize_gen_kwargs(dict(request.args[1]),
+                                                  self.max_gen_toks)["max_gen_toks"]
+                if new_tokens >= self.max_length:
+                    raise EvaluationError(
+                        f"max_gen_toks {new_tokens} (task "
+                        f"{request.task_name.removeprefix(TASK_PREFIX)}): leaves no room for a "
+                        f"prompt in the model's {self.max_length}-token context; pass a smaller "
+                        "--max-gen-toks")
+            return super().generate_until(requests, *args, **kwargs)
+
     return CheckedHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
 
 

@@ -184,6 +184,21 @@ def test_a_continuation_longer_than_the_context_is_one_line(harness):
         ev.run_harness(lm, names, harness["manager"], num_fewshot=0, limit=2)
 
 
+def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness):
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    names = ev.resolve_tasks(["gsm8k"], harness["manager"])
+    lm = ev.harness_model(export.model, export.tokenizer, batch_size=2)
+    lm._max_length = 16
+    for gen_kwargs, new_tokens in ((None, 256), ({"max_gen_toks": 16}, 16)):
+        with pytest.raises(ev.EvaluationError, match=rf"^max_gen_toks {new_tokens} \(task gsm8k\): "
+                                                     r"leaves no room for a prompt in the model's "
+                                                     r"16-token context"):
+            ev.run_harness(lm, names, harness["manager"], num_fewshot=0, limit=1,
+                           gen_kwargs=gen_kwargs)
+
+
 @pytest.mark.parametrize("arch", ["dense", "asymloop"])
 def test_lm_eval_cli_loads_the_export_offline(harness, arch, tmp_path, monkeypatch):
     import lm_eval.tasks
