@@ -23,12 +23,14 @@ visits) for its pass over the tasks; None keeps the configured one.
 
 A row per (task, shots, depth) holds lm-eval's metrics under their names (``acc``, ``acc_norm``,
 ``perplexity``; a filtered metric as ``exact_match_strict-match``) and ``score``, the value of
-``metric``: ``acc`` where the task has it, else its first metric. The table's mean is the unweighted
-mean of the scores.
+``metric``: ``acc`` where the task has it, else its first metric; ``requests`` counts the task's
+requests and ``truncated`` those longer than the model's context, which lm-eval cuts from the left.
+The table's mean is the unweighted mean of the scores.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -126,16 +128,34 @@ def harness_model(model, tokenizer, batch_size: int = 8):
 
     class CheckedHFLM(HFLM):
         """HFLM whose too-long continuations are an EvaluationError naming the text: HFLM only
-        asserts (a bare AssertionError) when a continuation does not fit the model's context."""
+        asserts (a bare AssertionError) when a continuation does not fit the model's context.
+        It counts, per task, the requests (``sent``) and those longer than the model's context
+        (``cut``), which HFLM cuts from the left and only logs."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sent, self.cut = collections.Counter(), collections.Counter()
+            self._cut_pairs = set()
+
+        def loglikelihood(self, requests, *args, **kwargs):
+            self._cut_pairs.clear()
+            results = super().loglikelihood(requests, *args, **kwargs)
+            for request in requests:
+                self.sent[request.task_name] += 1
+                self.cut[request.task_name] += tuple(request.args) in self._cut_pairs
+            return results
 
         def _loglikelihood_tokens(self, requests, *args, **kwargs):
-            for key, _, continuation in requests:
+            for key, context, continuation in requests:
                 if len(continuation) > self.max_length:
                     text = key[1] if isinstance(key, tuple) else key
                     raise EvaluationError(
                         f"a continuation of {len(continuation)} tokens does not fit the model's "
                         f"{self.max_length}-token context ({str(text)[:40]!r}...); evaluate a "
                         f"model with a longer seq_length or leave that task out")
+                fed = len(context) + len(continuation) - 1  # the last token is not fed
+                if isinstance(key, tuple) and fed > self.max_length:
+                    self._cut_pairs.add(key)
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
         def generate_until(self, requests, *args, **kwargs):
@@ -144,7 +164,8 @@ def harness_model(model, tokenizer, batch_size: int = 8):
             from lm_eval.models.utils import normalize_gen_kwargs
 
             for request in requests:
-                new_tokens = normalize_gen_kwargs(dict(request.args[1]),
+                context, gen_kwargs = request.args
+                new_tokens = normalize_gen_kwargs(dict(gen_kwargs),
                                                   self.max_gen_toks)["max_gen_toks"]
                 if new_tokens >= self.max_length:
                     raise EvaluationError(
@@ -152,6 +173,9 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                         f"{request.task_name.removeprefix(TASK_PREFIX)}): leaves no room for a "
                         f"prompt in the model's {self.max_length}-token context; pass a smaller "
                         "--max-gen-toks")
+                self.sent[request.task_name] += 1
+                self.cut[request.task_name] += \
+                    len(self.tok_encode(context)) > self.max_length - new_tokens
             return super().generate_until(requests, *args, **kwargs)
 
     return CheckedHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
@@ -171,8 +195,9 @@ def run_harness(lm, tasks: Sequence[str], manager, *, num_fewshot: int, limit: i
                            gen_kwargs=gen_kwargs)
 
 
-def result_rows(results: dict, num_fewshot: int, iterations: int | None) -> list[dict]:
-    """One row per task of a ``simple_evaluate`` result."""
+def result_rows(results: dict, num_fewshot: int, iterations: int | None, lm=None) -> list[dict]:
+    """One row per task of a ``simple_evaluate`` result; with ``lm`` (the ``harness_model`` that
+    ran it), its requests and those cut to the model's context (``requests``, ``truncated``)."""
     rows = []
     for task, values in results["results"].items():
         metrics = {}
@@ -184,10 +209,11 @@ def result_rows(results: dict, num_fewshot: int, iterations: int | None) -> list
         if not metrics:
             continue
         metric = "acc" if "acc" in metrics else next(iter(metrics))
+        counts = {} if lm is None else {"requests": lm.sent[task], "truncated": lm.cut[task]}
         rows.append({"task": task.removeprefix(TASK_PREFIX), "num_fewshot": num_fewshot,
                      "iterations": iterations,
                      "samples": results["n-samples"][task]["effective"],
-                     "metric": metric, "score": metrics[metric], **metrics})
+                     "metric": metric, "score": metrics[metric], **counts, **metrics})
     return rows
 
 
@@ -217,10 +243,12 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
         for depth in depths:
             iterations = set_depth(model, depth)
             for shots in num_fewshot:
+                lm.sent.clear()
+                lm.cut.clear()
                 results = run_harness(lm, names, manager, num_fewshot=shots, limit=limit,
                                       gen_kwargs=None if max_gen_toks is None
                                       else {"max_gen_toks": max_gen_toks})
-                rows += result_rows(results, shots, iterations)
+                rows += result_rows(results, shots, iterations, lm)
     finally:
         if configured is not None:
             model.config.iterations = configured
@@ -279,13 +307,17 @@ def _percent(value: float | None) -> str:
     return "" if value is None or not math.isfinite(value) else f"{100 * value:.1f}"
 
 
+def _setting(shots: int, iterations: int | None) -> str:
+    return f"{shots}-shot" + ("" if iterations is None else f", K={iterations}")
+
+
 def markdown_table(rows: list[dict]) -> str:
-    """Tasks down, (shots, depth) across: each task's score in %, then their mean."""
+    """Tasks down, (shots, depth) across: each task's score in %, then their mean; under it, the
+    settings whose requests were longer than the model's context (cut from the left)."""
     settings = list(dict.fromkeys((r["num_fewshot"], r["iterations"]) for r in rows))
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cell = {(r["task"], r["num_fewshot"], r["iterations"]): r for r in rows}
-    header = ["task", "metric", "n"] + [f"{shots}-shot" + ("" if k is None else f", K={k}")
-                                        for shots, k in settings]
+    header = ["task", "metric", "n"] + [_setting(*setting) for setting in settings]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in tasks:
         first = next(r for r in rows if r["task"] == task)
@@ -298,6 +330,10 @@ def markdown_table(rows: list[dict]) -> str:
         scores = [cell[(task, *setting)]["score"] for task in tasks if (task, *setting) in cell]
         means.append(_percent(sum(scores) / len(scores)))
     lines.append("| " + " | ".join([f"mean ({len(tasks)} tasks)", "", ""] + means) + " |")
+    cut = [f"{r['task']} {_setting(r['num_fewshot'], r['iterations'])}: {r['truncated']} of "
+           f"{r['requests']} requests" for r in rows if r.get("truncated")]
+    if cut:
+        lines += ["", "Longer than the model's context, cut from the left: " + "; ".join(cut) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -303,3 +303,34 @@ def test_more_shots_than_a_file_holds_is_one_line(harness, tmp_path):
     rows = ev.evaluate(export.model, export.tokenizer, ["mmlu", "sciq"], data_dir=harness["data"],
                        num_fewshot=(2,), limit=1)
     assert sorted(r["task"] for r in rows) == ["mmlu", "sciq"]
+
+
+def test_requests_longer_than_the_context_are_counted_and_shown(harness, monkeypatch):
+    """lm-eval cuts them from the left and only logs it (megaloop quiets its log): the rows and
+    the table say how many, counted here from the scored prompts themselves."""
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    monkeypatch.setattr(export.model.config, "max_position_embeddings", 48)
+    rows = ev.evaluate(export.model, export.tokenizer, ["piqa", "gsm8k"], data_dir=harness["data"],
+                       num_fewshot=(0, 2), limit=3, max_gen_toks=8)
+
+    def length(text):
+        return len(export.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    counts = {}
+    for shots in (0, 2):
+        samples = _run(harness, export, ["piqa", "gsm8k"], num_fewshot=shots, limit=3,
+                       gen_kwargs={"max_gen_toks": 8})["samples"]
+        piqa = [a for s in samples["local_piqa"] for a in s["arguments"]]
+        # One sample per document and filter (GSM8K has two filters).
+        gsm8k = {s["doc_id"]: s["arguments"][0][0] for s in samples["local_gsm8k"]}.values()
+        counts[("piqa", shots)] = (len(piqa), sum(length(c + x) - 1 > 48 for c, x in piqa))
+        counts[("gsm8k", shots)] = (len(gsm8k), sum(length(c) > 48 - 8 for c in gsm8k))
+    assert {(r["task"], r["num_fewshot"]): (r["requests"], r["truncated"]) for r in rows} == counts
+    assert 0 < counts[("piqa", 0)][1] < counts[("piqa", 2)][1] == 6, counts
+    table = ev.markdown_table(rows)
+    assert table.splitlines()[-1] == (
+        "Longer than the model's context, cut from the left: " + "; ".join(
+            f"{task} {shots}-shot: {cut} of {sent} requests"
+            for (task, shots), (sent, cut) in counts.items() if cut) + ".")
