@@ -39,8 +39,8 @@ class Export:
 
 @pytest.fixture(scope="module")
 def harness(mcore, tmp_path_factory):
-    """Exports of a tiny AsymLoop (remote code) and Dense (native Llama) model with the LLaMA-2
-    tokenizer, and one data directory with the samples and the written files."""
+    """Exports of a tiny AsymLoop, LatentLoop (remote code) and Dense (native Llama) model with
+    the LLaMA-2 tokenizer, and one data directory with the samples and the written files."""
     require_harness()
     from megaloop.hf import evaluate as ev
     from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
@@ -56,9 +56,10 @@ def harness(mcore, tmp_path_factory):
             (data / name).symlink_to(EVAL_DATA / name)
     exports = {}
     for arch, fields in (("asymloop", dict(encoder_layers=1, iterations=2)),
-                         ("dense", dict(iterations=1))):
+                         ("dense", dict(iterations=1)),
+                         ("latentloop", dict(iterations=2, num_layers=3))):
         torch.manual_seed(0)
-        cfg = ModelConfig(arch=arch, **TINY, **fields, init_std=0.1)
+        cfg = ModelConfig(arch=arch, **{**TINY, **fields}, init_std=0.1)
         model = build_single_process_model(cfg)
         run = RunConfig(model=cfg, data=DataConfig(tokenizer_model=str(SP_MODEL)))
         checkpoint = save_weights_checkpoint(model, run, root / arch / "checkpoint")
@@ -67,11 +68,11 @@ def harness(mcore, tmp_path_factory):
     return {"data": data, "manager": ev.task_manager(data), **exports}
 
 
-def _run(harness, export, tasks, **kwargs):
+def _run(harness, export, tasks, batch_size=4, **kwargs):
     from megaloop.hf import evaluate as ev
 
     names = ev.resolve_tasks(tasks, harness["manager"])
-    lm = ev.harness_model(export.model, export.tokenizer, batch_size=4)
+    lm = ev.harness_model(export.model, export.tokenizer, batch_size=batch_size)
     return ev.run_harness(lm, names, harness["manager"], log_samples=True, **kwargs)
 
 
@@ -142,6 +143,23 @@ def test_generation_task_runs_greedy_decoding_through_the_cache(harness):
     expected = export.tokenizer.decode(greedy[0, prompt.shape[1]:])
     assert sample["resps"][0][0] == expected.split("Question:")[0]
     assert 0 <= results["results"]["local_gsm8k"]["exact_match,strict-match"] <= 1
+
+
+@pytest.mark.parametrize("arch", ["latentloop", "asymloop"])
+def test_batched_generation_gives_each_prompt_its_own_tokens(harness, arch):
+    """Prompts of different lengths, left-padded into one batch: LatentLoop refuses padding, so
+    each is generated alone (before: its ValueError, through lm-eval, failed the evaluation);
+    AsymLoop takes the padding. Either way the answers are those of batch size 1."""
+    export = harness[arch]
+    answers = {}
+    for batch_size in (1, 3):
+        samples = _run(harness, export, ["gsm8k"], batch_size=batch_size, num_fewshot=0,
+                       limit=3, gen_kwargs={"max_gen_toks": 6})["samples"]["local_gsm8k"]
+        answers[batch_size] = {s["doc_id"]: s["resps"][0][0] for s in samples}
+    prompts = {len(export.tokenizer(r["question"])["input_ids"])
+               for r in records(harness["data"], SAMPLE_FILES["gsm8k"])[:3]}
+    assert len(prompts) == 3  # three lengths: the batch is padded
+    assert answers[3] == answers[1]
 
 
 def test_test_time_depth_reaches_the_model_and_is_restored(harness):
