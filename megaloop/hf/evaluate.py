@@ -241,9 +241,11 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
              task_dir: str | Path = TASK_DIR, num_fewshot: Sequence[int] = (0,),
              depths: Sequence[int | None] = (None,), limit: int | None = None,
              batch_size: int = 8, max_gen_toks: int | None = None) -> list[dict]:
-    """Rows of ``tasks`` at every (shots, depth). The model's configured depth is restored.
-    ``max_gen_toks``: new tokens of the generation tasks (None: each task's own)."""
+    """Rows of ``tasks`` at every (shots, depth), each setting once however often it is given.
+    The model's configured depth is restored. ``max_gen_toks``: new tokens of the generation
+    tasks (None: each task's own)."""
     quiet_harness()
+    num_fewshot, depths = list(dict.fromkeys(num_fewshot)), list(dict.fromkeys(depths))
     for name, value in (("limit", limit), ("max_gen_toks", max_gen_toks)):
         if value is not None and value < 1:
             raise EvaluationError(f"{name} {value}: must be >= 1")

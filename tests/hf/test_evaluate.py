@@ -180,7 +180,7 @@ def test_test_time_depth_reaches_the_model_and_is_restored(harness):
         assert scores[depth] == pytest.approx(expected, rel=1e-4, abs=1e-3)
     assert scores[1] != pytest.approx(scores[3], rel=1e-3)
     rows = ev.evaluate(export.model, export.tokenizer, ["winogrande"], data_dir=harness["data"],
-                       depths=(1, 3), limit=2)
+                       depths=(1, 3, 1), num_fewshot=(0, 0), limit=2)  # each setting once
     assert [(r["task"], r["iterations"], r["samples"]) for r in rows] == [
         ("winogrande", 1, 2), ("winogrande", 3, 2)]
     assert export.model.config.iterations == 2
