@@ -182,3 +182,25 @@ def test_a_tokenizer_problem_fails_before_the_weights_are_read(exports, tmp_path
                                                   r"vocab_size=128"):
             export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(HF_TOKENIZER))
     _assert_nothing_written(tmp_path / "out")
+
+
+def test_an_output_directory_that_cannot_be_created_or_filled_meanwhile_is_one_line(
+        exports, tmp_path, monkeypatch):
+    from megaloop.hf import to_hf
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConversionError, match=r"file/out: cannot create it \(File exists: "):
+        export_checkpoint(exports.get("dense").checkpoint, tmp_path / "file" / "out")
+    write_tokenizer = to_hf._write_tokenizer
+
+    def another_export_finishes_first(*args):  # a second export of the same OUT, say
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "theirs").write_text("")
+        return write_tokenizer(*args)
+
+    monkeypatch.setattr(to_hf, "_write_tokenizer", another_export_finishes_first)
+    with pytest.raises(ConversionError, match=r"out: cannot move the conversion there "
+                                              r"\(Directory not empty\)"):
+        export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["theirs"]
