@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     try:
+        ev.result_files(args.output)  # an unwritable --output fails before the evaluation
         with tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
                 contextlib.redirect_stdout(sys.stderr):  # stdout is the table only
             model, tokenizer, info = ev.load_for_evaluation(args.source, workdir,

@@ -34,6 +34,7 @@ import collections
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -359,15 +360,30 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def result_files(prefix: str | Path) -> tuple[Path, Path]:
+    """(``prefix``.md, ``prefix``.json); an EvaluationError where they cannot be written (a file
+    where a directory must be, a directory of their name), to be found before an evaluation
+    rather than after it. Nothing is created."""
+    prefix = Path(prefix)
+    files = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
+    existing = next(p for p in (prefix.parent, *prefix.parent.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise EvaluationError(f"{prefix}: cannot write results there ({existing} is not a "
+                              "writable directory)")
+    for file in files:
+        if file.is_dir():
+            raise EvaluationError(f"{file}: a directory; choose another --output")
+    return files
+
+
 def write_results(rows: list[dict], prefix: str | Path, info: dict) -> tuple[Path, Path]:
     """``prefix``.md (the table) and ``prefix``.json (every metric), each written atomically."""
     import lm_eval
 
     from megaloop.config import write_text_atomic
 
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    markdown, data = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
+    markdown, data = result_files(prefix)
+    markdown.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(data, json.dumps({**info, "lm_eval_version": lm_eval.__version__,
                                         "rows": rows}, indent=2) + "\n")
     write_text_atomic(markdown, markdown_table(rows))

@@ -293,9 +293,15 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         ([hf, "--data-dir", data, "--tokenizer", str(SP_MODEL)], "only for a megaloop "
                                                                  "checkpoint"),
         ([str(tmp_path / "missing"), "--data-dir", data], "missing: no such checkpoint"),
+        # Found before the evaluation, not after it.
+        ([hf, "--data-dir", data, "--output", str(broken / "piqa_valid.jsonl" / "x")],
+         "piqa_valid.jsonl is not a writable directory"),
+        ([hf, "--data-dir", data, "--output", str(broken)], "broken.md: a directory; choose "),
     ]
+    (tmp_path / "broken.md").mkdir()
     for argv, message in cases:
-        assert evaluate(argv + ["--output", str(tmp_path / "out" / "x")]) == 2, message
+        assert evaluate(argv + ["--output", str(tmp_path / "out" / "x")] * ("--output" not in argv)
+                        ) == 2, message
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (message, err)
     for flag in ("--limit", "--batch-size"):
