@@ -147,8 +147,11 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
             "the run's data.tokenizer_model"
         raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                               "--tokenizer PATH, or --no-tokenizer")
-    from megaloop.hf.tokenizer import write_tokenizer
+    from megaloop.hf.tokenizer import check_encodes_like, write_tokenizer
 
+    if data.tokenizer_model is not None and Path(data.tokenizer_model).exists() and \
+            Path(tokenizer).resolve() != Path(data.tokenizer_model).resolve():
+        check_encodes_like(tokenizer, data.tokenizer_model)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     return tokenizer, write_tokenizer(tokenizer, staging, vocab_size)
 
