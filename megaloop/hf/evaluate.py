@@ -83,22 +83,21 @@ def resolve_tasks(names: Sequence[str], manager) -> list[str]:
     return resolved
 
 
-def check_fewshot(manager, names: Sequence[str], shots: int) -> None:
-    """Each task's few-shot records hold ``shots`` examples besides the question being asked
+def check_fewshot(name: str, task, shots: int) -> None:
+    """Task ``name``'s few-shot records hold ``shots`` examples besides the question being asked
     (lm-eval leaves it out): an EvaluationError naming the file where they do not, where lm-eval
     would fail with a bare 'Sample larger than population'."""
     if shots == 0:
         return
-    for name, task in manager.load(list(names))["tasks"].items():
-        split = task.config.fewshot_split
-        same = split == task.config.test_split
-        have = len(task.fewshot_docs())
-        if have < shots + same:
-            file = (task.config.dataset_kwargs or {}).get("data_files", {}).get(split, split)
-            raise EvaluationError(f"num_fewshot {shots}: task {name.removeprefix(TASK_PREFIX)} "
-                                  f"draws its examples from {file}, which holds {have} records "
-                                  f"({shots + same} needed"
-                                  f"{', the question itself left out' if same else ''})")
+    split = task.config.fewshot_split
+    same = split == task.config.test_split
+    have = len(task.fewshot_docs())
+    if have < shots + same:
+        file = (task.config.dataset_kwargs or {}).get("data_files", {}).get(split, split)
+        raise EvaluationError(f"num_fewshot {shots}: task {name.removeprefix(TASK_PREFIX)} "
+                              f"draws its examples from {file}, which holds {have} records "
+                              f"({shots + same} needed"
+                              f"{', the question itself left out' if same else ''})")
 
 
 def _one_line(error: BaseException) -> str:
@@ -160,21 +159,25 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                     self._cut_pairs.add(key)
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
+        def new_tokens(self, gen_kwargs: dict, task: str) -> int:
+            """The tokens generation settings ``gen_kwargs`` of ``task`` generate, at most; an
+            EvaluationError where they leave no room for a prompt in the model's context."""
+            from lm_eval.models.utils import normalize_gen_kwargs
+
+            new_tokens = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
+            if new_tokens >= self.max_length:
+                raise EvaluationError(
+                    f"max_gen_toks {new_tokens} (task {task.removeprefix(TASK_PREFIX)}): leaves "
+                    f"no room for a prompt in the model's {self.max_length}-token context; pass a "
+                    "smaller --max-gen-toks")
+            return new_tokens
+
         def generate_until(self, requests, *args, **kwargs):
             """HFLM only asserts (a bare AssertionError) when the new tokens leave no room for a
             prompt in the model's context."""
-            from lm_eval.models.utils import normalize_gen_kwargs
-
             for request in requests:
                 context, gen_kwargs = request.args
-                new_tokens = normalize_gen_kwargs(dict(gen_kwargs),
-                                                  self.max_gen_toks)["max_gen_toks"]
-                if new_tokens >= self.max_length:
-                    raise EvaluationError(
-                        f"max_gen_toks {new_tokens} (task "
-                        f"{request.task_name.removeprefix(TASK_PREFIX)}): leaves no room for a "
-                        f"prompt in the model's {self.max_length}-token context; pass a smaller "
-                        "--max-gen-toks")
+                new_tokens = self.new_tokens(gen_kwargs, request.task_name)
                 self.sent[request.task_name] += 1
                 self.cut[request.task_name] += \
                     len(self.tok_encode(context)) > self.max_length - new_tokens
@@ -259,8 +262,12 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
         model.config.iterations = configured
     manager = task_manager(data_dir, task_dir)
     names = resolve_tasks(tasks, manager)
-    check_fewshot(manager, names, max(num_fewshot))
+    gen_kwargs = None if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
     lm = harness_model(model, tokenizer, batch_size)
+    for name, task in manager.load(names)["tasks"].items():  # before any task runs
+        check_fewshot(name, task, max(num_fewshot))
+        if task.config.output_type == "generate_until":
+            lm.new_tokens({**(task.config.generation_kwargs or {}), **(gen_kwargs or {})}, name)
     rows = []
     try:
         for depth in depths:
@@ -269,8 +276,7 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
                 lm.sent.clear()
                 lm.cut.clear()
                 results = run_harness(lm, names, manager, num_fewshot=shots, limit=limit,
-                                      gen_kwargs=None if max_gen_toks is None
-                                      else {"max_gen_toks": max_gen_toks})
+                                      gen_kwargs=gen_kwargs)
                 rows += result_rows(results, shots, iterations, lm)
     finally:
         if configured is not None:

@@ -202,10 +202,19 @@ def test_a_continuation_longer_than_the_context_is_one_line(harness):
         ev.run_harness(lm, names, harness["manager"], num_fewshot=0, limit=2)
 
 
-def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness):
+def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeypatch):
+    """Found before any task runs: GSM8K comes after seven log-likelihood tasks here."""
     from megaloop.hf import evaluate as ev
 
     export = harness["dense"]
+    monkeypatch.setattr(export.model.config, "max_position_embeddings", 16)
+    forwards = []
+    monkeypatch.setattr(export.model, "forward", lambda *a, **k: forwards.append(1))
+    with pytest.raises(ev.EvaluationError, match=r"^max_gen_toks 16 \(task gsm8k\): leaves no "
+                                                 r"room for a prompt in the model's 16-token"):
+        ev.evaluate(export.model, export.tokenizer, ["asymloop_tasks", "gsm8k"],
+                    data_dir=harness["data"], limit=1, max_gen_toks=16)
+    assert forwards == []
     names = ev.resolve_tasks(["gsm8k"], harness["manager"])
     lm = ev.harness_model(export.model, export.tokenizer, batch_size=2)
     lm._max_length = 16
