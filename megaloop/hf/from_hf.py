@@ -8,7 +8,9 @@ never run. A tensor that is missing, unexpected or shaped otherwise than config.
 one-line error naming it.
 
 The result is a checkpoint directory (iter_0000000 and ``latest``) that a run starts from with
-``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section.
+``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section
+and, as data.eod_id, config.json's eos_token_id (so that exporting it again writes it; the
+tokenizer itself is not carried: export with --tokenizer).
 Before the rename into place, the checkpoint is loaded back and its logits on a probe input must
 equal the Hugging Face model's.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megaloop.config import ConfigError, ModelConfig, RunConfig
+from megaloop.config import ConfigError, DataConfig, ModelConfig, RunConfig
 from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint, weights
 from megaloop.hf.common import (ConversionError, compare_logits, holding_dtype, probe_ids,
                                 probe_logits, staged_output)
@@ -181,6 +183,9 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
 
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         hf, cfg, family = load_hf_model(directory)
+        # Kept as the run's end-of-document id, so that exporting the checkpoint again writes it.
+        eos = hf.config.eos_token_id
+        data = DataConfig(eod_id=eos if isinstance(eos, int) else None)
         state = {name: t.detach().float() for name, t in hf.state_dict().items()}
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         expected = probe_logits(hf, ids)
@@ -196,7 +201,7 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
             raise ConversionError(f"{directory}: {e}") from None
         model.load_state_dict({**model.state_dict(), **converted})
         dtype = safetensors_dtype(Path(directory))  # kept: the checkpoint is no larger than HF's
-        path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg), staging)
+        path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg, data=data), staging)
         reloaded = build_single_process_model(cfg)
         reloaded.load_state_dict(load_checkpoint(path, {"model": reloaded.sharded_state_dict()})
                                  ["model"])
@@ -204,4 +209,4 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
                                     f"{out} (from {directory})")
     return {"source": str(directory), "output": str(out), "arch": cfg.arch,
             "native_family": family, "dtype": str(dtype).removeprefix("torch."),
-            "probe_max_abs_difference": difference}
+            "eod_id": data.eod_id, "probe_max_abs_difference": difference}

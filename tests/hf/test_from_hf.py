@@ -36,6 +36,17 @@ def test_round_trip_is_exact(exports, variant, tmp_path):
         assert torch.equal(before[name], after[name]), name
 
 
+def test_the_end_of_document_id_comes_back_in_a_second_export(exports, tmp_path):
+    """HF -> megaloop -> HF: eos_token_id 3 (the run's eod_id) stays; it was null, so that
+    generate() of the second export never stopped at an end of document."""
+    from megaloop.hf.to_hf import export_checkpoint
+
+    assert import_hf(exports.get("dense").hf_dir, tmp_path / "back")["eod_id"] == 3
+    export_checkpoint(tmp_path / "back", tmp_path / "again")
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "again" / name).read_text())["eos_token_id"] == 3
+
+
 def _copy(exports, variant, tmp_path) -> Path:
     return Path(shutil.copytree(exports.get(variant).hf_dir, tmp_path / "hf"))
 
