@@ -153,7 +153,13 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
             Path(tokenizer).resolve() != Path(data.tokenizer_model).resolve():
         check_encodes_like(tokenizer, data.tokenizer_model)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
-    return tokenizer, write_tokenizer(tokenizer, staging, vocab_size)
+    special_tokens = write_tokenizer(tokenizer, staging, vocab_size)
+    eod = special_tokens["eos_token_id"]
+    if data.eod_id is not None and eod is not None and eod != data.eod_id:
+        raise ConversionError(f"--tokenizer {tokenizer}: ends documents with id {eod}, the run's "
+                              f"data.eod_id is {data.eod_id} (not the tokenizer this model was "
+                              "trained with)")
+    return tokenizer, special_tokens
 
 
 def _round_weights(model, dtype: torch.dtype):
