@@ -6,9 +6,9 @@
     python tools/convert_checkpoint.py from-hf HF_DIR OUT
 
 to-hf: CHECKPOINT is a checkpoint (iter_N) of any TP/PP/EP layout, or a checkpoint directory with a
-``latest`` pointer. OUT gets safetensors, config.json, generation_config.json and the run's
-tokenizer (data.tokenizer_model, or --tokenizer); a Dense model loads as a native transformers
-class where one fits, every other one as remote code:
+``latest`` pointer (or that pointer). OUT gets safetensors, config.json, generation_config.json and
+the run's tokenizer (data.tokenizer_model, or --tokenizer); a Dense model loads as a native
+transformers class where one fits, every other one as remote code:
 ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config refuses a checkpoint
 of another architecture than that run config's. --dtype: what the safetensors hold and config.json's
 ``dtype`` (what ``from_pretrained`` loads in); by default the dtype the checkpoint holds its weights

@@ -6,13 +6,14 @@ Harness, on local task files, as a results table (megaloop.hf.evaluate).
         [--limit 100] [--batch-size 8] [--max-gen-toks 256] [--tokenizer FILE] \\
         [--output eval_results]
 
-SOURCE: a checkpoint (iter_N) of any parallel layout, a run's checkpoint directory (its latest), or a
-Hugging Face directory (an export, or a native Llama/Qwen3/OLMo 2/Mixtral/Qwen3-MoE one). A
-checkpoint is exported into a temporary directory first (probe logits checked) with the run's
-tokenizer or --tokenizer. --tasks: task names of examples/eval (piqa, siqa, hellaswag, winogrande,
-arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu, gsm8k) or tags (asymloop_tasks: the
-AsymLoop paper's seven; latentloop_tasks: the LatentLoop paper's eight). --data-dir holds their
-files (names in each YAML's data_files). --depths: test-time iterations (default: the model's).
+SOURCE: a checkpoint (iter_N) of any parallel layout, a run's checkpoint directory (its latest; or
+its ``latest`` pointer), or a Hugging Face directory (an export, or a native Llama/Qwen3/OLMo
+2/Mixtral/Qwen3-MoE one). A checkpoint is exported into a temporary directory first (probe logits
+checked) with the run's tokenizer or --tokenizer. --tasks: task names of examples/eval (piqa, siqa,
+hellaswag, winogrande, arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu, gsm8k) or tags
+(asymloop_tasks: the AsymLoop paper's seven; latentloop_tasks: the LatentLoop paper's eight).
+--data-dir holds their files (names in each YAML's data_files). --depths: test-time iterations
+(default: the model's).
 
 Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every metric), atomically,
 and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value),
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     try:
+        ev.result_files(args.output)  # an unwritable --output fails before the evaluation
         with tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
                 contextlib.redirect_stdout(sys.stderr):  # stdout is the table only
             model, tokenizer, info = ev.load_for_evaluation(args.source, workdir,

@@ -20,8 +20,14 @@ from megaloop.training import checkpoint as ckpt
 
 def checkpoint_path(path: str | Path) -> Path:
     """A checkpoint directory (``iter_N`` with config.yaml), or a checkpoint directory holding a
-    ``latest`` pointer, resolved to the checkpoint itself."""
-    if not Path(path).is_dir():
+    ``latest`` pointer (or that pointer itself), resolved to the checkpoint itself."""
+    path = Path(path)
+    if path.name == ckpt.LATEST and path.is_file():
+        path = path.parent
+    if path.is_file():
+        raise ConversionError(f"{path}: a file, not a checkpoint directory (give an iter_N "
+                              f"directory, or the directory holding '{ckpt.LATEST}')")
+    if not path.is_dir():
         raise ConversionError(f"{path}: no such checkpoint directory")
     return ckpt.find_checkpoint(path)
 
@@ -79,9 +85,10 @@ def stored_dtype(path: Path, model) -> torch.dtype:
                           if isinstance(tensor, ShardedTensor)})
 
 
-def weights(model) -> dict[str, torch.Tensor]:
-    """A single-process model's tensors (fp32, CPU), without Transformer Engine's extra state."""
-    return {name: tensor.detach().float().cpu() for name, tensor in model.state_dict().items()
+def weights(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A single-process model's tensors (in ``dtype``, on the CPU: the model's own tensors where
+    they are so already), without Transformer Engine's extra state."""
+    return {name: tensor.detach().to("cpu", dtype) for name, tensor in model.state_dict().items()
             if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state")}
 
 

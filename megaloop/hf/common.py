@@ -57,15 +57,22 @@ def staged_output(out: str | os.PathLike):
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"{out}: already exists and is not an empty directory; choose a new "
                               "output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ConversionError(f"{out}: cannot create it ({e.strerror}: {e.filename})") from None
     try:
         yield tmp
         _readable_as_plain_files(tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        try:
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+        except OSError as e:  # another process wrote it meanwhile
+            raise ConversionError(f"{out}: cannot move the conversion there ({e.strerror}); "
+                                  "choose a new output directory") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

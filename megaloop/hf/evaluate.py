@@ -23,15 +23,18 @@ visits) for its pass over the tasks; None keeps the configured one.
 
 A row per (task, shots, depth) holds lm-eval's metrics under their names (``acc``, ``acc_norm``,
 ``perplexity``; a filtered metric as ``exact_match_strict-match``) and ``score``, the value of
-``metric``: ``acc`` where the task has it, else its first metric. The table's mean is the unweighted
-mean of the scores.
+``metric``: ``acc`` where the task has it, else its first metric; ``requests`` counts the task's
+requests and ``truncated`` those longer than the model's context, which lm-eval cuts from the left.
+The table's mean is the unweighted mean of the scores.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -80,6 +83,23 @@ def resolve_tasks(names: Sequence[str], manager) -> list[str]:
     return resolved
 
 
+def check_fewshot(name: str, task, shots: int) -> None:
+    """Task ``name``'s few-shot records hold ``shots`` examples besides the question being asked
+    (lm-eval leaves it out): an EvaluationError naming the file where they do not, where lm-eval
+    would fail with a bare 'Sample larger than population'."""
+    if shots == 0:
+        return
+    split = task.config.fewshot_split
+    same = split == task.config.test_split
+    have = len(task.fewshot_docs())
+    if have < shots + same:
+        file = (task.config.dataset_kwargs or {}).get("data_files", {}).get(split, split)
+        raise EvaluationError(f"num_fewshot {shots}: task {name.removeprefix(TASK_PREFIX)} "
+                              f"draws its examples from {file}, which holds {have} records "
+                              f"({shots + same} needed"
+                              f"{', the question itself left out' if same else ''})")
+
+
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
@@ -104,21 +124,83 @@ def set_depth(model, depth: int | None) -> int | None:
 
 def harness_model(model, tokenizer, batch_size: int = 8):
     """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
+    import torch
     from lm_eval.models.huggingface import HFLM
 
     class CheckedHFLM(HFLM):
         """HFLM whose too-long continuations are an EvaluationError naming the text: HFLM only
-        asserts (a bare AssertionError) when a continuation does not fit the model's context."""
+        asserts (a bare AssertionError) when a continuation does not fit the model's context.
+        It counts, per task, the requests (``sent``) and those longer than the model's context
+        (``cut``), which HFLM cuts from the left and only logs."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sent, self.cut = collections.Counter(), collections.Counter()
+            self._cut_pairs = set()
+
+        def loglikelihood(self, requests, *args, **kwargs):
+            self._cut_pairs.clear()
+            results = super().loglikelihood(requests, *args, **kwargs)
+            for request in requests:
+                self.sent[request.task_name] += 1
+                self.cut[request.task_name] += tuple(request.args) in self._cut_pairs
+            return results
 
         def _loglikelihood_tokens(self, requests, *args, **kwargs):
-            for key, _, continuation in requests:
+            for key, context, continuation in requests:
                 if len(continuation) > self.max_length:
                     text = key[1] if isinstance(key, tuple) else key
                     raise EvaluationError(
                         f"a continuation of {len(continuation)} tokens does not fit the model's "
                         f"{self.max_length}-token context ({str(text)[:40]!r}...); evaluate a "
                         f"model with a longer seq_length or leave that task out")
+                fed = len(context) + len(continuation) - 1  # the last token is not fed
+                if isinstance(key, tuple) and fed > self.max_length:
+                    self._cut_pairs.add(key)
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
+        def new_tokens(self, gen_kwargs: dict, task: str) -> int:
+            """The tokens generation settings ``gen_kwargs`` of ``task`` generate, at most; an
+            EvaluationError where they leave no room for a prompt in the model's context."""
+            from lm_eval.models.utils import normalize_gen_kwargs
+
+            new_tokens = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
+            if new_tokens >= self.max_length:
+                raise EvaluationError(
+                    f"max_gen_toks {new_tokens} (task {task.removeprefix(TASK_PREFIX)}): leaves "
+                    f"no room for a prompt in the model's {self.max_length}-token context; pass a "
+                    "smaller --max-gen-toks")
+            return new_tokens
+
+        def generate_until(self, requests, *args, **kwargs):
+            """HFLM only asserts (a bare AssertionError) when the new tokens leave no room for a
+            prompt in the model's context."""
+            for request in requests:
+                context, gen_kwargs = request.args
+                new_tokens = self.new_tokens(gen_kwargs, request.task_name)
+                self.sent[request.task_name] += 1
+                self.cut[request.task_name] += \
+                    len(self.tok_encode(context)) > self.max_length - new_tokens
+            return super().generate_until(requests, *args, **kwargs)
+
+        def _model_generate(self, context, max_length, stop, **kwargs):
+            """LatentLoop takes no padding (a pad would shift its groups of tokens): a batch of
+            left-padded prompts of different lengths is generated one prompt at a time, each
+            without its padding, and padded back into the batch HFLM expects."""
+            mask = kwargs.get("attention_mask")
+            if getattr(self.model.config, "arch", None) != "latentloop" or mask is None or \
+                    bool(mask.all()):
+                return super()._model_generate(context, max_length, stop, **kwargs)
+            rows = []
+            for ids, valid in zip(context, mask):
+                start = int(valid.argmax())  # the first token after the left padding
+                alone = super()._model_generate(ids[None, start:], max_length - start, stop,
+                                                **{**kwargs, "attention_mask": valid[None, start:]})
+                rows.append(torch.cat([ids[:start], alone[0]]))
+            width = max(len(row) for row in rows)
+            return torch.stack([torch.nn.functional.pad(row, (0, width - len(row)),
+                                                        value=self.tokenizer.pad_token_id)
+                                for row in rows])
 
     return CheckedHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
 
@@ -137,8 +219,9 @@ def run_harness(lm, tasks: Sequence[str], manager, *, num_fewshot: int, limit: i
                            gen_kwargs=gen_kwargs)
 
 
-def result_rows(results: dict, num_fewshot: int, iterations: int | None) -> list[dict]:
-    """One row per task of a ``simple_evaluate`` result."""
+def result_rows(results: dict, num_fewshot: int, iterations: int | None, lm=None) -> list[dict]:
+    """One row per task of a ``simple_evaluate`` result; with ``lm`` (the ``harness_model`` that
+    ran it), its requests and those cut to the model's context (``requests``, ``truncated``)."""
     rows = []
     for task, values in results["results"].items():
         metrics = {}
@@ -150,10 +233,11 @@ def result_rows(results: dict, num_fewshot: int, iterations: int | None) -> list
         if not metrics:
             continue
         metric = "acc" if "acc" in metrics else next(iter(metrics))
+        counts = {} if lm is None else {"requests": lm.sent[task], "truncated": lm.cut[task]}
         rows.append({"task": task.removeprefix(TASK_PREFIX), "num_fewshot": num_fewshot,
                      "iterations": iterations,
                      "samples": results["n-samples"][task]["effective"],
-                     "metric": metric, "score": metrics[metric], **metrics})
+                     "metric": metric, "score": metrics[metric], **counts, **metrics})
     return rows
 
 
@@ -161,9 +245,11 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
              task_dir: str | Path = TASK_DIR, num_fewshot: Sequence[int] = (0,),
              depths: Sequence[int | None] = (None,), limit: int | None = None,
              batch_size: int = 8, max_gen_toks: int | None = None) -> list[dict]:
-    """Rows of ``tasks`` at every (shots, depth). The model's configured depth is restored.
-    ``max_gen_toks``: new tokens of the generation tasks (None: each task's own)."""
+    """Rows of ``tasks`` at every (shots, depth), each setting once however often it is given.
+    The model's configured depth is restored. ``max_gen_toks``: new tokens of the generation
+    tasks (None: each task's own)."""
     quiet_harness()
+    num_fewshot, depths = list(dict.fromkeys(num_fewshot)), list(dict.fromkeys(depths))
     for name, value in (("limit", limit), ("max_gen_toks", max_gen_toks)):
         if value is not None and value < 1:
             raise EvaluationError(f"{name} {value}: must be >= 1")
@@ -176,16 +262,22 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
         model.config.iterations = configured
     manager = task_manager(data_dir, task_dir)
     names = resolve_tasks(tasks, manager)
+    gen_kwargs = None if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
     lm = harness_model(model, tokenizer, batch_size)
+    for name, task in manager.load(names)["tasks"].items():  # before any task runs
+        check_fewshot(name, task, max(num_fewshot))
+        if task.config.output_type == "generate_until":
+            lm.new_tokens({**(task.config.generation_kwargs or {}), **(gen_kwargs or {})}, name)
     rows = []
     try:
         for depth in depths:
             iterations = set_depth(model, depth)
             for shots in num_fewshot:
+                lm.sent.clear()
+                lm.cut.clear()
                 results = run_harness(lm, names, manager, num_fewshot=shots, limit=limit,
-                                      gen_kwargs=None if max_gen_toks is None
-                                      else {"max_gen_toks": max_gen_toks})
-                rows += result_rows(results, shots, iterations)
+                                      gen_kwargs=gen_kwargs)
+                rows += result_rows(results, shots, iterations, lm)
     finally:
         if configured is not None:
             model.config.iterations = configured
@@ -244,13 +336,17 @@ def _percent(value: float | None) -> str:
     return "" if value is None or not math.isfinite(value) else f"{100 * value:.1f}"
 
 
+def _setting(shots: int, iterations: int | None) -> str:
+    return f"{shots}-shot" + ("" if iterations is None else f", K={iterations}")
+
+
 def markdown_table(rows: list[dict]) -> str:
-    """Tasks down, (shots, depth) across: each task's score in %, then their mean."""
+    """Tasks down, (shots, depth) across: each task's score in %, then their mean; under it, the
+    settings whose requests were longer than the model's context (cut from the left)."""
     settings = list(dict.fromkeys((r["num_fewshot"], r["iterations"]) for r in rows))
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cell = {(r["task"], r["num_fewshot"], r["iterations"]): r for r in rows}
-    header = ["task", "metric", "n"] + [f"{shots}-shot" + ("" if k is None else f", K={k}")
-                                        for shots, k in settings]
+    header = ["task", "metric", "n"] + [_setting(*setting) for setting in settings]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task in tasks:
         first = next(r for r in rows if r["task"] == task)
@@ -263,7 +359,27 @@ def markdown_table(rows: list[dict]) -> str:
         scores = [cell[(task, *setting)]["score"] for task in tasks if (task, *setting) in cell]
         means.append(_percent(sum(scores) / len(scores)))
     lines.append("| " + " | ".join([f"mean ({len(tasks)} tasks)", "", ""] + means) + " |")
+    cut = [f"{r['task']} {_setting(r['num_fewshot'], r['iterations'])}: {r['truncated']} of "
+           f"{r['requests']} requests" for r in rows if r.get("truncated")]
+    if cut:
+        lines += ["", "Longer than the model's context, cut from the left: " + "; ".join(cut) + "."]
     return "\n".join(lines) + "\n"
+
+
+def result_files(prefix: str | Path) -> tuple[Path, Path]:
+    """(``prefix``.md, ``prefix``.json); an EvaluationError where they cannot be written (a file
+    where a directory must be, a directory of their name), to be found before an evaluation
+    rather than after it. Nothing is created."""
+    prefix = Path(prefix)
+    files = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
+    existing = next(p for p in (prefix.parent, *prefix.parent.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise EvaluationError(f"{prefix}: cannot write results there ({existing} is not a "
+                              "writable directory)")
+    for file in files:
+        if file.is_dir():
+            raise EvaluationError(f"{file}: a directory; choose another --output")
+    return files
 
 
 def write_results(rows: list[dict], prefix: str | Path, info: dict) -> tuple[Path, Path]:
@@ -272,9 +388,8 @@ def write_results(rows: list[dict], prefix: str | Path, info: dict) -> tuple[Pat
 
     from megaloop.config import write_text_atomic
 
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    markdown, data = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
+    markdown, data = result_files(prefix)
+    markdown.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(data, json.dumps({**info, "lm_eval_version": lm_eval.__version__,
                                         "rows": rows}, indent=2) + "\n")
     write_text_atomic(markdown, markdown_table(rows))

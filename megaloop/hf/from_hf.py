@@ -8,19 +8,22 @@ never run. A tensor that is missing, unexpected or shaped otherwise than config.
 one-line error naming it.
 
 The result is a checkpoint directory (iter_0000000 and ``latest``) that a run starts from with
-``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section.
+``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section
+and, as data.eod_id, config.json's eos_token_id (so that exporting it again writes it; the
+tokenizer itself is not carried: export with --tokenizer).
 Before the rename into place, the checkpoint is loaded back and its logits on a probe input must
 equal the Hugging Face model's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
-from megaloop.config import ConfigError, ModelConfig, RunConfig
+from megaloop.config import ConfigError, DataConfig, ModelConfig, RunConfig
 from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint, weights
 from megaloop.hf.common import (ConversionError, compare_logits, holding_dtype, probe_ids,
                                 probe_logits, staged_output)
@@ -45,13 +48,45 @@ def _config(directory: Path):
     if model_type in MEGALOOP_MODEL_TYPES:
         config_class = LatentLoopConfig if model_type == "megaloop_latentloop" else MegaloopConfig
         hf = config_class.from_pretrained(directory)
-        cfg = model_config(hf)
+        cfg = _megaloop_model_config(hf, config_file)
         return hf, cfg, reference_class(cfg), None
     if model_type not in FAMILIES:
         raise ConversionError(f"{config_file}: model_type={model_type!r}: megaloop imports "
                               f"{', '.join(MEGALOOP_MODEL_TYPES + tuple(FAMILIES))}")
     hf = transformers.AutoConfig.from_pretrained(directory)
     return hf, model_config_from_native(hf), getattr(transformers, FAMILIES[model_type]), model_type
+
+
+# The reference configuration's names for ModelConfig fields (megaloop/reference).
+_HF_NAMES = {"max_position_embeddings": "seq_length", "initializer_range": "init_std",
+             "tie_word_embeddings": "tie_embeddings"}
+
+
+def _megaloop_model_config(hf, config_file: Path) -> ModelConfig:
+    """The ModelConfig of a megaloop export's configuration ``hf``. Its fields must have the types
+    and choices a run config allows, and hold what megaloop reads them as (an export writes them
+    resolved): an edited field the reference model would read otherwise (``iterations: null``) is
+    a ConversionError naming it, not a failure inside the model."""
+    import inspect
+
+    from megaloop.config import from_dict
+    from megaloop.models.export import model_config, reference_config
+    from megaloop.reference.configuration_megaloop import MegaloopConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    given = hf.to_dict()
+    try:
+        from_dict(ModelConfig, {_HF_NAMES.get(k, k): v for k, v in given.items()
+                                if _HF_NAMES.get(k, k) in fields})
+    except ConfigError as e:
+        raise ConversionError(f"{config_file}: {e}") from None
+    cfg = model_config(hf)
+    resolved = reference_config(cfg).to_dict()
+    for name in inspect.signature(MegaloopConfig.__init__).parameters:
+        if name in resolved and name in given and given[name] != resolved[name]:
+            raise ConversionError(f"{config_file}: {name}={given[name]!r}: megaloop reads this "
+                                  f"model as {name}={resolved[name]!r}; write that")
+    return cfg
 
 
 def load_hf_model(directory: str | Path):
@@ -64,6 +99,7 @@ def load_hf_model(directory: str | Path):
         cfg.validate()
     except ConfigError as e:
         raise ConversionError(f"{directory / 'config.json'}: {e}") from None
+    _check_safetensors_headers(directory)
     try:
         model, info = model_class.from_pretrained(
             directory, config=hf_config, dtype=torch.float32, use_safetensors=True,
@@ -82,7 +118,34 @@ def load_hf_model(directory: str | Path):
         names = sorted(info.get(key) or ())
         if names:
             raise ConversionError(f"{directory}: tensor {names[0]}: {problem}{_more(names)}")
+    _check_tied(model, cfg, directory)
     return model.eval(), cfg, family
+
+
+def _check_tied(model, cfg: ModelConfig, directory: Path) -> None:
+    """transformers loads an output layer the safetensors hold even where config.json ties it to
+    the embedding; megaloop would tie it, computing another function."""
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if cfg.tie_embeddings and head is not embedding and not torch.equal(head, embedding):
+        name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is head)
+        raise ConversionError(f"{directory}: tensor {name}: differs from the embedding, which "
+                              "config.json's tie_word_embeddings=true makes it; set that false, "
+                              f"or leave {name} out")
+
+
+def _check_safetensors_headers(directory: Path) -> None:
+    """Each safetensors file of ``directory`` opens (its header parses and covers the file): a
+    truncated or corrupted one is a ConversionError naming it, where transformers would fail with
+    a message naming no file."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConversionError(f"{file}: not a readable safetensors file (truncated or "
+                                  f"corrupted? {e})") from None
 
 
 def safetensors_dtype(directory: Path) -> torch.dtype:
@@ -120,6 +183,9 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
 
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         hf, cfg, family = load_hf_model(directory)
+        # Kept as the run's end-of-document id, so that exporting the checkpoint again writes it.
+        eos = hf.config.eos_token_id
+        data = DataConfig(eod_id=eos if isinstance(eos, int) else None)
         state = {name: t.detach().float() for name, t in hf.state_dict().items()}
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         expected = probe_logits(hf, ids)
@@ -135,7 +201,7 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
             raise ConversionError(f"{directory}: {e}") from None
         model.load_state_dict({**model.state_dict(), **converted})
         dtype = safetensors_dtype(Path(directory))  # kept: the checkpoint is no larger than HF's
-        path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg), staging)
+        path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg, data=data), staging)
         reloaded = build_single_process_model(cfg)
         reloaded.load_state_dict(load_checkpoint(path, {"model": reloaded.sharded_state_dict()})
                                  ["model"])
@@ -143,4 +209,4 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
                                     f"{out} (from {directory})")
     return {"source": str(directory), "output": str(out), "arch": cfg.arch,
             "native_family": family, "dtype": str(dtype).removeprefix("torch."),
-            "probe_max_abs_difference": difference}
+            "eod_id": data.eod_id, "probe_max_abs_difference": difference}

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from megaloop.config import ModelConfig
-from megaloop.hf.checkpoint import load_checkpoint_model, stored_dtype, weights
+from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, stored_dtype,
+                                    weights)
 from megaloop.hf.common import (ConversionError, ProbeMismatch, compare_logits, export_dtype,
                                 probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
@@ -39,25 +40,39 @@ def probe_length(cfg: ModelConfig) -> int:
 
 
 def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_tokens: dict):
-    """The Hugging Face model carrying ``reference`` (the reference model's tensors): a native
-    class where ``native_family`` finds one, else the reference model with its ``auto_map``."""
+    """The Hugging Face model carrying ``reference`` (the reference model's tensors, in the dtype
+    to export): a native class where ``native_family`` finds one, else the reference model with
+    its ``auto_map``. The model is built without storage and takes the tensors as they are: no
+    second copy of the weights, no random initialisation to overwrite. ``reference`` is emptied
+    (a native MoE class stacks each layer's experts, a copy, once that layer's tensors are
+    released)."""
     import transformers
 
     from megaloop.models.export import reference_class, reference_config
 
     family, _ = native_family(cfg)
     if family is not None:
-        model = getattr(transformers, FAMILIES[family])(native_config(cfg, family, special_tokens))
-        model.load_state_dict(to_native_state_dict(reference, family), strict=True)
-        return model
-    config = reference_config(cfg)
-    config.update(special_tokens)
-    model_class = reference_class(cfg)
-    config.auto_map = {"AutoConfig": f"configuration_megaloop.{type(config).__name__}",
-                       "AutoModelForCausalLM": f"{model_class.__module__.rsplit('.', 1)[1]}."
-                                               f"{model_class.__name__}"}
-    model = model_class(config)
-    model.load_state_dict(reference, strict=True)
+        model_class = getattr(transformers, FAMILIES[family])
+        config = native_config(cfg, family, special_tokens)
+        layers = {}
+        for name in reference:  # "decoder.<i>" or "" (embedding, final norm, head)
+            layers.setdefault(".".join(name.split(".")[:2]) if name.startswith("decoder.")
+                              else "", []).append(name)
+        state = {}
+        for names in layers.values():
+            state.update(to_native_state_dict({n: reference.pop(n) for n in names}, family))
+    else:
+        config = reference_config(cfg)
+        config.update(special_tokens)
+        model_class = reference_class(cfg)
+        config.auto_map = {"AutoConfig": f"configuration_megaloop.{type(config).__name__}",
+                           "AutoModelForCausalLM": f"{model_class.__module__.rsplit('.', 1)[1]}."
+                                                   f"{model_class.__name__}"}
+        state = dict(reference)
+        reference.clear()
+    with torch.device("meta"):
+        model = model_class(config)
+    model.load_state_dict(state, strict=True, assign=True)
     return model
 
 
@@ -71,37 +86,32 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     (a DTYPES name): what the safetensors hold and config.json's ``dtype`` says, the dtype
     ``from_pretrained`` loads in; by default the one the checkpoint holds its weights in, which
     loses nothing. Returns a report (class, remote code or not and why, dtype, file size, probe
-    differences, tokenizer)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    differences, tokenizer).
+
+    Memory: one copy of the weights at a time, about the fp32 size of the model (the checkpoint
+    is read once, into fp32; the weights are cast to ``dtype`` in place and handed to the Hugging
+    Face model without a copy; the export is loaded back once, in its dtype, and cast to fp32 for
+    the mapping check)."""
+    from transformers import GenerationConfig
 
     from megaloop.models.export import reference_state_dict
 
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
-        model, run, path = load_checkpoint_model(checkpoint, requested)
-        stored = stored_dtype(path, model)
-        chosen = stored if chosen is None else chosen
+        path = checkpoint_path(checkpoint)
+        tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
+        model, run, path = load_checkpoint_model(path, requested)
+        chosen = stored_dtype(path, model) if chosen is None else chosen
         cfg = run.model
-        tokenizer = (tokenizer or run.data.tokenizer_model) if with_tokenizer else None
-        if tokenizer is not None and not Path(tokenizer).exists():
-            source = "--tokenizer" if tokenizer != run.data.tokenizer_model else \
-                "the run's data.tokenizer_model"
-            raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
-                                  "--tokenizer PATH, or --no-tokenizer")
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         exact = probe_logits(model, ids)
-        # Rounded to float32 or to the dtype they are stored in, the weights stay as they are.
-        expected = exact if chosen in (torch.float32, stored) else \
+        expected = exact if chosen == torch.float32 else \
             probe_logits(_round_weights(model, chosen), ids)
-        reference = reference_state_dict(weights(model), cfg)
+        # Rounded already, so the cast loses nothing; it replaces one tensor at a time.
+        reference = reference_state_dict(weights(model.to(chosen), chosen), cfg)
         del model
         family, why_not_native = native_family(cfg)
-        special_tokens = {"bos_token_id": None, "eos_token_id": run.data.eod_id}
-        if tokenizer is not None:
-            from megaloop.hf.tokenizer import write_tokenizer
-
-            special_tokens = write_tokenizer(tokenizer, staging, cfg.vocab_size)
-        converted = hf_model(cfg, reference, special_tokens).to(chosen)
+        converted = hf_model(cfg, reference, special_tokens)
         converted.save_pretrained(staging)
         del converted
         GenerationConfig(**special_tokens, pad_token_id=special_tokens["eos_token_id"],
@@ -109,16 +119,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         if family is None:
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REFERENCE_DIR / name, staging / name)
-        what = f"{out} (from {path})"
-        # The mapping check: fp32 on both sides, the same (rounded) weights on both sides, so the
-        # fp32 tolerance holds at any dtype and size, and a wrong mapping fails as in fp32.
-        loaded = AutoModelForCausalLM.from_pretrained(staging, trust_remote_code=family is None,
-                                                      dtype=torch.float32)
-        difference = compare_logits(expected, probe_logits(loaded, ids), what)
-        class_name = type(loaded).__name__
-        del loaded
-        in_dtype = difference if chosen == torch.float32 else \
-            _difference_as_loaded(staging, family is None, ids, exact, what)
+        class_name, difference, in_dtype = _check_loaded(staging, family is None, ids, exact,
+                                                         expected, f"{out} (from {path})")
     return {"checkpoint": str(path), "output": str(out), "class": class_name,
             "remote_code": family is None, "why_remote_code": why_not_native or None,
             "dtype": str(chosen).removeprefix("torch."),
@@ -128,12 +130,46 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
             "tokenizer": str(tokenizer) if tokenizer else None}
 
 
+def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, staging: Path):
+    """(the tokenizer file written into ``staging``, the special token ids) of checkpoint
+    ``path``: ``tokenizer``, else the run's data.tokenizer_model, if ``with_tokenizer``. Read
+    from the checkpoint's config alone, so that a missing or unsuitable tokenizer fails before
+    the weights are read."""
+    from megaloop.config import DataConfig
+    from megaloop.training.checkpoint import saved_section
+
+    data = saved_section(path, DataConfig, "data")
+    if not with_tokenizer or (tokenizer is None and data.tokenizer_model is None):
+        return None, {"bos_token_id": None, "eos_token_id": data.eod_id}
+    tokenizer = tokenizer or data.tokenizer_model
+    if not Path(tokenizer).exists():
+        source = "--tokenizer" if tokenizer != data.tokenizer_model else \
+            "the run's data.tokenizer_model"
+        raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
+                              "--tokenizer PATH, or --no-tokenizer")
+    from megaloop.hf.tokenizer import check_encodes_like, write_tokenizer
+
+    if data.tokenizer_model is not None and Path(data.tokenizer_model).exists() and \
+            Path(tokenizer).resolve() != Path(data.tokenizer_model).resolve():
+        check_encodes_like(tokenizer, data.tokenizer_model)
+    vocab_size = saved_section(path, ModelConfig, "model").vocab_size
+    special_tokens = write_tokenizer(tokenizer, staging, vocab_size)
+    eod = special_tokens["eos_token_id"]
+    if data.eod_id is not None and eod is not None and eod != data.eod_id:
+        raise ConversionError(f"--tokenizer {tokenizer}: ends documents with id {eod}, the run's "
+                              f"data.eod_id is {data.eod_id} (not the tokenizer this model was "
+                              "trained with)")
+    return tokenizer, special_tokens
+
+
 def _round_weights(model, dtype: torch.dtype):
     """``model`` with each weight rounded to ``dtype`` in place (kept in fp32): the values the
-    export stores. A weight beyond the dtype's range (float16's 65504) is a ConversionError."""
+    export stores. Buffers too: a fixed LatentLoop residual scale is no weight of the file, and
+    the reference model computes it in the dtype it loads in. A weight beyond the dtype's range
+    (float16's 65504) is a ConversionError."""
     with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point():
                 rounded = tensor.to(dtype)
                 if not bool(torch.isfinite(rounded).all()):
                     raise ConversionError(f"tensor {name}: values up to {tensor.abs().max():.3g}, "
@@ -143,17 +179,32 @@ def _round_weights(model, dtype: torch.dtype):
     return model
 
 
-def _difference_as_loaded(directory: Path, remote_code: bool, ids: torch.Tensor,
-                          exact: torch.Tensor, what: str) -> float:
-    """Largest difference between the checkpoint's fp32 logits and the export's, loaded as a user
-    loads it (in config.json's dtype) and computing in that dtype. Reported, not bounded: rounding
-    grows with depth, width and the weights' scale, so no bound measured on small models holds
-    for every model. Logits that are not finite (float16 overflows at 65504) fail."""
+def _check_loaded(directory: Path, remote_code: bool, ids: torch.Tensor, exact: torch.Tensor,
+                  expected: torch.Tensor, what: str) -> tuple[str, float, float]:
+    """(class name, largest probe difference in fp32, largest difference in the export's dtype)
+    of the export, loaded once, as a user loads it (in config.json's dtype).
+
+    In its dtype, the logits are compared with the checkpoint's fp32 ones (``exact``): reported,
+    not bounded, since rounding grows with depth, width and the weights' scale, so no bound
+    measured on small models holds for every model; logits that are not finite (float16
+    overflows at 65504) fail. Cast to fp32 (exactly: every stored value is one), the model must
+    give ``expected``, the megaloop model's logits with the same rounded weights, to the fp32
+    tolerance: the mapping check, as strict at any dtype and size as in fp32."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote_code)
-    logits = probe_logits(model, ids)
-    if not bool(torch.isfinite(logits).all()):
-        raise ProbeMismatch(f"{what}: probe logits in {model.dtype} are not finite (overflow); "
+    dtype = model.dtype
+    as_loaded = probe_logits(model, ids)
+    if dtype != torch.float32:
+        # The loaded tensors map the safetensors file, which stays mapped (and resident, once
+        # read) until the last of them is gone; copied out of it first, the file goes before the
+        # fp32 copies come, and each fp32 copy then frees its tensor at once.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.data = parameter.data.clone()
+        model.float()
+    difference = compare_logits(expected, probe_logits(model, ids), what)
+    if not bool(torch.isfinite(as_loaded).all()):
+        raise ProbeMismatch(f"{what}: probe logits in {dtype} are not finite (overflow); "
                             "export in bfloat16 or float32")
-    return (logits - exact).abs().max().item()
+    return type(model).__name__, difference, (as_loaded - exact).abs().max().item()

@@ -25,15 +25,8 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int) -> dict:
     size."""
     from transformers import AutoTokenizer, TokenizersBackend
 
-    from megaloop.data.tokenizer import TokenizerError, load_tokenizer
-
     path = Path(path)
-    sentencepiece = path.suffix != ".json" and not path.is_dir()
-    try:
-        megaloop_tokenizer = load_tokenizer(
-            "SentencePieceTokenizer" if sentencepiece else "HuggingFaceTokenizer", path)
-    except TokenizerError as e:
-        raise ConversionError(f"tokenizer: {e}") from None
+    megaloop_tokenizer, sentencepiece = _megaloop_tokenizer(path)
     if megaloop_tokenizer.vocab_size > vocab_size:
         raise ConversionError(f"{path}: {megaloop_tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size={vocab_size} (not this model's tokenizer?)")
@@ -55,3 +48,33 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int) -> dict:
             raise ProbeMismatch(f"tokenizer {path}: the Hugging Face conversion encodes {text!r} "
                                 f"as {got[:8]}..., megaloop as {ids[:8]}...")
     return {"bos_token_id": saved.bos_token_id, "eos_token_id": eod}
+
+
+def _megaloop_tokenizer(path: Path):
+    """(megaloop's tokenizer of ``path``, whether it is a SentencePiece model)."""
+    from megaloop.data.tokenizer import TokenizerError, load_tokenizer
+
+    sentencepiece = path.suffix != ".json" and not path.is_dir()
+    try:
+        return load_tokenizer("SentencePieceTokenizer" if sentencepiece else "HuggingFaceTokenizer",
+                              path), sentencepiece
+    except TokenizerError as e:
+        raise ConversionError(f"tokenizer: {e}") from None
+
+
+def check_encodes_like(path: str | Path, original: str | Path) -> None:
+    """The tokenizer at ``path``, given in place of a run's ``original`` one, encodes the probe
+    texts as it does and ends documents with the same id; else a ConversionError naming both (a
+    copy or a conversion of the run's tokenizer passes, another model's does not)."""
+    given, _ = _megaloop_tokenizer(Path(path))
+    theirs, _ = _megaloop_tokenizer(Path(original))
+    if given.eod != theirs.eod:
+        raise ConversionError(f"--tokenizer {path}: ends documents with id {given.eod}, the run's "
+                              f"data.tokenizer_model {original} with {theirs.eod} (not the "
+                              "tokenizer this model was trained with)")
+    texts = list(PROBE_TEXTS)
+    for text, ours, expected in zip(texts, given.encode_batch(texts), theirs.encode_batch(texts)):
+        if ours != expected:
+            raise ConversionError(f"--tokenizer {path}: encodes {text!r} as {ours[:8]}..., the "
+                                  f"run's data.tokenizer_model {original} as {expected[:8]}... "
+                                  "(not the tokenizer this model was trained with)")

@@ -39,8 +39,8 @@ class Export:
 
 @pytest.fixture(scope="module")
 def harness(mcore, tmp_path_factory):
-    """Exports of a tiny AsymLoop (remote code) and Dense (native Llama) model with the LLaMA-2
-    tokenizer, and one data directory with the samples and the written files."""
+    """Exports of a tiny AsymLoop, LatentLoop (remote code) and Dense (native Llama) model with
+    the LLaMA-2 tokenizer, and one data directory with the samples and the written files."""
     require_harness()
     from megaloop.hf import evaluate as ev
     from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
@@ -56,9 +56,10 @@ def harness(mcore, tmp_path_factory):
             (data / name).symlink_to(EVAL_DATA / name)
     exports = {}
     for arch, fields in (("asymloop", dict(encoder_layers=1, iterations=2)),
-                         ("dense", dict(iterations=1))):
+                         ("dense", dict(iterations=1)),
+                         ("latentloop", dict(iterations=2, num_layers=3))):
         torch.manual_seed(0)
-        cfg = ModelConfig(arch=arch, **TINY, **fields, init_std=0.1)
+        cfg = ModelConfig(arch=arch, **{**TINY, **fields}, init_std=0.1)
         model = build_single_process_model(cfg)
         run = RunConfig(model=cfg, data=DataConfig(tokenizer_model=str(SP_MODEL)))
         checkpoint = save_weights_checkpoint(model, run, root / arch / "checkpoint")
@@ -67,11 +68,11 @@ def harness(mcore, tmp_path_factory):
     return {"data": data, "manager": ev.task_manager(data), **exports}
 
 
-def _run(harness, export, tasks, **kwargs):
+def _run(harness, export, tasks, batch_size=4, **kwargs):
     from megaloop.hf import evaluate as ev
 
     names = ev.resolve_tasks(tasks, harness["manager"])
-    lm = ev.harness_model(export.model, export.tokenizer, batch_size=4)
+    lm = ev.harness_model(export.model, export.tokenizer, batch_size=batch_size)
     return ev.run_harness(lm, names, harness["manager"], log_samples=True, **kwargs)
 
 
@@ -144,6 +145,23 @@ def test_generation_task_runs_greedy_decoding_through_the_cache(harness):
     assert 0 <= results["results"]["local_gsm8k"]["exact_match,strict-match"] <= 1
 
 
+@pytest.mark.parametrize("arch", ["latentloop", "asymloop"])
+def test_batched_generation_gives_each_prompt_its_own_tokens(harness, arch):
+    """Prompts of different lengths, left-padded into one batch: LatentLoop refuses padding, so
+    each is generated alone (before: its ValueError, through lm-eval, failed the evaluation);
+    AsymLoop takes the padding. Either way the answers are those of batch size 1."""
+    export = harness[arch]
+    answers = {}
+    for batch_size in (1, 3):
+        samples = _run(harness, export, ["gsm8k"], batch_size=batch_size, num_fewshot=0,
+                       limit=3, gen_kwargs={"max_gen_toks": 6})["samples"]["local_gsm8k"]
+        answers[batch_size] = {s["doc_id"]: s["resps"][0][0] for s in samples}
+    prompts = {len(export.tokenizer(r["question"])["input_ids"])
+               for r in records(harness["data"], SAMPLE_FILES["gsm8k"])[:3]}
+    assert len(prompts) == 3  # three lengths: the batch is padded
+    assert answers[3] == answers[1]
+
+
 def test_test_time_depth_reaches_the_model_and_is_restored(harness):
     from megaloop.hf import evaluate as ev
 
@@ -162,7 +180,7 @@ def test_test_time_depth_reaches_the_model_and_is_restored(harness):
         assert scores[depth] == pytest.approx(expected, rel=1e-4, abs=1e-3)
     assert scores[1] != pytest.approx(scores[3], rel=1e-3)
     rows = ev.evaluate(export.model, export.tokenizer, ["winogrande"], data_dir=harness["data"],
-                       depths=(1, 3), limit=2)
+                       depths=(1, 3, 1), num_fewshot=(0, 0), limit=2)  # each setting once
     assert [(r["task"], r["iterations"], r["samples"]) for r in rows] == [
         ("winogrande", 1, 2), ("winogrande", 3, 2)]
     assert export.model.config.iterations == 2
@@ -182,6 +200,30 @@ def test_a_continuation_longer_than_the_context_is_one_line(harness):
     with pytest.raises(ev.EvaluationError, match=r"^a continuation of \d+ tokens does not fit "
                                                  r"the model's 3-token context \("):
         ev.run_harness(lm, names, harness["manager"], num_fewshot=0, limit=2)
+
+
+def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeypatch):
+    """Found before any task runs: GSM8K comes after seven log-likelihood tasks here."""
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    monkeypatch.setattr(export.model.config, "max_position_embeddings", 16)
+    forwards = []
+    monkeypatch.setattr(export.model, "forward", lambda *a, **k: forwards.append(1))
+    with pytest.raises(ev.EvaluationError, match=r"^max_gen_toks 16 \(task gsm8k\): leaves no "
+                                                 r"room for a prompt in the model's 16-token"):
+        ev.evaluate(export.model, export.tokenizer, ["asymloop_tasks", "gsm8k"],
+                    data_dir=harness["data"], limit=1, max_gen_toks=16)
+    assert forwards == []
+    names = ev.resolve_tasks(["gsm8k"], harness["manager"])
+    lm = ev.harness_model(export.model, export.tokenizer, batch_size=2)
+    lm._max_length = 16
+    for gen_kwargs, new_tokens in ((None, 256), ({"max_gen_toks": 16}, 16)):
+        with pytest.raises(ev.EvaluationError, match=rf"^max_gen_toks {new_tokens} \(task gsm8k\): "
+                                                     r"leaves no room for a prompt in the model's "
+                                                     r"16-token context"):
+            ev.run_harness(lm, names, harness["manager"], num_fewshot=0, limit=1,
+                           gen_kwargs=gen_kwargs)
 
 
 @pytest.mark.parametrize("arch", ["dense", "asymloop"])
@@ -260,9 +302,15 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         ([hf, "--data-dir", data, "--tokenizer", str(SP_MODEL)], "only for a megaloop "
                                                                  "checkpoint"),
         ([str(tmp_path / "missing"), "--data-dir", data], "missing: no such checkpoint"),
+        # Found before the evaluation, not after it.
+        ([hf, "--data-dir", data, "--output", str(broken / "piqa_valid.jsonl" / "x")],
+         "piqa_valid.jsonl is not a writable directory"),
+        ([hf, "--data-dir", data, "--output", str(broken)], "broken.md: a directory; choose "),
     ]
+    (tmp_path / "broken.md").mkdir()
     for argv, message in cases:
-        assert evaluate(argv + ["--output", str(tmp_path / "out" / "x")]) == 2, message
+        assert evaluate(argv + ["--output", str(tmp_path / "out" / "x")] * ("--output" not in argv)
+                        ) == 2, message
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (message, err)
     for flag in ("--limit", "--batch-size"):
@@ -271,3 +319,51 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         assert exit_.value.code == 2
     assert not (tmp_path / "out").exists()
 
+
+
+def test_more_shots_than_a_file_holds_is_one_line(harness, tmp_path):
+    """The written SciQ and MMLU files hold three records: 3 shots leave SciQ's question out of
+    three (4 needed); MMLU draws from its dev file (3 needed). lm-eval alone raises a bare
+    ValueError from random.sample."""
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    with pytest.raises(ev.EvaluationError, match=r"^num_fewshot 3: task sciq draws its examples "
+                                                 r"from sciq_test.jsonl, which holds 3 records "
+                                                 r"\(4 needed, the question itself left out\)$"):
+        ev.evaluate(export.model, export.tokenizer, ["mmlu", "sciq"], data_dir=harness["data"],
+                    num_fewshot=(0, 3), limit=1)
+    rows = ev.evaluate(export.model, export.tokenizer, ["mmlu", "sciq"], data_dir=harness["data"],
+                       num_fewshot=(2,), limit=1)
+    assert sorted(r["task"] for r in rows) == ["mmlu", "sciq"]
+
+
+def test_requests_longer_than_the_context_are_counted_and_shown(harness, monkeypatch):
+    """lm-eval cuts them from the left and only logs it (megaloop quiets its log): the rows and
+    the table say how many, counted here from the scored prompts themselves."""
+    from megaloop.hf import evaluate as ev
+
+    export = harness["dense"]
+    monkeypatch.setattr(export.model.config, "max_position_embeddings", 48)
+    rows = ev.evaluate(export.model, export.tokenizer, ["piqa", "gsm8k"], data_dir=harness["data"],
+                       num_fewshot=(0, 2), limit=3, max_gen_toks=8)
+
+    def length(text):
+        return len(export.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    counts = {}
+    for shots in (0, 2):
+        samples = _run(harness, export, ["piqa", "gsm8k"], num_fewshot=shots, limit=3,
+                       gen_kwargs={"max_gen_toks": 8})["samples"]
+        piqa = [a for s in samples["local_piqa"] for a in s["arguments"]]
+        # One sample per document and filter (GSM8K has two filters).
+        gsm8k = {s["doc_id"]: s["arguments"][0][0] for s in samples["local_gsm8k"]}.values()
+        counts[("piqa", shots)] = (len(piqa), sum(length(c + x) - 1 > 48 for c, x in piqa))
+        counts[("gsm8k", shots)] = (len(gsm8k), sum(length(c) > 48 - 8 for c in gsm8k))
+    assert {(r["task"], r["num_fewshot"]): (r["requests"], r["truncated"]) for r in rows} == counts
+    assert 0 < counts[("piqa", 0)][1] < counts[("piqa", 2)][1] == 6, counts
+    table = ev.markdown_table(rows)
+    assert table.splitlines()[-1] == (
+        "Longer than the model's context, cut from the left: " + "; ".join(
+            f"{task} {shots}-shot: {cut} of {sent} requests"
+            for (task, shots), (sent, cut) in counts.items() if cut) + ".")

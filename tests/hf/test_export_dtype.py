@@ -4,6 +4,7 @@ the files are half the size, a wrong mapping is still caught, an import gives th
 exactly and keeps the dtype, and the default is the checkpoint's own dtype."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,62 @@ def test_refuses_an_unknown_dtype_in_one_line(exports, tmp_path):
         export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out", dtype="bf16")
     assert str(error.value) == "dtype 'bf16': an export stores float32, bfloat16, float16"
     _assert_nothing_written(tmp_path / "out")
+
+
+def _live_storages() -> dict[int, int]:
+    """Bytes of every tensor storage Python holds (views counted once), by address."""
+    import gc
+
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
+@pytest.mark.parametrize("variant, dtype", [("dense", "bfloat16"), ("asymloop", "float16"),
+                                            ("mixtral", "float32"), ("mixtral", "bfloat16")])
+def test_an_export_holds_one_copy_of_the_weights_at_a_time(exports, variant, dtype, tmp_path,
+                                                           monkeypatch):
+    """The export is loaded back once; the tensors alive whenever a model is complete (each probe,
+    each load, the Hugging Face model built) add up to about one fp32 copy of the weights. A
+    second full copy alive (a second load, the weights kept while the export is loaded back, a
+    native MoE class's stacked experts beside the unstacked ones) makes it 1.5 or more."""
+    import transformers
+
+    from megaloop.hf import to_hf
+    from megaloop.hf.from_hf import reference_shapes
+
+    exported = exports.get(variant)
+    fp32_bytes = 4 * sum(math.prod(shape) for shape in reference_shapes(exported.cfg).values())
+    before = _live_storages()
+    peaks, calls = [], []
+
+    def measured(function):  # holds no argument or result: a test must not keep tensors alive
+        def wrapper(*args, **kwargs):
+            calls.append(function.__name__)
+            peaks.append(sum(n for ptr, n in _live_storages().items() if ptr not in before))
+            result = function(*args, **kwargs)
+            peaks.append(sum(n for ptr, n in _live_storages().items() if ptr not in before))
+            return result
+        return wrapper
+
+    for owner, name in ((to_hf, "probe_logits"), (to_hf, "hf_model"),
+                        (transformers.AutoModelForCausalLM, "from_pretrained")):
+        monkeypatch.setattr(owner, name, measured(getattr(owner, name)))
+    export_checkpoint(exported.checkpoint, tmp_path / "out", dtype=dtype)
+    assert calls.count("from_pretrained") == 1
+    assert 0.9 < max(peaks) / fp32_bytes < 1.25, max(peaks) / fp32_bytes
+
+
+def test_fixed_residual_scales_that_bfloat16_rounds_pass_the_mapping_check(mcore, tmp_path):
+    """A fixed LatentLoop residual scale is no weight of the file: the reference model computes it
+    from config.json in the dtype it loads in. 0.3 and 0.7 round in bfloat16; the fp32 mapping
+    check compares like with like all the same."""
+    from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
+    from tests.models.variants import small_config
+
+    cfg = small_config("moe_loop", residual_scale_init=[0.3, 0.7])
+    torch.manual_seed(0)
+    model = build_single_process_model(cfg)
+    checkpoint = save_weights_checkpoint(model, RunConfig(model=cfg, data=DataConfig(eod_id=3)),
+                                         tmp_path / "checkpoint")
+    report = export_checkpoint(checkpoint, tmp_path / "hf", dtype="bfloat16")
+    assert report["probe_max_abs_difference"] < 1e-5

@@ -36,6 +36,17 @@ def test_round_trip_is_exact(exports, variant, tmp_path):
         assert torch.equal(before[name], after[name]), name
 
 
+def test_the_end_of_document_id_comes_back_in_a_second_export(exports, tmp_path):
+    """HF -> megaloop -> HF: eos_token_id 3 (the run's eod_id) stays; it was null, so that
+    generate() of the second export never stopped at an end of document."""
+    from megaloop.hf.to_hf import export_checkpoint
+
+    assert import_hf(exports.get("dense").hf_dir, tmp_path / "back")["eod_id"] == 3
+    export_checkpoint(tmp_path / "back", tmp_path / "again")
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "again" / name).read_text())["eos_token_id"] == 3
+
+
 def _copy(exports, variant, tmp_path) -> Path:
     return Path(shutil.copytree(exports.get(variant).hf_dir, tmp_path / "hf"))
 
@@ -90,3 +101,45 @@ def test_refuses_what_megaloop_does_not_compute_naming_the_field(exports, tmp_pa
     directory = _copy(exports, "dense", tmp_path)
     _edit_config(directory, **fields)
     _refused(directory, tmp_path, match)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_refuses_a_damaged_safetensors_file_naming_it(exports, tmp_path, damage):
+    """One shard of a sharded directory (a native model saved in pieces), cut short or
+    overwritten."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(exports.get("dense").hf_dir).save_pretrained(
+        tmp_path / "hf", max_shard_size="100KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    if damage == "truncated":
+        with open(shard, "r+b") as file:
+            file.truncate(shard.stat().st_size // 2)
+    else:
+        shard.write_bytes(b"not safetensors")
+    _refused(tmp_path / "hf", tmp_path, rf"^{shard}: not a readable safetensors file")
+
+
+@pytest.mark.parametrize("variant, fields, match", [
+    ("asymloop", dict(hidden_size="64"), r"config.json: hidden_size='64': must be of type int$"),
+    ("asymloop", dict(injection="globalkv"), r"config.json: injection='globalkv': must be one of "),
+    ("latentloop", dict(latent_visits=[1, "2"]), r"latent_visits\[1\]='2': must be of type int$"),
+    ("asymloop", dict(iterations=None), r"config.json: iterations=None: megaloop reads this model "
+                                        r"as iterations=3; write that$"),
+])
+def test_refuses_an_edited_megaloop_config_naming_the_field(exports, tmp_path, variant, fields,
+                                                            match):
+    """Without the check: a TypeError inside the model, or a message about tensors."""
+    directory = _copy(exports, variant, tmp_path)
+    _edit_config(directory, **fields)
+    _refused(directory, tmp_path, match)
+
+
+@pytest.mark.parametrize("variant", ["dense", "asymloop"])
+def test_refuses_an_untied_output_layer_under_tie_word_embeddings(exports, tmp_path, variant):
+    """transformers loads the stored lm_head.weight all the same; megaloop would tie it (before:
+    a probe mismatch, exit 1, as if the conversion were wrong)."""
+    directory = _copy(exports, variant, tmp_path)
+    _edit_config(directory, tie_word_embeddings=True)
+    _refused(directory, tmp_path, r"tensor lm_head.weight: differs from the embedding, which "
+                                  r"config.json's tie_word_embeddings=true makes it")

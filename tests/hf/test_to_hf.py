@@ -151,3 +151,56 @@ def test_a_probe_mismatch_fails_loudly_and_leaves_nothing(exports, tmp_path, mon
     with pytest.raises(ProbeMismatch, match="probe logits differ"):
         export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
     _assert_nothing_written(tmp_path / "out")
+
+
+def test_takes_the_latest_pointer_itself_and_names_a_file_given_for_a_checkpoint(exports,
+                                                                                 tmp_path):
+    """A shell completes runs/x/checkpoints/latest as readily as its directory."""
+    checkpoint = exports.get("dense").checkpoint
+    report = export_checkpoint(checkpoint.parent / "latest", tmp_path / "out")
+    assert report["checkpoint"] == str(checkpoint)
+    with pytest.raises(ConversionError, match=r"config.yaml: a file, not a checkpoint directory"):
+        export_checkpoint(checkpoint / "config.yaml", tmp_path / "other")
+    _assert_nothing_written(tmp_path / "other")
+
+
+def test_a_tokenizer_problem_fails_before_the_weights_are_read(exports, tmp_path, monkeypatch):
+    """Reading a large checkpoint takes minutes; a missing or too large tokenizer is known from
+    its config alone."""
+    from megaloop.hf import to_hf
+    from tests.data.conftest import HF_TOKENIZER
+
+    def read(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(to_hf, "load_checkpoint_model", read)
+    checkpoint = exports.get("dense").checkpoint
+    with pytest.raises(ConversionError, match=r"gone.model: tokenizer file not found"):
+        export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(tmp_path / "gone.model"))
+    if HF_TOKENIZER.is_file():  # GPT-2's 50257 tokens, the model's 128 rows
+        with pytest.raises(ConversionError, match=r"50257 tokens, more than the model's "
+                                                  r"vocab_size=128"):
+            export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(HF_TOKENIZER))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_an_output_directory_that_cannot_be_created_or_filled_meanwhile_is_one_line(
+        exports, tmp_path, monkeypatch):
+    from megaloop.hf import to_hf
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConversionError, match=r"file/out: cannot create it \(File exists: "):
+        export_checkpoint(exports.get("dense").checkpoint, tmp_path / "file" / "out")
+    write_tokenizer = to_hf._write_tokenizer
+
+    def another_export_finishes_first(*args):  # a second export of the same OUT, say
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "theirs").write_text("")
+        return write_tokenizer(*args)
+
+    monkeypatch.setattr(to_hf, "_write_tokenizer", another_export_finishes_first)
+    with pytest.raises(ConversionError, match=r"out: cannot move the conversion there "
+                                              r"\(Directory not empty\)"):
+        export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["theirs"]

@@ -68,3 +68,34 @@ def test_refuses_a_tokenizer_larger_than_the_model_vocabulary(exports, tmp_path)
                                               r"vocab_size=128"):
         export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_refuses_a_tokenizer_in_place_of_the_runs_that_encodes_otherwise(exports, tmp_path):
+    """--tokenizer replaces a run's tokenizer that moved; where the run's is still there, another
+    model's tokenizer (a BPE of 100 tokens fits the 128 rows just as well) is a mistake."""
+    run_tokenizer = _sentencepiece(tmp_path)
+    checkpoint = _with_tokenizer(exports, tmp_path, run_tokenizer)
+    other = _json_tokenizer(tmp_path)
+    with pytest.raises(ConversionError, match=rf"^--tokenizer {other}: (encodes 'The quick .* as "
+                                              rf"|ends documents with id ).*the run's "
+                                              rf"data.tokenizer_model {run_tokenizer}"):
+        export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(other))
+    assert not (tmp_path / "out").exists()
+    copy = Path(shutil.copy(run_tokenizer, tmp_path / "copy.model"))
+    assert export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(copy))["tokenizer"] == \
+        str(copy)
+
+
+def test_refuses_a_tokenizer_ending_documents_otherwise_than_the_runs_eod_id(exports, tmp_path):
+    """A run on pre-tokenized data names only its end-of-document id (here 5); a tokenizer whose
+    eos is another id would make config.json's eos_token_id one the model never learned."""
+    checkpoint = Path(shutil.copytree(exports.get("dense").checkpoint, tmp_path / "checkpoint"))
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    config["data"].update(tokenizer_model=None, eod_id=5)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    source = _sentencepiece(tmp_path)
+    eod = load_tokenizer("SentencePieceTokenizer", source).eod
+    with pytest.raises(ConversionError, match=rf"^--tokenizer {source}: ends documents with id "
+                                              rf"{eod}, the run's data.eod_id is 5"):
+        export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(source))
+    assert not (tmp_path / "out").exists()

@@ -52,3 +52,16 @@ def test_bad_input_exits_2_with_one_line(load_tool, checkpoint, tmp_path, capsys
         tool.main(["to-hf", str(checkpoint), str(tmp_path / "hf"), "--tokenizer", "t.model",
                    "--no-tokenizer"])
     assert exit_code.value.code == 2
+
+
+def test_a_damaged_export_is_exit_2_not_a_traceback(load_tool, checkpoint, tmp_path, capsys):
+    """Exit 1 means probe logits that differ (a bug); a cut-short file is bad input."""
+    tool = load_tool("convert_checkpoint")
+    assert tool.main(["to-hf", str(checkpoint.parent / "latest"), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    weights = tmp_path / "hf" / "model.safetensors"
+    with open(weights, "r+b") as file:
+        file.truncate(weights.stat().st_size - 1)
+    assert tool.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {weights}: not a readable safetensors file") and "\n" not in err
