@@ -12,7 +12,8 @@ from, in units of the fp32 weights (4 bytes x parameters): about 1 means one fp3
 at a time; each further full copy alive at once adds 1 (0.5 in bfloat16 or float16). Small presets
 overstate it: a fixed few tens of MB (probe activations, transformers' bookkeeping) weigh more.
 ``checkpoint_read_peak_over_fp32_weights``: the same for reading the checkpoint alone
-(``load_checkpoint_model``, the first step of an export), the floor of an export's peak.
+(``load_checkpoint_model``, the first step of an export), the floor of an export's peak;
+``checkpoint_read_seconds``: that read's wall time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from megaloop.cli import quiet_third_party_warnings
@@ -37,12 +39,15 @@ def _status_bytes(field: str) -> int:
 
 
 def _peak_rise(function):
-    """(``function()``, how far the RSS rose above where it started while it ran)."""
+    """(``function()``, how far the RSS rose above where it started while it ran, its wall time
+    in seconds)."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what earlier work freed leaves the RSS
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     start = _status_bytes("VmRSS")
+    began = time.perf_counter()
     result = function()
-    return result, _status_bytes("VmHWM") - start
+    seconds = time.perf_counter() - began
+    return result, _status_bytes("VmHWM") - start, seconds
 
 
 def measure(checkpoint: str, dtype: str, workdir: str) -> dict:
@@ -54,10 +59,11 @@ def measure(checkpoint: str, dtype: str, workdir: str) -> dict:
 
     quiet_transformers()
     export_checkpoint(checkpoint, Path(workdir) / f"warm-{dtype}", dtype=dtype)
-    report, rise = _peak_rise(lambda: export_checkpoint(checkpoint, Path(workdir) / f"out-{dtype}",
-                                                        dtype=dtype))
-    _, read_rise = _peak_rise(lambda: load_checkpoint_model(checkpoint))
+    report, rise, _ = _peak_rise(lambda: export_checkpoint(
+        checkpoint, Path(workdir) / f"out-{dtype}", dtype=dtype))
+    _, read_rise, read_seconds = _peak_rise(lambda: load_checkpoint_model(checkpoint))
     return {"peak_rss_rise": rise, "checkpoint_read_peak_rss_rise": read_rise,
+            "checkpoint_read_seconds": round(read_seconds, 3),
             "safetensors_bytes": report["safetensors_bytes"], "class": report["class"]}
 
 
