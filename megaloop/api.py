@@ -26,7 +26,7 @@ def build(preset_name: str = "tiny", *, seed: int = 1234, **overrides):
     return _build(preset(preset_name, **overrides), seed)
 
 
-def _build(cfg, seed: int):
+def _build(cfg, seed: int, initialize: bool = True):
     from megatron.core import parallel_state, tensor_parallel
 
     from megaloop.models.model import build_model
@@ -37,7 +37,7 @@ def _build(cfg, seed: int):
     # Reseeded on every call: the same seed gives the same weights however often build() is called.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return build_model(cfg)
+    return build_model(cfg, initialize=initialize)
 
 
 def load(checkpoint: str | os.PathLike, **overrides):
@@ -55,17 +55,21 @@ def load(checkpoint: str | os.PathLike, **overrides):
 
 
 def _build_on_device(cfg):
-    model = _build(cfg, seed=0)  # every weight is replaced by the checkpoint's
+    model = _build(cfg, seed=0, initialize=False)  # every weight comes from the checkpoint
     return model.cuda() if torch.cuda.is_available() else model
 
 
 def load_with(build, checkpoint: str | os.PathLike, **overrides):
     """``load`` with the model made by ``build(model config)`` (megaloop.hf converts on the CPU,
-    one process, megatron-core's local spec); its documentation holds for both."""
+    one process, megatron-core's local spec); its documentation holds for both. ``build`` need not
+    initialise the weights (``build_model(..., initialize=False)``): every tensor of the model's
+    state dict is set to NaN (or, not being floating point, must be in the loaded state), and one
+    the checkpoint leaves so is a CheckpointError naming it."""
     import dataclasses
 
     from megaloop.config import ConfigError, ModelConfig
     from megaloop.training import checkpoint as ckpt
+    from megaloop.training.weight_loading import check_all_loaded, mark_unloaded
 
     path = ckpt.find_checkpoint(checkpoint)
     ckpt.verify_checkpoint(path)
@@ -75,6 +79,7 @@ def load_with(build, checkpoint: str | os.PathLike, **overrides):
                           f"change only {', '.join(ckpt.RESUMABLE_MODEL_FIELDS)}")
     cfg = ckpt.saved_section(path, ModelConfig, "model")
     model = build(dataclasses.replace(cfg, **overrides))
+    mark_unloaded(model)
     state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})
-    model.load_state_dict(state["model"])
+    check_all_loaded(model, model.load_state_dict(state["model"], strict=False), path)
     return model.eval()

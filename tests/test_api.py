@@ -59,3 +59,88 @@ def test_load_gives_the_saved_model_and_refuses_what_the_weights_fix(mcore, tmp_
     (tmp_path / "ckpt" / "iter_0000007" / "common.pt").unlink()
     with pytest.raises(CheckpointError, match=r"common.pt: missing or truncated"):
         ml.load(tmp_path / "ckpt")
+
+
+# One of each architecture, and the parameters megaloop makes itself: Global KV projections, tied
+# embeddings, MoE routers and experts (a shared one), LatentLoop's compression scales, width
+# projections and learned residual scales.
+LOADED_VARIANTS = ["dense", "fullloop", "asymloop_tied_gqa1", "asymloop_moe", "latentloop",
+                   "latentloop_moe_width"]
+
+
+def _small(variant: str) -> dict:
+    from tests.models.variants import ALL_VARIANTS, SMALL
+
+    return {**SMALL, **ALL_VARIANTS[variant]}
+
+
+@pytest.mark.parametrize("variant", LOADED_VARIANTS)
+def test_load_fills_every_tensor_from_the_checkpoint(mcore, tmp_path, variant):
+    from megaloop.config import RunConfig
+    from megaloop.training.checkpoint import save_checkpoint
+
+    model = ml.build("tiny", seed=3, **_small(variant))
+    save_checkpoint(tmp_path, 1, {"model": model.sharded_state_dict()}, RunConfig(model=model.cfg),
+                    keep_last=1)
+    loaded = ml.load(tmp_path)
+    saved, filled = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == filled.keys()
+    for name, tensor in saved.items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(filled[name], tensor), name
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model.eval()(tokens))
+
+
+@pytest.mark.parametrize("variant", LOADED_VARIANTS)
+def test_a_model_built_to_be_loaded_draws_no_random_weights(mcore, variant):
+    from megaloop.models.model import build_model
+    from megaloop.presets import preset
+
+    cfg = preset("tiny", **_small(variant))
+    before = torch.get_rng_state()
+    build_model(cfg, initialize=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    build_model(cfg)  # training builds initialise, drawing from the generator
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def _saved_asymloop(tmp_path):
+    from megaloop.config import RunConfig
+    from megaloop.training.checkpoint import save_checkpoint
+
+    model = ml.build("tiny", seed=3, **_small("asymloop"))
+    return model, save_checkpoint(tmp_path, 1, {"model": model.sharded_state_dict()},
+                                  RunConfig(model=model.cfg), keep_last=1)
+
+
+def test_load_refuses_a_model_tensor_the_checkpoint_does_not_fill(mcore, tmp_path):
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    from megaloop.api import _build_on_device
+    from megaloop.training.checkpoint import CheckpointError
+
+    _, path = _saved_asymloop(tmp_path)
+    name = "output_layer.weight"
+
+    def build(map_entry):
+        def build_model(cfg):
+            model = _build_on_device(cfg)
+            full = model.sharded_state_dict
+
+            def sharded_state_dict(*args, **kwargs):
+                state = full(*args, **kwargs)
+                entry = map_entry(state.pop(name), model.state_dict()[name])
+                return state if entry is None else {**state, name: entry}
+
+            model.sharded_state_dict = sharded_state_dict
+            return model
+        return build_model
+
+    # Loaded as the model's own (unfilled) tensor: megatron-core and load_state_dict accept it.
+    with pytest.raises(CheckpointError, match=rf"^{path}: did not fill the model's {name} \(NaN"):
+        ml.load_with(build(lambda entry, own: LocalNonpersistentObject(own)), path)
+    # Not asked of the checkpoint at all.
+    with pytest.raises(CheckpointError, match=rf"^{path}: holds no value for the model's {name}$"):
+        ml.load_with(build(lambda entry, own: None), path)

@@ -32,9 +32,9 @@ def checkpoint_path(path: str | Path) -> Path:
     return ckpt.find_checkpoint(path)
 
 
-def build_single_process_model(cfg: ModelConfig):
+def build_single_process_model(cfg: ModelConfig, initialize: bool = True):
     """A TP=PP=EP=1 model of ``cfg`` on the local (CPU) spec, torch.distributed initialised for one
-    process if it is not already."""
+    process if it is not already; ``initialize=False``: weights left unset, to be loaded."""
     from megatron.core import parallel_state as ps
 
     from megaloop.models.model import build_model
@@ -47,7 +47,7 @@ def build_single_process_model(cfg: ModelConfig):
     if sizes != (1, 1, 1):
         raise ConversionError(f"conversions run in one process; this one has tensor/pipeline/"
                               f"expert parallel sizes {sizes}")
-    model = build_model(cfg, ParallelConfig(), use_te=False)
+    model = build_model(cfg, ParallelConfig(), use_te=False, initialize=initialize)
     return model.eval()
 
 
@@ -65,7 +65,7 @@ def load_checkpoint_model(path: str | Path, requested: ModelConfig | None = None
     def build(cfg: ModelConfig):
         if requested is not None:
             ckpt.check_compatible(path, RunConfig(model=requested))
-        return build_single_process_model(cfg)
+        return build_single_process_model(cfg, initialize=False)  # filled by the checkpoint
 
     model = load_with(build, path)
     return model, RunConfig(model=model.cfg, data=ckpt.saved_section(path, DataConfig, "data")), \

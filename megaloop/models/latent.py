@@ -268,15 +268,16 @@ class LatentLoopLM(LoopedLM):
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output=True,
-                 fp8: str | None = None, stage: int = 0):
-        super().__init__(cfg, parallel, use_te, params_dtype, parallel_output, fp8, stage)
+                 fp8: str | None = None, stage: int = 0, initialize: bool = True):
+        super().__init__(cfg, parallel, use_te, params_dtype, parallel_output, fp8, stage,
+                         initialize)
         cfg, parallel = self.cfg, parallel or ParallelConfig()
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         before, middle, after = cfg.num_prelude_layers, cfg.num_decoder_layers, cfg.num_coda_layers
 
         def block(block_cfg: ModelConfig, num_layers: int, offset: int) -> TransformerBlock:
             config = transformer_config(block_cfg, parallel, num_layers, block_cfg.ffn_hidden_size,
-                                        params_dtype, fp8, use_te)
+                                        params_dtype, fp8, use_te, initialize)
             spec = specs.layer_spec(block_cfg, "plain", use_te, moe=cfg.uses_moe,
                                     layer_offset=offset)
             return TransformerBlock(config, spec, post_layer_norm=False)

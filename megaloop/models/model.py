@@ -43,7 +43,8 @@ _MCORE_FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "m
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: int,
                        ffn_hidden_size: int, params_dtype=torch.float32,
-                       fp8: str | None = None, use_te: bool = False) -> TransformerConfig:
+                       fp8: str | None = None, use_te: bool = False,
+                       initialize: bool = True) -> TransformerConfig:
     """The megatron-core TransformerConfig for one block of ``num_layers`` physical layers.
 
     ``fp8`` (Transformer Engine only; None: off) names the scaling recipe, E4M3 forward / E5M2
@@ -53,7 +54,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1).
     MoE models carry the MoE fields in every block's config (megatron-core's schedules read them
     from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM
-    experts."""
+    experts. ``initialize=False`` leaves the weights megatron-core allocates uninitialised
+    (``perform_initialization``): for a model every weight of which is loaded next."""
     on_gpu = torch.cuda.is_available()
     recompute = parallel.recompute == "full"
     fp8_settings = {}
@@ -103,7 +105,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         pipeline_dtype=params_dtype,  # dtype of the activations pipeline stages exchange
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
+        perform_initialization=initialize,
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
@@ -117,11 +119,15 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
 class LoopedLM(LanguageModule):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig | None = None,
                  use_te: bool | None = None, params_dtype=torch.float32, parallel_output: bool = True,
-                 fp8: str | None = None, stage: int = 0):
+                 fp8: str | None = None, stage: int = 0, initialize: bool = True):
         """``stage``: the pipeline stage this model is, v * pipeline + p for model chunk v of
         pipeline rank p (megaloop.models.pipeline): it holds the embedding if it is the first
         stage, the head if it is the last, and the layers its piece of the unrolled layer chain
         runs. Without pipeline parallelism the one stage holds everything.
+        ``initialize=False``: the weight matrices are left as allocated (torch.empty), not drawn
+        at random, for a model all of whose weights are loaded next (megaloop.api.load_with,
+        which checks that the checkpoint filled every one); norms and scales still start at
+        their constants, which cost nothing.
         """
         cfg = dataclasses.replace(cfg).resolve()
         parallel = parallel or ParallelConfig()
@@ -133,7 +139,7 @@ class LoopedLM(LanguageModule):
         # them); each block's says "no pipeline", so that megatron-core builds exactly the layers
         # it is given, numbered as in the whole block (LayerBlock).
         model_config = transformer_config(cfg, parallel, dec_layers, cfg.decoder_ffn_hidden_size,
-                                          params_dtype, fp8, use_te)
+                                          params_dtype, fp8, use_te, initialize)
         block_parallel = dataclasses.replace(parallel, pipeline=1, virtual_pipeline=1,
                                              pipeline_split=[])
         super().__init__(config=model_config)
@@ -164,7 +170,7 @@ class LoopedLM(LanguageModule):
         self.encoder = self.decoder = None
         if this.held("encoder"):
             enc_config = transformer_config(cfg, block_parallel, enc_layers, cfg.ffn_hidden_size,
-                                            params_dtype, fp8, use_te)
+                                            params_dtype, fp8, use_te, initialize)
             self.encoder = LayerBlock(
                 enc_config, specs.layer_spec(cfg, "plain", use_te, moe=cfg.moe_in("encoder")),
                 this.held("encoder"))
@@ -175,7 +181,8 @@ class LoopedLM(LanguageModule):
         self._segments: list[Segment] = []
         if this.held("decoder"):
             dec_config = transformer_config(cfg, block_parallel, dec_layers,
-                                            cfg.decoder_ffn_hidden_size, params_dtype, fp8, use_te)
+                                            cfg.decoder_ffn_hidden_size, params_dtype, fp8, use_te,
+                                            initialize)
             decoder_spec = specs.layer_spec(cfg, cfg.decoder_attention, use_te,
                                             moe=cfg.moe_in("decoder"), layer_offset=enc_layers)
             self.decoder = LayerBlock(dec_config, decoder_spec, this.held("decoder"))
