@@ -150,6 +150,26 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, mo
     assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["latest"]
 
 
+def test_an_atomic_write_removes_only_stale_temporaries_of_its_own_path(tmp_path):
+    import os
+    import time
+
+    from megaloop.config.serialization import STALE_TEMPORARY_SECONDS
+
+    killed = tmp_path / ".config.yaml-4242-0123abcd"  # a write killed before its rename
+    live = tmp_path / ".config.yaml-4243-89abcdef"  # a concurrent writer's, being written
+    others = [tmp_path / ".run.yaml-4242-0123abcd", tmp_path / ".config.yaml-4242-0123abcd.bak",
+              tmp_path / "config.yaml-4242-0123abcd", tmp_path / ".config.yaml-x-0123abcd"]
+    old = time.time() - STALE_TEMPORARY_SECONDS - 60
+    for p in [killed, live, *others]:
+        p.write_text("partial")
+        if p is not live:
+            os.utime(p, (old, old))
+    save_yaml(RunConfig(), tmp_path / "config.yaml")
+    assert sorted(tmp_path.iterdir()) == sorted([tmp_path / "config.yaml", live, *others])
+    assert load_yaml(tmp_path / "config.yaml") == RunConfig()
+
+
 @pytest.mark.parametrize("split, weights", [
     ("969,30,1", [969, 30, 1]), ("90/10", [90, 10, 0]), ("100", [100, 0, 0]),
     (" 0.9, 0.1 ,0 ", [0.9, 0.1, 0]),

@@ -8,6 +8,7 @@ import difflib
 import os
 import re
 import secrets
+import time
 import types
 import typing
 from pathlib import Path
@@ -164,10 +165,16 @@ def run_config_from(data: dict, base: RunConfig | None = None) -> RunConfig:
 
 
 _TOKEN_BYTES = 4  # of the temporary name's random part
+# A writer holds its temporary file only from the open to the rename (milliseconds; seconds with a
+# slow fsync), so one last modified this long ago belongs to a process killed in between. The age,
+# not the pid, decides: the writer may be on another node of a shared filesystem, where a pid
+# means nothing here, and a dead writer's pid may have been reused.
+STALE_TEMPORARY_SECONDS = 15 * 60
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Writes a temporary file in the same directory, then renames it over ``path``. The file gets
+    """Writes a temporary file in the same directory, then renames it over ``path``, and removes
+    the stale temporaries of earlier writes of ``path`` killed before their rename. The file gets
     the permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), not
     ``tempfile.mkstemp``'s 0600, so that teammates can read a shared run."""
     path = Path(path)
@@ -181,12 +188,25 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _remove_stale_temporaries(path)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Best effort: the write itself succeeded, so a leftover that cannot be removed stays."""
+    cutoff = time.time() - STALE_TEMPORARY_SECONDS
+    for leftover in atomic_write_leftovers(path):
+        try:
+            if leftover.stat().st_mtime < cutoff:
+                leftover.unlink()
+        except OSError:  # renamed or removed meanwhile by its writer or another cleaner
+            pass
 
 
 def atomic_write_leftovers(path: str | os.PathLike) -> list[Path]:
     """The temporary files that ``write_text_atomic(path, ...)`` calls left beside ``path`` when
-    their process was killed between the write and the rename (``.<name>-<pid>-<hex>``). They are
-    stale only where no other process is writing ``path`` (a run's ``latest``, under its lock)."""
+    their process was killed between the write and the rename (``.<name>-<pid>-<hex>``). All are
+    stale only where no other process is writing ``path`` (a run's ``latest``, under its lock);
+    every write removes those older than ``STALE_TEMPORARY_SECONDS`` itself."""
     path = Path(path)
     name = re.compile(rf"\.{re.escape(path.name)}-\d+-[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
     if not path.parent.is_dir():
