@@ -17,9 +17,10 @@ under one launcher and write only into the checkpoint's ``.tmp`` directory, whic
 filesystem without lock support (Lustre mounted ``noflock``) gets a warning and no lock.
 
 A set-up that does not complete (a refused dataset, tokenizer or checkpoint, a stop signal) leaves
-the directories as it found them: ``RunDirs.undo`` removes the lock files this run created, while
-still holding them, and every directory it created that is still empty; whatever existed before
-or holds anything stays. A run that had opened a lock file just before its removal notices, once
+the directories as it found them: ``RunDirs.undo`` removes the files set-up created in them and
+noted with ``RunDirs.created`` (the ALRS log) and the lock files this run created, while still
+holding them, then every directory it created that is still empty; whatever existed before or
+holds anything else stays. A run that had opened a lock file just before its removal notices, once
 it holds the lock, that the path names another file or none, and locks afresh.
 """
 
@@ -30,6 +31,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -134,6 +136,7 @@ class RunDirs:
                        checkpoint_dir.resolve(): "checkpoint.dir"}
         self.checkpoint_dir = checkpoint_dir
         self.locks: list[RunLock] = []
+        self._new_entries: list[Path] = []
         missing = set()
         if is_rank0():
             for target in [*self.fields, *([Path(cache_dir).resolve()] if cache_dir else [])]:
@@ -161,6 +164,12 @@ class RunDirs:
         if error is not None:
             raise ConfigError(error)
 
+    def created(self, path: Path) -> None:
+        """Rank 0, during set-up: notes that this run is about to create ``path`` (a file or
+        directory that does not exist yet) in a run directory, so that ``undo`` removes it."""
+        assert not path.exists(), f"{path} existed before this run"
+        self._new_entries.append(path)
+
     def release(self) -> None:
         """Drops the locks at the end of the run (idempotent)."""
         for lock in self.locks:
@@ -168,9 +177,16 @@ class RunDirs:
         self.locks = []
 
     def undo(self) -> None:
-        """After a set-up that did not complete: removes the lock files this run created and the
-        directories it created that are empty (or hold only empty directories), and drops the
-        locks. Anything that existed before, or that holds a file, stays."""
+        """After a set-up that did not complete: removes what ``created`` noted, the lock files
+        this run created and the directories it created that are empty (or hold only empty
+        directories), and drops the locks. Anything that existed before, or that holds another
+        file, stays."""
+        for path in self._new_entries:  # while the locks keep any other run out
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        self._new_entries = []
         for lock in self.locks:
             lock.release(remove_created=True)
         self.locks = []

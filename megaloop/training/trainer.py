@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
+from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
 from megaloop.training.resume import check_changed_settings, resume_schedule
 from megaloop.training.run_dir import RunDirs
@@ -274,11 +275,14 @@ class Trainer:
 
         from megaloop.alrs import ALRS
 
+        log_path = self.out_dir / "alrs.zarr"
+        if is_rank0() and not log_path.exists():  # new: a set-up refused later removes it
+            self._run_dirs.created(log_path)
         return ALRS(self.models, total_steps=self.cfg.train.train_steps, config=self.cfg.alrs,
                     tp_group=ps.get_tensor_model_parallel_group(),
                     pipeline_group=(ps.get_pipeline_model_parallel_group()
                                     if self.cfg.parallel.pipeline > 1 else None),
-                    log_path=self.out_dir / "alrs.zarr")
+                    log_path=log_path)
 
     def _build_monitor(self):
         from megaloop.models.flops import model_flops_per_token

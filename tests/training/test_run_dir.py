@@ -12,6 +12,7 @@ import pytest
 
 from megaloop.config import ConfigError
 from megaloop.data import DataError
+from megaloop.training.checkpoint import CheckpointError
 from megaloop.training.run_dir import LOCK_FILE, RunLock
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
@@ -238,3 +239,38 @@ def test_a_lock_file_removed_as_another_run_opens_it_is_locked_afresh(tmp_path, 
     with pytest.raises(ConfigError, match="in use by another run"):
         RunLock(tmp_path, "train.out_dir")
     holder.release()
+
+
+@pytest.fixture(scope="module")
+def weights_only_checkpoint(mcore, pattern_data, tmp_path_factory):
+    """A checkpoint that a run starting from it with checkpoint.load_optimizer=true refuses in its
+    last set-up phase, the load, after the ALRS log is opened."""
+    import torch
+
+    seed_run = tmp_path_factory.mktemp("seed")
+    with Trainer(tiny_run(pattern_data, seed_run, train={"use_alrs": True})) as trainer:
+        path = trainer.save()
+    common = torch.load(path / "common.pt", weights_only=True)
+    del common["trainer"]
+    torch.save(common, path / "common.pt")
+    return path
+
+
+@pytest.mark.parametrize("log_existed", [False, True])
+def test_a_set_up_refused_at_the_load_removes_only_an_alrs_log_it_created(
+        mcore, pattern_data, tmp_path, weights_only_checkpoint, log_existed):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("mine")
+    if log_existed:  # an earlier run's in this directory: kept, whatever this run opened
+        Trainer(tiny_run(pattern_data, out_dir, train={"use_alrs": True})).close()
+        assert (out_dir / "alrs.zarr" / "zarr.json").is_file()
+    before = {str(p.relative_to(out_dir)): p.read_bytes() if p.is_file() else None
+              for p in out_dir.rglob("*")}
+    cfg = tiny_run(pattern_data, out_dir, train={"use_alrs": True},
+                   checkpoint={"load": str(weights_only_checkpoint)})
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(CheckpointError, match="holds model weights only"):
+        Trainer(cfg)
+    assert {str(p.relative_to(out_dir)): p.read_bytes() if p.is_file() else None
+            for p in out_dir.rglob("*")} == before
