@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from megaloop.config import ConfigError, DataConfig, ModelConfig, RunConfig
-from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint, weights
+from megaloop.hf.checkpoint import (build_single_process_model, load_checkpoint_model,
+                                    save_weights_checkpoint, weights)
 from megaloop.hf.common import (ConversionError, compare_logits, holding_dtype, probe_ids,
                                 probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, model_config_from_native, to_native_state_dict
@@ -179,7 +180,6 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
     """Converts the Hugging Face directory into the megaloop checkpoint directory ``out``; returns
     a report (architecture, probe difference)."""
     from megaloop.models.export import from_reference_state_dict, invert_mapping
-    from megaloop.training.checkpoint import load_checkpoint
 
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         hf, cfg, family = load_hf_model(directory)
@@ -202,9 +202,7 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
         model.load_state_dict({**model.state_dict(), **converted})
         dtype = safetensors_dtype(Path(directory))  # kept: the checkpoint is no larger than HF's
         path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg, data=data), staging)
-        reloaded = build_single_process_model(cfg)
-        reloaded.load_state_dict(load_checkpoint(path, {"model": reloaded.sharded_state_dict()})
-                                 ["model"])
+        reloaded, _, _ = load_checkpoint_model(path)  # uninitialised, every tensor checked loaded
         difference = compare_logits(expected, probe_logits(reloaded, ids),
                                     f"{out} (from {directory})")
     return {"source": str(directory), "output": str(out), "arch": cfg.arch,

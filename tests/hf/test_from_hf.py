@@ -47,6 +47,24 @@ def test_the_end_of_document_id_comes_back_in_a_second_export(exports, tmp_path)
         assert json.loads((tmp_path / "again" / name).read_text())["eos_token_id"] == 3
 
 
+def test_only_the_model_that_keeps_unconverted_values_is_initialised(exports, tmp_path,
+                                                                     monkeypatch):
+    """The model the converted tensors go into keeps its own values for the others; the one that
+    re-reads the saved checkpoint to check it skips random initialisation (all is loaded)."""
+    import megaloop.models.model as model_module
+
+    exported = exports.get("dense")  # built (exported) first, if not yet
+    build, initialised = model_module.build_model, []
+
+    def recording(*args, initialize=True, **kwargs):
+        initialised.append(initialize)
+        return build(*args, initialize=initialize, **kwargs)
+
+    monkeypatch.setattr(model_module, "build_model", recording)
+    import_hf(exported.hf_dir, tmp_path / "back")
+    assert initialised == [True, False]
+
+
 def _copy(exports, variant, tmp_path) -> Path:
     return Path(shutil.copytree(exports.get(variant).hf_dir, tmp_path / "hf"))
 
