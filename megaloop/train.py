@@ -63,24 +63,22 @@ def build_config(argv: list[str] | None = None):
     return cfg.validate(), args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """megaloop-train in this process: the exit status, with the previous signal handlers back."""
-    return _with_stop_signals(argv, afterwards=None)
-
-
-def cli() -> NoReturn:
-    """The ``megaloop-train`` command. Once the run has ended, stop signals are ignored until the
-    process exits: with the default handler back, one arriving then (srun ending the job step
-    while slower ranks finish their save) would turn a saved run's 75, or 0, into 143."""
-    sys.exit(_with_stop_signals(None, afterwards=signal.SIG_IGN))
-
-
-def _with_stop_signals(argv: list[str] | None, afterwards) -> int:
+def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
+    """megaloop-train in this process: the exit status, with the previous signal handlers back.
+    ``then_exit``: the caller exits with that status at once (a command line). Stop signals then
+    stay ignored from the end of the run to the exit: with the default handler back, one arriving
+    then (srun ending the job step while slower ranks finish their save) would turn a saved run's
+    75, or 0, into 143."""
     stop_signals = StopSignals()  # first: see the module docstring
     try:
         return _run(argv, stop_signals)
     finally:
-        stop_signals.restore(afterwards)
+        stop_signals.restore(signal.SIG_IGN if then_exit else None)
+
+
+def cli() -> NoReturn:
+    """The ``megaloop-train`` command."""
+    sys.exit(main(then_exit=True))
 
 
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:

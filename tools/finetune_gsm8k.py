@@ -31,7 +31,7 @@ def is_override(word: str) -> bool:
         and not os.path.exists(word)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True,
                         help="pre-trained checkpoint: an iter_N directory or a run's checkpoint "
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return train(["--config", str(config_file)])
+    return train(["--config", str(config_file)], then_exit=then_exit)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(then_exit=True))
