@@ -177,8 +177,9 @@ def main(argv=None) -> int:
     try:
         if args.baseline is not None and args.target is None:
             raise ConfigError("--baseline needs --target (the NLL at which compute is compared)")
-        if args.plot and unwritable(args.plot):
-            raise ConfigError(f"--plot {args.plot}: cannot be written ({unwritable(args.plot)})")
+        problem = unwritable(args.plot) if args.plot else None
+        if problem is not None:
+            raise ConfigError(f"--plot {args.plot}: cannot be written ({problem})")
         result = analyse(args.runs, args.target, args.baseline, args.all_evals)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,7 +34,6 @@ import collections
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -370,15 +369,15 @@ def result_files(prefix: str | Path) -> tuple[Path, Path]:
     """(``prefix``.md, ``prefix``.json); an EvaluationError where they cannot be written (a file
     where a directory must be, a directory of their name), to be found before an evaluation
     rather than after it. Nothing is created."""
+    from megaloop.cli import unwritable
+
     prefix = Path(prefix)
     files = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
-    existing = next(p for p in (prefix.parent, *prefix.parent.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise EvaluationError(f"{prefix}: cannot write results there ({existing} is not a "
-                              "writable directory)")
     for file in files:
-        if file.is_dir():
-            raise EvaluationError(f"{file}: a directory; choose another --output")
+        problem = unwritable(file)
+        if problem:
+            raise EvaluationError(f"{file}: cannot be written ({problem}); choose another "
+                                  "--output")
     return files
 
 

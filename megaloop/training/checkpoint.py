@@ -212,10 +212,10 @@ def check_optimizer_state(path: Path, cfg: RunConfig) -> None:
     and 2 -> 4 measured), or distributed-optimizer state saved as dp_reshardable (flat buffers
     per tensor/pipeline rank) into another tensor/pipeline layout, which would assign it to
     other weights."""
-    if not (cfg.checkpoint.load_optimizer or is_own_checkpoint(path, cfg)):
+    own = is_own_checkpoint(path, cfg)
+    if not (cfg.checkpoint.load_optimizer or own):
         return  # weights only
     saved = saved_config(path)
-    own = is_own_checkpoint(path, cfg)
     way_out = (f"start a new run from its weights (checkpoint.load={str(path)!r}, "
                "checkpoint.load_optimizer=false, another checkpoint.dir)" if own else
                "set checkpoint.load_optimizer=false to start from its weights")

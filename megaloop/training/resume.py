@@ -34,8 +34,7 @@ SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weig
                    "adam_beta1", "adam_beta2")
 
 REPORTED_BY_TRAINER = (
-    "train.train_steps", "train.warmup_fraction", "train.lr", "train.min_lr_ratio",
-    "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "checkpoint.keep_schedule",
+    *(f"train.{name}" for name in SCHEDULE_FIELDS), "checkpoint.keep_schedule",
     "train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
 APPLIED = (
     "model.iterations", "model.joint_attention", "model.rotary_base", "model.norm_eps",

@@ -39,6 +39,7 @@ from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
 
+
 class TrainingAborted(RuntimeError):
     """Training cannot go on; the message says why and which checkpoint is the last good one."""
 
@@ -530,7 +531,7 @@ class Trainer:
 
         # checkpoint.load_optimizer=false concerns the checkpoint a run starts from
         # (checkpoint.load); the run's own checkpoints always resume whole, fine-tuning included.
-        own = path.parent.resolve() == self.checkpoint_dir.resolve()
+        own = ckpt.is_own_checkpoint(path, self.cfg)
         weights_only = not self.cfg.checkpoint.load_optimizer and not own
         if not weights_only and not ckpt.holds_training_state(path):
             raise ckpt.CheckpointError(

@@ -305,7 +305,7 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         # Found before the evaluation, not after it.
         ([hf, "--data-dir", data, "--output", str(broken / "piqa_valid.jsonl" / "x")],
          "piqa_valid.jsonl is not a writable directory"),
-        ([hf, "--data-dir", data, "--output", str(broken)], "broken.md: a directory; choose "),
+        ([hf, "--data-dir", data, "--output", str(broken)], "broken.md: cannot be written (it is a directory); choose another --output"),
     ]
     (tmp_path / "broken.md").mkdir()
     for argv, message in cases:
