@@ -93,11 +93,15 @@ def run_config(name: str, prefix: str, tokenizer: Path, out: Path, steps: int,
 
 
 QUICKSTART_OUTPUTS = {"data", "results.json", "curves.png", *RUNS}
-# The new quickstart is built in STAGING and moved into --out only when it has finished; REPLACED
-# holds the previous one during the renames of that move. A failed or stopped run removes both; a
-# killed one (kill -9) leaves them to the next run, which removes them under the lock on --out.
+# The new quickstart is built in STAGING and moved into --out only when it has finished: first the
+# previous one's outputs move into REPLACED, then the directory COMMITTED is made (one atomic
+# step), then the new outputs move into --out and REPLACED is removed. Whatever ends the move half
+# done (an error, kill -9, a power cut), the next run, under the lock on --out, completes it when
+# COMMITTED is there and otherwise moves the previous outputs back: --out then holds one
+# quickstart whole, the new or the previous one (``StagedOutput.finish_or_undo_install``).
 STAGING = ".quickstart-staging"
 REPLACED = ".quickstart-replaced"
+COMMITTED = ".quickstart-committed"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -170,7 +174,7 @@ class StagedOutput:
         if out.exists() and not out.is_dir():
             return f"--out {out}: not a directory"
         entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        own = QUICKSTART_OUTPUTS | {STAGING, REPLACED, LOCK_FILE}
+        own = QUICKSTART_OUTPUTS | {STAGING, REPLACED, COMMITTED, LOCK_FILE}
         foreign = [name for name in entries if name not in own]
         if foreign:
             return (f"--out {out}: holds {', '.join(foreign[:3])}, which the quickstart did not "
@@ -178,8 +182,8 @@ class StagedOutput:
         try:
             out.mkdir(parents=True, exist_ok=True)
             self._lock = RunLock(out, "--out")  # a second quickstart there is refused
-            for leftover in (STAGING, REPLACED):
-                _remove(out / leftover)
+            self.finish_or_undo_install()
+            _remove(self.path)  # a killed run's unfinished quickstart
             self.path.mkdir()
         except ConfigError as e:
             return str(e)
@@ -210,13 +214,29 @@ class StagedOutput:
         for name in sorted(os.listdir(self.out)):
             if name in QUICKSTART_OUTPUTS:
                 os.replace(self.out / name, replaced / name)
-        for name in sorted(os.listdir(self.path)):
-            os.replace(self.path / name, self.out / name)
-        _remove(replaced)
+        (self.out / COMMITTED).mkdir()
+        self.finish_or_undo_install()
+
+    def finish_or_undo_install(self) -> None:
+        """Under the lock: completes a move into ``out`` that was committed (the rest of the staged
+        outputs move in, the previous ones go), or undoes one that was not (the previous outputs
+        move back from REPLACED; the staged ones stay staged). Each step can be cut short and
+        taken again: outputs are moved, never copied, and the marker goes last."""
+        replaced, committed = self.out / REPLACED, self.out / COMMITTED
+        if committed.is_dir():
+            for name in sorted(os.listdir(self.path)) if self.path.is_dir() else []:
+                os.replace(self.path / name, self.out / name)
+            _remove(replaced)
+            committed.rmdir()
+        elif replaced.is_dir():
+            for name in sorted(os.listdir(replaced)):
+                os.replace(replaced / name, self.out / name)
+            replaced.rmdir()
 
     def close(self) -> None:
         if self._lock is None:  # not claimed: a staging directory there is another run's
             return
+        self.finish_or_undo_install()  # after an install that raised: one quickstart, whole
         _remove(self.path)
         self._lock.release()
         self._lock = None

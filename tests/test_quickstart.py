@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from megaloop.data.tokenizer import SentencePieceTextTokenizer
-from megaloop.quickstart import EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, main
+from megaloop.quickstart import EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, StagedOutput, main
 from megaloop.training.run_dir import LOCK_FILE, RunLock
 
 SMALL = ["--steps", "1", "--eval-per-hop", "2", "--models", "dense4", "--documents", "60"]
@@ -137,6 +137,76 @@ def test_a_killed_runs_leftovers_are_removed_but_a_running_quickstart_is_refused
     assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_FILE, "data", "dense4",
                                                             "curves.png", "results.json"])
     assert list(json.loads((out / "results.json").read_text())) == ["dense4"]
+
+
+def write_fake_quickstart(root, tag: str, runs: list[str]) -> None:
+    """The outputs' shape (a data directory, run directories holding a checkpoint's config.yaml,
+    the results), each file saying which quickstart it belongs to."""
+    (root / "data" / "cache").mkdir(parents=True)
+    (root / "data" / "cache" / "index.npy").write_text(tag)
+    (root / "data" / "corpus.bin").write_text(tag)
+    for run in runs:
+        checkpoint = root / run / "checkpoints" / "iter_0000001"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "config.yaml").write_text(f"tag: {tag}\n")
+        (root / run / "metrics.jsonl").write_text(tag)
+    (root / "results.json").write_text(tag)
+
+
+def test_a_kill_between_any_two_renames_of_the_final_move_leaves_one_quickstart_whole(
+        tmp_path, monkeypatch):
+    """kill -9 at each point of the move into --out (simulated: the n-th rename raises and the
+    lock is dropped without clean-up), then the next run: --out holds the previous quickstart or
+    the new one, whole, and nothing else."""
+    import yaml
+
+    def interrupted_install(out, renames_before_kill):
+        write_fake_quickstart(out, "old", ["dense8", "dense4"])
+        staged = StagedOutput(out)
+        assert staged.claim() is None
+        write_fake_quickstart(staged.path, "new", ["dense4", "asymloop"])
+        renames = []
+
+        def replace_or_die(source, target):
+            if len(renames) == renames_before_kill:
+                raise KeyboardInterrupt  # the process ends here
+            renames.append(source)
+            os_replace(source, target)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "replace", replace_or_die)
+            try:
+                staged.install()
+            except KeyboardInterrupt:
+                pass
+        staged._lock.release()  # the kernel drops a dead process's lock
+        return len(renames)
+
+    os_replace = os.replace
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_fake_quickstart(old, "old", ["dense8", "dense4"])
+    write_fake_quickstart(new, "new", ["dense4", "asymloop"])
+    for path in new.rglob("config.yaml"):  # as install rewrites them
+        path.write_text(yaml.safe_dump(yaml.safe_load(path.read_text()), sort_keys=False))
+    (new / "data" / "cache" / "index.npy").unlink()
+    (new / "data" / "cache").rmdir()
+    whole = {"old": outputs(old), "new": outputs(new)}
+    total = interrupted_install(tmp_path / "uninterrupted", None)
+    assert outputs(tmp_path / "uninterrupted") == whole["new"]
+    seen = []
+    for n in range(total):
+        out = tmp_path / f"killed-after-{n}"
+        interrupted_install(out, n)
+        next_run = StagedOutput(out)
+        assert next_run.claim() is None
+        next_run.close()
+        found = outputs(out)
+        whole_one = [name for name, files in whole.items() if files == found]
+        assert whole_one, f"killed after {n} renames, --out is left with {sorted(found)}"
+        seen += whole_one
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [LOCK_FILE]
+    assert seen == ["old"] * seen.count("old") + ["new"] * seen.count("new")
+    assert seen.count("old") > 3 and seen.count("new") > 3, seen
 
 
 def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path):
