@@ -5,7 +5,8 @@
 
 Configuration is layered: defaults < ``--preset`` (model size) < ``--config`` YAML < dotted
 overrides. The resolved config is validated before anything heavy runs, and the Trainer writes it
-to ``<train.out_dir>/config.yaml`` once set-up has completed. Launch under torchrun, srun or mpiexec for more than one process.
+to ``<train.out_dir>/config.yaml`` once set-up has completed. Launch under torchrun, srun or
+mpiexec for more than one process.
 
 Exit codes: 0 finished; 2 a configuration, data, storage or checkpoint problem (one line on
 stderr); 3 training aborted (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 (resumable: a
