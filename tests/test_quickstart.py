@@ -153,34 +153,36 @@ def write_fake_quickstart(root, tag: str, runs: list[str]) -> None:
     (root / "results.json").write_text(tag)
 
 
-def test_a_kill_between_any_two_renames_of_the_final_move_leaves_one_quickstart_whole(
+def test_a_kill_or_error_between_any_two_renames_of_the_final_move_leaves_one_quickstart_whole(
         tmp_path, monkeypatch):
-    """kill -9 at each point of the move into --out (simulated: the n-th rename raises and the
-    lock is dropped without clean-up), then the next run: --out holds the previous quickstart or
-    the new one, whole, and nothing else."""
+    """The move into --out cut short at each rename: by kill -9 (simulated: the n-th rename
+    raises and the lock is dropped without clean-up; then the next run), or by an error (the run's
+    own clean-up). --out then holds the previous quickstart or the new one, whole, and nothing
+    else."""
     import yaml
 
-    def interrupted_install(out, renames_before_kill):
+    def interrupted_install(out, renames_before_stop):
+        """The StagedOutput, its install stopped before rename ``renames_before_stop``; the
+        number of renames made."""
         write_fake_quickstart(out, "old", ["dense8", "dense4"])
         staged = StagedOutput(out)
         assert staged.claim() is None
         write_fake_quickstart(staged.path, "new", ["dense4", "asymloop"])
         renames = []
 
-        def replace_or_die(source, target):
-            if len(renames) == renames_before_kill:
-                raise KeyboardInterrupt  # the process ends here
+        def replace_or_stop(source, target):
+            if len(renames) == renames_before_stop:
+                raise KeyboardInterrupt
             renames.append(source)
             os_replace(source, target)
 
         with monkeypatch.context() as patch:
-            patch.setattr(os, "replace", replace_or_die)
+            patch.setattr(os, "replace", replace_or_stop)
             try:
                 staged.install()
             except KeyboardInterrupt:
                 pass
-        staged._lock.release()  # the kernel drops a dead process's lock
-        return len(renames)
+        return staged, len(renames)
 
     os_replace = os.replace
     old, new = tmp_path / "old", tmp_path / "new"
@@ -191,22 +193,26 @@ def test_a_kill_between_any_two_renames_of_the_final_move_leaves_one_quickstart_
     (new / "data" / "cache" / "index.npy").unlink()
     (new / "data" / "cache").rmdir()
     whole = {"old": outputs(old), "new": outputs(new)}
-    total = interrupted_install(tmp_path / "uninterrupted", None)
+    staged, total = interrupted_install(tmp_path / "uninterrupted", None)
+    staged.close()
     assert outputs(tmp_path / "uninterrupted") == whole["new"]
-    seen = []
-    for n in range(total):
-        out = tmp_path / f"killed-after-{n}"
-        interrupted_install(out, n)
-        next_run = StagedOutput(out)
-        assert next_run.claim() is None
-        next_run.close()
-        found = outputs(out)
-        whole_one = [name for name, files in whole.items() if files == found]
-        assert whole_one, f"killed after {n} renames, --out is left with {sorted(found)}"
-        seen += whole_one
-        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [LOCK_FILE]
-    assert seen == ["old"] * seen.count("old") + ["new"] * seen.count("new")
-    assert seen.count("old") > 3 and seen.count("new") > 3, seen
+    for killed in (True, False):
+        seen = []
+        for n in range(total):
+            out = tmp_path / f"{'killed' if killed else 'failed'}-after-{n}"
+            staged, _ = interrupted_install(out, n)
+            if killed:
+                staged._lock.release()  # the kernel drops a dead process's lock
+                staged = StagedOutput(out)  # the next run
+                assert staged.claim() is None
+            staged.close()
+            found = outputs(out)
+            whole_one = [name for name, files in whole.items() if files == found]
+            assert whole_one, f"stopped after {n} renames, --out is left with {sorted(found)}"
+            seen += whole_one
+            assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [LOCK_FILE]
+        assert seen == ["old"] * seen.count("old") + ["new"] * seen.count("new")
+        assert seen.count("old") > 3 and seen.count("new") > 3, seen
 
 
 def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path):
