@@ -1,7 +1,8 @@
 """Stop signals in a process that starts others: SLURM and ``kill -- -PGID`` signal every process of
 the job, so a child started while the handlers are installed (forked or spawned, by any library)
 outlives a stop signal, while the process itself still notices one sent to it; a forked child's
-signals are not counted as the parent's."""
+signals are not counted as the parent's; the exit at once on a second signal leaves no process it
+started behind."""
 
 import multiprocessing
 import os
