@@ -162,11 +162,14 @@ class StagedOutput:
         self.out = out
         self.path = out / STAGING
         self._lock = None
+        self._run_locks = []
 
     def claim(self) -> str | None:
         """Returns why ``out`` cannot be used (a file, a directory holding anything the quickstart
-        did not write, one another quickstart is writing to), or locks it, removes what a killed
-        run left there and creates the staging directory."""
+        did not write, one another quickstart is writing to, a model directory a training run is
+        using: its resume, say), or locks it and the previous models' run and checkpoint
+        directories (so that no training starts in one that the install removes), removes what a
+        killed run left there and creates the staging directory."""
         from megaloop.config import ConfigError
         from megaloop.training.run_dir import LOCK_FILE, RunLock
 
@@ -183,6 +186,10 @@ class StagedOutput:
             out.mkdir(parents=True, exist_ok=True)
             self._lock = RunLock(out, "--out")  # a second quickstart there is refused
             self.finish_or_undo_install()
+            for run in (out / name for name in sorted(RUNS)):
+                for directory in (run, run / "checkpoints"):
+                    if directory.is_dir():
+                        self._run_locks.append(RunLock(directory, "--out"))
             _remove(self.path)  # a killed run's unfinished quickstart
             self.path.mkdir()
         except ConfigError as e:
@@ -238,6 +245,9 @@ class StagedOutput:
             return
         self.finish_or_undo_install()  # after an install that raised: one quickstart, whole
         _remove(self.path)
+        for lock in self._run_locks:  # a lock file it made in a model directory kept goes too
+            lock.release(remove_created=True)
+        self._run_locks = []
         self._lock.release()
         self._lock = None
 

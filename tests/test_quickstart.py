@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 
 import pytest
 
@@ -15,9 +16,9 @@ SMALL = ["--steps", "1", "--eval-per-hop", "2", "--models", "dense4", "--documen
 
 
 def outputs(out):
-    """Every file under ``out`` with its bytes, but the lock each run rewrites."""
+    """Every file under ``out`` with its bytes, but the locks (each run notes itself in them)."""
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p != out / LOCK_FILE}
+            if p.is_file() and p.name != LOCK_FILE}
 
 
 def test_quickstart_runs_end_to_end(mcore, tmp_path, capsys):
@@ -213,6 +214,38 @@ def test_a_kill_or_error_between_any_two_renames_of_the_final_move_leaves_one_qu
             assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [LOCK_FILE]
         assert seen == ["old"] * seen.count("old") + ["new"] * seen.count("new")
         assert seen.count("old") > 3 and seen.count("new") > 3, seen
+
+
+def test_a_model_directory_a_training_run_is_using_is_not_replaced(tmp_path):
+    """A resume of a quickstart model in --out (megaloop-train train.out_dir=<out>/dense4) holds
+    its run lock: a quickstart started meanwhile would have moved its directory away and deleted
+    it under the running training."""
+    out = tmp_path / "qs"
+    write_fake_quickstart(out, "old", ["dense4"])
+    before = outputs(out)
+    for directory in (out / "dense4", out / "dense4" / "checkpoints"):
+        training = RunLock(directory, "train.out_dir")
+        staged = StagedOutput(out)
+        try:
+            assert staged.claim() == (f"--out={str(directory)!r}: in use by another run (pid "
+                                      f"{os.getpid()} on {socket.gethostname()} since "
+                                      f"{training_since(directory)}); wait for it to end or "
+                                      "choose another directory")
+        finally:
+            staged.close()
+            training.release(remove_created=True)
+        assert outputs(out) == before and not (out / STAGING).exists()
+    staged = StagedOutput(out)
+    assert staged.claim() is None
+    write_fake_quickstart(staged.path, "new", ["dense4"])
+    staged.install()
+    staged.close()
+    assert (out / "dense4" / "metrics.jsonl").read_text() == "new"
+    assert [p.parent for p in out.rglob(LOCK_FILE)] == [out], "the lock files it made are gone"
+
+
+def training_since(directory) -> str:
+    return (directory / LOCK_FILE).read_text().split(" since ")[1].strip()
 
 
 def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path):
