@@ -93,11 +93,15 @@ def run_config(name: str, prefix: str, tokenizer: Path, out: Path, steps: int,
 
 
 QUICKSTART_OUTPUTS = {"data", "results.json", "curves.png", *RUNS}
-# The new quickstart is built in STAGING and moved into --out only when it has finished; REPLACED
-# holds the previous one during the renames of that move. A failed or stopped run removes both; a
-# killed one (kill -9) leaves them to the next run, which removes them under the lock on --out.
+# The new quickstart is built in STAGING and moved into --out only when it has finished: first the
+# previous one's outputs move into REPLACED, then the directory COMMITTED is made (one atomic
+# step), then the new outputs move into --out and REPLACED is removed. Whatever ends the move half
+# done (an error, kill -9, a power cut), the next run, under the lock on --out, completes it when
+# COMMITTED is there and otherwise moves the previous outputs back: --out then holds one
+# quickstart whole, the new or the previous one (``StagedOutput.finish_or_undo_install``).
 STAGING = ".quickstart-staging"
 REPLACED = ".quickstart-replaced"
+COMMITTED = ".quickstart-committed"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -158,11 +162,14 @@ class StagedOutput:
         self.out = out
         self.path = out / STAGING
         self._lock = None
+        self._run_locks = []
 
     def claim(self) -> str | None:
         """Returns why ``out`` cannot be used (a file, a directory holding anything the quickstart
-        did not write, one another quickstart is writing to), or locks it, removes what a killed
-        run left there and creates the staging directory."""
+        did not write, one another quickstart is writing to, a model directory a training run is
+        using: its resume, say), or locks it and the previous models' run and checkpoint
+        directories (so that no training starts in one that the install removes), removes what a
+        killed run left there and creates the staging directory."""
         from megaloop.config import ConfigError
         from megaloop.training.run_dir import LOCK_FILE, RunLock
 
@@ -170,7 +177,7 @@ class StagedOutput:
         if out.exists() and not out.is_dir():
             return f"--out {out}: not a directory"
         entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        own = QUICKSTART_OUTPUTS | {STAGING, REPLACED, LOCK_FILE}
+        own = QUICKSTART_OUTPUTS | {STAGING, REPLACED, COMMITTED, LOCK_FILE}
         foreign = [name for name in entries if name not in own]
         if foreign:
             return (f"--out {out}: holds {', '.join(foreign[:3])}, which the quickstart did not "
@@ -178,8 +185,12 @@ class StagedOutput:
         try:
             out.mkdir(parents=True, exist_ok=True)
             self._lock = RunLock(out, "--out")  # a second quickstart there is refused
-            for leftover in (STAGING, REPLACED):
-                _remove(out / leftover)
+            self.finish_or_undo_install()
+            for run in (out / name for name in sorted(RUNS)):
+                for directory in (run, run / "checkpoints"):
+                    if directory.is_dir():
+                        self._run_locks.append(RunLock(directory, "--out"))
+            _remove(self.path)  # a killed run's unfinished quickstart
             self.path.mkdir()
         except ConfigError as e:
             return str(e)
@@ -210,14 +221,33 @@ class StagedOutput:
         for name in sorted(os.listdir(self.out)):
             if name in QUICKSTART_OUTPUTS:
                 os.replace(self.out / name, replaced / name)
-        for name in sorted(os.listdir(self.path)):
-            os.replace(self.path / name, self.out / name)
-        _remove(replaced)
+        (self.out / COMMITTED).mkdir()
+        self.finish_or_undo_install()
+
+    def finish_or_undo_install(self) -> None:
+        """Under the lock: completes a move into ``out`` that was committed (the rest of the staged
+        outputs move in, the previous ones go), or undoes one that was not (the previous outputs
+        move back from REPLACED; the staged ones stay staged). Each step can be cut short and
+        taken again: outputs are moved, never copied, and the marker goes last."""
+        replaced, committed = self.out / REPLACED, self.out / COMMITTED
+        if committed.is_dir():
+            for name in sorted(os.listdir(self.path)) if self.path.is_dir() else []:
+                os.replace(self.path / name, self.out / name)
+            _remove(replaced)
+            committed.rmdir()
+        elif replaced.is_dir():
+            for name in sorted(os.listdir(replaced)):
+                os.replace(replaced / name, self.out / name)
+            replaced.rmdir()
 
     def close(self) -> None:
         if self._lock is None:  # not claimed: a staging directory there is another run's
             return
+        self.finish_or_undo_install()  # after an install that raised: one quickstart, whole
         _remove(self.path)
+        for lock in self._run_locks:  # a lock file it made in a model directory kept goes too
+            lock.release(remove_created=True)
+        self._run_locks = []
         self._lock.release()
         self._lock = None
 

@@ -4,8 +4,9 @@
         data.path='[data/fwe_text_document]' data.tokenizer_model=tok.model
 
 Configuration is layered: defaults < ``--preset`` (model size) < ``--config`` YAML < dotted
-overrides. The resolved config is validated before anything heavy runs and written to
-``<train.out_dir>/config.yaml``. Launch under torchrun, srun or mpiexec for more than one process.
+overrides. The resolved config is validated before anything heavy runs, and the Trainer writes it
+to ``<train.out_dir>/config.yaml`` once set-up has completed. Launch under torchrun, srun or
+mpiexec for more than one process.
 
 Exit codes: 0 finished; 2 a configuration, data, storage or checkpoint problem (one line on
 stderr); 3 training aborted (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 (resumable: a
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import sys
 from typing import NoReturn
@@ -84,7 +84,7 @@ def cli() -> NoReturn:
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     quiet_third_party_warnings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from megaloop.config import ConfigError, save_yaml
+    from megaloop.config import ConfigError
 
     try:
         cfg, args = build_config(argv)
@@ -94,17 +94,12 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
 
             print(report(cfg, args.world_size or detect_launch_env().world_size))
             return 0
-        import torch
-
         from megaloop.data import DataError
         from megaloop.training.checkpoint import CheckpointError
         from megaloop.training.trainer import Trainer, TrainingAborted
 
         try:
-            trainer = Trainer(cfg, stop_signals)
-            if torch.distributed.get_rank() == 0 and not trainer.stopped_during_set_up:
-                save_yaml(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
-            result = trainer.train()
+            result = Trainer(cfg, stop_signals).train()
         except (DataError, CheckpointError, TrainingAborted) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2 if not isinstance(e, TrainingAborted) else 3

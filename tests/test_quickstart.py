@@ -4,20 +4,21 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 
 import pytest
 
 from megaloop.data.tokenizer import SentencePieceTextTokenizer
-from megaloop.quickstart import EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, main
+from megaloop.quickstart import EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, StagedOutput, main
 from megaloop.training.run_dir import LOCK_FILE, RunLock
 
 SMALL = ["--steps", "1", "--eval-per-hop", "2", "--models", "dense4", "--documents", "60"]
 
 
 def outputs(out):
-    """Every file under ``out`` with its bytes, but the lock each run rewrites."""
+    """Every file under ``out`` with its bytes, but the locks (each run notes itself in them)."""
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p != out / LOCK_FILE}
+            if p.is_file() and p.name != LOCK_FILE}
 
 
 def test_quickstart_runs_end_to_end(mcore, tmp_path, capsys):
@@ -137,6 +138,114 @@ def test_a_killed_runs_leftovers_are_removed_but_a_running_quickstart_is_refused
     assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_FILE, "data", "dense4",
                                                             "curves.png", "results.json"])
     assert list(json.loads((out / "results.json").read_text())) == ["dense4"]
+
+
+def write_fake_quickstart(root, tag: str, runs: list[str]) -> None:
+    """The outputs' shape (a data directory, run directories holding a checkpoint's config.yaml,
+    the results), each file saying which quickstart it belongs to."""
+    (root / "data" / "cache").mkdir(parents=True)
+    (root / "data" / "cache" / "index.npy").write_text(tag)
+    (root / "data" / "corpus.bin").write_text(tag)
+    for run in runs:
+        checkpoint = root / run / "checkpoints" / "iter_0000001"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "config.yaml").write_text(f"tag: {tag}\n")
+        (root / run / "metrics.jsonl").write_text(tag)
+    (root / "results.json").write_text(tag)
+
+
+def test_a_kill_or_error_between_any_two_renames_of_the_final_move_leaves_one_quickstart_whole(
+        tmp_path, monkeypatch):
+    """The move into --out cut short at each rename: by kill -9 (simulated: the n-th rename
+    raises and the lock is dropped without clean-up; then the next run), or by an error (the run's
+    own clean-up). --out then holds the previous quickstart or the new one, whole, and nothing
+    else."""
+    import yaml
+
+    def interrupted_install(out, renames_before_stop):
+        """The StagedOutput, its install stopped before rename ``renames_before_stop``; the
+        number of renames made."""
+        write_fake_quickstart(out, "old", ["dense8", "dense4"])
+        staged = StagedOutput(out)
+        assert staged.claim() is None
+        write_fake_quickstart(staged.path, "new", ["dense4", "asymloop"])
+        renames = []
+
+        def replace_or_stop(source, target):
+            if len(renames) == renames_before_stop:
+                raise KeyboardInterrupt
+            renames.append(source)
+            os_replace(source, target)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "replace", replace_or_stop)
+            try:
+                staged.install()
+            except KeyboardInterrupt:
+                pass
+        return staged, len(renames)
+
+    os_replace = os.replace
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_fake_quickstart(old, "old", ["dense8", "dense4"])
+    write_fake_quickstart(new, "new", ["dense4", "asymloop"])
+    for path in new.rglob("config.yaml"):  # as install rewrites them
+        path.write_text(yaml.safe_dump(yaml.safe_load(path.read_text()), sort_keys=False))
+    (new / "data" / "cache" / "index.npy").unlink()
+    (new / "data" / "cache").rmdir()
+    whole = {"old": outputs(old), "new": outputs(new)}
+    staged, total = interrupted_install(tmp_path / "uninterrupted", None)
+    staged.close()
+    assert outputs(tmp_path / "uninterrupted") == whole["new"]
+    for killed in (True, False):
+        seen = []
+        for n in range(total):
+            out = tmp_path / f"{'killed' if killed else 'failed'}-after-{n}"
+            staged, _ = interrupted_install(out, n)
+            if killed:
+                staged._lock.release()  # the kernel drops a dead process's lock
+                staged = StagedOutput(out)  # the next run
+                assert staged.claim() is None
+            staged.close()
+            found = outputs(out)
+            whole_one = [name for name, files in whole.items() if files == found]
+            assert whole_one, f"stopped after {n} renames, --out is left with {sorted(found)}"
+            seen += whole_one
+            assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [LOCK_FILE]
+        assert seen == ["old"] * seen.count("old") + ["new"] * seen.count("new")
+        assert seen.count("old") > 3 and seen.count("new") > 3, seen
+
+
+def test_a_model_directory_a_training_run_is_using_is_not_replaced(tmp_path):
+    """A resume of a quickstart model in --out (megaloop-train train.out_dir=<out>/dense4) holds
+    its run lock: a quickstart started meanwhile would have moved its directory away and deleted
+    it under the running training."""
+    out = tmp_path / "qs"
+    write_fake_quickstart(out, "old", ["dense4"])
+    before = outputs(out)
+    for directory in (out / "dense4", out / "dense4" / "checkpoints"):
+        training = RunLock(directory, "train.out_dir")
+        staged = StagedOutput(out)
+        try:
+            assert staged.claim() == (f"--out={str(directory)!r}: in use by another run (pid "
+                                      f"{os.getpid()} on {socket.gethostname()} since "
+                                      f"{training_since(directory)}); wait for it to end or "
+                                      "choose another directory")
+        finally:
+            staged.close()
+            training.release(remove_created=True)
+        assert outputs(out) == before and not (out / STAGING).exists()
+    staged = StagedOutput(out)
+    assert staged.claim() is None
+    write_fake_quickstart(staged.path, "new", ["dense4"])
+    staged.install()
+    staged.close()
+    assert (out / "dense4" / "metrics.jsonl").read_text() == "new"
+    assert [p.parent for p in out.rglob(LOCK_FILE)] == [out], "the lock files it made are gone"
+
+
+def training_since(directory) -> str:
+    return (directory / LOCK_FILE).read_text().split(" since ")[1].strip()
 
 
 def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path):

@@ -402,6 +402,8 @@ def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
         raise ConfigError(f"checkpoint.resume=false: {checkpoint_dir} holds another run's "
                           f"checkpoints (newest {complete[-1].name}) that this run would "
                           "overwrite; use another checkpoint.dir or remove them")
+    if cfg.checkpoint.resume:
+        _check_out_dir_not_left_by_its_checkpoints(cfg, checkpoint_dir)
     unusable = sorted(p.name for p in checkpoint_dir.glob("iter_*") if p.is_dir())
     if unusable:  # interrupted saves (.tmp) or damaged checkpoints set aside
         log.warning("%s holds no complete checkpoint, only %s; the run starts %s", checkpoint_dir,
@@ -415,6 +417,26 @@ def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
         verify_checkpoint(path)
         return path
     return None
+
+
+def _check_out_dir_not_left_by_its_checkpoints(cfg: RunConfig, checkpoint_dir: Path) -> None:
+    """A run with nothing of its own to resume starts at step 0 and starts ``train.out_dir``'s
+    metrics over. Refused when the config the last run there saved in ``train.out_dir`` names
+    another checkpoint directory, one holding checkpoints: checkpoint.dir was changed, and the
+    run it names would lose its metrics history."""
+    out_dir = Path(cfg.train.out_dir)
+    if not (out_dir / "config.yaml").is_file():
+        return
+    saved_dir = (saved_config(out_dir).get("checkpoint") or {}).get("dir")
+    previous = Path(saved_dir) if saved_dir else out_dir / "checkpoints"
+    complete = complete_checkpoints(previous)
+    if complete and previous.resolve() != checkpoint_dir.resolve():
+        raise ConfigError(
+            f"checkpoint.dir={cfg.checkpoint.dir!r}: {checkpoint_dir} holds no checkpoint to "
+            f"resume, but train.out_dir={str(out_dir)!r} is the run whose checkpoints are in "
+            f"{previous} (newest {complete[-1].name}; {out_dir / 'config.yaml'}); set "
+            "checkpoint.dir back to resume it, or start a new run in another train.out_dir (or "
+            "in this one with checkpoint.resume=false, which starts its metrics.jsonl over)")
 
 
 def named_checkpoint(path: str | os.PathLike) -> Path | None:

@@ -273,8 +273,8 @@ class Monitor:
         log_interval: steps between log lines and device stats samples.
         resume_step: the first step this process will log. Lines at or after it in an existing
             metrics.jsonl (and TensorBoard events) came from a crashed run past its checkpoint and
-            are dropped; pass the first step of a fresh run too, to clear an older run's lines.
-            None appends to whatever is there.
+            are dropped; pass the first step of a fresh run too, to clear an older run's lines
+            (and start a new wandb run). None appends to whatever is there.
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, is_writer: bool, total_steps: int,
@@ -329,7 +329,8 @@ class Monitor:
         self._metrics_file = self._open_for_append(self.metrics_path)
         self._tensorboard = (self._open_tensorboard(summary_writer, resume_step, run_config)
                              if summary_writer else None)
-        self._wandb = self._open_wandb(wandb, wandb_project, run_config) if wandb else None
+        self._wandb = (self._open_wandb(wandb, wandb_project, run_config, resume_step)
+                       if wandb else None)
         self._recent_step_times: collections.deque[float] = collections.deque(maxlen=ETA_WINDOW_STEPS)
         self._steps_logged = 0
 
@@ -387,12 +388,17 @@ class Monitor:
                             global_step=resume_step or 0)
         return writer
 
-    def _open_wandb(self, wandb, project: str, run_config: dict | None):
-        # The run id is kept in the run directory so that a resumed job continues the same wandb run.
+    def _open_wandb(self, wandb, project: str, run_config: dict | None, resume_step: int | None):
+        # The run id is kept in the run directory so that a resumed job continues the same wandb
+        # run. A run starting at step 1 gets a new one: wandb ignores steps below those a run has
+        # logged, so the earlier run's would hide this one's.
         id_path = self.out_dir / WANDB_ID_FILE
-        if id_path.exists():
+        if id_path.exists() and resume_step != 1:
             run_id = id_path.read_text().strip()
         else:
+            if id_path.exists():
+                self._print(f"wandb: this run starts at step 1: a new wandb run, not "
+                            f"{id_path.read_text().strip()} (the earlier run in {self.out_dir})")
             run_id = uuid.uuid4().hex[:8]
             tmp = id_path.with_name(id_path.name + ".tmp")
             tmp.write_text(run_id + "\n")

@@ -31,7 +31,11 @@ wakeup fd, and the main thread runs the Python handler at its next bytecode as b
 signal sent to the main thread alone (``signal.raise_signal``, ``pthread_kill``) waits, until
 ``restore()``. The children end as they would anyway: their owners stop them at a normal exit (the
 manager gets a shutdown message, writers are joined, the resource tracker leaves when its pipe
-closes), and the exit on a second stop signal first kills those multiprocessing started.
+closes), and the exit on a second stop signal first kills every process this one started,
+directly or not (a ``subprocess`` child such as wandb's service, its children, multiprocessing's):
+all of them are stopped first (SIGSTOP, so that none starts another meanwhile), then SIGKILLed.
+Only descendants still attached to this process are found: one that detached itself (a daemon's
+double fork) has left the tree and is left alone, as is every process outside it.
 
 ``megaloop-train`` installs the handlers before it imports torch (about 1.5 s): a signal that
 arrives during start-up is then acted on too, rather than ending the process with 143 and no word.
@@ -39,10 +43,11 @@ arrives during start-up is then acted on too, rather than ending the process wit
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import threading
+
+import psutil
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _STOP_WATCHING = 0  # a byte no signal writes to the wakeup fd
@@ -100,8 +105,7 @@ class StopSignals:
         _say(f"a second stop signal ({signal.Signals(signum).name}): exiting at once with status "
              f"{status}, without saving; {self.left_behind}")
         try:
-            for child in multiprocessing.active_children():  # checkpoint writers, managers
-                child.kill()
+            _kill_descendants()
         finally:
             os._exit(status)
 
@@ -138,6 +142,27 @@ def _say(line: str) -> None:
     """One line on stderr, written directly: from the watcher thread, ``sys.stderr`` may be locked
     by a main thread that is stuck in the middle of a write."""
     os.write(2, f"megaloop: {line}\n".encode())
+
+
+def _kill_descendants() -> None:
+    """SIGKILLs every process below this one. Each is stopped first, and the tree read again until
+    it holds none that is not stopped: a process killed while its children run would orphan them
+    (they would leave the tree before being found), and one still running could start another."""
+    stopped = {}
+    while found := [p for p in psutil.Process().children(recursive=True) if p.pid not in stopped]:
+        for process in found:
+            stopped[process.pid] = process
+            _signal(process, signal.SIGSTOP)
+    for process in stopped.values():
+        _signal(process, signal.SIGKILL)
+
+
+def _signal(process: psutil.Process, signum: int) -> None:
+    """Sends ``signum`` unless ``process`` has ended (psutil checks that its pid was not reused)."""
+    try:
+        process.send_signal(signum)
+    except psutil.NoSuchProcess:
+        pass
 
 
 def _start_resource_tracker() -> None:

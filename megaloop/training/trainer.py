@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megaloop.config import ConfigError, RunConfig, to_dict
+from megaloop.config import ConfigError, RunConfig, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
@@ -186,6 +186,8 @@ class Trainer:
             self._stop_point(f"loading {self.resume_path}")
         self.monitor = self._build_monitor()
         self._note_left_behind()
+        if is_rank0():  # what the next run in out_dir compares its checkpoint.dir with
+            save_yaml(cfg, self.out_dir / "config.yaml")
 
     def close(self) -> None:
         """Releases what the Trainer holds (idempotent): the signal handlers it installed, the

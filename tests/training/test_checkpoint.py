@@ -254,6 +254,50 @@ def test_resume_false_refuses_a_directory_holding_checkpoints(saved_run, pattern
     assert "checkpoint.resume=false" in _one_line(error) and "iter_0000004" in str(error.value)
 
 
+def test_a_changed_checkpoint_dir_with_nothing_to_resume_is_refused_naming_both(
+        saved_run, pattern_data, tmp_path, monkeypatch):
+    """Before the fix the run started at step 0 in the old out_dir, and its metrics.jsonl was
+    started over with only a "dropped N lines" notice."""
+    out = _copy(saved_run, tmp_path)
+    metrics = (out / "metrics.jsonl").read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    _no_model(monkeypatch)
+    with pytest.raises(ConfigError) as error:
+        Trainer(_cfg(pattern_data, out, dir=str(elsewhere)))
+    assert _one_line(error) == (
+        f"checkpoint.dir={str(elsewhere)!r}: {elsewhere} holds no checkpoint to resume, but "
+        f"train.out_dir={str(out)!r} is the run whose checkpoints are in {out / 'checkpoints'} "
+        f"(newest iter_0000004; {out / 'config.yaml'}); set checkpoint.dir back to resume it, "
+        "or start a new run in another train.out_dir (or in this one with "
+        "checkpoint.resume=false, which starts its metrics.jsonl over)")
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    assert not elsewhere.exists(), "the refused set-up removes the directory it made"
+
+
+def test_a_new_run_with_another_checkpoint_dir_goes_ahead_when_asked_for(tmp_path):
+    """checkpoint.resume=false in the same out_dir, or another out_dir: the two deliberate ways.
+    The config the previous run saved in out_dir names its checkpoint directory."""
+    from megaloop.config import CheckpointConfig, DataConfig, TrainConfig
+
+    out, old, new = tmp_path / "run", tmp_path / "old", tmp_path / "new"
+    (old / "iter_0000002").mkdir(parents=True)
+    (old / "iter_0000002" / "config.yaml").write_text("{}")
+    out.mkdir()
+    save_yaml(RunConfig(checkpoint=CheckpointConfig(dir=str(old))), out / "config.yaml")
+
+    def cfg(out_dir, **checkpoint):
+        return RunConfig(data=DataConfig(path=["x"], eod_id=0),
+                         train=TrainConfig(out_dir=str(out_dir)),
+                         checkpoint=CheckpointConfig(dir=str(new), **checkpoint))
+
+    with pytest.raises(ConfigError, match=f"checkpoints are in {old} "):
+        ckpt.resume_source(cfg(out), new)
+    assert ckpt.resume_source(cfg(out, resume=False), new) is None
+    assert ckpt.resume_source(cfg(tmp_path / "another"), new) is None
+    save_yaml(RunConfig(checkpoint=CheckpointConfig(dir=str(new))), out / "config.yaml")
+    assert ckpt.resume_source(cfg(out), new) is None, "its own directory, still empty"
+
+
 # ----------------------------------------------------------------------- permissions
 
 def test_latest_and_config_are_readable_by_others_like_the_shards(saved_run, pattern_data,

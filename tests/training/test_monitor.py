@@ -301,6 +301,22 @@ def test_wandb_run_is_continued_on_resume(tmp_path, monkeypatch, no_nvml):
     assert [c[0] for c in calls].count("finish") == 2
 
 
+def test_a_fresh_start_in_a_run_directory_is_a_new_wandb_run(tmp_path, monkeypatch, no_nvml,
+                                                              capsys):
+    """Continued, the earlier run's wandb history would swallow this one's first steps (wandb
+    ignores steps below those logged)."""
+    inits = []
+    run = types.SimpleNamespace(log=lambda data, step: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
+        init=lambda **kwargs: inits.append(kwargs["id"]) or run))
+    for resume_step in (1, 5, 1):  # a run, its resume, a new run from step 0 in the same place
+        _monitor(tmp_path, wandb_project="exp", resume_step=resume_step).close()
+    assert inits[0] == inits[1] != inits[2]
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == inits[2]
+    assert (f"wandb: this run starts at step 1: a new wandb run, not {inits[0]} (the earlier run "
+            f"in {tmp_path / 'run'})") in capsys.readouterr().out
+
+
 def test_importing_the_module_does_not_load_torch():
     # tools/plot_metrics imports it; torch and tensorboard should load only when a writer needs them.
     code = ("import sys, megaloop.training.monitor; "

@@ -21,6 +21,7 @@ from megaloop.training import checkpoint as ckpt
 from megaloop.training.signals import StopSignals
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
+from tests.training.test_signals import end_group, processes_in_group, wait_until_group_ends
 
 REPO = Path(__file__).parents[2]
 
@@ -35,38 +36,6 @@ def _train_lines(out_dir: Path) -> list[dict]:
         return []
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
     return [x for x in lines if x["kind"] == "train"]
-
-
-def _processes_in_group(group: int) -> list[str]:
-    """The command lines of the live processes of process group ``group`` (a zombie has ended:
-    it only waits to be reaped)."""
-    import psutil
-
-    found = []
-    for process in psutil.process_iter(["status", "cmdline"]):
-        try:
-            if (os.getpgid(process.pid) == group
-                    and process.info["status"] != psutil.STATUS_ZOMBIE):
-                found.append(" ".join(process.info["cmdline"] or []))
-        except ProcessLookupError:
-            pass
-    return found
-
-
-def _wait_until_group_ends(group: int) -> None:
-    """Children leave once the trainer has gone (the resource tracker when its pipe closes)."""
-    deadline = time.time() + 60
-    while left := _processes_in_group(group):
-        assert time.time() < deadline, f"left alive: {left}"
-        time.sleep(0.1)
-
-
-def _end_group(group: int) -> None:
-    """Whatever a failed test leaves."""
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _train(tmp_path: Path, *overrides: str, log: str = "train.log") -> subprocess.Popen:
@@ -91,14 +60,14 @@ def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumab
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
             assert time.time() < deadline, "training did not start"
             time.sleep(0.2)
-        assert any("multiprocessing.spawn" in line for line in _processes_in_group(proc.pid)), \
+        assert any("multiprocessing.spawn" in line for line in processes_in_group(proc.pid)), \
             "megatron-core's results-queue manager, started by the first save, is there to signal"
         os.killpg(proc.pid, signum)
         assert proc.wait(timeout=120) == EXIT_RESUMABLE, \
             (tmp_path / "train.log").read_text()[-2000:]
-        _wait_until_group_ends(proc.pid)
+        wait_until_group_ends(proc.pid)
     finally:
-        _end_group(proc.pid)
+        end_group(proc.pid)
     latest = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     last_logged = _train_lines(tmp_path)[-1]["step"]
     assert latest is not None and ckpt.step_of(latest) == last_logged >= 3
@@ -106,9 +75,9 @@ def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumab
     resumed = _train(tmp_path, f"train.train_steps={last_logged + 1}", log="resumed.log")
     try:
         assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-2000:]
-        _wait_until_group_ends(resumed.pid)  # a normal exit leaves no child either
+        wait_until_group_ends(resumed.pid)  # a normal exit leaves no child either
     finally:
-        _end_group(resumed.pid)
+        end_group(resumed.pid)
     assert "resumed from" in (tmp_path / "resumed.log").read_text()
     assert _train_lines(tmp_path)[-1]["step"] == last_logged + 1
 
@@ -151,7 +120,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pat
         try:
             returncode = proc.wait(timeout=300)
         finally:
-            _end_group(proc.pid)
+            end_group(proc.pid)
     assert returncode == -signal.SIGKILL, log.read_text()[-2000:]
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "iter_0000004.tmp").is_dir()
@@ -312,10 +281,10 @@ def _two_stop_signals_while_hung(tmp_path: Path, cfg, hang: tuple[str, str, int]
                 time.sleep(0.1)
             os.killpg(proc.pid, then)
         status = proc.wait(timeout=60)
-        _wait_until_group_ends(proc.pid)  # the exit at once kills the trainer's children
+        wait_until_group_ends(proc.pid)  # the exit at once kills the trainer's children
         return status, err.read_text()
     finally:
-        _end_group(proc.pid)
+        end_group(proc.pid)
 
 
 def test_a_second_stop_signal_during_set_up_exits_at_once(mcore, pattern_data, tmp_path):

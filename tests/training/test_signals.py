@@ -1,7 +1,8 @@
 """Stop signals in a process that starts others: SLURM and ``kill -- -PGID`` signal every process of
 the job, so a child started while the handlers are installed (forked or spawned, by any library)
 outlives a stop signal, while the process itself still notices one sent to it; a forked child's
-signals are not counted as the parent's."""
+signals are not counted as the parent's; the exit at once on a second signal leaves no process it
+started behind."""
 
 import multiprocessing
 import os
@@ -43,6 +44,38 @@ def _wait_for(condition, what: str) -> None:
     while not condition():
         assert time.time() < deadline, what
         time.sleep(0.01)
+
+
+def processes_in_group(group: int) -> list[str]:
+    """The command lines of the live processes of process group ``group`` (a zombie has ended:
+    it only waits to be reaped)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["status", "cmdline"]):
+        try:
+            if (os.getpgid(process.pid) == group
+                    and process.info["status"] != psutil.STATUS_ZOMBIE):
+                found.append(" ".join(process.info["cmdline"] or []))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+def wait_until_group_ends(group: int) -> None:
+    """Children leave once the trainer has gone (the resource tracker when its pipe closes)."""
+    deadline = time.time() + 60
+    while left := processes_in_group(group):
+        assert time.time() < deadline, f"left alive: {left}"
+        time.sleep(0.1)
+
+
+def end_group(group: int) -> None:
+    """Whatever a failed test leaves."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def test_spawned_children_outlive_stop_signals_that_the_process_notices():
@@ -117,3 +150,43 @@ def test_two_installed_and_restored_in_either_order_put_everything_back():
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1),
                 signal.pthread_sigmask(signal.SIG_BLOCK, set())) == before
         assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd is the one found"
+
+
+TWO_SIGNALS_WITH_A_SUBPROCESS = textwrap.dedent("""
+    import subprocess, time
+    import psutil
+    from megaloop.training.signals import StopSignals
+
+    stop_signals = StopSignals()
+    stop_signals.left_behind = "nothing"
+    # A tool's child that starts one of its own (sh waits for a background sleep): both inherit
+    # the blocked stop signals, so a signal to the group leaves them pending, not dead.
+    subprocess.Popen(["sh", "-c", "sleep 600 & wait"])
+    while len(psutil.Process().children(recursive=True)) < 2:
+        time.sleep(0.01)
+    print("started", flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_a_second_stop_signal_leaves_no_process_it_started(tmp_path):
+    """subprocess's children, not only multiprocessing's, die with the exit at once."""
+    (tmp_path / "two_signals.py").write_text(TWO_SIGNALS_WITH_A_SUBPROCESS)
+    repo = Path(__file__).parents[2]
+    err = tmp_path / "err"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "two_signals.py")],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**os.environ, "PYTHONPATH": str(repo)},
+                                start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "started\n", err.read_text()
+        os.killpg(proc.pid, signal.SIGTERM)
+        _wait_for(lambda: "SIGTERM received" in err.read_text(), "the first signal unnoticed")
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, err.read_text()
+        wait_until_group_ends(proc.pid)
+    finally:
+        end_group(proc.pid)
+    assert "exiting at once with status 143, without saving; nothing" in err.read_text()
