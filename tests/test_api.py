@@ -27,6 +27,32 @@ def test_build_rejects_bad_fields_in_one_line(mcore):
         ml.build("tiny", hiden_size=3)
 
 
+def test_load_takes_a_runs_out_dir_for_its_latest_checkpoint(mcore, tmp_path):
+    """A run's train.out_dir holds the run's config.yaml, not a checkpoint: load goes to the
+    checkpoint directory that config names (or <out_dir>/checkpoints), rather than reading the
+    out_dir as a checkpoint and failing on its missing files."""
+    import dataclasses
+
+    from megaloop.config import CheckpointConfig, RunConfig, save_yaml
+    from megaloop.training.checkpoint import save_checkpoint
+
+    model = ml.build("tiny", arch="fullloop", hidden_size=32, ffn_hidden_size=64,
+                     num_attention_heads=2, vocab_size=256, seq_length=16, seed=3)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(tokens)
+    for out_dir, checkpoint_dir in ((tmp_path / "default", tmp_path / "default" / "checkpoints"),
+                                    (tmp_path / "named", tmp_path / "elsewhere")):
+        cfg = RunConfig(model=model.cfg)
+        if checkpoint_dir.parent != out_dir:
+            cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(dir=str(checkpoint_dir)))
+        save_checkpoint(checkpoint_dir, 4, {"model": model.sharded_state_dict()}, cfg, keep_last=1)
+        out_dir.mkdir(exist_ok=True)
+        save_yaml(cfg, out_dir / "config.yaml")
+        with torch.no_grad():
+            assert torch.equal(ml.load(out_dir)(tokens), expected), out_dir
+
+
 def test_load_gives_the_saved_model_and_refuses_what_the_weights_fix(mcore, tmp_path):
     from megaloop.config import RunConfig
     from megaloop.training.checkpoint import CheckpointError, save_checkpoint

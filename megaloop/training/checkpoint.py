@@ -413,7 +413,8 @@ def _find_resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
         path = named_checkpoint(cfg.checkpoint.load)
         if path is None:
             raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: no checkpoint there "
-                              "(expected a directory with config.yaml, or one with a 'latest' file)")
+                              "(expected a directory with config.yaml, one with a 'latest' file, or a "
+                              "run's out_dir)")
         verify_checkpoint(path)
         return path
     return None
@@ -440,12 +441,30 @@ def _check_out_dir_not_left_by_its_checkpoints(cfg: RunConfig, checkpoint_dir: P
 
 
 def named_checkpoint(path: str | os.PathLike) -> Path | None:
-    """Checkpoint ``path`` itself, or the one ``latest`` names when ``path`` is a run's checkpoint
-    directory; None when it is neither."""
+    """Checkpoint ``path`` itself, the one ``latest`` names when ``path`` is a run's checkpoint
+    directory, or the one its checkpoint directory's ``latest`` names when ``path`` is a run's
+    ``train.out_dir``; None when it is none of these."""
     path = Path(path)
+    path = _checkpoint_dir_of_out_dir(path) or path
     if path.is_dir() and (path / LATEST).exists():
         path = latest_checkpoint(path)
     return path if (path / "config.yaml").is_file() else None
+
+
+def _checkpoint_dir_of_out_dir(path: Path) -> Path | None:
+    """The checkpoint directory of the run whose ``train.out_dir`` is ``path`` (its config.yaml is
+    the run's, not a checkpoint's: no metadata.json beside it), when that directory has ``latest``.
+    Without this, a run's out_dir, which holds a config.yaml, passed for a checkpoint."""
+    if (path / "metadata.json").is_file() or not (path / "config.yaml").is_file():
+        return None
+    try:
+        saved_dir = (saved_config(path).get("checkpoint") or {}).get("dir")
+    except CheckpointError:
+        return None
+    for candidate in ([Path(saved_dir)] if saved_dir else []) + [path / "checkpoints"]:
+        if (candidate / LATEST).exists():
+            return candidate
+    return None
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -453,7 +472,8 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     found = named_checkpoint(path)
     if found is None:
         raise CheckpointError(f"{path}: no checkpoint there (expected an iter_N directory with "
-                              "config.yaml, or a checkpoint directory with 'latest')")
+                              "config.yaml, a checkpoint directory with 'latest', or a run's "
+                              "out_dir whose checkpoint directory has one)")
     return found
 
 
