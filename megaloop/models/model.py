@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from megaloop.models import moe, pipeline, specs
 from megaloop.models.layers import LayerBlock
 from megaloop.models.recurrence import Segment, run_segments
 
+log = logging.getLogger("megaloop.models")
 
 # megaloop's FP8 recipe names (config.Fp8Recipe) -> megatron-core's.
 _MCORE_FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
@@ -62,6 +64,10 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     if fp8 is not None:
         if fp8 not in _MCORE_FP8_RECIPES:
             raise ValueError(f"fp8={fp8!r}: must be one of {', '.join(_MCORE_FP8_RECIPES)} or None")
+        if not use_te:  # megatron-core's local modules take the FP8 fields and compute without
+            raise ValueError(f"fp8={fp8!r}: needs the Transformer Engine spec (use_te=True, a CUDA "
+                             "GPU with Transformer Engine); megatron-core's local modules would "
+                             "run in the parameters' dtype")
         fp8_settings = dict(fp8="hybrid", fp8_recipe=_MCORE_FP8_RECIPES[fp8])
         if fp8 == "delayed":
             fp8_settings.update(fp8_amax_history_len=2 * cfg.num_iterations,
@@ -131,7 +137,9 @@ class LoopedLM(LanguageModule):
         """
         cfg = dataclasses.replace(cfg).resolve()
         parallel = parallel or ParallelConfig()
+        check_parallel_groups(parallel)
         use_te = specs.transformer_engine_available() if use_te is None else use_te
+        note_fp32_joint_attention(cfg, params_dtype)
         enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
         stages = pipeline.plan_stages(cfg, pipeline.stage_counts(cfg, parallel))
         this = stages[stage]
@@ -325,6 +333,9 @@ class LoopedLM(LanguageModule):
         steps = self.cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
+        if self.cfg.arch == "dense" and steps != 1:
+            raise ValueError(f"num_iterations={steps}: arch=dense has no depth to vary (it would "
+                             "loop its layers; arch=fullloop is the looped stack)")
         if len(self.stages) > 1 and steps != self.cfg.iterations:
             raise ValueError(f"num_iterations={steps}: a pipeline runs exactly the "
                              f"iterations={self.cfg.iterations} its stages unroll")
@@ -349,6 +360,33 @@ class LoopedLM(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+
+def check_parallel_groups(parallel: ParallelConfig) -> None:
+    """Refuses tensor/expert sizes other than those of megatron-core's process groups: its layers
+    split by the groups, so a differing ``parallel`` would reach the config only (tensor=2 on
+    TP=1 groups builds whole layers under a config saying TP=2). Pipeline sizes may differ: the
+    model is the one ``stage`` asked for (tests chain all stages in one process)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return  # megatron-core's layers refuse to build without groups
+    held = {"tensor": ps.get_tensor_model_parallel_world_size(),
+            "expert": ps.get_expert_model_parallel_world_size()}
+    for name, size in held.items():
+        if getattr(parallel, name) != size:
+            raise ValueError(f"parallel.{name}={getattr(parallel, name)}: megatron-core's "
+                             f"{name}-parallel group has {size} rank(s); initialise the groups "
+                             "with the same sizes (megaloop.platform.distributed.init_distributed)")
+
+
+def note_fp32_joint_attention(cfg: ModelConfig, params_dtype: torch.dtype) -> None:
+    """Logs the one case where joint_attention=fused runs another kernel: fp32 on a GPU, where the
+    flash kernel takes no fp32 and the exact masked formula ([N, 2N] scores) runs instead."""
+    if (cfg.decoder_attention == "joint" and cfg.joint_attention == "fused"
+            and params_dtype == torch.float32 and torch.cuda.is_available()):
+        log.warning("model.joint_attention='fused' in fp32 on CUDA runs the masked formula (the "
+                    "CUDA flash kernel takes bf16/fp16 only): [N, 2N] attention scores per head")
 
 
 def _replica_of_copy(replica_id, stage: int):

@@ -118,3 +118,51 @@ def test_decoder_starts_from_the_unnormalised_encoder_output(seeded, variant):
     model.decoder.register_forward_pre_hook(first_decoder_input, with_kwargs=True)
     model(_tokens(cfg))
     assert torch.equal(seen["z0"], seen["encoded"])  # additive: 0 + H_E on the first step
+
+
+def test_a_dense_model_has_no_test_time_depth(seeded):
+    cfg = small_config("dense")
+    model = build_model(cfg).eval()
+    x = _tokens(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, num_iterations=1), model(x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="num_iterations=2: arch=dense has no depth to vary"):
+        model(x, num_iterations=2)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "mxfp8"])
+def test_fp8_on_the_local_spec_is_refused(seeded, recipe):
+    """megatron-core's local modules accept the FP8 fields and compute in fp32 regardless."""
+    with pytest.raises(ValueError, match=f"fp8='{recipe}': needs the Transformer Engine spec"):
+        build_model(small_config("asymloop"), fp8=recipe, use_te=False)
+
+
+@pytest.mark.parametrize("variant, parallel, message", [
+    ("dense", dict(tensor=2), "parallel.tensor=2: megatron-core's tensor-parallel group has 1 "),
+    ("asymloop_moe", dict(expert=2),
+     "parallel.expert=2: megatron-core's expert-parallel group has 1 "),
+])
+def test_parallel_sizes_other_than_the_process_groups_are_refused(seeded, variant, parallel,
+                                                                  message):
+    """The layers split by megatron-core's groups (here all of size 1): a differing size would
+    reach only the config, the model built whole."""
+    with pytest.raises(ValueError, match=message):
+        build_model(small_config(variant), ParallelConfig(**parallel))
+
+
+@pytest.mark.parametrize("variant, dtype, cuda, noted", [
+    ("asymloop", torch.float32, True, True),
+    ("asymloop", torch.bfloat16, True, False),
+    ("asymloop", torch.float32, False, False),
+    ("asymloop_masked", torch.float32, True, False),
+    ("asymloop_no_local_kv", torch.float32, True, False),
+])
+def test_fused_joint_attention_falling_back_in_fp32_on_cuda_is_noted(monkeypatch, caplog, variant,
+                                                                    dtype, cuda, noted):
+    from megaloop.models.model import note_fp32_joint_attention
+
+    cfg = small_config(variant).resolve()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with caplog.at_level("WARNING", logger="megaloop.models"):
+        note_fp32_joint_attention(cfg, dtype)
+    assert ("runs the masked formula" in caplog.text) == noted
