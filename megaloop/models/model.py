@@ -64,7 +64,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     if fp8 is not None:
         if fp8 not in _MCORE_FP8_RECIPES:
             raise ValueError(f"fp8={fp8!r}: must be one of {', '.join(_MCORE_FP8_RECIPES)} or None")
-        if not use_te:  # megatron-core's local modules take the FP8 fields and compute without
+        if not use_te:  # the local spec would accept the FP8 fields and ignore them
             raise ValueError(f"fp8={fp8!r}: needs the Transformer Engine spec (use_te=True, a CUDA "
                              "GPU with Transformer Engine); megatron-core's local modules would "
                              "run in the parameters' dtype")
