@@ -96,6 +96,19 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, addr, port or _free_port(), "single")
 
 
+def local_device(launch: LaunchEnv, visible_gpus: int) -> int:
+    """The CUDA device of this process: its local rank among the node's GPUs, or device 0 when
+    the launcher gives each task its own (one visible). More tasks on a node than visible GPUs
+    would put two ranks on one GPU, which NCCL refuses only later and less clearly."""
+    if visible_gpus == 1:
+        return 0
+    if launch.local_rank >= visible_gpus:
+        raise RuntimeError(f"local rank {launch.local_rank} ({launch.launcher} launch): this node "
+                           f"shows {visible_gpus} GPUs, fewer than its tasks; launch at most "
+                           f"{visible_gpus} tasks per node, or give each task its own GPU")
+    return launch.local_rank
+
+
 def init_distributed(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
@@ -112,7 +125,7 @@ def init_distributed(
     cpu_compat.enable()
     if not dist.is_initialized():
         if torch.cuda.is_available():
-            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(local_device(launch, torch.cuda.device_count()))
         dist.init_process_group(
             backend="nccl" if torch.cuda.is_available() else "gloo",
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

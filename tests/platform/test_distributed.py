@@ -123,3 +123,16 @@ def test_repeated_set_ups_release_the_previous_groups():
     that re-initialises per run gathers ~50 threads a time until the machine crawls."""
     for counts in run_distributed(_threads_over_repeated_set_ups, world_size=2, repeats=4):
         assert counts[-1] <= counts[1], counts
+
+
+def test_each_local_rank_gets_its_own_gpu_and_more_tasks_than_gpus_are_refused():
+    from megaloop.platform.distributed import LaunchEnv, local_device
+
+    def launch(local_rank):
+        return LaunchEnv(8 + local_rank, 16, local_rank, "node0", 29500, "torchrun")
+
+    assert [local_device(launch(r), 8) for r in range(8)] == list(range(8))
+    assert local_device(launch(5), 1) == 0  # the launcher gave each task its own GPU
+    with pytest.raises(RuntimeError, match=r"local rank 4 \(torchrun launch\): this node shows 4 "
+                                           r"GPUs, fewer than its tasks; launch at most 4 tasks"):
+        local_device(launch(4), 4)
