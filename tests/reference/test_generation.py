@@ -110,3 +110,14 @@ def test_latentloop_refuses_padding_and_other_depths():
         model(x, attention_mask=mask)
     with pytest.raises(ValueError, match="runs exactly its iterations=2 visits"):
         model(x, num_iterations=3)
+
+
+def test_forward_takes_old_transformers_cache_position_and_refuses_other_names():
+    """cache_position is taken unnamed (transformers 5.24 warns about a forward naming it)."""
+    model = reference_model("asymloop")
+    x = tokens(batch=1, length=4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, cache_position=torch.arange(4)).logits,
+                                   model(x).logits)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'position_ids'"):
+            model(x, position_ids=torch.arange(4)[None])
