@@ -296,8 +296,6 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
          f"task data: {tmp_path}/sciq_test.jsonl: no such file"),
         ([hf, "--data-dir", str(broken), "--tasks", "piqa"],
          "piqa_valid.jsonl:2: not a JSON record"),
-        ([hf, "--data-dir", data, "--depths", "2"], "depth 2: LlamaForCausalLM (llama) has no "
-                                                    "test-time depth to set"),
         ([str(untokenized), "--data-dir", data], "its run names no tokenizer"),
         ([hf, "--data-dir", data, "--tokenizer", str(SP_MODEL)], "only for a megaloop "
                                                                  "checkpoint"),
@@ -319,6 +317,35 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         assert exit_.value.code == 2
     assert not (tmp_path / "out").exists()
 
+
+
+def test_depths_a_model_has_not_are_refused_before_any_export_or_load(harness, tmp_path,
+                                                                      capsys, monkeypatch):
+    """Dense has no depth; LatentLoop runs exactly its visits (2 here): found in the source's
+    config, before a checkpoint is exported (before: after the export, from the loaded model)."""
+    from megaloop.hf import from_hf, to_hf
+
+    evaluate = load_tool("evaluate").main
+    work = []
+    monkeypatch.setattr(to_hf, "export_checkpoint", lambda *a, **k: work.append("export"))
+    monkeypatch.setattr(from_hf, "load_hf_model", lambda *a, **k: work.append("load"))
+    latent, dense = harness["latentloop"], harness["dense"]
+    cases = [(latent.checkpoint, f"--depths 3: {latent.checkpoint}: arch=latentloop has no "
+                                 "test-time depth to set (it runs exactly its iterations=2 "
+                                 "visits)"),
+             (latent.directory, f"--depths 3: {latent.directory}/config.json: arch=latentloop "
+                                "has no test-time depth"),
+             (dense.checkpoint, f"--depths 2: {dense.checkpoint}: arch=dense has no test-time "
+                                "depth to set"),
+             (dense.directory, f"--depths 2: {dense.directory}/config.json: model_type=llama "
+                               "has no test-time depth to set")]
+    for source, message in cases:
+        assert evaluate([str(source), "--data-dir", str(harness["data"]), "--depths", "2", "3",
+                         "--output", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["error: " + message] if message.endswith("set") else \
+            len(err) == 1 and message in err[0], err
+    assert work == []
 
 
 def test_more_shots_than_a_file_holds_is_one_line(harness, tmp_path):
