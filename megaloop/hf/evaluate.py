@@ -162,7 +162,6 @@ def check_depths(source: str | Path, depths: Sequence[int]) -> None:
 
 def harness_model(model, tokenizer, batch_size: int = 8):
     """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
-    import torch
     from lm_eval.models.huggingface import HFLM
 
     class CheckedHFLM(HFLM):
@@ -220,25 +219,6 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                 self.cut[request.task_name] += \
                     len(self.tok_encode(context)) > self.max_length - new_tokens
             return super().generate_until(requests, *args, **kwargs)
-
-        def _model_generate(self, context, max_length, stop, **kwargs):
-            """LatentLoop takes no padding (a pad would shift its groups of tokens): a batch of
-            left-padded prompts of different lengths is generated one prompt at a time, each
-            without its padding, and padded back into the batch HFLM expects."""
-            mask = kwargs.get("attention_mask")
-            if getattr(self.model.config, "arch", None) != "latentloop" or mask is None or \
-                    bool(mask.all()):
-                return super()._model_generate(context, max_length, stop, **kwargs)
-            rows = []
-            for ids, valid in zip(context, mask):
-                start = int(valid.argmax())  # the first token after the left padding
-                alone = super()._model_generate(ids[None, start:], max_length - start, stop,
-                                                **{**kwargs, "attention_mask": valid[None, start:]})
-                rows.append(torch.cat([ids[:start], alone[0]]))
-            width = max(len(row) for row in rows)
-            return torch.stack([torch.nn.functional.pad(row, (0, width - len(row)),
-                                                        value=self.tokenizer.pad_token_id)
-                                for row in rows])
 
     return CheckedHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
 
