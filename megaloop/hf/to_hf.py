@@ -39,6 +39,38 @@ def probe_length(cfg: ModelConfig) -> int:
     return max(1, min(cfg.seq_length, 64) - 1)
 
 
+def reference_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
+    """``reference_state_dict`` of a model's tensors ``state``, which it empties: one layer at a
+    time, each layer's tensors released once mapped, and every result owning its storage. So the
+    fused tensors' copies (a q/k/v split of interleaved query groups) never sit beside all the
+    originals, and no result is a view that transformers' save_pretrained would copy (it clones
+    tensors sharing a storage, e.g. the SwiGLU gate and up halves of one fused weight)."""
+    import dataclasses
+    import re
+
+    from megaloop.models.export import reference_state_dict
+
+    groups = {}
+    for name in state:  # a layer's tensors: "<...>layers.<i>." names; the rest (embedding,
+        layer = re.match(r"^(.*?\blayers\.\d+\.)", name)  # head, LatentLoop's scales) at once
+        groups.setdefault(layer.group(1) if layer else "", []).append(name)
+    # The tied head is the embedding's: it joins the rest, not a layer.
+    untied = dataclasses.replace(cfg, tie_embeddings=False)
+    reference = {}
+    for prefix, names in sorted(groups.items(), key=lambda group: group[0] == ""):
+        mapped = reference_state_dict({n: state.pop(n) for n in names},
+                                      cfg if prefix == "" else untied)
+        reference.update({name: _owning(tensor) for name, tensor in mapped.items()})
+    return reference
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it is a view of part of a larger storage."""
+    whole = tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole else tensor.clone()
+
+
 def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_tokens: dict):
     """The Hugging Face model carrying ``reference`` (the reference model's tensors, in the dtype
     to export): a native class where ``native_family`` finds one, else the reference model with
@@ -89,9 +121,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     differences, tokenizer).
 
     Memory: one copy of the weights at a time, about the fp32 size of the model (the checkpoint
-    is read once, into fp32; the weights are cast to ``dtype`` in place and handed to the Hugging
-    Face model without a copy; the export is loaded back once, in its dtype, and cast to fp32 for
-    the mapping check)."""
+    is read once, into fp32; the weights are cast to ``dtype`` in place, mapped to the Hugging
+    Face names a layer at a time (``reference_tensors``) and handed to the Hugging Face model
+    without a copy; the export is loaded back once, in its dtype, and cast to fp32 for the mapping
+    check). Not so for a native MoE class in float32: save_pretrained copies its experts."""
     from transformers import GenerationConfig
 
     from megaloop.models.export import reference_state_dict
@@ -108,8 +141,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         expected = exact if chosen == torch.float32 else \
             probe_logits(_round_weights(model, chosen), ids)
         # Rounded already, so the cast loses nothing; it replaces one tensor at a time.
-        reference = reference_state_dict(weights(model.to(chosen), chosen), cfg)
-        del model
+        state = weights(model.to(chosen), chosen)
+        del model  # its tensors are now state's alone, released as they are mapped
+        reference = reference_tensors(state, cfg)
         family, why_not_native = native_family(cfg)
         converted = hf_model(cfg, reference, special_tokens)
         converted.save_pretrained(staging)

@@ -150,6 +150,12 @@ def test_refuses_an_unknown_dtype_in_one_line(exports, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
+# transformers' save_pretrained writes a native MoE class's stacked experts in the per-expert
+# layout of the original checkpoints: views of the stacked tensors, which it copies all at once
+# (about 1.4x the fp32 weights of the test's Mixtral while it writes them in float32).
+MOE_SAVE_COPY = "save_pretrained copies the stacked experts of a native MoE class at once"
+
+
 def _live_storages() -> dict[int, int]:
     """Bytes of every tensor storage Python holds (views counted once), by address."""
     import gc
@@ -159,14 +165,22 @@ def _live_storages() -> dict[int, int]:
 
 
 @pytest.mark.parametrize("variant, dtype", [("dense", "bfloat16"), ("asymloop", "float16"),
-                                            ("mixtral", "float32"), ("mixtral", "bfloat16")])
+                                            ("asymloop", "float32"), ("latentloop", "float32"),
+                                            pytest.param("mixtral", "float32", marks=pytest.mark.xfail(
+                                                strict=True, reason=MOE_SAVE_COPY)),
+                                            ("mixtral", "bfloat16")])
 def test_an_export_holds_one_copy_of_the_weights_at_a_time(exports, variant, dtype, tmp_path,
                                                            monkeypatch):
     """The export is loaded back once; the tensors alive whenever a model is complete (each probe,
-    each load, the Hugging Face model built) add up to about one fp32 copy of the weights. A
-    second full copy alive (a second load, the weights kept while the export is loaded back, a
-    native MoE class's stacked experts beside the unstacked ones) makes it 1.5 or more."""
+    each load, the Hugging Face model built, the mapping to its names done, the safetensors
+    written) add up to about one fp32 copy of the weights. A second full copy alive (a second
+    load, the weights kept while the export is loaded back, a native MoE class's stacked experts
+    beside the unstacked ones) makes it 1.5 or more; in float32 also the q/k/v split out of the
+    checkpoint's fused tensors beside them, or the views of a fused tensor (SwiGLU gate and up)
+    that transformers' save_pretrained copies, 1.25 or more here."""
     import transformers
+
+    from megaloop.models import export
 
     from megaloop.hf import to_hf
     from megaloop.hf.from_hf import reference_shapes
@@ -186,6 +200,8 @@ def test_an_export_holds_one_copy_of_the_weights_at_a_time(exports, variant, dty
         return wrapper
 
     for owner, name in ((to_hf, "probe_logits"), (to_hf, "hf_model"),
+                        (export, "reference_state_dict"),
+                        (transformers.modeling_utils, "safe_save_file"),
                         (transformers.AutoModelForCausalLM, "from_pretrained")):
         monkeypatch.setattr(owner, name, measured(getattr(owner, name)))
     export_checkpoint(exported.checkpoint, tmp_path / "out", dtype=dtype)
