@@ -23,8 +23,8 @@ import torch
 from megaloop.config import ModelConfig
 from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, stored_dtype,
                                     weights)
-from megaloop.hf.common import (ConversionError, ProbeMismatch, compare_logits, export_dtype,
-                                probe_ids, probe_logits, staged_output)
+from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compare_logits,
+                                export_dtype, probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
@@ -41,25 +41,16 @@ def probe_length(cfg: ModelConfig) -> int:
 
 def reference_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
     """``reference_state_dict`` of a model's tensors ``state``, which it empties: one layer at a
-    time, each layer's tensors released once mapped, and every result owning its storage. So the
-    fused tensors' copies (a q/k/v split of interleaved query groups) never sit beside all the
-    originals, and no result is a view that transformers' save_pretrained would copy (it clones
-    tensors sharing a storage, e.g. the SwiGLU gate and up halves of one fused weight)."""
-    import dataclasses
-    import re
-
+    time (``by_layer``), each layer's tensors released once mapped, and every result owning its
+    storage. So the fused tensors' copies (a q/k/v split of interleaved query groups) never sit
+    beside all the originals, and no result is a view that transformers' save_pretrained would
+    copy (it clones tensors sharing a storage, e.g. the SwiGLU gate and up halves of one fused
+    weight)."""
     from megaloop.models.export import reference_state_dict
 
-    groups = {}
-    for name in state:  # a layer's tensors: "<...>layers.<i>." names; the rest (embedding,
-        layer = re.match(r"^(.*?\blayers\.\d+\.)", name)  # head, LatentLoop's scales) at once
-        groups.setdefault(layer.group(1) if layer else "", []).append(name)
-    # The tied head is the embedding's: it joins the rest, not a layer.
-    untied = dataclasses.replace(cfg, tie_embeddings=False)
     reference = {}
-    for prefix, names in sorted(groups.items(), key=lambda group: group[0] == ""):
-        mapped = reference_state_dict({n: state.pop(n) for n in names},
-                                      cfg if prefix == "" else untied)
+    for names, mapping_cfg in by_layer(list(state), cfg):
+        mapped = reference_state_dict({n: state.pop(n) for n in names}, mapping_cfg)
         reference.update({name: _owning(tensor) for name, tensor in mapped.items()})
     return reference
 
