@@ -282,10 +282,15 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
     names = resolve_tasks(tasks, manager)
     gen_kwargs = None if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
     lm = harness_model(model, tokenizer, batch_size)
+    generating = []
     for name, task in manager.load(names)["tasks"].items():  # before any task runs
         check_fewshot(name, task, max(num_fewshot))
         if task.config.output_type == "generate_until":
+            generating.append(name)
             lm.new_tokens({**(task.config.generation_kwargs or {}), **(gen_kwargs or {})}, name)
+    if max_gen_toks is not None and not generating:
+        raise EvaluationError(f"max_gen_toks {max_gen_toks}: none of the tasks generates text "
+                              "(it sets the new tokens of a generation task, e.g. gsm8k)")
     rows = []
     try:
         for depth in depths:

@@ -202,7 +202,8 @@ def test_a_continuation_longer_than_the_context_is_one_line(harness):
 
 
 def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeypatch):
-    """Found before any task runs: GSM8K comes after seven log-likelihood tasks here."""
+    """Found before any task runs: GSM8K comes after seven log-likelihood tasks here. New tokens
+    given where no task generates are refused too, not ignored."""
     from megaloop.hf import evaluate as ev
 
     export = harness["dense"]
@@ -213,6 +214,11 @@ def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeyp
                                                  r"room for a prompt in the model's 16-token"):
         ev.evaluate(export.model, export.tokenizer, ["asymloop_tasks", "gsm8k"],
                     data_dir=harness["data"], limit=1, max_gen_toks=16)
+    assert forwards == []
+    with pytest.raises(ev.EvaluationError, match=r"^max_gen_toks 8: none of the tasks generates "
+                                                 r"text \(it sets"):  # before: ignored
+        ev.evaluate(export.model, export.tokenizer, ["piqa"], data_dir=harness["data"], limit=1,
+                    max_gen_toks=8)
     assert forwards == []
     names = ev.resolve_tasks(["gsm8k"], harness["manager"])
     lm = ev.harness_model(export.model, export.tokenizer, batch_size=2)
