@@ -5,7 +5,8 @@ Qwen3, OLMo 2, Mixtral and Qwen3-MoE ones whose variant megaloop computes (megal
 which fields must have which values). The weights are loaded by transformers from safetensors only,
 into megaloop's own reference classes for megaloop directories: the directory's Python files are
 never run. A tensor that is missing, unexpected or shaped otherwise than config.json says is a
-one-line error naming it.
+one-line error naming it. The megaloop model is then filled a layer at a time, from the
+safetensors where they hold a tensor under the loaded model's name (``import_hf``: memory).
 
 The result is a checkpoint directory (iter_0000000 and ``latest``) that a run starts from with
 ``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section
