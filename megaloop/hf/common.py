@@ -130,8 +130,8 @@ def by_layer(names, cfg):
     ("<...>layers.<i>." names), each with the ModelConfig to map them to the reference model's
     names with (megaloop.models.export.reference_state_dict): a layer's map on their own, untied,
     since the tied head is the embedding's, part of the rest. A conversion maps one such group
-    at a time, so that no more than one group's temporary copies exist at once; the rest, the
-    largest group (the embedding and head), comes first, while little else is held."""
+    at a time, so that no more than one group's temporary copies exist at once; the rest, which
+    holds the embedding and head, comes first, while little else is held."""
     groups = {"": []}
     for name in names:
         layer = re.match(r"^(.*?\blayers\.\d+\.)", name)

@@ -118,8 +118,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     check). Not so for a native MoE class in float32: save_pretrained copies its experts."""
     from transformers import GenerationConfig
 
-    from megaloop.models.export import reference_state_dict
-
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         path = checkpoint_path(checkpoint)
