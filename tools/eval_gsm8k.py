@@ -57,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
         saved = ckpt.saved_config(path)
-        if saved["model"].get("arch") == "dense" and args.num_iterations not in (None, 1):
+        arch, iterations = saved["model"].get("arch"), saved["model"].get("iterations")
+        if arch == "dense" and args.num_iterations not in (None, 1):
             raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a Dense "
                               "model, which has no depth to vary (it would loop its layers)")
+        if arch == "latentloop" and args.num_iterations not in (None, iterations):
+            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a "
+                              f"LatentLoop model, which runs exactly its iterations={iterations} "
+                              "visits (each has its own scales)")
         data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")

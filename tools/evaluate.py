@@ -13,7 +13,7 @@ checked) with the run's tokenizer or --tokenizer. --tasks: task names of example
 hellaswag, winogrande, arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu, gsm8k) or tags
 (asymloop_tasks: the AsymLoop paper's seven; latentloop_tasks: the LatentLoop paper's eight).
 --data-dir holds their files (names in each YAML's data_files). --depths: test-time iterations
-(default: the model's).
+(default: the model's); Dense and LatentLoop have none to set (refused before any export).
 
 Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every metric), atomically,
 and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value),
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     try:
         ev.result_files(args.output)  # an unwritable --output fails before the evaluation
+        ev.check_depths(args.source, args.depths or ())  # and depths the model has not, before
         with tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
                 contextlib.redirect_stdout(sys.stderr):  # stdout is the table only
             model, tokenizer, info = ev.load_for_evaluation(args.source, workdir,

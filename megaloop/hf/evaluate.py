@@ -104,26 +104,64 @@ def _one_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+def _refused_depth(depth: int | None, arch: str | None, iterations: int | None) -> str | None:
+    """Why a model of megaloop ``arch`` (None: a native transformers class) configured with
+    ``iterations`` cannot run test-time depth ``depth``; None where it can (or ``depth`` is None).
+    LatentLoop's visits each have their own scales: it runs exactly its configured number."""
+    if depth is None:
+        return None
+    if arch in (None, "dense"):
+        return "has no test-time depth to set"
+    if arch == "latentloop" and depth != iterations:
+        return f"has no test-time depth to set (it runs exactly its iterations={iterations} visits)"
+    return "must be >= 1" if depth < 1 else None
+
+
 def set_depth(model, depth: int | None) -> int | None:
     """Sets ``model``'s test-time depth (None: leave it); returns the depth it now runs."""
     config = model.config
-    megaloop = config.model_type in MEGALOOP_MODEL_TYPES
-    looped = megaloop and config.arch != "dense"
-    if depth is not None and depth != (config.iterations if looped else None):
-        # LatentLoop's visits each have their own scales: it runs exactly its configured number.
-        if not looped or config.arch == "latentloop":
-            raise EvaluationError(f"depth {depth}: {type(model).__name__} "
-                                  f"({config.arch if megaloop else config.model_type}) has no "
-                                  "test-time depth to set")
-        if depth < 1:
-            raise EvaluationError(f"depth {depth}: must be >= 1")
+    arch = config.arch if config.model_type in MEGALOOP_MODEL_TYPES else None
+    problem = _refused_depth(depth, arch, getattr(config, "iterations", None))
+    if problem:
+        raise EvaluationError(f"depth {depth}: {type(model).__name__} "
+                              f"({arch or config.model_type}) {problem}")
+    looped = arch not in (None, "dense")
+    if depth is not None and looped:
         config.iterations = depth
     return config.iterations if looped else None
 
 
+def check_depths(source: str | Path, depths: Sequence[int]) -> None:
+    """``--depths`` checked against the architecture that ``source`` (a megaloop checkpoint or a
+    Hugging Face directory, as ``load_for_evaluation`` takes) names in its config, before any
+    export or load: an EvaluationError naming the flag and the architecture."""
+    from megaloop.config import ModelConfig
+    from megaloop.hf.checkpoint import checkpoint_path
+    from megaloop.training.checkpoint import saved_section
+
+    config_file = Path(source) / "config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as e:
+            raise EvaluationError(f"{config_file}: not JSON ({e})") from None
+        megaloop = config.get("model_type") in MEGALOOP_MODEL_TYPES
+        arch = config.get("arch") if megaloop else None
+        name, iterations = f"{config_file}: " + (
+            f"arch={arch}" if megaloop else f"model_type={config.get('model_type')}"), \
+            config.get("iterations")
+    else:
+        path = checkpoint_path(source)
+        cfg = saved_section(path, ModelConfig, "model")
+        arch, iterations, name = cfg.arch, cfg.iterations, f"{path}: arch={cfg.arch}"
+    for depth in depths:
+        problem = _refused_depth(depth, arch, iterations)
+        if problem:
+            raise EvaluationError(f"--depths {depth}: {name} {problem}")
+
+
 def harness_model(model, tokenizer, batch_size: int = 8):
     """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
-    import torch
     from lm_eval.models.huggingface import HFLM
 
     class CheckedHFLM(HFLM):
@@ -181,25 +219,6 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                 self.cut[request.task_name] += \
                     len(self.tok_encode(context)) > self.max_length - new_tokens
             return super().generate_until(requests, *args, **kwargs)
-
-        def _model_generate(self, context, max_length, stop, **kwargs):
-            """LatentLoop takes no padding (a pad would shift its groups of tokens): a batch of
-            left-padded prompts of different lengths is generated one prompt at a time, each
-            without its padding, and padded back into the batch HFLM expects."""
-            mask = kwargs.get("attention_mask")
-            if getattr(self.model.config, "arch", None) != "latentloop" or mask is None or \
-                    bool(mask.all()):
-                return super()._model_generate(context, max_length, stop, **kwargs)
-            rows = []
-            for ids, valid in zip(context, mask):
-                start = int(valid.argmax())  # the first token after the left padding
-                alone = super()._model_generate(ids[None, start:], max_length - start, stop,
-                                                **{**kwargs, "attention_mask": valid[None, start:]})
-                rows.append(torch.cat([ids[:start], alone[0]]))
-            width = max(len(row) for row in rows)
-            return torch.stack([torch.nn.functional.pad(row, (0, width - len(row)),
-                                                        value=self.tokenizer.pad_token_id)
-                                for row in rows])
 
     return CheckedHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size)
 
@@ -263,10 +282,15 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
     names = resolve_tasks(tasks, manager)
     gen_kwargs = None if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
     lm = harness_model(model, tokenizer, batch_size)
+    generating = []
     for name, task in manager.load(names)["tasks"].items():  # before any task runs
         check_fewshot(name, task, max(num_fewshot))
         if task.config.output_type == "generate_until":
+            generating.append(name)
             lm.new_tokens({**(task.config.generation_kwargs or {}), **(gen_kwargs or {})}, name)
+    if max_gen_toks is not None and not generating:
+        raise EvaluationError(f"max_gen_toks {max_gen_toks}: none of the tasks generates text "
+                              "(it sets the new tokens of a generation task, e.g. gsm8k)")
     rows = []
     try:
         for depth in depths:

@@ -5,7 +5,8 @@ Qwen3, OLMo 2, Mixtral and Qwen3-MoE ones whose variant megaloop computes (megal
 which fields must have which values). The weights are loaded by transformers from safetensors only,
 into megaloop's own reference classes for megaloop directories: the directory's Python files are
 never run. A tensor that is missing, unexpected or shaped otherwise than config.json says is a
-one-line error naming it.
+one-line error naming it. The megaloop model is then filled a layer at a time, from the
+safetensors where they hold a tensor under the loaded model's name (``import_hf``: memory).
 
 The result is a checkpoint directory (iter_0000000 and ``latest``) that a run starts from with
 ``checkpoint.load=<dir> checkpoint.load_optimizer=false``; its config.yaml holds the model section
@@ -26,8 +27,8 @@ import torch
 from megaloop.config import ConfigError, DataConfig, ModelConfig, RunConfig
 from megaloop.hf.checkpoint import (build_single_process_model, load_checkpoint_model,
                                     save_weights_checkpoint, weights)
-from megaloop.hf.common import (ConversionError, compare_logits, holding_dtype, probe_ids,
-                                probe_logits, staged_output)
+from megaloop.hf.common import (ConversionError, by_layer, compare_logits, holding_dtype,
+                                probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, model_config_from_native, to_native_state_dict
 from megaloop.hf.to_hf import probe_length
 
@@ -167,41 +168,99 @@ def _more(items) -> str:
     return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
 
 
-def reference_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Names and shapes of the reference model's tensors, without allocating them."""
-    from megaloop.models.export import reference_class, reference_config
+class _HuggingFaceTensors:
+    """The tensors of a loaded Hugging Face model ``hf`` by its names, each handed out once, in
+    fp32: read from ``directory``'s safetensors where a file holds the tensor under that name (the
+    file mapped only while a group of them is read), else the loaded tensor itself (kept: what
+    transformers builds on load, such as a native MoE class's stacked experts). A tensor tied to
+    another (a tied head) is read as that one. So, once ``hf`` is deleted, no more than a group
+    of the weights is held here at a time, however transformers holds them."""
 
-    with torch.device("meta"):
-        model = reference_class(cfg)(reference_config(cfg))
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    def __init__(self, hf, directory: Path):
+        from safetensors import safe_open
+
+        self.file_of, self.kept, self.tied = {}, {}, {}
+        in_files = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as tensors:
+                in_files.update(dict.fromkeys(tensors.keys(), file))
+        same = {}  # tensors sharing one storage: a file's name first
+        for name, tensor in sorted(hf.state_dict().items(), key=lambda item: item[0] not in
+                                   in_files):
+            first = same.setdefault((tensor.data_ptr(), tensor.shape), name)
+            if first != name:
+                self.tied[name] = first
+            elif name in in_files:
+                self.file_of[name] = in_files[name]
+            else:
+                self.kept[name] = tensor.detach()
+        self.left = {*self.file_of, *self.kept, *self.tied}
+
+    def take(self, names) -> dict[str, torch.Tensor]:
+        """The tensors of ``names`` that the model has (a missing one is left out)."""
+        from safetensors import safe_open
+
+        names = [name for name in names if name in self.left]
+        self.left.difference_update(names)
+        sources = {name: self.tied.get(name, name) for name in names}
+        read = {source: self.kept.pop(source).float() for source in set(sources.values())
+                if source in self.kept}
+        for file in {self.file_of[s] for s in sources.values() if s not in read}:
+            with safe_open(file, framework="pt") as tensors:  # copied out before it is unmapped
+                read.update({source: tensors.get_tensor(source).to(torch.float32, copy=True)
+                             for source in set(sources.values()) - set(read)
+                             if self.file_of[source] == file})
+        return {name: read[source] for name, source in sources.items()}
+
+
+def _fill(params: dict[str, torch.Tensor], tensors: _HuggingFaceTensors, cfg: ModelConfig,
+          family: str | None) -> None:
+    """Writes megatron-core tensors ``params`` (a group of ``by_layer``, mapped with ``cfg``)
+    from the Hugging Face tensors they map to (a ValueError naming one that is missing or
+    shaped otherwise)."""
+    from megaloop.models.export import invert_mapping, reference_state_dict
+
+    def mapping(state):
+        mapped = reference_state_dict(state, cfg)
+        return mapped if family is None else to_native_state_dict(mapped, family)
+
+    shapes = {name: tuple(tensor.shape) for name, tensor in params.items()}
+    wanted = mapping({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+    for name, tensor in invert_mapping(mapping, tensors.take(wanted), shapes).items():
+        params[name].copy_(tensor)
 
 
 def import_hf(directory: str | Path, out: str | Path) -> dict:
     """Converts the Hugging Face directory into the megaloop checkpoint directory ``out``; returns
-    a report (architecture, probe difference)."""
-    from megaloop.models.export import from_reference_state_dict, invert_mapping
+    a report (architecture, probe difference).
 
+    Memory: about one fp32 copy of the weights at a time. The Hugging Face model is loaded for
+    its probe logits and deleted; the megatron-core model is built uninitialised (its memory is
+    taken as it is written) and filled a layer at a time from the safetensors (``by_layer``,
+    ``_HuggingFaceTensors``); it is deleted once saved, before the checkpoint is read back."""
+    directory = Path(directory)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         hf, cfg, family = load_hf_model(directory)
         # Kept as the run's end-of-document id, so that exporting the checkpoint again writes it.
         eos = hf.config.eos_token_id
         data = DataConfig(eod_id=eos if isinstance(eos, int) else None)
-        state = {name: t.detach().float() for name, t in hf.state_dict().items()}
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         expected = probe_logits(hf, ids)
+        tensors = _HuggingFaceTensors(hf, directory)
         del hf
-        model = build_single_process_model(cfg)
-        shapes = {name: tuple(t.shape) for name, t in weights(model).items()}
+        model = build_single_process_model(cfg, initialize=False)  # every weight written below
+        params = weights(model)
         try:
-            reference = state if family is None else invert_mapping(
-                lambda tensors: to_native_state_dict(tensors, family), state,
-                reference_shapes(cfg))
-            converted = from_reference_state_dict(reference, shapes, cfg)
+            for names, mapping_cfg in by_layer(list(params), cfg):
+                _fill({name: params.pop(name) for name in names}, tensors, mapping_cfg, family)
+            if tensors.left:
+                raise ValueError(f"tensor {sorted(tensors.left)[0]}: not part of this "
+                                 "architecture")
         except ValueError as e:
             raise ConversionError(f"{directory}: {e}") from None
-        model.load_state_dict({**model.state_dict(), **converted})
-        dtype = safetensors_dtype(Path(directory))  # kept: the checkpoint is no larger than HF's
+        dtype = safetensors_dtype(directory)  # kept: the checkpoint is no larger than HF's
         path = save_weights_checkpoint(model.to(dtype), RunConfig(model=cfg, data=data), staging)
+        del model
         reloaded, _, _ = load_checkpoint_model(path)  # uninitialised, every tensor checked loaded
         difference = compare_logits(expected, probe_logits(reloaded, ids),
                                     f"{out} (from {directory})")

@@ -23,8 +23,8 @@ import torch
 from megaloop.config import ModelConfig
 from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, stored_dtype,
                                     weights)
-from megaloop.hf.common import (ConversionError, ProbeMismatch, compare_logits, export_dtype,
-                                probe_ids, probe_logits, staged_output)
+from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compare_logits,
+                                export_dtype, probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
@@ -37,6 +37,29 @@ def probe_length(cfg: ModelConfig) -> int:
     """An odd length (a LatentLoop tail of incomplete latents is part of the probe) within the
     trained context."""
     return max(1, min(cfg.seq_length, 64) - 1)
+
+
+def reference_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
+    """``reference_state_dict`` of a model's tensors ``state``, which it empties: one layer at a
+    time (``by_layer``), each layer's tensors released once mapped, and every result owning its
+    storage. So the fused tensors' copies (a q/k/v split of interleaved query groups) never sit
+    beside all the originals, and no result is a view that transformers' save_pretrained would
+    copy (it clones tensors sharing a storage, e.g. the SwiGLU gate and up halves of one fused
+    weight)."""
+    from megaloop.models.export import reference_state_dict
+
+    reference = {}
+    for names, mapping_cfg in by_layer(list(state), cfg):
+        mapped = reference_state_dict({n: state.pop(n) for n in names}, mapping_cfg)
+        reference.update({name: _owning(tensor) for name, tensor in mapped.items()})
+    return reference
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it is a view of part of a larger storage."""
+    whole = tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole else tensor.clone()
 
 
 def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_tokens: dict):
@@ -89,12 +112,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     differences, tokenizer).
 
     Memory: one copy of the weights at a time, about the fp32 size of the model (the checkpoint
-    is read once, into fp32; the weights are cast to ``dtype`` in place and handed to the Hugging
-    Face model without a copy; the export is loaded back once, in its dtype, and cast to fp32 for
-    the mapping check)."""
+    is read once, into fp32; the weights are cast to ``dtype`` in place, mapped to the Hugging
+    Face names a layer at a time (``reference_tensors``) and handed to the Hugging Face model
+    without a copy; the export is loaded back once, in its dtype, and cast to fp32 for the mapping
+    check). Not so for a native MoE class in float32: save_pretrained copies its experts."""
     from transformers import GenerationConfig
-
-    from megaloop.models.export import reference_state_dict
 
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
@@ -108,8 +130,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         expected = exact if chosen == torch.float32 else \
             probe_logits(_round_weights(model, chosen), ids)
         # Rounded already, so the cast loses nothing; it replaces one tensor at a time.
-        reference = reference_state_dict(weights(model.to(chosen), chosen), cfg)
-        del model
+        state = weights(model.to(chosen), chosen)
+        del model  # its tensors are now state's alone, released as they are mapped
+        reference = reference_tensors(state, cfg)
         family, why_not_native = native_family(cfg)
         converted = hf_model(cfg, reference, special_tokens)
         converted.save_pretrained(staging)

@@ -25,6 +25,9 @@ completes with the last token of its group (every k-th token), then runs through
 against the cached latents of that visit (its own KV slots, latent resolution), and position p
 receives the update of latent (p - k + 1 - l) // k, which is complete by then. Every other visit and
 the prelude/coda have one KV slot per (visit, layer) / layer, as in modeling_asymloop.
+
+Left padding (``attention_mask``, as batched generation pads) gives each row the logits of the row
+alone: a row's groups are formed of its own tokens, wherever its padding puts them.
 """
 
 from __future__ import annotations
@@ -171,31 +174,63 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
                     h = h + self._part(layer, name, narrow, normed, *args, **kwargs)
         return h
 
-    def _compressed_update(self, h, past: int, cache, first_slot: int, visit: int):
-        """The writeback of compressed visit ``visit`` to the new positions past .. past + N - 1."""
+    def _compressed_update(self, h, positions, valid, cache, first_slot: int, visit: int):
+        """The writeback of compressed visit ``visit`` to the new tokens ``h`` [B, N, d] at RoPE
+        positions ``positions`` [B, N]; ``valid`` [B, past + N]: left padding (None: none).
+
+        Each row groups its own tokens (left padding shifts the rows' groups against each other):
+        its tokens not yet in a latent, the visit inputs of its incomplete group (``pending``,
+        right-aligned in k - 1 slots) and its valid new tokens, end every row at the last index.
+        A call runs G latents per row through the middle block, G the most that a row completes;
+        a row completing fewer runs placeholders first, whose outputs are dropped and whose KV
+        slots stay hidden (``latent_valid``). The updates D_i are kept per row in latent order."""
         cfg = self.config
         k, lag = cfg.latent_stride, cfg.latent_writeback_lag
+        batch, n, d = h.shape
         state = cache.state if cache is not None else {}
-        seq = torch.cat([state.get(f"pending{visit}", h[:, :0]), h], dim=1)
+        new_valid = valid[:, -n:] if valid is not None else h.new_ones(batch, n, dtype=torch.bool)
+        total = valid.sum(1) if valid is not None else \
+            torch.full((batch,), (cache.seen if cache is not None else 0) + n, device=h.device)
+        done = (total - new_valid.sum(1)) // k  # per row: latents completed before this call
+        completes = total // k - done  # ... and by this call
+        seq = torch.cat([state.get(f"pending{visit}", h.new_zeros(batch, k - 1, d)), h], dim=1)
+        latent_valid = state.get(f"latent_valid{visit}", new_valid[:, :0])
         deltas = state.get(f"deltas{visit}", h[:, :0])
-        groups = seq.shape[1] // k  # latents completed by the new tokens
+        groups = int(completes.max())
         if groups:
-            latents = seq[:, :groups * k].unflatten(1, (groups, k)).mean(dim=2)
-            done = deltas.shape[1]
-            ends = torch.arange(done, done + groups, device=h.device) * k + k - 1
-            rotary = rope(ends[None].expand(h.shape[0], groups), cfg.head_dim, cfg.rotary_base)
-            allowed = causal_mask(groups, done + groups, h.device)
+            j = torch.arange(groups, device=h.device)
+            placeholders = (groups - completes)[:, None]
+            new_latents = j >= placeholders  # [B, G]
+            last = seq.shape[1] - 1 - total % k  # per row: the last token of its last group
+            index = (last[:, None, None] - (groups - j[:, None]) * k + 1 +
+                     torch.arange(k, device=h.device)).clamp(min=0).flatten(1)
+            latents = seq.gather(1, index[..., None].expand(-1, -1, d)).unflatten(
+                1, (groups, k)).mean(dim=2)
+            latent_index = (done[:, None] + j - placeholders).clamp(min=0)
+            rotary = rope(latent_index * k + k - 1, cfg.head_dim, cfg.rotary_base)
+            latent_valid = torch.cat([latent_valid, new_latents], dim=1)
+            allowed = causal_mask(groups, latent_valid.shape[1], h.device,
+                                  None if bool(latent_valid.all()) else latent_valid)
             out = self._middle(latents, rotary, allowed, cache, first_slot, visit)
-            deltas = torch.cat([deltas, out - latents], dim=1)
+            # row b's D_i, i >= done_b, come from its new latents, after its placeholders
+            kept = deltas.shape[1]
+            target = torch.arange(int((done + completes).max()), device=h.device)[None]
+            source = torch.where(target < done[:, None], target,
+                                 kept + target - done[:, None] + placeholders)
+            deltas = torch.cat([deltas, out - latents], dim=1).gather(
+                1, source.clamp(max=kept + groups - 1)[..., None].expand(-1, -1, d))
         if cache is not None:
-            state[f"pending{visit}"], state[f"deltas{visit}"] = seq[:, groups * k:], deltas
+            state[f"pending{visit}"] = seq[:, seq.shape[1] - (k - 1):]
+            state[f"deltas{visit}"], state[f"latent_valid{visit}"] = deltas, latent_valid
         if deltas.shape[1] == 0:
             return torch.zeros_like(h)
-        offset = torch.arange(past, past + h.shape[1], device=h.device) - (k - 1) - lag
-        receives = offset >= 0  # the first k - 1 + l positions receive nothing
+        offset = positions - (k - 1) - lag
+        receives = (offset >= 0) & new_valid  # the first k - 1 + l positions receive nothing
         offset = offset.clamp(min=0)
-        update = deltas[:, offset // k] * self.writeback[str(visit)][offset % k]
-        return update * receives[None, :, None]
+        latent = (offset // k).clamp(max=deltas.shape[1] - 1)
+        update = deltas.gather(1, latent[..., None].expand(-1, -1, d)) * \
+            self.writeback[str(visit)][offset % k]
+        return update * receives[..., None]
 
     def body(self, h, positions, allowed, valid, cache, steps):
         """Slots: prelude layer i -> i; visit v (1-based), middle layer i -> P + (v - 1) * M + i
@@ -204,18 +239,18 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         if steps != cfg.iterations:
             raise ValueError(f"num_iterations={steps}: arch=latentloop runs exactly its "
                              f"iterations={cfg.iterations} visits (each has its own scales)")
-        if valid is not None:
-            raise ValueError("arch=latentloop takes no padding (a pad would shift the groups of "
-                             f"{cfg.latent_stride} tokens): pass sequences of equal length")
+        if valid is not None and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+            raise ValueError("arch=latentloop takes left padding only (a pad after a token would "
+                             f"split a group of {cfg.latent_stride} tokens): pad on the left")
         p, m = len(self.prelude), len(self.middle)
-        past = cache.seen if cache is not None else 0
         rotary = rope(positions, cfg.head_dim, cfg.rotary_base)
         for index, block in enumerate(self.prelude):
             h = block(h, rotary, allowed, cache, index)
         for visit in range(1, steps + 1):
             first, scale = p + (visit - 1) * m, self.residual_scales[visit - 1]
             if visit in self.reduced_visits("sequence"):
-                h = h + scale * self._compressed_update(h, past, cache, first, visit)
+                h = h + scale * self._compressed_update(h, positions, valid, cache, first,
+                                                        visit)
             elif visit in self.reduced_visits("width"):
                 projection = self.projection[str(visit)]
                 z = projection.down(h)

@@ -91,3 +91,46 @@ class Exports:
         checkpoint = save_weights_checkpoint(model, run, self.root / name / "checkpoint")
         report = export_checkpoint(checkpoint, self.root / name / "hf")
         return Exported(cfg, checkpoint, self.root / name / "hf", logits, report)
+
+
+def fp32_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the reference model's tensors in fp32 (a tied head counted as its own)."""
+    from megaloop.models.export import reference_class, reference_config
+
+    with torch.device("meta"):
+        reference = reference_class(cfg)(reference_config(cfg))
+    return 4 * sum(t.numel() for t in reference.state_dict().values())
+
+
+def _live_storages() -> dict[int, int]:
+    """Bytes of every tensor storage Python holds (views counted once), by address."""
+    import gc
+
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
+class StoragePeaks:
+    """The bytes of the tensor storages alive (beyond those alive when it was made) each time one
+    of the ``functions`` ((owner, name) pairs, monkeypatched) is entered or left; ``calls``: the
+    names called, in order."""
+
+    def __init__(self, monkeypatch, *functions):
+        self.before, self.peaks, self.calls = _live_storages(), [], []
+        for owner, name in functions:
+            monkeypatch.setattr(owner, name, self._measured(getattr(owner, name), name))
+
+    def _measured(self, function, name):  # holds no argument or result: keeps no tensor alive
+        def wrapper(*args, **kwargs):
+            self.calls.append(name)
+            self.peaks.append(self._alive())
+            result = function(*args, **kwargs)
+            self.peaks.append(self._alive())
+            return result
+        return wrapper
+
+    def _alive(self) -> int:
+        return sum(n for ptr, n in _live_storages().items() if ptr not in self.before)
+
+    def most(self) -> int:
+        return max(self.peaks)

@@ -147,9 +147,8 @@ def test_generation_task_runs_greedy_decoding_through_the_cache(harness):
 
 @pytest.mark.parametrize("arch", ["latentloop", "asymloop"])
 def test_batched_generation_gives_each_prompt_its_own_tokens(harness, arch):
-    """Prompts of different lengths, left-padded into one batch: LatentLoop refuses padding, so
-    each is generated alone (before: its ValueError, through lm-eval, failed the evaluation);
-    AsymLoop takes the padding. Either way the answers are those of batch size 1."""
+    """Prompts of different lengths, left-padded into one batch, which shifts LatentLoop's groups
+    of k tokens against each other: the answers are those of batch size 1."""
     export = harness[arch]
     answers = {}
     for batch_size in (1, 3):
@@ -203,7 +202,8 @@ def test_a_continuation_longer_than_the_context_is_one_line(harness):
 
 
 def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeypatch):
-    """Found before any task runs: GSM8K comes after seven log-likelihood tasks here."""
+    """Found before any task runs: GSM8K comes after seven log-likelihood tasks here. New tokens
+    given where no task generates are refused too, not ignored."""
     from megaloop.hf import evaluate as ev
 
     export = harness["dense"]
@@ -214,6 +214,11 @@ def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeyp
                                                  r"room for a prompt in the model's 16-token"):
         ev.evaluate(export.model, export.tokenizer, ["asymloop_tasks", "gsm8k"],
                     data_dir=harness["data"], limit=1, max_gen_toks=16)
+    assert forwards == []
+    with pytest.raises(ev.EvaluationError, match=r"^max_gen_toks 8: none of the tasks generates "
+                                                 r"text \(it sets"):  # before: ignored
+        ev.evaluate(export.model, export.tokenizer, ["piqa"], data_dir=harness["data"], limit=1,
+                    max_gen_toks=8)
     assert forwards == []
     names = ev.resolve_tasks(["gsm8k"], harness["manager"])
     lm = ev.harness_model(export.model, export.tokenizer, batch_size=2)
@@ -226,8 +231,11 @@ def test_new_tokens_that_leave_no_room_for_a_prompt_is_one_line(harness, monkeyp
                            gen_kwargs=gen_kwargs)
 
 
-@pytest.mark.parametrize("arch", ["dense", "asymloop"])
-def test_lm_eval_cli_loads_the_export_offline(harness, arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, task", [("dense", "piqa"), ("asymloop", "piqa"),
+                                        ("latentloop", "gsm8k")])
+def test_lm_eval_cli_loads_the_export_offline(harness, arch, task, tmp_path, monkeypatch):
+    """GSM8K on LatentLoop: prompts of three lengths, generated in left-padded batches of 2 by
+    the export's own code (before: its ValueError on padding failed lm-eval's CLI)."""
     import lm_eval.tasks
     from lm_eval._cli import HarnessCLI
 
@@ -243,15 +251,24 @@ def test_lm_eval_cli_loads_the_export_offline(harness, arch, tmp_path, monkeypat
     args = cli._parser.parse_args([
         "run", "--model", "hf", "--model_args",
         f"pretrained={export.directory},trust_remote_code=True,dtype=float32",
-        "--tasks", "local_piqa", "--include_path", str(ev.TASK_DIR), "--limit", "3",
+        "--tasks", f"local_{task}", "--include_path", str(ev.TASK_DIR), "--limit", "3",
         "--metadata", json.dumps({"data_dir": str(harness["data"])}), "--batch_size", "2",
+        "--gen_kwargs", json.dumps({"max_gen_toks": 6}), "--log_samples",
         "--output_path", str(tmp_path / "out")])
     cli.execute(args)
     [result_file] = (tmp_path / "out").rglob("results_*.json")
-    via_cli = json.loads(result_file.read_text())["results"]["local_piqa"]
-    [row] = ev.evaluate(export.model, export.tokenizer, ["piqa"], data_dir=harness["data"],
-                        limit=3)
-    assert (via_cli["acc,none"], via_cli["acc_norm,none"]) == (row["acc"], row["acc_norm"])
+    via_cli = json.loads(result_file.read_text())["results"][f"local_{task}"]
+    if task == "piqa":
+        [row] = ev.evaluate(export.model, export.tokenizer, ["piqa"], data_dir=harness["data"],
+                            limit=3)
+        assert (via_cli["acc,none"], via_cli["acc_norm,none"]) == (row["acc"], row["acc_norm"])
+        return
+    [samples_file] = (tmp_path / "out").rglob("samples_*.jsonl")
+    answers = {s["doc_id"]: s["resps"][0][0] for s in map(json.loads, samples_file.open())}
+    alone = _run(harness, export, ["gsm8k"], batch_size=1, num_fewshot=0, limit=3,
+                 gen_kwargs={"max_gen_toks": 6})["samples"]["local_gsm8k"]
+    assert answers == {s["doc_id"]: s["resps"][0][0] for s in alone}
+    assert len(set(answers.values())) == 3  # three different answers
 
 
 def test_tool_writes_the_table_from_a_checkpoint(harness, tmp_path, capsys):
@@ -296,8 +313,6 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
          f"task data: {tmp_path}/sciq_test.jsonl: no such file"),
         ([hf, "--data-dir", str(broken), "--tasks", "piqa"],
          "piqa_valid.jsonl:2: not a JSON record"),
-        ([hf, "--data-dir", data, "--depths", "2"], "depth 2: LlamaForCausalLM (llama) has no "
-                                                    "test-time depth to set"),
         ([str(untokenized), "--data-dir", data], "its run names no tokenizer"),
         ([hf, "--data-dir", data, "--tokenizer", str(SP_MODEL)], "only for a megaloop "
                                                                  "checkpoint"),
@@ -319,6 +334,35 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         assert exit_.value.code == 2
     assert not (tmp_path / "out").exists()
 
+
+
+def test_depths_a_model_has_not_are_refused_before_any_export_or_load(harness, tmp_path,
+                                                                      capsys, monkeypatch):
+    """Dense has no depth; LatentLoop runs exactly its visits (2 here): found in the source's
+    config, before a checkpoint is exported (before: after the export, from the loaded model)."""
+    from megaloop.hf import from_hf, to_hf
+
+    evaluate = load_tool("evaluate").main
+    work = []
+    monkeypatch.setattr(to_hf, "export_checkpoint", lambda *a, **k: work.append("export"))
+    monkeypatch.setattr(from_hf, "load_hf_model", lambda *a, **k: work.append("load"))
+    latent, dense = harness["latentloop"], harness["dense"]
+    cases = [(latent.checkpoint, f"--depths 3: {latent.checkpoint}: arch=latentloop has no "
+                                 "test-time depth to set (it runs exactly its iterations=2 "
+                                 "visits)"),
+             (latent.directory, f"--depths 3: {latent.directory}/config.json: arch=latentloop "
+                                "has no test-time depth"),
+             (dense.checkpoint, f"--depths 2: {dense.checkpoint}: arch=dense has no test-time "
+                                "depth to set"),
+             (dense.directory, f"--depths 2: {dense.directory}/config.json: model_type=llama "
+                               "has no test-time depth to set")]
+    for source, message in cases:
+        assert evaluate([str(source), "--data-dir", str(harness["data"]), "--depths", "2", "3",
+                         "--output", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["error: " + message] if message.endswith("set") else \
+            len(err) == 1 and message in err[0], err
+    assert work == []
 
 
 def test_more_shots_than_a_file_holds_is_one_line(harness, tmp_path):

@@ -4,7 +4,6 @@ the files are half the size, a wrong mapping is still caught, an import gives th
 exactly and keeps the dtype, and the default is the checkpoint's own dtype."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from safetensors import safe_open
 from megaloop.config import DataConfig, RunConfig
 from megaloop.hf.checkpoint import load_checkpoint_model, weights
 from megaloop.hf.common import ConversionError, ProbeMismatch
+from tests.hf.exports import StoragePeaks, fp32_weight_bytes
 from megaloop.hf.from_hf import import_hf
 from megaloop.hf.to_hf import export_checkpoint
 from tests.hf.exports import sample_tokens, variant_config
@@ -150,47 +150,39 @@ def test_refuses_an_unknown_dtype_in_one_line(exports, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
-def _live_storages() -> dict[int, int]:
-    """Bytes of every tensor storage Python holds (views counted once), by address."""
-    import gc
-
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+# transformers' save_pretrained writes a native MoE class's stacked experts in the per-expert
+# layout of the original checkpoints: views of the stacked tensors, which it copies all at once
+# (about 1.4x the fp32 weights of the test's Mixtral while it writes them in float32).
+MOE_SAVE_COPY = "save_pretrained copies the stacked experts of a native MoE class at once"
 
 
-@pytest.mark.parametrize("variant, dtype", [("dense", "bfloat16"), ("asymloop", "float16"),
-                                            ("mixtral", "float32"), ("mixtral", "bfloat16")])
+@pytest.mark.parametrize("variant, dtype", [
+    ("dense", "bfloat16"), ("asymloop", "float16"), ("asymloop", "float32"),
+    ("latentloop", "float32"), ("mixtral", "bfloat16"),
+    pytest.param("mixtral", "float32", marks=pytest.mark.xfail(strict=True, reason=MOE_SAVE_COPY))])
 def test_an_export_holds_one_copy_of_the_weights_at_a_time(exports, variant, dtype, tmp_path,
                                                            monkeypatch):
     """The export is loaded back once; the tensors alive whenever a model is complete (each probe,
-    each load, the Hugging Face model built) add up to about one fp32 copy of the weights. A
-    second full copy alive (a second load, the weights kept while the export is loaded back, a
-    native MoE class's stacked experts beside the unstacked ones) makes it 1.5 or more."""
+    each load, the Hugging Face model built, the mapping to its names done, the safetensors
+    written) add up to about one fp32 copy of the weights. A second full copy alive (a second
+    load, the weights kept while the export is loaded back, a native MoE class's stacked experts
+    beside the unstacked ones) makes it 1.5 or more; in float32 also the q/k/v split out of the
+    checkpoint's fused tensors beside them, or the views of a fused tensor (SwiGLU gate and up)
+    that transformers' save_pretrained copies, 1.25 or more here."""
     import transformers
 
     from megaloop.hf import to_hf
-    from megaloop.hf.from_hf import reference_shapes
+    from megaloop.models import export
 
     exported = exports.get(variant)
-    fp32_bytes = 4 * sum(math.prod(shape) for shape in reference_shapes(exported.cfg).values())
-    before = _live_storages()
-    peaks, calls = [], []
-
-    def measured(function):  # holds no argument or result: a test must not keep tensors alive
-        def wrapper(*args, **kwargs):
-            calls.append(function.__name__)
-            peaks.append(sum(n for ptr, n in _live_storages().items() if ptr not in before))
-            result = function(*args, **kwargs)
-            peaks.append(sum(n for ptr, n in _live_storages().items() if ptr not in before))
-            return result
-        return wrapper
-
-    for owner, name in ((to_hf, "probe_logits"), (to_hf, "hf_model"),
-                        (transformers.AutoModelForCausalLM, "from_pretrained")):
-        monkeypatch.setattr(owner, name, measured(getattr(owner, name)))
+    peaks = StoragePeaks(monkeypatch, (to_hf, "probe_logits"), (to_hf, "hf_model"),
+                         (export, "reference_state_dict"),
+                         (transformers.modeling_utils, "safe_save_file"),
+                         (transformers.AutoModelForCausalLM, "from_pretrained"))
     export_checkpoint(exported.checkpoint, tmp_path / "out", dtype=dtype)
-    assert calls.count("from_pretrained") == 1
-    assert 0.9 < max(peaks) / fp32_bytes < 1.25, max(peaks) / fp32_bytes
+    assert peaks.calls.count("from_pretrained") == 1
+    assert 0.9 < peaks.most() / fp32_weight_bytes(exported.cfg) < 1.25, \
+        peaks.most() / fp32_weight_bytes(exported.cfg)
 
 
 def test_fixed_residual_scales_that_bfloat16_rounds_pass_the_mapping_check(mcore, tmp_path):

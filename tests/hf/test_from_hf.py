@@ -15,6 +15,7 @@ from megaloop.hf.checkpoint import load_checkpoint_model, weights
 from megaloop.hf.common import ConversionError
 from megaloop.hf.from_hf import import_hf
 from megaloop.training.checkpoint import check_compatible
+from tests.hf.exports import StoragePeaks, fp32_weight_bytes
 
 
 @pytest.mark.parametrize("variant", ["dense", "qwen3", "olmo2_one_head", "mixtral", "qwen3_moe",
@@ -47,10 +48,10 @@ def test_the_end_of_document_id_comes_back_in_a_second_export(exports, tmp_path)
         assert json.loads((tmp_path / "again" / name).read_text())["eos_token_id"] == 3
 
 
-def test_only_the_model_that_keeps_unconverted_values_is_initialised(exports, tmp_path,
-                                                                     monkeypatch):
-    """The model the converted tensors go into keeps its own values for the others; the one that
-    re-reads the saved checkpoint to check it skips random initialisation (all is loaded)."""
+def test_no_model_is_initialised(exports, tmp_path, monkeypatch):
+    """The conversion writes every tensor of the model it builds, and the one that re-reads the
+    saved checkpoint to check it loads every tensor: neither draws random weights (nor touches
+    the memory it is about to overwrite)."""
     import megaloop.models.model as model_module
 
     exported = exports.get("dense")  # built (exported) first, if not yet
@@ -62,7 +63,38 @@ def test_only_the_model_that_keeps_unconverted_values_is_initialised(exports, tm
 
     monkeypatch.setattr(model_module, "build_model", recording)
     import_hf(exported.hf_dir, tmp_path / "back")
-    assert initialised == [True, False]
+    assert initialised == [False, False]
+
+
+@pytest.mark.parametrize("variant, dtype", [("asymloop", None), ("asymloop_tied_gqa1", None),
+                                            ("latentloop_moe_untied_v3", None),
+                                            ("qwen3", "bfloat16")])
+def test_an_import_holds_one_copy_of_the_weights_at_a_time(exports, variant, dtype, tmp_path,
+                                                           monkeypatch):
+    """The Hugging Face model is gone before the megaloop model is built, that one is filled a
+    layer at a time and is gone before the saved checkpoint is read back: the tensors alive at
+    each step add up to about one fp32 copy of the weights (before: the Hugging Face tensors
+    beside the megaloop model, an int64 index of every weight element and two more copies,
+    5x and more)."""
+    from megaloop.hf import from_hf
+    from megaloop.models import export
+
+    exported = exports.get(variant, dtype)
+    fp32_bytes = fp32_weight_bytes(exported.cfg)
+    mapped, invert_mapping = [], export.invert_mapping
+
+    def recording(mapping, values, shapes):  # the Hugging Face tensors mapped at once
+        mapped.append(sum(t.numel() * 4 for t in values.values()))
+        return invert_mapping(mapping, values, shapes)
+
+    monkeypatch.setattr(export, "invert_mapping", recording)
+    peaks = StoragePeaks(monkeypatch, (from_hf, "probe_logits"),
+                         (from_hf, "build_single_process_model"),
+                         (from_hf, "save_weights_checkpoint"), (from_hf, "load_checkpoint_model"))
+    import_hf(exported.hf_dir, tmp_path / "back")
+    assert peaks.calls.count("load_checkpoint_model") == 1
+    assert 0.9 < peaks.most() / fp32_bytes < 1.25, peaks.most() / fp32_bytes
+    assert len(mapped) > 2 and max(mapped) < 0.5 * fp32_bytes, (mapped, fp32_bytes)
 
 
 def _copy(exports, variant, tmp_path) -> Path:

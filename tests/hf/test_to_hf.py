@@ -62,6 +62,39 @@ def test_remote_code_is_the_reference_and_imports_only_torch_and_transformers(ex
         assert modules <= {"__future__", "math", "torch", "transformers"}, (name, modules)
 
 
+@pytest.mark.parametrize("variant", ["asymloop", "latentloop_stride3_lag1"])
+def test_remote_code_generates_the_greedy_tokens_without_a_notice(exports, variant):
+    """transformers (5.24) logs a notice about remote code whose forward names ``cache_position``
+    (and makes one for it) on every first generate()."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    exported = exports.get(variant)
+    model = load(exported.hf_dir)
+    assert type(model).__module__.startswith("transformers_modules")  # the remote code
+    prompt = sample_tokens(exported.cfg)[:1, :7]
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append
+    library, verbosity = logging.getLogger("transformers"), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # the session runs quiet_transformers()
+    hf_logging.warning_once.cache_clear()  # each notice once per process otherwise
+    library.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            out = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    finally:
+        library.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    assert [r.getMessage() for r in logged] == [] and [str(w.message) for w in warned] == []
+    with torch.no_grad():  # each token the argmax of one full forward of what precedes it
+        logits = model(out, use_cache=False).logits[0]
+    assert out.shape == (1, 15) and torch.equal(out[0, 7:], logits[6:-1].argmax(-1))
+
+
 def test_export_loads_and_generates_offline_without_megaloop(exports, tmp_path):
     """A fresh interpreter that cannot import megaloop, with the Hub unreachable."""
     dirs = [str(exports.get(v).hf_dir) for v in ("asymloop", "latentloop_moe_untied_v3")]

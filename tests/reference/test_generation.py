@@ -1,6 +1,7 @@
 """Cached generation of the reference (Hugging Face) models: chunked prefill gives the logits of one
 full forward, greedy generate() gives the same tokens with and without the cache, test-time depth
-at load time and per call, padding, beam search over LatentLoop's cached state."""
+at load time and per call, left padding (LatentLoop too), beam search over LatentLoop's cached
+state."""
 
 import pytest
 import torch
@@ -101,12 +102,51 @@ def test_left_padding_gives_each_row_its_unpadded_logits():
     assert torch.equal(generated[0, 3:], alone[0])
 
 
-def test_latentloop_refuses_padding_and_other_depths():
+@pytest.mark.parametrize("variant", ["latentloop", "latentloop_stride3_lag1",
+                                     "latentloop_stride4_both_olmo", "latentloop_moe_width"])
+def test_latentloop_left_padding_gives_each_row_its_unpadded_logits_and_tokens(variant):
+    """Rows padded by 0, 1, 2 and 5 tokens, which shift their groups of k tokens against each
+    other: each row's logits (one forward, or a cached prefill in chunks) and greedy tokens are
+    those of the row alone (lm-eval's batched generation pads on the left)."""
+    model = reference_model(variant)
+    lengths = [9, 8, 7, 4]
+    rows = [tokens(batch=1, length=n, seed=10 + n)[0] for n in lengths]
+    pads = [9 - n for n in lengths]
+    batch = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long), r]) for p, r in
+                         zip(pads, rows)])
+    mask = (torch.arange(9)[None] >= torch.tensor(pads)[:, None]).long()
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask, use_cache=False).logits
+        cache = model.new_cache()
+        chunked = torch.cat([model(batch[:, a:b], attention_mask=mask[:, :b], cache=cache).logits
+                             for a, b in [(0, 3), (3, 4), (4, 9)]], dim=1)
+        for row, pad, in_batch, in_chunks in zip(rows, pads, padded, chunked):
+            alone = model(row[None], use_cache=False).logits[0]
+            torch.testing.assert_close(in_batch[pad:], alone, atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(in_chunks[pad:], alone, atol=2e-6, rtol=1e-5)
+    generated = model.generate(batch, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    for row, pad, out in zip(rows, pads, generated):
+        assert torch.equal(out[pad:], model.generate(row[None], max_new_tokens=7,
+                                                     do_sample=False)[0])
+
+
+def test_latentloop_refuses_padding_after_a_token_and_other_depths():
     model = reference_model("latentloop")
     x = tokens(batch=2, length=6)
     mask = torch.ones_like(x)
-    mask[0, 0] = 0
-    with pytest.raises(ValueError, match="takes no padding"):
+    mask[0, 3] = 0
+    with pytest.raises(ValueError, match="takes left padding only"):
         model(x, attention_mask=mask)
     with pytest.raises(ValueError, match="runs exactly its iterations=2 visits"):
         model(x, num_iterations=3)
+
+
+def test_forward_takes_old_transformers_cache_position_and_refuses_other_names():
+    """cache_position is taken unnamed (transformers 5.24 warns about a forward naming it)."""
+    model = reference_model("asymloop")
+    x = tokens(batch=1, length=4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, cache_position=torch.arange(4)).logits,
+                                   model(x).logits)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'position_ids'"):
+            model(x, position_ids=torch.arange(4)[None])

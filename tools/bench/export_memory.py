@@ -1,5 +1,6 @@
-"""Peak memory of a Hugging Face export (megaloop.hf.to_hf) against the size of the model's fp32
-weights, both measured in this run. Prints JSON.
+"""Peak memory of a Hugging Face export (megaloop.hf.to_hf) and of its import back
+(megaloop.hf.from_hf) against the size of the model's fp32 weights, all measured in this run.
+Prints JSON.
 
     python tools/bench/export_memory.py [--preset 60M --arch asymloop --dtypes float32 bfloat16]
 
@@ -13,7 +14,8 @@ at a time; each further full copy alive at once adds 1 (0.5 in bfloat16 or float
 overstate it: a fixed few tens of MB (probe activations, transformers' bookkeeping) weigh more.
 ``checkpoint_read_peak_over_fp32_weights``: the same for reading the checkpoint alone
 (``load_checkpoint_model``, the first step of an export), the floor of an export's peak;
-``checkpoint_read_seconds``: that read's wall time.
+``checkpoint_read_seconds``: that read's wall time. ``import_peak_over_fp32_weights``: the same
+for importing that export into a megaloop checkpoint (``import_hf``, also after an unmeasured one).
 """
 
 from __future__ import annotations
@@ -51,19 +53,24 @@ def _peak_rise(function):
 
 
 def measure(checkpoint: str, dtype: str, workdir: str) -> dict:
-    """In this (fresh) process: the peak RSS rise of an export after an unmeasured one, and of
-    reading the checkpoint alone."""
+    """In this (fresh) process: the peak RSS rise of an export and of its import, each after an
+    unmeasured one, and of reading the checkpoint alone."""
     from megaloop.hf.checkpoint import load_checkpoint_model
     from megaloop.hf.common import quiet_transformers
+    from megaloop.hf.from_hf import import_hf
     from megaloop.hf.to_hf import export_checkpoint
 
     quiet_transformers()
-    export_checkpoint(checkpoint, Path(workdir) / f"warm-{dtype}", dtype=dtype)
-    report, rise, _ = _peak_rise(lambda: export_checkpoint(
-        checkpoint, Path(workdir) / f"out-{dtype}", dtype=dtype))
+    work = Path(workdir)
+    export_checkpoint(checkpoint, work / f"warm-{dtype}", dtype=dtype)
+    report, rise, _ = _peak_rise(lambda: export_checkpoint(checkpoint, work / f"out-{dtype}",
+                                                           dtype=dtype))
     _, read_rise, read_seconds = _peak_rise(lambda: load_checkpoint_model(checkpoint))
+    import_hf(work / f"out-{dtype}", work / f"warm-import-{dtype}")
+    _, import_rise, _ = _peak_rise(lambda: import_hf(work / f"out-{dtype}",
+                                                     work / f"import-{dtype}"))
     return {"peak_rss_rise": rise, "checkpoint_read_peak_rss_rise": read_rise,
-            "checkpoint_read_seconds": round(read_seconds, 3),
+            "checkpoint_read_seconds": round(read_seconds, 3), "import_peak_rss_rise": import_rise,
             "safetensors_bytes": report["safetensors_bytes"], "class": report["class"]}
 
 
@@ -102,7 +109,7 @@ def main(argv=None):
                                     workdir], capture_output=True, text=True, check=True,
                                    env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
             row = json.loads(child.stdout.strip().splitlines()[-1])
-            for key in ("peak", "checkpoint_read_peak"):
+            for key in ("peak", "checkpoint_read_peak", "import_peak"):
                 row[f"{key}_over_fp32_weights"] = row[f"{key}_rss_rise"] / (4 * parameters)
             rows[dtype] = row
     print(json.dumps({"config": {"preset": args.preset, "arch": args.arch,

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from megaloop.cli import int_at_least
+
 
 @torch.no_grad()
 def decode(model, prompt: torch.Tensor, steps: int, cached: bool) -> tuple[float, torch.Tensor]:
@@ -53,11 +55,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop", choices=["fullloop", "asymloop"])
-    parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iterations", type=int_at_least(1), default=3)
+    parser.add_argument("--prompt", type=int_at_least(1), default=64)
+    # The first new token comes from the prefill: one more makes the first timed forward.
+    parser.add_argument("--new-tokens", type=int_at_least(2), default=64)
+    parser.add_argument("--batch", type=int_at_least(1), default=1)
+    parser.add_argument("--repeats", type=int_at_least(1), default=5)
     args = parser.parse_args(argv)
 
     from megaloop.models.export import reference_class, reference_config
