@@ -268,6 +268,9 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         steps = cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
+        if cfg.arch == "dense" and steps != 1:  # as the canonical model refuses it
+            raise ValueError(f"num_iterations={steps}: arch=dense has no depth to vary (it would "
+                             "loop its layers; arch=fullloop is the looped stack)")
         cache = cache if cache is not None else past_key_values
         if cache is None and (cfg.use_cache if use_cache is None else use_cache):
             cache = self.new_cache(steps)

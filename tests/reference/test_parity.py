@@ -53,3 +53,16 @@ def test_reference_test_time_depth_matches(seeded):
     with torch.no_grad():
         torch.testing.assert_close(model(x, num_iterations=6), reference(x, num_iterations=6).logits,
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_reference_refuses_test_time_depth_on_dense_as_the_canonical_model_does(seeded):
+    cfg = small_config("dense")
+    model = build_model(cfg)
+    reference = to_reference(model)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x, num_iterations=1).logits,
+                                   atol=1e-5, rtol=1e-5)
+    for net in (model, reference):
+        with pytest.raises(ValueError, match="num_iterations=3: arch=dense has no depth to vary"):
+            net(x, num_iterations=3)
