@@ -72,6 +72,19 @@ def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
         apply_overrides(RunConfig(), ["train.lr=["])
 
 
+def test_a_single_string_for_a_tuple_field_is_one_item_not_its_characters(tmp_path):
+    # Before: alrs.exclude: router became ('r', 'o', 'u', 't', 'e', 'r'), excluding every matrix
+    # whose name holds one of those letters; items were not type-checked.
+    config = tmp_path / "run.yaml"
+    config.write_text("alrs:\n  exclude: router\n  embedding_head_prefixes: embedding.\n")
+    alrs = load_yaml(config).alrs
+    assert alrs.exclude == ("router",) and alrs.embedding_head_prefixes == ("embedding.",)
+    assert apply_overrides(RunConfig(), ["alrs.exclude=[router, 7]"]).alrs.exclude == (
+        "router", "7")
+    with pytest.raises(ConfigError, match=r"alrs.exclude\[0\]=\[1\]: must be of type str"):
+        apply_overrides(RunConfig(), ["alrs.exclude=[[1]]"])
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(expert=2), "parallel.expert=2: must be 1 unless model.num_experts > 0"),
     (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),

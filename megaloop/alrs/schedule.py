@@ -71,6 +71,10 @@ class ALRSConfig:
     def __post_init__(self) -> None:
         self.embedding_head_prefixes = tuple(self.embedding_head_prefixes)
         self.exclude = tuple(self.exclude)
+        for name in ("exclude", "embedding_head_prefixes"):  # "" is in every parameter name
+            if "" in getattr(self, name):
+                raise ValueError(f"ALRS {name} must not hold an empty string (it matches every "
+                                 f"matrix), got {list(getattr(self, name))!r}")
         if self.mode not in MODES:
             raise ValueError(f"ALRS mode must be one of {MODES}, got {self.mode!r}")
         if not self.s1 > 0:

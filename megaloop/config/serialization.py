@@ -63,14 +63,16 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if value is None and len(args) < len(get_args(hint)):
             return None
         return _coerce(value, args[0], where)
-    if origin is list:
+    if origin in (list, tuple):  # tuple: tuple[item, ...] (alrs.exclude), written as a list
         item = get_args(hint)[0]
-        if not isinstance(value, list):  # a single value where a list is expected
+        # A single value where a list is expected; a string is one value, never its characters
+        # (alrs.exclude: router would otherwise exclude every name holding an r, o, u, ...).
+        if not isinstance(value, (list, tuple)):
             value = [value]
         if item is str:  # blend weights in a data path arrive as YAML numbers
             value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
                      for v in value]
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return origin(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: must be a mapping of {hint.__name__} fields")

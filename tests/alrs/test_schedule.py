@@ -10,6 +10,9 @@ from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule, read_log
     (dict(transition=-1), "transition"), (dict(mode="sgd"), "mode"),
     (dict(embedding_head="drop"), "embedding_head"), (dict(eig_method="qr"), "eig_method"),
     (dict(decoder_boost=0.0), "decoder_boost"), (dict(granularity="row"), "granularity"),
+    # "" is in every name: every matrix excluded, or every one pinned as embedding/head.
+    (dict(exclude=("router", "")), "exclude"), (dict(embedding_head_prefixes=[""]),
+                                               "embedding_head_prefixes"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:
