@@ -20,6 +20,20 @@ def test_bad_config_names_the_field(kwargs, field):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("kwargs, unread", [
+    (dict(s2=3.0, decoder_boost=4.0, decoder_prefix="x."), ["decoder_prefix='x.'",
+                                                            "decoder_boost=4.0"]),
+    (dict(embedding_head="include", embedding_head_prefixes=["x."]),
+     ["embedding_head_prefixes=('x.',)"]),
+    (dict(mode="uniform", s1=0.5, embedding_head="exclude", interval=7),
+     ["s1=0.5", "embedding_head='exclude'"]),
+    (dict(mode="decoder_boost", transition=9, decoder_boost=3.0), ["transition=9"]),
+    (dict(mode="uniform"), []),
+])
+def test_options_a_mode_does_not_read_are_listed(kwargs, unread):
+    assert ALRSConfig(**kwargs).unread_options() == unread
+
+
 def test_allocation_steps_of_the_60m_run():
     config = ALRSConfig()
     steps = [s for s in range(1, 3201) if config.allocates_at(s, 3200)]
