@@ -35,9 +35,9 @@ def main(argv=None) -> int:
         fitting_layouts
     from megaloop.train import build_config
 
-    # The data section plays no part in an estimate: a placeholder (last, so that it wins)
-    # satisfies the config's validation.
-    placeholder = ["data.path=[unused]", "data.tokenizer_model=null", "data.eod_id=0"]
+    # The data section plays no part in an estimate: a placeholder section (last, so that it
+    # replaces the config's whole, SFT settings included) satisfies the config's validation.
+    placeholder = ["data={path: [unused], eod_id: 0}"]
     train_args = [a for flag in ("preset", "config") if getattr(args, flag)
                   for a in (f"--{flag}", getattr(args, flag))]
     try:

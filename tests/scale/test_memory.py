@@ -135,3 +135,20 @@ def test_memory_tool_refuses_a_world_of_no_gpus():
     result = _memory_tool("--preset", "tiny", "--world-size", "0")
     assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1].endswith("error: argument --world-size: 0: must be >= 1")
+
+
+def test_memory_tool_estimates_a_fine_tuning_config(tmp_path, capsys):
+    """Before: "data.tokenizer_model=None: must be given for data.format='sft'", about a field
+    the config did set (the placeholder data settings clashed with its SFT section)."""
+    import json
+
+    from megaloop.config import run_config_from, save_yaml
+    from tools import memory_estimate
+
+    save_yaml(run_config_from({"data": {"format": "sft", "path": ["gsm8k.jsonl"],
+                                        "tokenizer_model": "tok.model",
+                                        "sft_prompt": "Q: {question}", "split": "9,1,0"}}),
+              tmp_path / "finetune.yaml")
+    assert memory_estimate.main(["--preset", "tiny", "--config", str(tmp_path / "finetune.yaml"),
+                                 "--world-size", "1", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "single"
