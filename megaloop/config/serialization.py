@@ -91,18 +91,24 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls, data: dict, where: str = ""):
-    """Builds dataclass ``cls`` from a (possibly partial) dict, rejecting unknown keys."""
-    hints = typing.get_type_hints(cls)
+def check_field_names(cls, keys, where: str = "") -> None:
+    """Refuses (ConfigError) the first of ``keys`` that is no field of dataclass ``cls``, naming
+    the closest field or, without one, all of them; ``where``: the section, as in ``model``."""
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else key
+    for key in keys:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
-            raise ConfigError(f"unknown field {path}{hint}")
-        kwargs[key] = _coerce(value, hints[key], path)
+            raise ConfigError(f"unknown field {f'{where}.{key}' if where else key}{hint}")
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Builds dataclass ``cls`` from a (possibly partial) dict, rejecting unknown keys."""
+    hints = typing.get_type_hints(cls)
+    check_field_names(cls, data, where)
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
     try:
         return cls(**kwargs)
     except ValueError as e:  # a section's own __post_init__ checks (e.g. ALRSConfig)
