@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--workers must be at least 1")
     if args.max_docs is not None and args.max_docs < 1:
         parser.error("--max-docs must be at least 1")
+    twice = next((key for i, key in enumerate(args.json_keys) if key in args.json_keys[:i]), None)
+    if twice is not None:  # both would write {prefix}_{key}_document at once
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {twice!r} given twice")
     return args
 
 

@@ -196,6 +196,15 @@ def test_workers_must_be_positive(tool):
     assert exc.value.code == 2
 
 
+def test_a_json_key_given_twice_is_refused(tool, capsys):
+    # Before: both keys' writers wrote {prefix}_text_document at once, and exit 0.
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                   "SentencePieceTokenizer", "--json-keys", "text", "title", "text"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --json-keys text title text: 'text' given twice\n")
+
+
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 
