@@ -153,10 +153,8 @@ class ALRS:
                                    self.config.log_eigenvalues)
             except (ValueError, OSError) as e:  # ConfigError: another run's log
                 error = str(e)
-        if self.world_size > 1:  # the writer's failure fails every rank, none waits for it
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, error, group=self.group)
-            error = next((e for e in everyone if e), None)
+        # The writer's failure fails every rank, none waits for it.
+        error = next((e for e in self._from_every_rank(error) if e), None)
         if error is not None:
             raise config_error(error)
 
@@ -261,15 +259,20 @@ class ALRS:
     def _holders(self, local: set[str]) -> list[list[int] | None]:
         """Per matrix, the ranks of ``group`` that hold it (the stages of a pipeline, the ranks of
         an expert), or None for a matrix every rank holds."""
-        everyone = [local]
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, local, group=self.group)
+        everyone = self._from_every_rank(local)
         holders = []
         for m in self.matrices:
             ranks = [r for r, held in enumerate(everyone) if m.name in held]
             holders.append(None if len(ranks) == self.world_size else ranks)
         return holders
+
+    def _from_every_rank(self, value) -> list:
+        """Collective over ``group``: every rank's ``value``, in rank order (``[value]`` alone)."""
+        if self.world_size == 1:
+            return [value]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, value, group=self.group)
+        return everyone
 
     def _tp_sharded(self) -> bool:
         return any(m.partition_dim is not None for m in self.matrices)
@@ -314,10 +317,7 @@ class ALRS:
         """A pattern of ``exclude`` that no parameter of any rank contains (a typo) would leave
         the matrices it was meant for scaled: refused in one line."""
         unmatched = {p for p in self.config.exclude if not any(p in name for name in names)}
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, unmatched, group=self.group)
-            unmatched = set.intersection(*everyone)
+        unmatched = set.intersection(*self._from_every_rank(unmatched))
         if unmatched:
             raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
                                f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
@@ -325,8 +325,6 @@ class ALRS:
 
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        if any(other != mine for other in everyone):
+        if any(other != mine for other in self._from_every_rank(mine)):
             raise ValueError("ALRS needs every rank of its group to list the same matrices; give "
                              "it the model (its expert and pipeline blocks are then completed)")
