@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from megaloop.config.errors import divisors_text
 from megaloop.models.pipeline import Stage, plan_stages, stage_counts
 
@@ -124,6 +124,26 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
             f"(world size {world_size} / tensor {parallel.tensor} / pipeline "
             f"{parallel.pipeline}): expert parallelism splits the data-parallel ranks; use "
             f"expert in ({divisors_text(data)})")
+
+
+def micro_batches_per_step(train: TrainConfig, layout: Layout) -> int:
+    """Micro-batches of one optimizer step on each data-parallel rank of ``layout``; a ConfigError
+    line for a global batch that does not split into them, which the trainer refuses at start-up
+    (a dry run or estimate must not call such a launch fine)."""
+    per_step = train.micro_batch_size * layout.data
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size}: must be a multiple of "
+            f"micro_batch_size x data-parallel size = {train.micro_batch_size} x {layout.data} = "
+            f"{per_step}")
+    micro = train.global_batch_size // per_step
+    if layout.virtual > 1 and micro % layout.pipeline:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size}: the interleaved schedule "
+            f"(parallel.virtual_pipeline={layout.virtual}) runs micro-batches in groups of "
+            f"parallel.pipeline={layout.pipeline}, but a step has {micro} per data-parallel rank; "
+            f"use a multiple of {per_step * layout.pipeline}")
+    return micro
 
 
 # --------------------------------------------------------------------------------------------
