@@ -24,30 +24,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaloop.cli import int_at_least
+from megaloop.cli import int_at_least, refuse_overrides_of
 
 
-# Settings every layout's run gets from the tool, and the option that sets them instead; a dotted
-# override of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply).
+# Settings every layout's run gets from the tool, and what sets them instead; a dotted override
+# of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply).
 SET_BY_THE_TOOL = {
+    "parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)", "parallel.pipeline_split": None,
     "train.train_steps": "--steps", "train.out_dir": "--out", "checkpoint.dir": "--out",
     **dict.fromkeys(("train.tensorboard", "train.eval_iters", "checkpoint.load",
                      "checkpoint.load_optimizer", "checkpoint.resume", "checkpoint.save_interval"),
                     "the tool for every layout (all start from one seed checkpoint)"),
 }
-
-
-def check_overrides(overrides: list[str]) -> None:
-    """Refuses (ConfigError) an override of a setting the tool makes for every layout."""
-    from megaloop.config import ConfigError
-
-    for item in overrides:
-        key = item.partition("=")[0]
-        if key.startswith("parallel.") and key != "parallel.pipeline_split":
-            raise ConfigError(f"override {item!r}: the layouts set the parallel section; write it "
-                              "into --layouts (e.g. tp2,sp or dp2,recompute)")
-        if key in SET_BY_THE_TOOL:
-            raise ConfigError(f"override {item!r}: set by {SET_BY_THE_TOOL[key]}")
 
 
 def replaced_parallel_fields(cfg) -> list[str]:
@@ -97,7 +85,7 @@ def main(argv=None) -> int:
 
     quiet_third_party_warnings()
     try:
-        check_overrides(args.overrides)
+        refuse_overrides_of(args.overrides, SET_BY_THE_TOOL)
         layouts = [parse_layout(text) for text in args.layouts]
         train_args = [a for flag in ("preset", "config") if getattr(args, flag)
                       for a in (f"--{flag}", getattr(args, flag))]

@@ -94,9 +94,8 @@ def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
 @pytest.mark.parametrize("override, message", [
     # Before: silently replaced, each layout ran 10 steps / without recomputation.
     ("train.train_steps=50", "override 'train.train_steps=50': set by --steps"),
-    ("parallel.recompute=full", "override 'parallel.recompute=full': the layouts set the "
-                                "parallel section; write it into --layouts (e.g. tp2,sp or "
-                                "dp2,recompute)"),
+    ("parallel.recompute=full", "override 'parallel.recompute=full': set by --layouts (e.g. "
+                                "tp2,sp or dp2,recompute)"),
     ("checkpoint.load=/ckpt", "override 'checkpoint.load=/ckpt': set by the tool for every layout "
                               "(all start from one seed checkpoint)"),
 ])
