@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 
+from megaloop.cli import int_at_least
 from megaloop.data.readers import (
     TEXT_SUFFIXES,
     DataError,
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, required=True, help="tokenizer processes (per MPI rank)")
     g.add_argument("--partitions", type=int, default=1, help="accepted for compatibility; streaming makes it unnecessary")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between log lines when not on a terminal")
+    g.add_argument("--log-interval", type=int_at_least(1), default=1000,
+                   help="documents between log lines when not on a terminal")
     return p
 
 

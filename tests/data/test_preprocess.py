@@ -196,6 +196,15 @@ def test_workers_must_be_positive(tool):
     assert exc.value.code == 2
 
 
+def test_a_log_interval_below_one_is_refused(tool, capsys):
+    # Before: a ZeroDivisionError traceback at the first document, when not on a terminal.
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                   "SentencePieceTokenizer", "--log-interval", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --log-interval: 0: must be >= 1\n")
+
+
 def test_a_json_key_given_twice_is_refused(tool, capsys):
     # Before: both keys' writers wrote {prefix}_text_document at once, and exit 0.
     with pytest.raises(SystemExit) as exc:
