@@ -72,6 +72,17 @@ def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
         apply_overrides(RunConfig(), ["train.lr=["])
 
 
+@pytest.mark.parametrize("field", ["checkpoint.dir", "checkpoint.load", "data.cache_dir",
+                                   "train.wandb_project", "train.fp8_recipe"])
+def test_an_empty_value_for_an_optional_field_is_refused(field):
+    # Before: "data.cache_dir=" gave megatron-core's index cache the path "" while the token-id
+    # check used the default; checkpoint.dir="" meant the default there.
+    with pytest.raises(ConfigError, match=rf"^{field}='': must not be empty; "
+                                          "null leaves it unset$"):
+        apply_overrides(RunConfig(), [f"{field}="])
+    assert apply_overrides(RunConfig(), [f"{field}=null"]) == RunConfig()
+
+
 def test_a_single_string_for_a_tuple_field_is_one_item_not_its_characters(tmp_path):
     # Before: alrs.exclude: router became ('r', 'o', 'u', 't', 'e', 'r'), excluding every matrix
     # whose name holds one of those letters; items were not type-checked.

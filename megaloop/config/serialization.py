@@ -60,8 +60,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
-        if value is None and len(args) < len(get_args(hint)):
+        optional = len(args) < len(get_args(hint))
+        if value is None and optional:
             return None
+        if value == "" and optional:  # no path, project or recipe is named "": unset is null
+            raise ConfigError(f"{where}='': must not be empty; null leaves it unset")
         return _coerce(value, args[0], where)
     if origin in (list, tuple):  # tuple: tuple[item, ...] (alrs.exclude), written as a list
         item = get_args(hint)[0]
