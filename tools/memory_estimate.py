@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:  # the memory does not depend on it, but the launch would be refused
-        micro_batches_per_step(cfg.train, layout)
+        micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
     except ConfigError as e:
         print(f"note: {e} (a launch refuses it; memory estimated all the same)", file=sys.stderr)
     device_bytes = int(args.gpu_memory_gib * GIB)

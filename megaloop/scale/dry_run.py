@@ -56,7 +56,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
     elif tokenizer is not None:
         tokenizer_note = [f"# note: data.tokenizer_model {tokenizer} is not on this machine; "
                           "model.vocab_size is checked against it at start-up"]
-    micro = micro_batches_per_step(cfg.train, layout)
+    micro = micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
     lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "",
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "

@@ -126,23 +126,24 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
             f"expert in ({divisors_text(data)})")
 
 
-def micro_batches_per_step(train: TrainConfig, layout: Layout) -> int:
-    """Micro-batches of one optimizer step on each data-parallel rank of ``layout``; a ConfigError
-    line for a global batch that does not split into them, which the trainer refuses at start-up
-    (a dry run or estimate must not call such a launch fine)."""
-    per_step = train.micro_batch_size * layout.data
+def micro_batches_per_step(train: TrainConfig, parallel: ParallelConfig,
+                           data_parallel_size: int) -> int:
+    """Micro-batches of one optimizer step on each of ``data_parallel_size`` data-parallel ranks;
+    a ConfigError line for a global batch that does not split into them, which a launch must
+    refuse at start-up (and a dry run or estimate must not call fine)."""
+    per_step = train.micro_batch_size * data_parallel_size
     if train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size}: must be a multiple of "
-            f"micro_batch_size x data-parallel size = {train.micro_batch_size} x {layout.data} = "
-            f"{per_step}")
+            f"micro_batch_size x data-parallel size = {train.micro_batch_size} x "
+            f"{data_parallel_size} = {per_step}")
     micro = train.global_batch_size // per_step
-    if layout.virtual > 1 and micro % layout.pipeline:
+    if parallel.virtual_pipeline > 1 and micro % parallel.pipeline:
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size}: the interleaved schedule "
-            f"(parallel.virtual_pipeline={layout.virtual}) runs micro-batches in groups of "
-            f"parallel.pipeline={layout.pipeline}, but a step has {micro} per data-parallel rank; "
-            f"use a multiple of {per_step * layout.pipeline}")
+            f"(parallel.virtual_pipeline={parallel.virtual_pipeline}) runs micro-batches in "
+            f"groups of parallel.pipeline={parallel.pipeline}, but a step has {micro} per "
+            f"data-parallel rank; use a multiple of {per_step * parallel.pipeline}")
     return micro
 
 

@@ -246,7 +246,7 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                 trial = layout.apply(cfg)
                 try:
                     trial.parallel.validate(trial.model)
-                    micro_batches_per_step(trial.train, layout)
+                    micro_batches_per_step(trial.train, trial.parallel, layout.data)
                 except ValueError:
                     continue
                 mem = estimate(trial, layout, device=device)
