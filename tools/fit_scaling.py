@@ -103,7 +103,10 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
             raise ConfigError(f"{path}: no {needed.name} (not a megaloop run directory)")
     cfg = load_yaml(config)
     records, _ = read_metrics(metrics)
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]
+    # One point per evaluated step, its last record: the trainer's final evaluation repeats the
+    # periodic one when train_steps is a multiple of eval_interval (a point counted twice).
+    evals = list({r["step"]: r for r in records
+                  if r.get("kind") == "eval" and r.get("val_loss") is not None}.values())
     if not evals:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
