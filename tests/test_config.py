@@ -141,6 +141,14 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_yaml(bad)
+    # Before: IsADirectoryError and UnicodeDecodeError tracebacks.
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path}: cannot be read \(Is a "
+                                          r"directory\)$"):
+        load_yaml(tmp_path)
+    bad.write_bytes(b"model:\n  arch: dense # \xe9t\xe9\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=rf"^config file {bad}: not UTF-8 text \(byte 0xe9 on "
+                                          r"line 2\)$"):
+        load_yaml(bad)
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])

@@ -153,10 +153,17 @@ def _deep_merge(base: dict, update: dict) -> dict:
 def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConfig:
     """Reads a (possibly partial) YAML run config; its fields replace those of ``base``."""
     try:
-        with open(path) as f:
-            data = _yaml_load(f) or {}
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: not found") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror or e})") from None
+    try:
+        data = _yaml_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {raw[e.start]:#04x} on line "
+                          f"{line})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
     except ConfigError as e:
