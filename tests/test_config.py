@@ -215,6 +215,9 @@ def test_split_strings(split, weights):
 @pytest.mark.parametrize("overrides, message", [
     (["train.out_dir=' '"], "train.out_dir=' ': must be a directory path"),
     (["data.tokenizer_type=tiktoken"], "data.tokenizer_type='tiktoken': must be one of"),
+    # Before: accepted, and read by nobody (no tokenizer is loaded with data.eod_id alone).
+    (["data.tokenizer_type=HuggingFaceTokenizer"], "data.tokenizer_type='HuggingFaceTokenizer': "
+     "must be left at its default 'SentencePieceTokenizer' unless data.tokenizer_model is given"),
     (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),
@@ -229,6 +232,8 @@ def test_run_validation_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("fields, head_dim", [
     (dict(hidden_size=48, num_attention_heads=4), 12),    # not a multiple of 8
     (dict(hidden_size=528, num_attention_heads=2), 264),  # above 256

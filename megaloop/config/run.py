@@ -227,6 +227,11 @@ class DataConfig:
                 "tokenizer_model", self.tokenizer_model, "given, or else data.eod_id (not both)")
         require(self.tokenizer_type in TOKENIZER_TYPES, prefix, "tokenizer_type",
                 self.tokenizer_type, f"one of {', '.join(TOKENIZER_TYPES)}")
+        require(self.tokenizer_model is not None
+                or self.tokenizer_type == DataConfig.tokenizer_type, prefix, "tokenizer_type",
+                self.tokenizer_type, f"left at its default {DataConfig.tokenizer_type!r} unless "
+                f"{prefix}.tokenizer_model is given (with {prefix}.eod_id alone no tokenizer "
+                "is loaded)")
         require(split_weights(self.split) is not None, prefix, "split", self.split, SPLIT_RULE)
 
     def _validate_sft(self, prefix: str) -> None:
