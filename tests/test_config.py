@@ -215,6 +215,9 @@ def test_split_strings(split, weights):
 @pytest.mark.parametrize("overrides, message", [
     (["train.out_dir=' '"], "train.out_dir=' ': must be a directory path"),
     (["data.tokenizer_type=tiktoken"], "data.tokenizer_type='tiktoken': must be one of"),
+    # Before: accepted, and read by nobody (a fresh optimizer without a checkpoint to load).
+    (["checkpoint.load_optimizer=false"], "checkpoint.load_optimizer=False: must be left at true "
+     "unless checkpoint.load is given"),
     # Before: accepted, and read by nobody (no tokenizer is loaded with data.eod_id alone).
     (["data.tokenizer_type=HuggingFaceTokenizer"], "data.tokenizer_type='HuggingFaceTokenizer': "
      "must be left at its default 'SentencePieceTokenizer' unless data.tokenizer_model is given"),

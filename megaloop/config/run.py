@@ -284,6 +284,10 @@ class CheckpointConfig:
     def validate(self, prefix: str = "checkpoint") -> None:
         require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")
         require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
+        require(self.load_optimizer or self.load is not None, prefix, "load_optimizer",
+                self.load_optimizer, f"left at true unless {prefix}.load is given (it concerns "
+                f"that checkpoint only; a run's own checkpoints in {prefix}.dir always resume "
+                "with their optimizer state)")
 
 
 @dataclass
