@@ -5,7 +5,8 @@
     python tools/fit_scaling.py base=runs/a base=runs/b latent=runs/c ... --json
 
 Each RUN is a training output directory (``config.yaml`` and ``metrics.jsonl``), optionally prefixed
-``LABEL=``; without a label the architecture names it (dense/fullloop/asymloop, "_moe" with experts;
+``LABEL=`` (an argument that is a directory is all path, so ``runs/lr=3e-4`` works); without a
+label the architecture names it (dense/fullloop/asymloop, "_moe" with experts;
 LatentLoop without compressed visits is "moe_loop"). A run contributes its last validation loss
 (``--all-evals``: every evaluation) at the compute spent until then:
     C = training FLOPs per token (3 x forward, megaloop.models.flops, of the run's config.yaml)
@@ -151,7 +152,9 @@ def analyse(runs: list[str], target: float | None, baseline: str | None,
     points: dict[str, list[tuple[float, float]]] = {}
     notes, seen = [], set()
     for run in runs:
-        label, _, path = run.rpartition("=")
+        # A sweep's directory may hold "=" (runs/lr=3e-4): a label is what precedes the first
+        # "=" of an argument that is not itself a directory.
+        label, _, path = ("", "", run) if Path(run).is_dir() else run.partition("=")
         if Path(path).resolve() in seen:  # a glob overlapping another: its points twice
             raise ConfigError(f"{path}: given twice")
         seen.add(Path(path).resolve())

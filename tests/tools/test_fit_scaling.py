@@ -2,6 +2,7 @@
 architecture needs for a target NLL and its saving against a baseline, from run directories."""
 
 import json
+import os
 
 import pytest
 
@@ -75,6 +76,17 @@ def test_labels_can_be_given_and_a_target_below_the_floor_is_unreachable(load_to
     labelled = [f"x={run}" for run in runs if "latentloop" in run]
     fits = tool.analyse(labelled, target=1.5, baseline=None, all_evals=True)["fits"]
     assert list(fits) == ["x"] and fits["x"]["compute_for_target"] is None
+
+
+def test_a_run_directory_may_hold_an_equals_sign(load_tool, runs, tmp_path):
+    # Before: "runs/lr=3e-4" was read as label "runs/lr" of a directory "3e-4".
+    tool = load_tool("fit_scaling")
+    sweep = []
+    for i, run in enumerate(run for run in runs if "moe_base" in run):
+        sweep.append(str(tmp_path / f"lr=3e-4_{i}"))
+        os.rename(run, sweep[-1])
+    assert list(tool.analyse(sweep, None, None, False)["fits"]) == ["moe_base"]
+    assert list(tool.analyse([f"a={p}" for p in sweep], None, None, False)["fits"]) == ["a"]
 
 
 def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
