@@ -128,6 +128,13 @@ class ALRS:
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
         self.names = [m.name for m in self.matrices]
+        prefix = self.config.decoder_prefix
+        if self.config.mode == "decoder_boost" and not any(n.startswith(prefix)
+                                                           for n in self.names):
+            example = self.names[0] if self.names else "-"  # the same names on every rank
+            raise config_error(f"alrs.decoder_prefix={prefix!r}: no matrix name starts with it "
+                               f"(e.g. {example!r}); alrs.mode='decoder_boost' would boost "
+                               "nothing")
         if log_path is not None:
             require_zarr()
         if self.world_size > 1:

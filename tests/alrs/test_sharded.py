@@ -297,3 +297,17 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
         ALRS(lambda: params.items(), 100, ALRSConfig(s2=3.0, transition=10))  # all read
         ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost", decoder_boost=4.0))
     assert caplog.records == []
+
+
+def test_a_decoder_prefix_that_names_no_matrix_is_refused_in_decoder_boost_mode():
+    # Before: decoder_boost trained every matrix at multiplier 1 without a word.
+    params = _params()
+    with pytest.raises(ValueError, match=r"^alrs.decoder_prefix='decoders.': no matrix name "
+                                         r"starts with it \(e.g. 'embedding.word_embeddings."
+                                         r"weight'\); alrs.mode='decoder_boost' would boost "
+                                         r"nothing$"):
+        ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost",
+                                                    decoder_prefix="decoders."))
+    boosted = ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost")).step(1)
+    assert {n for n, m in boosted.items() if m == 2.0} == {n for n in SHAPES
+                                                         if n.startswith("decoder.")}
