@@ -128,13 +128,7 @@ class ALRS:
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
         self.names = [m.name for m in self.matrices]
-        prefix = self.config.decoder_prefix
-        if self.config.mode == "decoder_boost" and not any(n.startswith(prefix)
-                                                           for n in self.names):
-            example = self.names[0] if self.names else "-"  # the same names on every rank
-            raise config_error(f"alrs.decoder_prefix={prefix!r}: no matrix name starts with it "
-                               f"(e.g. {example!r}); alrs.mode='decoder_boost' would boost "
-                               "nothing")
+        self._check_prefixes_match()
         if log_path is not None:
             require_zarr()
         if self.world_size > 1:
@@ -329,6 +323,25 @@ class ALRS:
             raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
                                f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
                                f"{names[0] if names else 'none'!r})")
+
+    def _check_prefixes_match(self) -> None:
+        """A prefix set for the mode that no matrix name starts with (a typo) would leave the
+        matrices it was meant for at multiplier 1 or in the α range: refused in one line. Every
+        rank lists the same names, so every rank decides alike. The default embedding/head
+        prefixes are exempt: a tied model has no output_layer."""
+        config, default = self.config, ALRSConfig()
+        prefixes = []
+        if config.mode == "decoder_boost":
+            prefixes = [("decoder_prefix", config.decoder_prefix)]
+        elif (config.mode == "alrs" and config.embedding_head != "include"
+              and config.embedding_head_prefixes != default.embedding_head_prefixes):
+            prefixes = [("embedding_head_prefixes", p) for p in config.embedding_head_prefixes]
+        for field, prefix in prefixes:
+            if not any(name.startswith(prefix) for name in self.names):
+                example = self.names[0] if self.names else "-"
+                raise config_error(f"alrs.{field}: {prefix!r} starts no matrix name (e.g. "
+                                   f"{example!r}), so alrs.mode={config.mode!r} would treat no "
+                                   "matrix by it")
 
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]

@@ -299,15 +299,20 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
     assert caplog.records == []
 
 
-def test_a_decoder_prefix_that_names_no_matrix_is_refused_in_decoder_boost_mode():
-    # Before: decoder_boost trained every matrix at multiplier 1 without a word.
+@pytest.mark.parametrize("fields, message", [
+    (dict(mode="decoder_boost", decoder_prefix="decoders."), "alrs.decoder_prefix: 'decoders.'"),
+    (dict(embedding_head_prefixes=["embedding.", "head."]), "alrs.embedding_head_prefixes: "
+                                                            "'head.'"),
+])
+def test_a_prefix_the_mode_reads_that_names_no_matrix_is_refused(fields, message):
+    # Before: decoder_boost boosted nothing, and "head." pinned nothing, without a word.
     params = _params()
-    with pytest.raises(ValueError, match=r"^alrs.decoder_prefix='decoders.': no matrix name "
-                                         r"starts with it \(e.g. 'embedding.word_embeddings."
-                                         r"weight'\); alrs.mode='decoder_boost' would boost "
-                                         r"nothing$"):
-        ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost",
-                                                    decoder_prefix="decoders."))
+    with pytest.raises(ValueError, match=rf"^{message} starts no matrix name \(e.g. 'embedding."
+                                         r"word_embeddings.weight'\), so alrs.mode="):
+        ALRS(lambda: params.items(), 100, ALRSConfig(**fields))
     boosted = ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost")).step(1)
     assert {n for n, m in boosted.items() if m == 2.0} == {n for n in SHAPES
                                                          if n.startswith("decoder.")}
+    # The default embedding/head prefixes need not all match: a tied model has no output_layer.
+    tied = {n: p for n, p in params.items() if not n.startswith("output_layer.")}
+    ALRS(lambda: tied.items(), 100, ALRSConfig())
