@@ -30,6 +30,9 @@ def test_dotted_overrides_are_typed():
     (["model.iterations=true"], "model.iterations=True: must be of type int"),
     (["modelhidden_size"], "expected the form section.field=value"),
     (["model.hidden_size.x=1"], "model.hidden_size is not a section"),
+    (["trian.lr=1e-4"], "override 'trian.lr=1e-4': trian is not a section (did you mean train?)"),
+    (["train.downstream.tasks=[a]"], "train.downstream is not a section (did you mean "
+                                     "downstream_eval?)"),
 ])
 def test_bad_overrides_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:

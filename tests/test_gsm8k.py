@@ -86,6 +86,9 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
         (finetune, common[:4] + ["train.train_steps=5"] + common[4:] + ["--epochs", "1"],
          "--epochs and train.train_steps both set the run's length"),
         (finetune, common, "data.tokenizer_model='tok.model': tok.model: tokenizer file not found"),
+        # Before: "trian.lr=1e-5: input not found", as a data file.
+        (finetune, common[:4] + ["trian.lr=1e-5"] + common[4:],
+         "error: override 'trian.lr=1e-5': trian is not a section (did you mean train?)\n"),
         # Before: the override won silently (--base's model, another checkpoint's weights).
         (finetune, common + ["checkpoint.load=/other/iter_0000100"],
          "error: override 'checkpoint.load=/other/iter_0000100': set by --base\n"),

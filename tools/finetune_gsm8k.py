@@ -29,12 +29,11 @@ SET_BY_OPTIONS = {"checkpoint.load": "--base", "train.out_dir": "--out", "data.p
 
 
 def is_override(word: str) -> bool:
-    """Whether ``word`` is a ``section.field=value`` override rather than a data file."""
-    from megaloop.config import RunConfig
-
+    """Whether ``word`` is a ``section.field=value`` override rather than a data file: a dotted
+    key before "=" and no such file (a misspelt section is then named as such, not as a missing
+    data file)."""
     key, sep, _ = word.partition("=")
-    return bool(sep) and key.split(".")[0] in RunConfig.__dataclass_fields__ \
-        and not os.path.exists(word)
+    return bool(sep) and "." in key and "/" not in key and not os.path.exists(word)
 
 
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:

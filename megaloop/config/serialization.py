@@ -128,7 +128,10 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         node, parts = data, key.split(".")
         for depth, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
+                sections = [name for name, value in node.items() if isinstance(value, dict)]
+                close = difflib.get_close_matches(part, sections, n=1)
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a "
+                                  "section" + (f" (did you mean {close[0]}?)" if close else ""))
             node = node[part]
         try:
             node[parts[-1]] = _yaml_load(raw) if raw else ""
