@@ -12,7 +12,7 @@ memory grows only by the ~80 bytes per document megatron-core's builder keeps fo
 number of input files works with any number of workers, the output bytes do not depend on
 ``--workers``, bad records are counted and skipped (``--strict`` aborts), an input without a usable
 document is an error, and ``mpiexec -n N`` splits the work across ranks and merges one output
-identical to a single-process run. ``--partitions`` is accepted but not needed. Exit status: 0 done,
+identical to a single-process run. ``--partitions`` is accepted but not needed (a note says so). Exit status: 0 done,
 2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on any failure no
 output is left behind.
 """
@@ -123,6 +123,9 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
     if args.vocab_size is not None:
         notes.append(f"--vocab-size {args.vocab_size} changes nothing: Megatron-LM uses it for TikTokenizer and "
                      f"NullTokenizer only; {args.tokenizer_type} has the model's own vocab")
+    if args.partitions != 1:
+        notes.append(f"--partitions {args.partitions} changes nothing: the input is streamed, so it "
+                     "needs no partitions to bound memory")
     if args.tokenizer_metadata and args.legacy_tokenizer:
         notes.append("--tokenizer-metadata changes nothing with --legacy-tokenizer (Megatron-LM reads it "
                      "only for its new tokenizers)")
