@@ -12,9 +12,9 @@ memory grows only by the ~80 bytes per document megatron-core's builder keeps fo
 number of input files works with any number of workers, the output bytes do not depend on
 ``--workers``, bad records are counted and skipped (``--strict`` aborts), an input without a usable
 document is an error, and ``mpiexec -n N`` splits the work across ranks and merges one output
-identical to a single-process run. ``--partitions`` is accepted but not needed (a note says so). Exit status: 0 done,
-2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on any failure no
-output is left behind.
+identical to a single-process run. ``--partitions`` is accepted but not needed (a note says so).
+Exit status: 0 done, 2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on
+any failure no output is left behind.
 """
 
 from __future__ import annotations
