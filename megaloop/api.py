@@ -67,10 +67,11 @@ def load_with(build, checkpoint: str | os.PathLike, **overrides):
     the checkpoint leaves so is a CheckpointError naming it."""
     import dataclasses
 
-    from megaloop.config import ConfigError, ModelConfig
+    from megaloop.config import ConfigError, ModelConfig, check_field_names
     from megaloop.training import checkpoint as ckpt
     from megaloop.training.weight_loading import check_all_loaded, mark_unloaded
 
+    check_field_names(ModelConfig, overrides, "model")  # a typo is not a field the weights fix
     path = ckpt.find_checkpoint(checkpoint)
     ckpt.verify_checkpoint(path)
     fixed = [name for name in overrides if name not in ckpt.RESUMABLE_MODEL_FIELDS]

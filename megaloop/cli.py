@@ -66,3 +66,18 @@ def unwritable(path: str | os.PathLike) -> str | None:
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         return f"{ancestor} is not a writable directory"
     return None
+
+
+def refuse_overrides_of(overrides: list[str], set_by: dict[str, str | None]) -> None:
+    """ConfigError for the first ``section.field=value`` override of a setting the command makes
+    itself, which the override would silently replace or be replaced by. ``set_by`` maps a key, or
+    ``section.*`` for a whole section, to what sets it (the option to use instead); a key mapped
+    to None stays free inside such a section."""
+    from megaloop.config import ConfigError  # here: this module imports the standard library only
+
+    for item in overrides:
+        key = item.partition("=")[0]
+        section = f"{key.partition('.')[0]}.*"
+        by = set_by[key] if key in set_by else set_by.get(section)
+        if by is not None:
+            raise ConfigError(f"override {item!r}: set by {by}")

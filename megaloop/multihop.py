@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from megaloop.config import write_text_atomic
+
 NAMES = "abcdefgh"
 DIGITS = "0123456789"
 
@@ -131,15 +133,13 @@ def write_corpus(path: Path, documents: int, max_hops: int, seed: int = 0) -> se
     """JSONL of ``documents`` documents of 4-8 training programs each, one per line, written
     atomically; returns the programs' prompts."""
     rng = random.Random(seed)
-    prompts = set()
+    prompts, lines = set(), []
+    for i in range(documents):
+        programs = training_programs(rng, rng.randint(4, 8), max_hops)
+        prompts.update(p.prompt for p in programs)
+        lines.append(json.dumps({"id": i, "text": "\n".join(p.text for p in programs)}) + "\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for i in range(documents):
-            programs = training_programs(rng, rng.randint(4, 8), max_hops)
-            prompts.update(p.prompt for p in programs)
-            f.write(json.dumps({"id": i, "text": "\n".join(p.text for p in programs)}) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(lines))  # a Ctrl-C leaves neither a half file nor a temporary
     return prompts
 
 

@@ -11,9 +11,8 @@ here, 2048 in the paper's Appendix E) stay visible.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
-from megaloop.config import ConfigError, ModelConfig
+from megaloop.config import ConfigError, ModelConfig, check_field_names
 
 PAPER_VOCAB = 32128  # T5 SentencePiece, 32000 padded to a multiple of 128
 PAPER_SEQ = 1024
@@ -93,12 +92,7 @@ def preset(name: str, **overrides) -> ModelConfig:
     iteration count defaults per architecture (config.DEFAULT_ITERATIONS)."""
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in overrides:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            raise ConfigError(f"unknown field model.{key}"
-                              + (f" (did you mean {close[0]}?)" if close else ""))
+    check_field_names(ModelConfig, overrides, "model")
     cfg = dataclasses.replace(PRESETS[name], **overrides)
     cfg.validate()
     return cfg

@@ -74,6 +74,10 @@ def test_load_gives_the_saved_model_and_refuses_what_the_weights_fix(mcore, tmp_
                                           r"iter_0000007; a loaded model may change only "
                                           r"iterations, joint_attention"):
         ml.load(tmp_path / "ckpt", hidden_size=64)
+    # Before: "model.iteratons: fixed by the checkpoint", about a field that does not exist.
+    with pytest.raises(ConfigError, match=r"^unknown field model.iteratons \(did you mean "
+                                          r"iterations\?\)$"):
+        ml.load(tmp_path / "ckpt", iteratons=5)
     with pytest.raises(CheckpointError, match=r"nowhere: no checkpoint there"):
         ml.load(tmp_path / "nowhere")
     config = tmp_path / "ckpt" / "iter_0000007" / "config.yaml"

@@ -1,10 +1,11 @@
-"""The argparse type the command-line entry points share: one line naming the flag and value."""
+"""What the command-line entry points share: argparse types that say in one line what is wrong with
+a flag's value, and the refusal of an override of a setting a command makes itself."""
 
 import argparse
 
 import pytest
 
-from megaloop.cli import float_above, int_at_least
+from megaloop.cli import float_above, int_at_least, refuse_overrides_of
 
 
 def _parser():
@@ -34,3 +35,15 @@ def test_other_values_exit_2_in_one_line(argv, message, capsys):
         _parser().parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and err[-1] == message
+
+
+def test_an_override_of_what_the_command_sets_is_refused_naming_what_sets_it():
+    from megaloop.config import ConfigError
+
+    set_by = {"parallel.*": "--layouts", "parallel.pipeline_split": None, "train.train_steps":
+              "--steps"}
+    refuse_overrides_of(["parallel.pipeline_split=[2,2]", "train.lr=1e-4", "model.arch=dense"],
+                        set_by)
+    for override, by in (("parallel.tensor=2", "--layouts"), ("train.train_steps=9", "--steps")):
+        with pytest.raises(ConfigError, match=rf"^override '{override}': set by {by}$"):
+            refuse_overrides_of(["train.lr=1e-4", override], set_by)

@@ -30,6 +30,9 @@ def test_dotted_overrides_are_typed():
     (["model.iterations=true"], "model.iterations=True: must be of type int"),
     (["modelhidden_size"], "expected the form section.field=value"),
     (["model.hidden_size.x=1"], "model.hidden_size is not a section"),
+    (["trian.lr=1e-4"], "override 'trian.lr=1e-4': trian is not a section (did you mean train?)"),
+    (["train.downstream.tasks=[a]"], "train.downstream is not a section (did you mean "
+                                     "downstream_eval?)"),
 ])
 def test_bad_overrides_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -70,6 +73,30 @@ def test_list_fields_are_typed_and_a_single_value_becomes_a_list():
         apply_overrides(RunConfig(), ["train.eval_depths=[1, a]"])
     with pytest.raises(ConfigError, match="override 'train.lr=\\[': the value is not valid YAML"):
         apply_overrides(RunConfig(), ["train.lr=["])
+
+
+@pytest.mark.parametrize("field", ["checkpoint.dir", "checkpoint.load", "data.cache_dir",
+                                   "train.wandb_project", "train.fp8_recipe"])
+def test_an_empty_value_for_an_optional_field_is_refused(field):
+    # Before: "data.cache_dir=" gave megatron-core's index cache the path "" while the token-id
+    # check used the default; checkpoint.dir="" meant the default there.
+    with pytest.raises(ConfigError, match=rf"^{field}='': must not be empty; "
+                                          "null leaves it unset$"):
+        apply_overrides(RunConfig(), [f"{field}="])
+    assert apply_overrides(RunConfig(), [f"{field}=null"]) == RunConfig()
+
+
+def test_a_single_string_for_a_tuple_field_is_one_item_not_its_characters(tmp_path):
+    # Before: alrs.exclude: router became ('r', 'o', 'u', 't', 'e', 'r'), excluding every matrix
+    # whose name holds one of those letters; items were not type-checked.
+    config = tmp_path / "run.yaml"
+    config.write_text("alrs:\n  exclude: router\n  embedding_head_prefixes: embedding.\n")
+    alrs = load_yaml(config).alrs
+    assert alrs.exclude == ("router",) and alrs.embedding_head_prefixes == ("embedding.",)
+    assert apply_overrides(RunConfig(), ["alrs.exclude=[router, 7]"]).alrs.exclude == (
+        "router", "7")
+    with pytest.raises(ConfigError, match=r"alrs.exclude\[0\]=\[1\]: must be of type str"):
+        apply_overrides(RunConfig(), ["alrs.exclude=[[1]]"])
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -116,6 +143,14 @@ def test_yaml_file_errors_are_one_line(tmp_path):
         load_yaml(bad)
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_yaml(bad)
+    # Before: IsADirectoryError and UnicodeDecodeError tracebacks.
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path}: cannot be read \(Is a "
+                                          r"directory\)$"):
+        load_yaml(tmp_path)
+    bad.write_bytes(b"model:\n  arch: dense # \xe9t\xe9\n")  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=rf"^config file {bad}: not UTF-8 text \(byte 0xe9 on "
+                                          r"line 2\)$"):
         load_yaml(bad)
 
 
@@ -183,6 +218,12 @@ def test_split_strings(split, weights):
 @pytest.mark.parametrize("overrides, message", [
     (["train.out_dir=' '"], "train.out_dir=' ': must be a directory path"),
     (["data.tokenizer_type=tiktoken"], "data.tokenizer_type='tiktoken': must be one of"),
+    # Before: accepted, and read by nobody (a fresh optimizer without a checkpoint to load).
+    (["checkpoint.load_optimizer=false"], "checkpoint.load_optimizer=False: must be left at true "
+     "unless checkpoint.load is given"),
+    # Before: accepted, and read by nobody (no tokenizer is loaded with data.eod_id alone).
+    (["data.tokenizer_type=HuggingFaceTokenizer"], "data.tokenizer_type='HuggingFaceTokenizer': "
+     "must be left at its default 'SentencePieceTokenizer' unless data.tokenizer_model is given"),
     (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),
@@ -197,6 +238,8 @@ def test_run_validation_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("fields, head_dim", [
     (dict(hidden_size=48, num_attention_heads=4), 12),    # not a multiple of 8
     (dict(hidden_size=528, num_attention_heads=2), 264),  # above 256

@@ -86,6 +86,14 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
         (finetune, common[:4] + ["train.train_steps=5"] + common[4:] + ["--epochs", "1"],
          "--epochs and train.train_steps both set the run's length"),
         (finetune, common, "data.tokenizer_model='tok.model': tok.model: tokenizer file not found"),
+        # Before: "trian.lr=1e-5: input not found", as a data file.
+        (finetune, common[:4] + ["trian.lr=1e-5"] + common[4:],
+         "error: override 'trian.lr=1e-5': trian is not a section (did you mean train?)\n"),
+        # Before: the override won silently (--base's model, another checkpoint's weights).
+        (finetune, common + ["checkpoint.load=/other/iter_0000100"],
+         "error: override 'checkpoint.load=/other/iter_0000100': set by --base\n"),
+        (finetune, common + ["train.out_dir=/elsewhere"],
+         "error: override 'train.out_dir=/elsewhere': set by --out\n"),
         (finetune, common + ["--epochs", "0", "data.tokenizer_model=null"],
          "data.tokenizer_model=None: must be given for data.format='sft'"),
         (evaluate, [str(base_checkpoint), "--test", "t.jsonl"], "tok.model: tokenizer file not "

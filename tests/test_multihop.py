@@ -77,6 +77,22 @@ def test_corpus_is_deterministic_and_lists_its_prompts(tmp_path):
     assert {text[:text.index("?") + 3] for text in texts} == first
 
 
+def test_an_interrupted_corpus_write_leaves_no_file(tmp_path, monkeypatch):
+    # Before: a Ctrl-C mid-write left a.jsonl.tmp behind.
+    programs = multihop.training_programs
+    calls = iter(range(100))
+
+    def interrupted(*args):
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return programs(*args)
+
+    monkeypatch.setattr(multihop, "training_programs", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        multihop.write_corpus(tmp_path / "a.jsonl", 5, max_hops=3)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_held_out_programs_skip_training_prompts():
     seen = {p.prompt for p in multihop.training_programs(random.Random(0), 5000, max_hops=3)}
     held_out = multihop.held_out_programs(1, [1, 2, 5], 50, 3, seen)

@@ -7,7 +7,8 @@
 The run takes the base checkpoint's model and tokenizer and starts from its weights with a fresh
 optimizer; megaloop.gsm8k.RECIPE sets the paper's settings (AdamW 1e-4, cosine with 10% warmup,
 batch 32, context 1024, 6,973 train / 500 development records, loss on solution tokens only), then
-the dotted overrides apply. ``train.train_steps`` is ``--epochs`` (default 3) passes over the
+the dotted overrides apply (not to what --base, --data and --out set: checkpoint.load, data.path
+and train.out_dir). ``train.train_steps`` is ``--epochs`` (default 3) passes over the
 training records that fit the context, rounded up, unless given as an override (not both). The
 resolved config goes to ``<out>/finetune.yaml`` and the run is ``megaloop-train --config`` on it:
 the same checkpoints, metrics and exit codes (0 done, 2 bad config/data/checkpoint, 3 aborted, 75
@@ -22,13 +23,17 @@ import sys
 from pathlib import Path
 
 
-def is_override(word: str) -> bool:
-    """Whether ``word`` is a ``section.field=value`` override rather than a data file."""
-    from megaloop.config import RunConfig
+# Settings the options make; an override of one would silently win over its option (weights from
+# another checkpoint than --base's model, the run outside --out, other data than --data).
+SET_BY_OPTIONS = {"checkpoint.load": "--base", "train.out_dir": "--out", "data.path": "--data"}
 
+
+def is_override(word: str) -> bool:
+    """Whether ``word`` is a ``section.field=value`` override rather than a data file: a dotted
+    key before "=" and no such file (a misspelt section is then named as such, not as a missing
+    data file)."""
     key, sep, _ = word.partition("=")
-    return bool(sep) and key.split(".")[0] in RunConfig.__dataclass_fields__ \
-        and not os.path.exists(word)
+    return bool(sep) and "." in key and "/" not in key and not os.path.exists(word)
 
 
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
     args.overrides = taken + args.overrides
     if not args.data:
         parser.error("--data: no file given (only section.field=value overrides)")
-    from megaloop.cli import quiet_third_party_warnings
+    from megaloop.cli import quiet_third_party_warnings, refuse_overrides_of
     from megaloop.train import main as train
 
     quiet_third_party_warnings()
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
 
     talk = os.environ.get("RANK", "0") == "0"
     try:
+        refuse_overrides_of(args.overrides, SET_BY_OPTIONS)
         cfg = gsm8k.finetune_config(args.base, args.data, args.out, args.overrides)
         explicit_steps = any(o.partition("=")[0] == "train.train_steps" for o in args.overrides)
         if explicit_steps and args.epochs is not None:

@@ -5,10 +5,16 @@
     python tools/fit_scaling.py base=runs/a base=runs/b latent=runs/c ... --json
 
 Each RUN is a training output directory (``config.yaml`` and ``metrics.jsonl``), optionally prefixed
-``LABEL=``; without a label the architecture names it (dense/fullloop/asymloop, "_moe" with experts;
+``LABEL=`` (an argument that is a directory is all path, so ``runs/lr=3e-4`` works); without a
+label the architecture names it (dense/fullloop/asymloop, "_moe" with experts;
 LatentLoop without compressed visits is "moe_loop"). A run contributes its last validation loss
 (``--all-evals``: every evaluation) at the compute spent until then:
-    C = training FLOPs per token (3 x forward, megaloop.models.flops) x global batch x seq x step.
+    C = training FLOPs per token (3 x forward, megaloop.models.flops, of the run's config.yaml)
+        x the tokens trained on up to that evaluation.
+The tokens are summed step by step from metrics.jsonl's train records (tokens_per_s x step_time_s:
+each step's own global batch x sequence length, so a resume that changed the batch size is counted
+right); a step without such a record (a metrics file cut short, a run continued from another run
+directory) counts config.yaml's global batch x sequence length, and a note on stderr says how many.
 Per label the tool fits L(C) = E + A * C^(-alpha) (E: irreducible loss; for each E on a grid the
 power law is a straight line in log-log space, so the fit is a least-squares line plus a 1-D search),
 reports the compute each label needs to reach ``--target`` and its saving against ``--baseline``
@@ -64,17 +70,44 @@ def label_of(cfg: RunConfig) -> str:
     return model.arch + ("_moe" if model.num_experts else "")
 
 
-def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, float]]]:
-    """(label from the config, [(compute, validation loss)]) of one run directory."""
+def logged_tokens(records: list[dict]) -> dict[int, int]:
+    """Tokens of each step that a train record logs (tokens_per_s x step_time_s); a step logged
+    twice (lines a resume did not drop) counts its last record."""
+    tokens = {}
+    for r in records:
+        rate, seconds = r.get("tokens_per_s"), r.get("step_time_s")
+        if r.get("kind") == "train" and isinstance(rate, (int, float)) \
+                and isinstance(seconds, (int, float)) and math.isfinite(rate * seconds):
+            tokens[r["step"]] = round(rate * seconds)
+    return tokens
+
+
+def tokens_until(steps: list[int], logged: dict[int, int], unlogged_step_tokens: int
+                 ) -> tuple[dict[int, int], int]:
+    """({step: tokens trained on in steps 1..step} for ``steps``, how many of the steps up to the
+    last have no logged count and were counted at ``unlogged_step_tokens``)."""
+    total, unlogged, done, until = 0, 0, 0, {}
+    for step in sorted(set(steps)):
+        for s in range(done + 1, step + 1):
+            total += logged.get(s, unlogged_step_tokens)
+            unlogged += s not in logged
+        done, until[step] = step, total
+    return until, unlogged
+
+
+def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, float]], str | None]:
+    """(label from the config, [(compute, validation loss)], a note on steps whose tokens no
+    train record logs, or None) of one run directory."""
     config, metrics = path / "config.yaml", path / "metrics.jsonl"
     for needed in (config, metrics):
         if not needed.is_file():
             raise ConfigError(f"{path}: no {needed.name} (not a megaloop run directory)")
     cfg = load_yaml(config)
-    per_step = (model_flops_per_token(cfg.model) * cfg.train.global_batch_size
-                * cfg.model.seq_length)
     records, _ = read_metrics(metrics)
-    evals = [r for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]
+    # One point per evaluated step, its last record: the trainer's final evaluation repeats the
+    # periodic one when train_steps is a multiple of eval_interval (a point counted twice).
+    evals = list({r["step"]: r for r in records
+                  if r.get("kind") == "eval" and r.get("val_loss") is not None}.values())
     if not evals:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
@@ -82,7 +115,15 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
         if not math.isfinite(float(r["val_loss"])):
             raise ConfigError(f"{metrics}: val_loss={r['val_loss']} at step {r['step']} (a "
                               "diverged run: leave it out)")
-    return label_of(cfg), [(per_step * r["step"], float(r["val_loss"])) for r in evals]
+    step_tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    until, unlogged = tokens_until([r["step"] for r in evals], logged_tokens(records), step_tokens)
+    note = None
+    if unlogged:
+        note = (f"{metrics}: {unlogged} of the {max(until)} steps have no train record with "
+                f"tokens_per_s and step_time_s; counted at config.yaml's global_batch_size x "
+                f"seq_length = {step_tokens} tokens each")
+    flops = model_flops_per_token(cfg.model)
+    return label_of(cfg), [(flops * until[r["step"]], float(r["val_loss"])) for r in evals], note
 
 
 def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
@@ -109,14 +150,17 @@ def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
 def analyse(runs: list[str], target: float | None, baseline: str | None,
             all_evals: bool) -> dict:
     points: dict[str, list[tuple[float, float]]] = {}
-    seen = set()
+    notes, seen = [], set()
     for run in runs:
-        label, _, path = run.rpartition("=")
+        # A sweep's directory may hold "=" (runs/lr=3e-4): a label is what precedes the first
+        # "=" of an argument that is not itself a directory.
+        label, _, path = ("", "", run) if Path(run).is_dir() else run.partition("=")
         if Path(path).resolve() in seen:  # a glob overlapping another: its points twice
             raise ConfigError(f"{path}: given twice")
         seen.add(Path(path).resolve())
-        found, run_pts = run_points(Path(path), all_evals)
+        found, run_pts, note = run_points(Path(path), all_evals)
         points.setdefault(label or found, []).extend(run_pts)
+        notes += [note] if note else []
     if baseline is not None and baseline not in points:
         raise ConfigError(f"--baseline={baseline!r}: no such label (labels: "
                           f"{', '.join(sorted(points))})")
@@ -126,7 +170,7 @@ def analyse(runs: list[str], target: float | None, baseline: str | None,
             fits[label] = fit_power_law(pts)
         except ConfigError as e:
             raise ConfigError(f"label {label!r}: {e}") from None
-    out = {"fits": {}, "points": {k: sorted(v) for k, v in points.items()}}
+    out = {"fits": {}, "points": {k: sorted(v) for k, v in points.items()}, "notes": notes}
     for label, fit in fits.items():
         entry = {"irreducible": fit.irreducible, "scale": fit.scale, "exponent": fit.exponent,
                  "rms_residual": fit.rms_residual}
@@ -184,6 +228,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in result["notes"]:
+        print(f"note: {note}", file=sys.stderr)
     if args.plot:
         try:
             plot(result, args.plot, args.target)

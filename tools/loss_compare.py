@@ -8,7 +8,9 @@ the reference. Every layout runs ``megaloop.train`` under torchrun (as many proc
 from the same seed checkpoint, written first by one process. The tolerances are those of
 megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
-earlier comparison).
+earlier comparison, an override of a setting the tool makes itself: the parallel section, the
+run's length, directories and checkpoints). A --config's parallel section is replaced by each
+layout's, which a note names.
 """
 
 from __future__ import annotations
@@ -22,7 +24,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaloop.cli import int_at_least
+from megaloop.cli import int_at_least, refuse_overrides_of
+
+
+# Settings every layout's run gets from the tool, and what sets them instead; a dotted override
+# of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply).
+SET_BY_THE_TOOL = {
+    "parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)", "parallel.pipeline_split": None,
+    "train.train_steps": "--steps", "train.out_dir": "--out", "checkpoint.dir": "--out",
+    **dict.fromkeys(("train.tensorboard", "train.eval_iters", "checkpoint.load",
+                     "checkpoint.load_optimizer", "checkpoint.resume", "checkpoint.save_interval"),
+                    "the tool for every layout (all start from one seed checkpoint)"),
+}
+
+
+def replaced_parallel_fields(cfg) -> list[str]:
+    """``parallel.name=value`` of what a config sets that the layouts replace."""
+    from megaloop.config import ParallelConfig
+
+    default = ParallelConfig()
+    return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}"
+            for f in dataclasses.fields(default) if f.name != "pipeline_split"
+            and getattr(cfg.parallel, f.name) != getattr(default, f.name)]
 
 
 def check_layouts_and_out(texts: list[str], layouts: list, out: Path) -> None:
@@ -62,6 +85,7 @@ def main(argv=None) -> int:
 
     quiet_third_party_warnings()
     try:
+        refuse_overrides_of(args.overrides, SET_BY_THE_TOOL)
         layouts = [parse_layout(text) for text in args.layouts]
         train_args = [a for flag in ("preset", "config") if getattr(args, flag)
                       for a in (f"--{flag}", getattr(args, flag))]
@@ -74,6 +98,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    replaced = replaced_parallel_fields(cfg)
+    if replaced:
+        print(f"note: {args.config}: {', '.join(replaced)} replaced by each layout's",
+              file=sys.stderr)
 
     from megaloop.scale.loss_compare import save_seed_checkpoint
 

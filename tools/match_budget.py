@@ -67,7 +67,12 @@ def match(reference: ModelConfig, template: ModelConfig, width_step: int = 16,
     head_dim = min(kv_error, key=kv_error.get)
     best, best_error = None, float("inf")
     d0 = reference.hidden_size
-    for d in range(d0 * 3 // 4 // width_step * width_step, d0 * 3 // 2 + 1, width_step):
+    lowest = -(-(d0 * 3 // 4) // width_step) * width_step  # the first multiple >= 3/4 d0
+    widths = range(lowest, d0 * 3 // 2 + 1, width_step)
+    if not widths:  # was a search of d = 0 alone, "closest: 100.00%"
+        raise ConfigError(f"--width-step {width_step}: no hidden size from {d0 * 3 // 4} to "
+                          f"{d0 * 3 // 2} (3/4 to 3/2 of the reference's) is a multiple of it")
+    for d in widths:
         for experts in range(reference.moe_top_k, 3 * reference.num_experts + 1):
             cfg = dataclasses.replace(template, hidden_size=d, head_dim=head_dim,
                                       num_experts=experts)
@@ -76,7 +81,8 @@ def match(reference: ModelConfig, template: ModelConfig, width_step: int = 16,
                 best, best_error = cfg, error
     if best_error > tolerance:
         raise ConfigError(f"no width within {tolerance:.2g} (relative) of the reference budget "
-                          f"(closest: {best_error:.2%}); widen the search (--width-step)")
+                          f"(closest: {best_error:.2%}); try a finer --width-step or a larger "
+                          "--tolerance")
     best.validate()
     return best, relative_errors(best, target)
 

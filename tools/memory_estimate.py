@@ -6,7 +6,9 @@
 Parameters, gradients, optimizer states (with or without the distributed optimizer), activations
 (with or without recomputation, the Global KV and the K iterations' saved activations) and working
 memory, per pipeline stage, in GiB; the model and rules are megaloop.scale.memory's. ``--device
-cpu`` estimates a CPU run (local spec, fp32 by default).
+cpu`` estimates a CPU run (local spec, fp32 by default). A global batch that does not split into
+micro-batches on this layout is noted (a launch refuses it), and the layouts listed as fitting are
+ones a launch accepts.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     from megaloop.config import ConfigError
-    from megaloop.scale.layout import layout_of
+    from megaloop.scale.layout import layout_of, micro_batches_per_step
     from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, \
         fitting_layouts
     from megaloop.train import build_config
 
-    # The data section plays no part in an estimate: a placeholder (last, so that it wins)
-    # satisfies the config's validation.
-    placeholder = ["data.path=[unused]", "data.tokenizer_model=null", "data.eod_id=0"]
+    # The data section plays no part in an estimate: a placeholder section (last, so that it
+    # replaces the config's whole, SFT settings included) satisfies the config's validation.
+    placeholder = ["data={path: [unused], eod_id: 0}"]
     train_args = [a for flag in ("preset", "config") if getattr(args, flag)
                   for a in (f"--{flag}", getattr(args, flag))]
     try:
@@ -46,6 +48,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:  # the memory does not depend on it, but the launch would be refused
+        micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
+    except ConfigError as e:
+        print(f"note: {e} (a launch refuses it; memory estimated all the same)", file=sys.stderr)
     device_bytes = int(args.gpu_memory_gib * GIB)
     stages = [estimate(cfg, layout, device=args.device, stage=s)
               for s in range(layout.pipeline)]

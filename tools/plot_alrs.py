@@ -14,8 +14,8 @@ up and down. Embedding and output head are in no figure. Dense and Full Loop nam
 
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
-A path without an ALRS log, a log without rows yet and an ``--out`` that cannot be written are
-one-line errors (exit code 1).
+A path without an ALRS log, a log without rows yet, a log of the other mode (the two paths
+swapped) and an ``--out`` that cannot be written are one-line errors (exit code 1).
 """
 
 from __future__ import annotations
@@ -116,9 +116,16 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
     save_figure(fig, path)
 
 
-def _read(path: str, need_lrs: bool) -> ALRSLogData:
-    """The log at ``path``, refused in one line when it holds no rows to draw."""
+def _read(path: str, need_lrs: bool, flag: str) -> ALRSLogData:
+    """The log at ``path``, refused in one line when it holds no rows to draw, or when its run's
+    alrs.mode contradicts the curve ``flag`` labels it (--alrs: not uniform; --uniform: uniform),
+    as when the two paths are swapped."""
     log = read_log(path)
+    mode = log.config.get("mode")
+    if mode is not None and (mode == "uniform") != (flag == "--uniform"):
+        raise ValueError(f"{flag} {path}: the log of an alrs.mode={mode!r} run; "
+                         + ("give it as --uniform" if mode == "uniform" else
+                            "--uniform takes the log of an alrs.mode='uniform' run"))
     if not len(log.spectra_step) or (need_lrs and not len(log.lr_step)):
         raise ValueError(f"{path}: no {'spectra' if not len(log.spectra_step) else 'LR'} rows "
                          "committed yet (LR rows are written every 100 steps and at the end of "
@@ -137,9 +144,9 @@ def main(argv: list[str] | None = None) -> list[str]:
         problem = unwritable(written[0])
         if problem is not None:
             raise ValueError(f"--out {args.out}: cannot be written ({problem})")
-        runs = {"ALRS": _read(args.alrs, need_lrs=True)}
+        runs = {"ALRS": _read(args.alrs, need_lrs=True, flag="--alrs")}
         if args.uniform:
-            runs["uniform"] = _read(args.uniform, need_lrs=False)
+            runs["uniform"] = _read(args.uniform, need_lrs=False, flag="--uniform")
         os.makedirs(args.out, exist_ok=True)
         plot_lr(runs["ALRS"], written[0])
         plot_stable_rank(runs, written[1])

@@ -12,9 +12,9 @@ memory grows only by the ~80 bytes per document megatron-core's builder keeps fo
 number of input files works with any number of workers, the output bytes do not depend on
 ``--workers``, bad records are counted and skipped (``--strict`` aborts), an input without a usable
 document is an error, and ``mpiexec -n N`` splits the work across ranks and merges one output
-identical to a single-process run. ``--partitions`` is accepted but not needed. Exit status: 0 done,
-2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on any failure no
-output is left behind.
+identical to a single-process run. ``--partitions`` is accepted but not needed (a note says so).
+Exit status: 0 done, 2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on
+any failure no output is left behind.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 
+from megaloop.cli import int_at_least
 from megaloop.data.readers import (
     TEXT_SUFFIXES,
     DataError,
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, required=True, help="tokenizer processes (per MPI rank)")
     g.add_argument("--partitions", type=int, default=1, help="accepted for compatibility; streaming makes it unnecessary")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between log lines when not on a terminal")
+    g.add_argument("--log-interval", type=int_at_least(1), default=1000,
+                   help="documents between log lines when not on a terminal")
     return p
 
 
@@ -91,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--workers must be at least 1")
     if args.max_docs is not None and args.max_docs < 1:
         parser.error("--max-docs must be at least 1")
+    twice = next((key for i, key in enumerate(args.json_keys) if key in args.json_keys[:i]), None)
+    if twice is not None:  # both would write {prefix}_{key}_document at once
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: {twice!r} given twice")
     return args
 
 
@@ -118,6 +123,9 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
     if args.vocab_size is not None:
         notes.append(f"--vocab-size {args.vocab_size} changes nothing: Megatron-LM uses it for TikTokenizer and "
                      f"NullTokenizer only; {args.tokenizer_type} has the model's own vocab")
+    if args.partitions != 1:
+        notes.append(f"--partitions {args.partitions} changes nothing: the input is streamed, so it "
+                     "needs no partitions to bound memory")
     if args.tokenizer_metadata and args.legacy_tokenizer:
         notes.append("--tokenizer-metadata changes nothing with --legacy-tokenizer (Megatron-LM reads it "
                      "only for its new tokenizers)")

@@ -84,6 +84,8 @@ class ALRSLog:
         self.root = zarr.open_group(self.path, mode="a" if existing else "w")
         if existing:
             self._check_same_run(matrices, shapes, lr_groups, log_eigenvalues)
+            if config is not None:  # the run now writing (a restart may use another alrs.mode)
+                self.root.attrs["config"] = dict(config)
         else:
             self._create(list(matrices), [list(map(int, s)) for s in shapes], list(lr_groups),
                          dict(config or {}), log_eigenvalues)

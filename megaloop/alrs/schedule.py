@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass
 from megaloop.alrs.estimator import EIGEN_METHODS
 
 MODES = ("alrs", "uniform", "decoder_boost")
+# The options only one mode reads: the allocation from spectra (mode alrs) and the constant boost.
+ALLOCATION_OPTIONS = ("s1", "s2", "transition", "embedding_head", "embedding_head_prefixes")
+BOOST_OPTIONS = ("decoder_boost", "decoder_prefix")
 EMBEDDING_HEAD_TREATMENTS = ("pin_s2", "exclude", "include")
 GRANULARITIES = ("block", "parameter")
 
@@ -71,6 +74,10 @@ class ALRSConfig:
     def __post_init__(self) -> None:
         self.embedding_head_prefixes = tuple(self.embedding_head_prefixes)
         self.exclude = tuple(self.exclude)
+        for name in ("exclude", "embedding_head_prefixes"):  # "" is in every parameter name
+            if "" in getattr(self, name):
+                raise ValueError(f"ALRS {name} must not hold an empty string (it matches every "
+                                 f"matrix), got {list(getattr(self, name))!r}")
         if self.mode not in MODES:
             raise ValueError(f"ALRS mode must be one of {MODES}, got {self.mode!r}")
         if not self.s1 > 0:
@@ -96,6 +103,20 @@ class ALRSConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def unread_options(self) -> list[str]:
+        """``name=value`` of each option set away from its default that this mode does not read.
+        They are accepted, so that one config serves both arms of a comparison (mode=alrs
+        against mode=uniform); the ALRS hook names them when it starts."""
+        unread = set(ALLOCATION_OPTIONS + BOOST_OPTIONS)
+        if self.mode == "alrs":
+            unread = set(BOOST_OPTIONS) | ({"embedding_head_prefixes"}
+                                           if self.embedding_head == "include" else set())
+        elif self.mode == "decoder_boost":
+            unread -= set(BOOST_OPTIONS)
+        default = ALRSConfig()
+        return [f"{name}={getattr(self, name)!r}" for name in self.to_dict()
+                if name in unread and getattr(self, name) != getattr(default, name)]
 
     def allocates_at(self, step: int, total_steps: int) -> bool:
         """Whether multipliers are re-allocated from spectra at this step.

@@ -128,6 +128,7 @@ class ALRS:
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
         self.names = [m.name for m in self.matrices]
+        self._check_prefixes_match()
         if log_path is not None:
             require_zarr()
         if self.world_size > 1:
@@ -140,6 +141,10 @@ class ALRS:
         self._last_analysis = 0
         self._last_step = 0
         is_writer = not self._distributed or dist.get_rank() == 0
+        unread = self.config.unread_options()
+        if unread and is_writer:
+            logger.warning("ALRS: alrs.mode=%r does not read %s (set for another mode; no effect "
+                           "on this run)", self.config.mode, ", ".join(f"alrs.{u}" for u in unread))
         self.log, self._log_rewound = None, False
         error = None
         if log_path is not None and is_writer:
@@ -149,10 +154,8 @@ class ALRS:
                                    self.config.log_eigenvalues)
             except (ValueError, OSError) as e:  # ConfigError: another run's log
                 error = str(e)
-        if self.world_size > 1:  # the writer's failure fails every rank, none waits for it
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, error, group=self.group)
-            error = next((e for e in everyone if e), None)
+        # The writer's failure fails every rank, none waits for it.
+        error = next((e for e in self._from_every_rank(error) if e), None)
         if error is not None:
             raise config_error(error)
 
@@ -257,15 +260,20 @@ class ALRS:
     def _holders(self, local: set[str]) -> list[list[int] | None]:
         """Per matrix, the ranks of ``group`` that hold it (the stages of a pipeline, the ranks of
         an expert), or None for a matrix every rank holds."""
-        everyone = [local]
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, local, group=self.group)
+        everyone = self._from_every_rank(local)
         holders = []
         for m in self.matrices:
             ranks = [r for r, held in enumerate(everyone) if m.name in held]
             holders.append(None if len(ranks) == self.world_size else ranks)
         return holders
+
+    def _from_every_rank(self, value) -> list:
+        """Collective over ``group``: every rank's ``value``, in rank order (``[value]`` alone)."""
+        if self.world_size == 1:
+            return [value]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, value, group=self.group)
+        return everyone
 
     def _tp_sharded(self) -> bool:
         return any(m.partition_dim is not None for m in self.matrices)
@@ -310,19 +318,33 @@ class ALRS:
         """A pattern of ``exclude`` that no parameter of any rank contains (a typo) would leave
         the matrices it was meant for scaled: refused in one line."""
         unmatched = {p for p in self.config.exclude if not any(p in name for name in names)}
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, unmatched, group=self.group)
-            unmatched = set.intersection(*everyone)
+        unmatched = set.intersection(*self._from_every_rank(unmatched))
         if unmatched:
             raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
                                f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
                                f"{names[0] if names else 'none'!r})")
 
+    def _check_prefixes_match(self) -> None:
+        """A prefix set for the mode that no matrix name starts with (a typo) would leave the
+        matrices it was meant for at multiplier 1 or in the α range: refused in one line. Every
+        rank lists the same names, so every rank decides alike. The default embedding/head
+        prefixes are exempt: a tied model has no output_layer."""
+        config, default = self.config, ALRSConfig()
+        prefixes = []
+        if config.mode == "decoder_boost":
+            prefixes = [("decoder_prefix", config.decoder_prefix)]
+        elif (config.mode == "alrs" and config.embedding_head != "include"
+              and config.embedding_head_prefixes != default.embedding_head_prefixes):
+            prefixes = [("embedding_head_prefixes", p) for p in config.embedding_head_prefixes]
+        for field, prefix in prefixes:
+            if not any(name.startswith(prefix) for name in self.names):
+                example = self.names[0] if self.names else "-"
+                raise config_error(f"alrs.{field}: {prefix!r} starts no matrix name (e.g. "
+                                   f"{example!r}), so alrs.mode={config.mode!r} would treat no "
+                                   "matrix by it")
+
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        if any(other != mine for other in everyone):
+        if any(other != mine for other in self._from_every_rank(mine)):
             raise ValueError("ALRS needs every rank of its group to list the same matrices; give "
                              "it the model (its expert and pipeline blocks are then completed)")

@@ -17,9 +17,9 @@ from megaloop.config.model import (DEFAULT_ITERATIONS, FLASH_HEAD_DIM_MULTIPLE, 
 from megaloop.config.run import (CheckpointConfig, DataConfig, DownstreamEvalConfig, Fp8Recipe,
                                  ParallelConfig, RunConfig, TrainConfig, split_weights,
                                  template_fields)
-from megaloop.config.serialization import (apply_overrides, atomic_write_leftovers, from_dict,
-                                           load_yaml, run_config_from, save_yaml, to_dict,
-                                           write_text_atomic)
+from megaloop.config.serialization import (apply_overrides, atomic_write_leftovers,
+                                           check_field_names, from_dict, load_yaml,
+                                           run_config_from, save_yaml, to_dict, write_text_atomic)
 
 __all__ = [
     "ConfigError",
@@ -27,6 +27,6 @@ __all__ = [
     "Injection", "JointImpl", "LatentReduction", "MoELayers", "ModelConfig", "ResidualScale",
     "CheckpointConfig", "DataConfig", "DownstreamEvalConfig", "Fp8Recipe", "ParallelConfig",
     "RunConfig", "TrainConfig", "split_weights", "template_fields",
-    "apply_overrides", "from_dict", "load_yaml", "run_config_from", "save_yaml", "to_dict",
-    "write_text_atomic", "atomic_write_leftovers",
+    "apply_overrides", "check_field_names", "from_dict", "load_yaml", "run_config_from",
+    "save_yaml", "to_dict", "write_text_atomic", "atomic_write_leftovers",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import string
 from dataclasses import dataclass, field
 from typing import Literal
@@ -13,6 +12,7 @@ from typing import Literal
 from megaloop.alrs.schedule import ALRSConfig
 from megaloop.config.errors import divisors_text, require, require_finite
 from megaloop.config.model import ModelConfig
+from megaloop.data.datasets import SPLIT_RULE, split_weights  # split_weights re-exported
 
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
 # "delayed" (amax history) and "mxfp8" (block scaling, Blackwell GPUs).
@@ -227,8 +227,12 @@ class DataConfig:
                 "tokenizer_model", self.tokenizer_model, "given, or else data.eod_id (not both)")
         require(self.tokenizer_type in TOKENIZER_TYPES, prefix, "tokenizer_type",
                 self.tokenizer_type, f"one of {', '.join(TOKENIZER_TYPES)}")
-        require(split_weights(self.split) is not None, prefix, "split", self.split,
-                "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'")
+        require(self.tokenizer_model is not None
+                or self.tokenizer_type == DataConfig.tokenizer_type, prefix, "tokenizer_type",
+                self.tokenizer_type, f"left at its default {DataConfig.tokenizer_type!r} unless "
+                f"{prefix}.tokenizer_model is given (with {prefix}.eod_id alone no tokenizer "
+                "is loaded)")
+        require(split_weights(self.split) is not None, prefix, "split", self.split, SPLIT_RULE)
 
     def _validate_sft(self, prefix: str) -> None:
         require(self.tokenizer_model is not None, prefix, "tokenizer_model",
@@ -257,20 +261,6 @@ def template_fields(template: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
-def split_weights(split: str) -> list[float] | None:
-    """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
-    when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
-    0,0,0, then divides by zero)."""
-    parts = re.split(r"[,/]", split.strip())
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        return None
-    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights):
-        return None
-    return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
-
-
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # None: <train.out_dir>/checkpoints
@@ -294,6 +284,10 @@ class CheckpointConfig:
     def validate(self, prefix: str = "checkpoint") -> None:
         require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")
         require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
+        require(self.load_optimizer or self.load is not None, prefix, "load_optimizer",
+                self.load_optimizer, f"left at true unless {prefix}.load is given (it concerns "
+                f"that checkpoint only; a run's own checkpoints in {prefix}.dir always resume "
+                "with their optimizer state)")
 
 
 @dataclass

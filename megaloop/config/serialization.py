@@ -60,17 +60,22 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
-        if value is None and len(args) < len(get_args(hint)):
+        optional = len(args) < len(get_args(hint))
+        if value is None and optional:
             return None
+        if value == "" and optional:  # no path, project or recipe is named "": unset is null
+            raise ConfigError(f"{where}='': must not be empty; null leaves it unset")
         return _coerce(value, args[0], where)
-    if origin is list:
+    if origin in (list, tuple):  # tuple: tuple[item, ...] (alrs.exclude), written as a list
         item = get_args(hint)[0]
-        if not isinstance(value, list):  # a single value where a list is expected
+        # A single value where a list is expected; a string is one value, never its characters
+        # (alrs.exclude: router would otherwise exclude every name holding an r, o, u, ...).
+        if not isinstance(value, (list, tuple)):
             value = [value]
         if item is str:  # blend weights in a data path arrive as YAML numbers
             value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
                      for v in value]
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return origin(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: must be a mapping of {hint.__name__} fields")
@@ -89,18 +94,24 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls, data: dict, where: str = ""):
-    """Builds dataclass ``cls`` from a (possibly partial) dict, rejecting unknown keys."""
-    hints = typing.get_type_hints(cls)
+def check_field_names(cls, keys, where: str = "") -> None:
+    """Refuses (ConfigError) the first of ``keys`` that is no field of dataclass ``cls``, naming
+    the closest field or, without one, all of them; ``where``: the section, as in ``model``."""
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else key
+    for key in keys:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
-            raise ConfigError(f"unknown field {path}{hint}")
-        kwargs[key] = _coerce(value, hints[key], path)
+            raise ConfigError(f"unknown field {f'{where}.{key}' if where else key}{hint}")
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Builds dataclass ``cls`` from a (possibly partial) dict, rejecting unknown keys."""
+    hints = typing.get_type_hints(cls)
+    check_field_names(cls, data, where)
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
     try:
         return cls(**kwargs)
     except ValueError as e:  # a section's own __post_init__ checks (e.g. ALRSConfig)
@@ -117,7 +128,10 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         node, parts = data, key.split(".")
         for depth, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
+                sections = [name for name, value in node.items() if isinstance(value, dict)]
+                close = difflib.get_close_matches(part, sections, n=1)
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a "
+                                  "section" + (f" (did you mean {close[0]}?)" if close else ""))
             node = node[part]
         try:
             node[parts[-1]] = _yaml_load(raw) if raw else ""
@@ -142,10 +156,17 @@ def _deep_merge(base: dict, update: dict) -> dict:
 def load_yaml(path: str | os.PathLike, base: RunConfig | None = None) -> RunConfig:
     """Reads a (possibly partial) YAML run config; its fields replace those of ``base``."""
     try:
-        with open(path) as f:
-            data = _yaml_load(f) or {}
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: not found") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror or e})") from None
+    try:
+        data = _yaml_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {raw[e.start]:#04x} on line "
+                          f"{line})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
     except ConfigError as e:

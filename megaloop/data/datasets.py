@@ -15,6 +15,7 @@ caller:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import threading
@@ -28,6 +29,7 @@ from megaloop.data.indexed import sequence_lengths, validate_indexed
 from megaloop.data.readers import DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
+SPLIT_RULE = "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'"
 
 
 class DatasetTokenizer:
@@ -115,6 +117,8 @@ def build_gpt_datasets(
         # megatron-core only asserts this deep inside its builder.
         raise DataError("a weighted blend needs a sample count for every split (0 for an unused one), not None")
     if blend is not None:
+        if split_weights(split) is None:  # megatron-core reads "-1,2" as 1,2
+            raise DataError(f"split {split!r}: must be {SPLIT_RULE}")
         _check_splits_have_tokens(summaries, split, num_samples, mcore)
     if cache_dir is None:
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
@@ -166,12 +170,25 @@ def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence
 def _split_without(split: str, index: int) -> str:
     """``split`` with the weight of part ``index`` moved to the training part (or, for the
     training part, all weight given to it): a split that leaves that part empty."""
-    weights = [float(w) for w in re.split(r"[,/]", split.strip())] + [0.0, 0.0]
-    weights = weights[:3]
-    if index == 0:
+    weights = split_weights(split)
+    if index == 0 or weights is None:
         return "100,0,0"
     weights[0], weights[index] = weights[0] + weights[index], 0.0
     return ",".join(f"{w:g}" for w in weights)
+
+
+def split_weights(split: str) -> list[float] | None:
+    """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
+    when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
+    0,0,0, then divides by zero)."""
+    parts = re.split(r"[,/]", split.strip())
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        return None
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights):
+        return None
+    return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
 
 
 def _import_mcore_datasets():

@@ -181,12 +181,19 @@ def _first_line_is_json_object(path: str, mtime_ns: int, size: int) -> bool:
 
 
 def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None) -> list[str]:
-    """Files named by paths, directories (searched recursively) and globs, sorted, deduplicated.
+    """Files named by paths, directories (searched recursively) and globs, sorted, each file once
+    however it is spelt (``./a.jsonl`` and a glob matching ``a.jsonl``, a link to it): its
+    documents would otherwise be read twice.
 
     Files in a directory that are not of a supported type are left out and listed in ``skipped``.
     """
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
-    files: set[str] = set()
+    files: dict[str, str] = {}  # real path -> the first spelling given
+
+    def keep(paths: Sequence[str]) -> None:
+        for path in paths:
+            files.setdefault(os.path.realpath(path), path)
+
     for spec in map(str, specs):
         if os.path.isdir(spec):
             found, others = [], []
@@ -195,22 +202,22 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
                     (found if str(p).lower().endswith(SUPPORTED_SUFFIXES) else others).append(str(p))
             if not found:
                 raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
-            files.update(found)
+            keep(found)
             if skipped is not None:
                 skipped.extend(others)
         elif os.path.isfile(spec):
             input_kind(spec)
-            files.add(spec)
+            keep([spec])
         elif glob.has_magic(spec):
             found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
             if not found:
                 raise DataError(f"{spec}: glob matches no files")
             for p in found:
                 input_kind(p)
-            files.update(found)
+            keep(found)
         else:
             raise DataError(f"{spec}: input not found")
-    return sorted(files)
+    return sorted(files.values())
 
 
 def describe_skipped(skipped: Sequence[str]) -> str:

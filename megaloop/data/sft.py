@@ -29,8 +29,8 @@ from typing import Sequence
 import numpy
 import torch
 
-from megaloop.config import split_weights, template_fields
-from megaloop.data.datasets import SPLIT_NAMES, parse_blend
+from megaloop.config import template_fields
+from megaloop.data.datasets import SPLIT_NAMES, parse_blend, split_weights
 from megaloop.data.readers import DataError, RecordFilter, expand_inputs, input_kind, iter_chunks, \
     parse_chunk
 

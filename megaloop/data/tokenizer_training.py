@@ -75,6 +75,8 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(model.getvalue())
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: a crash leaves the old model or this
         os.replace(tmp, output)
     except OSError as err:
         raise DataError(f"{output}: cannot write the model ({err.strerror or err})") from None

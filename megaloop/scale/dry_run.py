@@ -15,7 +15,8 @@ import yaml
 
 from megaloop.config import RunConfig, to_dict
 from megaloop.models.pipeline import describe_split, stage_counts
-from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
+from megaloop.scale.layout import (Layout, layout_of, micro_batches_per_step, rank_coordinates,
+                                   stage_layout)
 from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
 
 _FULL_TABLE_RANKS = 64  # larger worlds print their first two and last node only
@@ -43,7 +44,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
            gpu_memory_gib: float = 80.0) -> str:
     """The dry-run text for ``cfg`` launched on ``world_size`` processes. Raises ConfigError for
     what the run would refuse at start-up without reading the data: a layout the world cannot
-    hold, a tokenizer larger than ``model.vocab_size`` or that cannot be loaded. A tokenizer file
+    hold, a global batch that does not split into its micro-batches, a tokenizer larger than ``model.vocab_size`` or that cannot be loaded. A tokenizer file
     absent here (a cluster recipe sized on another machine) is noted, not refused."""
     from megaloop.training.data import dataset_tokenizer
 
@@ -55,7 +56,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
     elif tokenizer is not None:
         tokenizer_note = [f"# note: data.tokenizer_model {tokenizer} is not on this machine; "
                           "model.vocab_size is checked against it at start-up"]
-    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data)
+    micro = micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
     lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "",
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "

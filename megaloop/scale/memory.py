@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megaloop.config import ModelConfig, RunConfig
-from megaloop.scale.layout import Layout, Stage, stage_layout
+from megaloop.scale.layout import Layout, Stage, micro_batches_per_step, stage_layout
 
 GIB = 1024**3
 OVERHEAD_BYTES = 3 * GIB  # CUDA context, NCCL communicators, cuBLAS / cuDNN workspaces
@@ -246,6 +246,7 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                 trial = layout.apply(cfg)
                 try:
                     trial.parallel.validate(trial.model)
+                    micro_batches_per_step(trial.train, trial.parallel, layout.data)
                 except ValueError:
                     continue
                 mem = estimate(trial, layout, device=device)

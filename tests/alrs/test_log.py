@@ -38,6 +38,15 @@ def test_round_trip(tmp_path):
     assert np.isnan(data.lr_value[:, 1]).all() and (data.lr_value[:, 2] == 2e-3).all()
 
 
+def test_a_reopened_log_holds_the_config_of_the_run_writing_it(tmp_path):
+    # Before: a uniform run started over in an ALRS run's directory kept "mode: alrs" in its log.
+    ALRSLog(tmp_path / "r.zarr", NAMES, SHAPES, GROUPS, {"mode": "alrs"})
+    ALRSLog(tmp_path / "r.zarr", NAMES, SHAPES, GROUPS, {"mode": "uniform"}).truncate_after(0)
+    assert read_log(tmp_path / "r.zarr").config == {"mode": "uniform"}
+    ALRSLog(tmp_path / "r.zarr", NAMES, SHAPES, GROUPS)  # no config given: the store's stays
+    assert read_log(tmp_path / "r.zarr").config == {"mode": "uniform"}
+
+
 def test_reader_ignores_rows_past_the_committed_count_and_appends_overwrite_them(tmp_path):
     path = tmp_path / "c.zarr"
     log = ALRSLog(path, NAMES, SHAPES, GROUPS)

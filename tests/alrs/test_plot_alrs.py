@@ -72,6 +72,7 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path):
     from megaloop.alrs import ALRSLog
 
     _run(tmp_path / "a.zarr", "alrs")
+    _run(tmp_path / "u.zarr", "uniform")
     ALRSLog(tmp_path / "new.zarr", ["decoder.layers.0.mlp.linear_fc2.weight"], [(4, 4)],
             ["decoder.layers.0.mlp.linear_fc2.weight", "base"])  # a run killed before its rows
     (tmp_path / "file").write_text("x")
@@ -85,6 +86,13 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path):
          f"{tmp_path / 'new.zarr'}: no spectra rows committed yet"),
         (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "none.zarr"),
           "--out", out], f"{tmp_path / 'none.zarr'}: no ALRS log there"),
+        # Before: swapped paths drew the uniform run as "ALRS" and the ALRS run as "uniform".
+        (["--alrs", str(tmp_path / "u.zarr"), "--uniform", str(tmp_path / "a.zarr"), "--out",
+          out], f"--alrs {tmp_path / 'u.zarr'}: the log of an alrs.mode='uniform' run; give it "
+                "as --uniform"),
+        (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "a.zarr"), "--out",
+          out], f"--uniform {tmp_path / 'a.zarr'}: the log of an alrs.mode='alrs' run; "
+                "--uniform takes the log of an alrs.mode='uniform' run"),
         (["--alrs", str(tmp_path / "a.zarr"), "--out", str(tmp_path / "file")],
          f"--out {tmp_path / 'file'}: cannot be written ({tmp_path / 'file'} is not a writable "
          "directory)"),

@@ -10,11 +10,28 @@ from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule, read_log
     (dict(transition=-1), "transition"), (dict(mode="sgd"), "mode"),
     (dict(embedding_head="drop"), "embedding_head"), (dict(eig_method="qr"), "eig_method"),
     (dict(decoder_boost=0.0), "decoder_boost"), (dict(granularity="row"), "granularity"),
+    # "" is in every name: every matrix excluded, or every one pinned as embedding/head.
+    (dict(exclude=("router", "")), "exclude"), (dict(embedding_head_prefixes=[""]),
+                                               "embedding_head_prefixes"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:
         ALRSConfig(**kwargs)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, unread", [
+    (dict(s2=3.0, decoder_boost=4.0, decoder_prefix="x."), ["decoder_prefix='x.'",
+                                                            "decoder_boost=4.0"]),
+    (dict(embedding_head="include", embedding_head_prefixes=["x."]),
+     ["embedding_head_prefixes=('x.',)"]),
+    (dict(mode="uniform", s1=0.5, embedding_head="exclude", interval=7),
+     ["s1=0.5", "embedding_head='exclude'"]),
+    (dict(mode="decoder_boost", transition=9, decoder_boost=3.0), ["transition=9"]),
+    (dict(mode="uniform"), []),
+])
+def test_options_a_mode_does_not_read_are_listed(kwargs, unread):
+    assert ALRSConfig(**kwargs).unread_options() == unread
 
 
 def test_allocation_steps_of_the_60m_run():

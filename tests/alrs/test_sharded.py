@@ -280,3 +280,39 @@ def test_an_exclude_pattern_matching_no_parameter_is_refused():
     with pytest.raises(ConfigError, match=r"^alrs.exclude=\['linear_fc1', 'routr'\]: 'routr' is "
                                           r"in no parameter name \(e.g. '"):
         ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1", "routr")))
+
+
+def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
+    """One config serves both arms of a comparison, so they are accepted; before, silently."""
+    params = _params()
+    uniform = ALRSConfig(mode="uniform", s2=3.0, transition=10, decoder_boost=4.0)
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 100, uniform)
+    [record] = caplog.records
+    assert record.getMessage() == ("ALRS: alrs.mode='uniform' does not read alrs.s2=3.0, "
+                                   "alrs.transition=10, alrs.decoder_boost=4.0 (set for another "
+                                   "mode; no effect on this run)")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 100, ALRSConfig(s2=3.0, transition=10))  # all read
+        ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost", decoder_boost=4.0))
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(mode="decoder_boost", decoder_prefix="decoders."), "alrs.decoder_prefix: 'decoders.'"),
+    (dict(embedding_head_prefixes=["embedding.", "head."]), "alrs.embedding_head_prefixes: "
+                                                            "'head.'"),
+])
+def test_a_prefix_the_mode_reads_that_names_no_matrix_is_refused(fields, message):
+    # Before: decoder_boost boosted nothing, and "head." pinned nothing, without a word.
+    params = _params()
+    with pytest.raises(ValueError, match=rf"^{message} starts no matrix name \(e.g. 'embedding."
+                                         r"word_embeddings.weight'\), so alrs.mode="):
+        ALRS(lambda: params.items(), 100, ALRSConfig(**fields))
+    boosted = ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost")).step(1)
+    assert {n for n, m in boosted.items() if m == 2.0} == {n for n in SHAPES
+                                                         if n.startswith("decoder.")}
+    # The default embedding/head prefixes need not all match: a tied model has no output_layer.
+    tied = {n: p for n, p in params.items() if not n.startswith("output_layer.")}
+    ALRS(lambda: tied.items(), 100, ALRSConfig())

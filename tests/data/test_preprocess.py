@@ -196,6 +196,24 @@ def test_workers_must_be_positive(tool):
     assert exc.value.code == 2
 
 
+def test_a_log_interval_below_one_is_refused(tool, capsys):
+    # Before: a ZeroDivisionError traceback at the first document, when not on a terminal.
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                   "SentencePieceTokenizer", "--log-interval", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --log-interval: 0: must be >= 1\n")
+
+
+def test_a_json_key_given_twice_is_refused(tool, capsys):
+    # Before: both keys' writers wrote {prefix}_text_document at once, and exit 0.
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                   "SentencePieceTokenizer", "--json-keys", "text", "title", "text"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --json-keys text title text: 'text' given twice\n")
+
+
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 
@@ -245,12 +263,14 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     assert run("--input", path, "--output-prefix", plain, "--workers", 1, *_sp_args(sp_model))[0] == 0
     metadata = tmp_path / "tokenizer_metadata.json"
     metadata.write_text('{"library": "sentencepiece", "model_type": "gpt", "chat_template": null}')
-    flags = ["--keep-newlines", "--vocab-size", 1234, "--tokenizer-metadata", metadata]
+    flags = ["--keep-newlines", "--vocab-size", 1234, "--tokenizer-metadata", metadata,
+             "--partitions", 4]
     code, err = run("--input", path, "--output-prefix", tmp_path / "flags", "--workers", 1, *flags, *_sp_args(sp_model))
     assert code == 0, err
     assert _read(f"{tmp_path / 'flags'}_text_document") == _read(f"{plain}_text_document")
     assert "note: --keep-newlines changes nothing: Megatron-LM applies it only with --split-sentences" in err
     assert "note: --vocab-size 1234 changes nothing: Megatron-LM uses it for TikTokenizer and NullTokenizer only" in err
+    assert "note: --partitions 4 changes nothing: the input is streamed" in err  # was silent
     # --legacy-tokenizer: Megatron-LM's legacy SentencePieceTokenizer, whose EOD is an added <EOD> id.
     code, err = run("--input", path, "--output-prefix", tmp_path / "legacy", "--workers", 1, "--legacy-tokenizer",
                     "--tokenizer-metadata", metadata, *_sp_args(sp_model))

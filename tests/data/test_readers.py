@@ -188,6 +188,16 @@ def test_expand_inputs_directories_globs_and_errors(tmp_path):
         expand_inputs(str(tmp_path / "notes.md"))
 
 
+def test_a_file_named_twice_is_read_once_however_it_is_spelt(tmp_path, monkeypatch):
+    # Before: "./a.jsonl" beside a glob matching "a.jsonl" (or a link to it) read it twice.
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "a.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert expand_inputs(["./a.jsonl", "*.jsonl", str(tmp_path / "b.jsonl")]) == [
+        "./a.jsonl", "b.jsonl"]
+
+
 def test_shards_partition_the_global_order(tmp_path):
     counts = [("a", 5), ("b", 0), ("c", 12), ("d", 3)]
     for world in (1, 2, 3, 7):

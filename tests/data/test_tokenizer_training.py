@@ -7,9 +7,15 @@ LINES = [f"the {w} sat on {n} mats, said   {w.upper()}!" for w in ("cat", "dog",
          for n in range(40)]
 
 
-def test_trained_model_round_trips_text_and_is_written_atomically(tmp_path):
+def test_trained_model_round_trips_text_and_is_written_atomically(tmp_path, monkeypatch):
+    import os
+
     out = tmp_path / "tok.model"
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or fsync(fd))
     train_sentencepiece(LINES, out, vocab_size=300)
+    assert synced == [f"{out}.partial-{os.getpid()}"]  # before its rename (it was not synced)
     tokenizer = load_tokenizer("SentencePieceTokenizer", out)
     text = "the yak sat on 1234 mats,   said ÉMU!\n"
     assert tokenizer.decode(tokenizer.encode_batch([text])[0]) == text  # spaces, digits, unseen

@@ -32,3 +32,29 @@ def test_an_unloadable_tokenizer_is_refused_and_an_absent_one_noted(tmp_path):
     text = report(_run(tokenizer_model="/cluster/tok.model"), world_size=1)
     assert ("# note: data.tokenizer_model /cluster/tok.model is not on this machine; "
             "model.vocab_size is checked against it at start-up") in text.splitlines()
+
+
+@pytest.mark.parametrize("train, parallel, world, message", [
+    # Before: "0 micro-batches of 4 per step" and "fits"; the launch is refused at start-up.
+    (dict(global_batch_size=8, micro_batch_size=4), {}, 4,
+     "train.global_batch_size=8: must be a multiple of micro_batch_size x data-parallel size = "
+     "4 x 4 = 16"),
+    (dict(global_batch_size=12, micro_batch_size=4), {}, 2,
+     "train.global_batch_size=12: must be a multiple of micro_batch_size x data-parallel size = "
+     "4 x 2 = 8"),
+    (dict(global_batch_size=12, micro_batch_size=4), dict(pipeline=2, virtual_pipeline=2), 2,
+     "train.global_batch_size=12: the interleaved schedule (parallel.virtual_pipeline=2) runs "
+     "micro-batches in groups of parallel.pipeline=2, but a step has 3 per data-parallel rank; "
+     "use a multiple of 8"),
+])
+def test_a_global_batch_that_does_not_split_is_refused(train, parallel, world, message):
+    from megaloop.config import ParallelConfig, TrainConfig
+
+    cfg = dataclasses.replace(_run(eod_id=0), train=TrainConfig(**train),
+                              parallel=ParallelConfig(**parallel))
+    with pytest.raises(ConfigError) as error:
+        report(cfg, world_size=world)
+    assert str(error.value) == message
+    fine = dataclasses.replace(cfg, train=TrainConfig(global_batch_size=16 * world,
+                                                      micro_batch_size=4))
+    assert "fits" in report(fine, world_size=world)

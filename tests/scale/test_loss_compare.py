@@ -89,3 +89,32 @@ def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
         bad = subprocess.run(tool + ["--layouts", *layouts], capture_output=True, text=True)
         assert (bad.returncode, bad.stderr.count("\n")) == (2, 1), bad.stderr
         assert bad.stderr.startswith(f"error: {message}"), bad.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    # Before: silently replaced, each layout ran 10 steps / without recomputation.
+    ("train.train_steps=50", "override 'train.train_steps=50': set by --steps"),
+    ("parallel.recompute=full", "override 'parallel.recompute=full': set by --layouts (e.g. "
+                                "tp2,sp or dp2,recompute)"),
+    ("checkpoint.load=/ckpt", "override 'checkpoint.load=/ckpt': set by the tool for every layout "
+                              "(all start from one seed checkpoint)"),
+])
+def test_loss_compare_refuses_overrides_of_what_it_sets(tmp_path, capsys, override, message):
+    from tools import loss_compare
+
+    argv = ["--preset", "tiny", "--layouts", "single", "dp2", "--out", str(tmp_path / "out"),
+            "data.path=[unused]", "data.eod_id=0", override]
+    assert loss_compare.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_loss_compare_names_the_parallel_settings_of_a_config_that_the_layouts_replace(tmp_path):
+    from megaloop.config import RunConfig, run_config_from
+    from tools import loss_compare
+
+    cfg = run_config_from({"parallel": {"tensor": 2, "sequence_parallel": True,
+                                        "pipeline_split": [2]}})
+    assert loss_compare.replaced_parallel_fields(cfg) == ["parallel.tensor=2",
+                                                          "parallel.sequence_parallel=True"]
+    assert loss_compare.replaced_parallel_fields(RunConfig()) == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megaloop.scale.layout import Layout, layout_of
+from megaloop.scale.layout import Layout, layout_of, parse_layout
 from megaloop.scale.memory import estimate
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run, write_pattern_dataset
@@ -116,8 +116,15 @@ def test_memory_tool_prints_every_stage_and_refuses_a_layout_the_world_cannot_ho
     result = _memory_tool("--preset", "350M", "--world-size", "8", "parallel.pipeline=2",
                           "model.arch=asymloop")
     assert result.returncode == 0, result.stderr
+    # The default batch (8 of micro-batch 4) does not split over dp4: said, not refused.
+    assert result.stderr == ("note: train.global_batch_size=8: must be a multiple of "
+                             "micro_batch_size x data-parallel size = 4 x 4 = 16 (a launch "
+                             "refuses it; memory estimated all the same)\n")
     report = json.loads(result.stdout)
     assert report["layout"] == "pp2,dp4" and [s["stage"] for s in report["stages"]] == [0, 1]
+    # Only layouts a launch accepts (data-parallel size 1 or 2 for that batch) are offered.
+    offered = [parse_layout(entry["layout"]) for entry in report["fitting_layouts_cheapest_first"]]
+    assert offered and all(layout.data <= 2 for layout in offered), offered
     # Balanced stages run about equal work; the first holds two micro-batches in flight.
     assert report["stages"][0]["activations"] > report["stages"][1]["activations"]
     # Split where the loop starts, the decoder stage runs its layers K=3 times.
@@ -135,3 +142,20 @@ def test_memory_tool_refuses_a_world_of_no_gpus():
     result = _memory_tool("--preset", "tiny", "--world-size", "0")
     assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1].endswith("error: argument --world-size: 0: must be >= 1")
+
+
+def test_memory_tool_estimates_a_fine_tuning_config(tmp_path, capsys):
+    """Before: "data.tokenizer_model=None: must be given for data.format='sft'", about a field
+    the config did set (the placeholder data settings clashed with its SFT section)."""
+    import json
+
+    from megaloop.config import run_config_from, save_yaml
+    from tools import memory_estimate
+
+    save_yaml(run_config_from({"data": {"format": "sft", "path": ["gsm8k.jsonl"],
+                                        "tokenizer_model": "tok.model",
+                                        "sft_prompt": "Q: {question}", "split": "9,1,0"}}),
+              tmp_path / "finetune.yaml")
+    assert memory_estimate.main(["--preset", "tiny", "--config", str(tmp_path / "finetune.yaml"),
+                                 "--world-size", "1", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "single"

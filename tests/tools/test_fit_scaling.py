@@ -2,6 +2,7 @@
 architecture needs for a target NLL and its saving against a baseline, from run directories."""
 
 import json
+import os
 
 import pytest
 
@@ -15,19 +16,29 @@ MODELS = {"moe_base": ("tiny", dict(arch="dense", num_experts=8, moe_top_k=2)),
           "latentloop": ("latentloop-tiny", {})}
 
 
+BATCH = 800
+STEP_SECONDS = 0.5
+
+
 def _write_run(path, label, steps):
+    """A run of ``steps`` steps at global batch BATCH, a train record per step (as the trainer
+    logs them) and evaluations at half and at the end."""
     name, fields = MODELS[label]
     cfg = RunConfig(model=preset(name, **fields),
-                    train=TrainConfig(global_batch_size=8))
+                    train=TrainConfig(global_batch_size=BATCH, micro_batch_size=BATCH))
     path.mkdir(parents=True)
     save_yaml(cfg, path / "config.yaml")
-    per_step = model_flops_per_token(cfg.model) * 8 * cfg.model.seq_length
+    tokens = BATCH * cfg.model.seq_length
+    per_step = model_flops_per_token(cfg.model) * tokens
     e, a, alpha = TRUTH[label]
     with open(path / "metrics.jsonl", "w") as f:
-        f.write(json.dumps({"kind": "train", "step": 1, "loss": 9.0}) + "\n")
-        for step in (steps // 2, steps):
-            loss = e + a * (per_step * step) ** -alpha
-            f.write(json.dumps({"kind": "eval", "step": step, "val_loss": loss}) + "\n")
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"kind": "train", "step": step, "loss": 9.0,
+                                "step_time_s": STEP_SECONDS,
+                                "tokens_per_s": tokens / STEP_SECONDS}) + "\n")
+            if step in (steps // 2, steps):
+                loss = e + a * (per_step * step) ** -alpha
+                f.write(json.dumps({"kind": "eval", "step": step, "val_loss": loss}) + "\n")
     return per_step
 
 
@@ -35,7 +46,7 @@ def _write_run(path, label, steps):
 def runs(tmp_path):
     paths = []
     for label in TRUTH:
-        for steps in (1_000, 4_000, 16_000, 64_000, 256_000):
+        for steps in (10, 40, 160, 640, 2560):
             run = tmp_path / f"{label}_{steps}"
             _write_run(run, label, steps)
             paths.append(str(run))
@@ -67,6 +78,17 @@ def test_labels_can_be_given_and_a_target_below_the_floor_is_unreachable(load_to
     assert list(fits) == ["x"] and fits["x"]["compute_for_target"] is None
 
 
+def test_a_run_directory_may_hold_an_equals_sign(load_tool, runs, tmp_path):
+    # Before: "runs/lr=3e-4" was read as label "runs/lr" of a directory "3e-4".
+    tool = load_tool("fit_scaling")
+    sweep = []
+    for i, run in enumerate(run for run in runs if "moe_base" in run):
+        sweep.append(str(tmp_path / f"lr=3e-4_{i}"))
+        os.rename(run, sweep[-1])
+    assert list(tool.analyse(sweep, None, None, False)["fits"]) == ["moe_base"]
+    assert list(tool.analyse([f"a={p}" for p in sweep], None, None, False)["fits"]) == ["a"]
+
+
 def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
     tool = load_tool("fit_scaling")
     labels = {reduction: tool.label_of(RunConfig(model=preset(
@@ -85,7 +107,7 @@ def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
     # Before the fixes: a traceback after the fits; the run's points counted twice.
     (["{runs}", "--plot", "/dev/null/x.png"],
      "--plot /dev/null/x.png: cannot be written (/dev/null is not a writable directory)"),
-    (["{runs}", "{one}"], "_256000: given twice"),
+    (["{runs}", "{one}"], "_2560: given twice"),
 ])
 def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, args, message):
     tool = load_tool("fit_scaling")
@@ -115,5 +137,35 @@ def test_a_saving_that_cannot_be_computed_says_so(load_tool, runs, capsys):
     assert "argument --target: nan: must be > 0" in capsys.readouterr().err
     # The fitted floors: moe_base 1.7985 reaches 1.8, latentloop (1.8018) never does.
     assert tool.main(runs + ["--target", "1.8", "--baseline", "moe_base"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
     assert lines[1].endswith("C(1.8) = unreachable | saving vs moe_base: n/a"), lines
+    assert out.err == ""  # every step's tokens are logged: no note
+
+
+def test_compute_sums_each_steps_logged_tokens_across_a_batch_change(load_tool, tmp_path):
+    """A run resumed at step 4 with twice the batch: config.yaml holds the final batch, the
+    metrics each step's tokens. Before, every step was counted at config.yaml's batch."""
+    tool = load_tool("fit_scaling")
+    run = tmp_path / "run"
+    cfg = RunConfig(model=preset("tiny"), train=TrainConfig(global_batch_size=16))
+    run.mkdir()
+    save_yaml(cfg, run / "config.yaml")
+    seq = cfg.model.seq_length
+    records = [{"kind": "train", "step": step, "step_time_s": 0.25,
+                "tokens_per_s": (8 if step <= 4 else 16) * seq / 0.25} for step in range(1, 9)]
+    records.insert(4, {"kind": "eval", "step": 4, "val_loss": 3.0})
+    records.append({"kind": "eval", "step": 8, "val_loss": 2.5})
+    records.append(records[-1])  # the final evaluation, logged twice: one point
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    label, points, note = tool.run_points(run, all_evals=True)
+    flops = model_flops_per_token(cfg.model)
+    assert label == "asymloop" and note is None
+    assert points == [(flops * 4 * 8 * seq, 3.0), (flops * (4 * 8 + 4 * 16) * seq, 2.5)]
+    # Steps 1-2 lost from the metrics: counted at config.yaml's batch, and said so.
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[2:]))
+    _, points, note = tool.run_points(run, all_evals=False)
+    assert points == [(flops * (2 * 16 + 2 * 8 + 4 * 16) * seq, 2.5)]
+    assert note == (f"{run / 'metrics.jsonl'}: 2 of the 8 steps have no train record with "
+                    f"tokens_per_s and step_time_s; counted at config.yaml's global_batch_size x "
+                    f"seq_length = {16 * seq} tokens each")

@@ -19,3 +19,23 @@ def test_latentloop_rows_show_the_compression_saving_at_matched_budgets(load_too
     assert rows["latentloop-3B"]["active_params"] < rows["latentloop-3B"]["params"]
     assert abs(rows["latentloop-3B"]["gflops_per_token"] / rows["moe-loop-3B"]["gflops_per_token"]
                - 1) < 0.01
+
+
+def test_a_measured_count_off_the_analytical_one_names_it(load_tool, monkeypatch, capsys):
+    """Before: exit 1 with only the JSON, which the reader had to search for the culprit."""
+    tool = load_tool("flops")
+    rows = {"asymloop": 0.2, "asymloop_moe": -3.5, "latentloop": 0.0}
+    measured = iter(rows.values())
+
+    def measure(cfg):
+        diff = next(measured)
+        return [dict(phase="backward", recompute=True, counted=100 + diff, analytical=100.0,
+                     rel_diff_pct=diff)]
+
+    monkeypatch.setattr(tool, "measure", measure)
+    assert tool.main(["--measure"]) == 1
+    assert capsys.readouterr().err == ("error: asymloop_moe backward (recompute=True): counted "
+                                       "96.5 FLOPs per token, analytical 100 (-3.50%, more than "
+                                       "1%)\n")
+    measured = iter([0.2, -0.5, 0.0])
+    assert tool.main(["--measure"]) == 0

@@ -37,6 +37,16 @@ def test_an_unreachable_tolerance_is_a_one_line_error(load_tool):
                    tolerance=1e-6)
 
 
+def test_a_width_step_that_leaves_no_width_to_search_says_so(load_tool):
+    # Before: d = 0 alone was searched: "closest: 100.00%; widen the search (--width-step)".
+    tool = load_tool("match_budget")
+    reference = preset("moe-loop-1.3B")
+    with pytest.raises(ConfigError, match=r"^--width-step 2000: no hidden size from 768 to 1536 "
+                                          r"\(3/4 to 3/2 of the reference's\) is a multiple of "
+                                          r"it$"):
+        tool.match(reference, tool.target_structure(reference, "latentloop"), width_step=2000)
+
+
 @pytest.mark.parametrize("reduction", ["top_k", "width", "expert_ffn"])
 def test_every_first_visit_reduction_is_matched_with_its_own_savings(load_tool, reduction):
     tool = load_tool("match_budget")

@@ -37,6 +37,7 @@ from torch import nn
 
 from megaloop.alrs import (ALRS, ALRSConfig, eigenvalues, fused_layouts, median_hill_alpha,
                            weight_blocks)
+from megaloop.cli import int_at_least
 
 HIDDEN, FFN, LAYERS, HEADS, VOCAB = 768, 1512, 6, 12, 32128  # the 60M preset
 ENCODER_LAYERS = DECODER_LAYERS = LAYERS // 2
@@ -194,9 +195,9 @@ def training_step_seconds(seq: int, reps: int = 2) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--world-size", type=int_at_least(1), default=2)
+    parser.add_argument("--reps", type=int_at_least(1), default=3)
+    parser.add_argument("--seq", type=int_at_least(1), default=1024)
     args = parser.parse_args()
     model = preset_model()
     initial = multipliers_at_initialisation(model)

@@ -22,6 +22,7 @@ import time
 import psutil
 import torch
 
+from megaloop.cli import int_at_least
 from megaloop.models.joint_attention import joint_attention_fused
 from megaloop.reference.modeling_asymloop import joint_attention as joint_attention_masked
 
@@ -92,12 +93,12 @@ def peak_memory(impl, args) -> int:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batch", type=int_at_least(1), default=1)
+    parser.add_argument("--heads", type=int_at_least(1), default=4)
+    parser.add_argument("--seq", type=int_at_least(1), default=1024)
+    parser.add_argument("--head-dim", type=int_at_least(1), default=64)
+    parser.add_argument("--repeats", type=int_at_least(1), default=5)
+    parser.add_argument("--threads", type=int_at_least(1), default=torch.get_num_threads())
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

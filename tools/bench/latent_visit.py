@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from megaloop.cli import int_at_least
 from megaloop.models.flops import forward_flops
 from megaloop.presets import preset
 
@@ -40,16 +41,16 @@ def visit_flops(cfg, visit: int) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--middle-layers", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-ffn", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--stride", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--hidden", type=int_at_least(1), default=256)
+    parser.add_argument("--heads", type=int_at_least(1), default=4)
+    parser.add_argument("--middle-layers", type=int_at_least(1), default=2)
+    parser.add_argument("--experts", type=int_at_least(1), default=8)
+    parser.add_argument("--top-k", type=int_at_least(1), default=2)
+    parser.add_argument("--expert-ffn", type=int_at_least(1), default=256)
+    parser.add_argument("--seq", type=int_at_least(1), default=2048)
+    parser.add_argument("--stride", type=int_at_least(1), default=2)
+    parser.add_argument("--batch", type=int_at_least(1), default=1)
+    parser.add_argument("--repeats", type=int_at_least(1), default=15)
     parser.add_argument("--reductions", default="sequence",
                         help="comma-separated latent_reduction values, each timed against the "
                         "full visit")

@@ -21,6 +21,8 @@ from collections import defaultdict
 
 import torch
 
+from megaloop.cli import int_at_least
+
 # Forward phases: (name, attribute path from the MoE layer, method).
 PHASES = (("router", "", "route"), ("dispatch", "token_dispatcher", "token_dispatch"),
           ("permute", "token_dispatcher", "dispatch_postprocess"),
@@ -31,12 +33,12 @@ PHASES = (("router", "", "route"), ("dispatch", "token_dispatcher", "token_dispa
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1376)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--hidden", type=int_at_least(1), default=512)
+    parser.add_argument("--ffn", type=int_at_least(1), default=1376)
+    parser.add_argument("--experts", type=int_at_least(1), default=8)
+    parser.add_argument("--top-k", type=int_at_least(1), default=2)
+    parser.add_argument("--tokens", type=int_at_least(1), default=4096)
+    parser.add_argument("--repeats", type=int_at_least(1), default=15)
     args = parser.parse_args(argv)
 
     from megatron.core.transformer.spec_utils import build_module

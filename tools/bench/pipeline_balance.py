@@ -28,6 +28,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from megaloop.cli import int_at_least
+
 GOAL = 1.15  # slowest stage / mean stage busy time
 
 
@@ -147,14 +149,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--hidden", type=int_at_least(1), default=128)
+    parser.add_argument("--layers", type=int_at_least(1), default=8)
+    parser.add_argument("--iterations", type=int_at_least(1), default=3)
+    parser.add_argument("--heads", type=int_at_least(1), default=4)
+    parser.add_argument("--seq", type=int_at_least(1), default=128)
+    parser.add_argument("--vocab", type=int_at_least(1), default=2048)
+    parser.add_argument("--steps", type=int_at_least(1), default=5)
+    parser.add_argument("--warmup", type=int_at_least(0), default=2)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.steps, args.warmup, args.out)

@@ -37,6 +37,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from megaloop.cli import int_at_least  # noqa: E402  (this checkout's, found through REPO)
+
 SHARED = Path(os.environ.get("MEGALOOP_SHARED_DATA", REPO.parent / "shared" / "data"))
 DONE = re.compile(r"done: ([\d,]+) documents, ([\d,]+) tokens in ([\d.]+)s, ([\d.]+) CPU s")
 
@@ -117,9 +119,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--articles", type=Path, default=SHARED / "wikitext2_raw_test_articles.jsonl")
     p.add_argument("--tokenizer-model", type=Path, default=SHARED / "llama2_tokenizer.model")
-    p.add_argument("--copies", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each configuration's fastest is kept")
-    p.add_argument("--scale", type=int, default=10, help="the RSS run's input is this many times bigger (0: skip it)")
+    p.add_argument("--copies", type=int_at_least(1), default=40)
+    p.add_argument("--rounds", type=int_at_least(1), default=3, help="alternating rounds; each configuration's fastest is kept")
+    p.add_argument("--scale", type=int_at_least(0), default=10, help="the RSS run's input is this many times bigger (0: skip it)")
     args = p.parse_args()
     for path in (args.articles, args.tokenizer_model):
         if not path.is_file():
