@@ -384,6 +384,11 @@ def test_a_model_validated_alone_refuses_non_finite_floats():
     (["model.moe_layers=decoder"], "model.moe_layers='decoder'"),
     (["model.moe_ffn_hidden_size=64"], "model.moe_ffn_hidden_size=64"),
     (["model.moe_aux_loss_coeff=0.1"], "model.moe_aux_loss_coeff=0.1"),
+    (["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.decoder_ffn_hidden_size=1024"],
+     "model.decoder_ffn_hidden_size=1024: must be unset when the decoder's FFNs are MoE layers "
+     "(moe_layers='all'), which use moe_ffn_hidden_size"),
+    (["model.num_experts=4", "model.moe_ffn_hidden_size=64", "model.moe_layers=decoder",
+      "model.decoder_ffn_hidden_size=1024"], "model.decoder_ffn_hidden_size=1024"),
 ])
 def test_model_fields_the_architecture_ignores_are_refused(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])
@@ -396,8 +401,8 @@ def test_model_fields_the_architecture_ignores_are_refused(overrides, message):
     ["model.global_kv_norm=false", "model.joint_attention=masked", "model.encoder_layers=1"],
     ["model.num_experts=8", "model.moe_top_k=4", "model.moe_shared_expert_size=64",
      "model.moe_layers=decoder", "model.moe_ffn_hidden_size=64", "model.moe_aux_loss_coeff=0.1"],
-    ["model.arch=fullloop", "model.num_experts=4", "model.moe_top_k=1"],
-    ["model.arch=latentloop", "model.num_experts=4", "model.moe_top_k=1", "model.prelude_layers=1"],
+    ["model.arch=fullloop", "model.num_experts=4", "model.moe_top_k=3"],
+    ["model.arch=latentloop", "model.num_experts=4", "model.moe_top_k=3", "model.prelude_layers=1"],
     ["model.arch=dense"],
 ])
 def test_saved_configs_validate_again_as_a_resume_reads_them(tmp_path, overrides):
@@ -439,3 +444,27 @@ def test_alrs_granularity_is_read_without_alrs_too():
     """It shapes the optimizer's per-block LR multipliers, which work without ALRS."""
     apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0",
                                   "alrs.granularity=parameter"]).validate()
+
+
+def test_a_wider_decoder_ffn_is_kept_where_the_decoder_is_dense():
+    """moe_layers=encoder leaves the decoder's FFNs dense: their width is read."""
+    cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", "model.num_experts=4",
+                                        "model.moe_ffn_hidden_size=64", "model.moe_layers=encoder",
+                                        "model.decoder_ffn_hidden_size=1024"]).validate()
+    assert cfg.model.decoder_ffn_hidden_size == 1024
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_experts=4", "model.moe_top_k=1"],
+     "model.moe_top_k=1: must be in [2, num_experts=4] (top-1 routing would give the router no "
+     "gradient)"),
+    (["model.num_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5: must be in [2, "),
+    (["model.num_experts=4", "model.moe_shared_expert_size=51", "parallel.tensor=2"],
+     "parallel.tensor=2: must be a divisor of model.moe_shared_expert_size=51"),
+])
+def test_moe_settings_megatron_core_would_refuse_at_build_are_refused_naming_the_field(
+        overrides, message):
+    cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

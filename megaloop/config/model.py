@@ -243,6 +243,10 @@ class ModelConfig:
                     "with D >= 1")
             require(self.local_kv or self.injection == "global_kv", prefix, "local_kv",
                     self.local_kv, "true unless injection=global_kv (the decoder needs some keys)")
+            require(not self.moe_in("decoder") or self.decoder_ffn_hidden_size == self.ffn_hidden_size,
+                    prefix, "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,
+                    f"unset when the decoder's FFNs are MoE layers (moe_layers={self.moe_layers!r}),"
+                    " which use moe_ffn_hidden_size")
         else:
             require(self.decoder_ffn_hidden_size == self.ffn_hidden_size, prefix,
                     "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,
@@ -268,8 +272,11 @@ class ModelConfig:
                 ">= 0 (0: dense FFN)")
         if not self.uses_moe:
             return
-        require(1 <= self.moe_top_k <= self.num_experts, prefix, "moe_top_k", self.moe_top_k,
-                f"in [1, num_experts={self.num_experts}]")
+        # Top-1 would softmax over one chosen expert: a router without gradient (megatron-core
+        # refuses it unless the softmax comes before the choice, which megaloop does not build).
+        require(2 <= self.moe_top_k <= self.num_experts, prefix, "moe_top_k", self.moe_top_k,
+                f"in [2, num_experts={self.num_experts}] (top-1 routing would give the router no "
+                "gradient)")
         require(self.moe_ffn_hidden_size >= 1, prefix, "moe_ffn_hidden_size",
                 self.moe_ffn_hidden_size, ">= 1")
         require(self.moe_shared_expert_size >= 0, prefix, "moe_shared_expert_size",

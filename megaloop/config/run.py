@@ -53,6 +53,8 @@ class ParallelConfig:
             "decoder_ffn_hidden_size", "vocab_size")}
         if model.uses_moe and model.moe_ffn_hidden_size:  # experts split like the FFN
             split["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
+        if model.uses_moe and model.moe_shared_expert_size:  # and the shared expert
+            split["moe_shared_expert_size"] = model.moe_shared_expert_size
         undivided = [f"model.{name}={size}" for name, size in split.items() if size % tp]
         pad = "; or pad the vocabulary" if split["vocab_size"] % tp else ""
         require(not undivided, prefix, "tensor", tp,

@@ -333,7 +333,7 @@ ARCHITECTURE_CHANGES = {
 }
 RESUMABLE_CHANGES = {"iterations": 5, "joint_attention": "masked", "seq_length": 64,
                      "rotary_base": 500000.0, "norm_eps": 1e-6, "init_std": 0.01,
-                     "residual_scale_init": [0.5, 1.0], "moe_top_k": 1, "moe_aux_loss_coeff": 0.1,
+                     "residual_scale_init": [0.5, 1.0], "moe_top_k": 3, "moe_aux_loss_coeff": 0.1,
                      "moe_z_loss_coeff": 0.0}
 
 
