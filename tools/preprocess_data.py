@@ -35,6 +35,7 @@ from megaloop.data.readers import (
     describe_skipped,
     expand_inputs,
     input_kind,
+    json_keys_refusal,
 )
 from megaloop.data.tokenizer import TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
 
@@ -93,9 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--workers must be at least 1")
     if args.max_docs is not None and args.max_docs < 1:
         parser.error("--max-docs must be at least 1")
-    twice = next((key for i, key in enumerate(args.json_keys) if key in args.json_keys[:i]), None)
-    if twice is not None:  # both would write {prefix}_{key}_document at once
-        parser.error(f"--json-keys {' '.join(args.json_keys)}: {twice!r} given twice")
+    if refusal := json_keys_refusal(args.json_keys):
+        parser.error(refusal)
     return args
 
 

@@ -16,7 +16,7 @@ import sys
 from typing import Iterator
 
 from megaloop.cli import int_at_least
-from megaloop.data.readers import BadRecords, DataError, RecordFilter
+from megaloop.data.readers import BadRecords, DataError, RecordFilter, json_keys_refusal
 from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
@@ -63,7 +63,10 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if refusal := json_keys_refusal(args.json_keys):
+        parser.error(refusal)
     try:
         report = train(args)
     except DataError as err:

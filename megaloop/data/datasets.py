@@ -8,23 +8,23 @@ caller:
   .bin/.idx fails with one error naming the file rather than deep inside a sampler;
 - a split that would get no tokens is refused: megatron-core's ``_get_num_epochs`` loops forever
   on it;
-- the cached shuffle/sample indices are written atomically: megatron-core ``numpy.save``s them in
-  place, and a run killed mid-write leaves a truncated .npy that later runs load as a cache hit.
+- the cache of shuffle/sample indices is safe to share between jobs (``index_cache``): writes are
+  atomic, one job builds while another waits for its files, and the cache key covers the data's
+  sequence lengths, not only its path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
-import threading
 import warnings
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-import numpy
-
+from megaloop.data.index_cache import atomic_npy_writes, exclusive_build, sequence_lengths_md5
 from megaloop.data.indexed import sequence_lengths, validate_indexed
 from megaloop.data.readers import DataError
 
@@ -128,6 +128,7 @@ def build_gpt_datasets(
             "BlendedDataset asks for the rank); a world of 1 is fine"
         )
     config = mcore.GPTDatasetConfig(
+        sequence_lengths_md5={p: sequence_lengths_md5(s) for p, s in summaries.items()},
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
@@ -141,7 +142,10 @@ def build_gpt_datasets(
         create_attention_mask=create_attention_mask,
     )
     builder = mcore.BlendedMegatronDatasetBuilder(mcore.GPTDataset, list(num_samples), is_built_on_rank, config)
-    with _atomic_npy_writes():
+    # megatron-core builds missing indices on global rank 0 only (or without torch.distributed);
+    # the other ranks wait at its barriers, then load.
+    builds_here = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    with exclusive_build(cache_dir) if builds_here else contextlib.nullcontext(), atomic_npy_writes():
         return builder.build()
 
 
@@ -191,8 +195,14 @@ def split_weights(split: str) -> list[float] | None:
     return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
 
 
+@functools.cache
 def _import_mcore_datasets():
-    """megatron-core's dataset classes, with its C++ index helpers compiled if the wheel lacks them."""
+    """megatron-core's dataset classes, with its C++ index helpers compiled if the wheel lacks them.
+
+    GPTDataset and its config gain ``sequence_lengths_md5`` ({prefix: digest}) in the settings
+    that name cached indices: megatron-core keys them by the dataset's path alone.
+    """
+    import dataclasses
     import types
 
     with warnings.catch_warnings():
@@ -201,10 +211,20 @@ def _import_mcore_datasets():
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     _ensure_helpers()
+
+    @dataclasses.dataclass
+    class FingerprintedGPTDatasetConfig(GPTDatasetConfig):
+        sequence_lengths_md5: dict[str, str] | None = None
+
+    class FingerprintedGPTDataset(GPTDataset):
+        @staticmethod
+        def _key_config_attributes() -> list[str]:
+            return [*GPTDataset._key_config_attributes(), "sequence_lengths_md5"]
+
     return types.SimpleNamespace(
         BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,
-        GPTDataset=GPTDataset,
-        GPTDatasetConfig=GPTDatasetConfig,
+        GPTDataset=FingerprintedGPTDataset,
+        GPTDatasetConfig=FingerprintedGPTDatasetConfig,
         convert_split_vector_to_split_matrix=cfg.convert_split_vector_to_split_matrix,
         parse_and_normalize_split=cfg.parse_and_normalize_split,
     )
@@ -227,34 +247,3 @@ def _ensure_helpers() -> None:
             raise RuntimeError("could not compile megatron-core's dataset helpers (needs make, g++ and Python headers)")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-@contextlib.contextmanager
-def _atomic_npy_writes():
-    """Make ``numpy.save`` to a path write a temporary file and rename it into place.
-
-    megatron-core caches indices with plain ``numpy.save(path, ...)``, and judges a cache hit by
-    the files existing. Routing its saves through a rename means a killed run never leaves a
-    truncated .npy behind. Only saves made while building datasets are affected.
-    """
-    original = numpy.save
-
-    def atomic_save(file, arr, *args, **kwargs):
-        if not isinstance(file, (str, os.PathLike)):
-            return original(file, arr, *args, **kwargs)
-        path = os.fspath(file)
-        path = path if path.endswith(".npy") else path + ".npy"
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            with open(tmp, "wb") as f:
-                original(f, arr, *args, **kwargs)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-
-    numpy.save = atomic_save
-    try:
-        yield
-    finally:
-        numpy.save = original

@@ -144,6 +144,13 @@ class RecordFilter:
         return list(self.keys) + [column for column, value in self.thresholds() if value is not None]
 
 
+def json_keys_refusal(keys: Sequence[str]) -> str | None:
+    """The command-line refusal of a --json-keys list naming a field twice, or None. Each key is
+    a pass over the input: a repeat would train on that field twice, or write one output twice."""
+    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    return None if twice is None else f"--json-keys {' '.join(keys)}: {twice!r} given twice"
+
+
 def input_kind(path: str | os.PathLike) -> str:
     name = str(path).lower()
     if name.endswith(PARQUET_SUFFIXES):

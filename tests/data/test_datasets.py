@@ -5,7 +5,7 @@ import numpy
 import pytest
 import torch
 
-from megaloop.data.datasets import DatasetTokenizer, _atomic_npy_writes, build_gpt_datasets, parse_blend
+from megaloop.data.datasets import DatasetTokenizer, build_gpt_datasets, parse_blend
 from megaloop.data.readers import DataError
 
 TOKENIZER = DatasetTokenizer(vocab_size=32000, eod=2, name="llama2_tokenizer.model")
@@ -99,13 +99,3 @@ def test_blend_parsing():
     with pytest.raises(DataError, match="weight '-1' is not a non-negative number"):
         parse_blend(["-1", "a", "2", "b"])
 
-
-def test_cache_writes_are_atomic(tmp_path, monkeypatch):
-    path = tmp_path / "x.npy"
-    with _atomic_npy_writes():
-        numpy.save(str(path), numpy.arange(5))
-        with pytest.raises(ValueError):
-            numpy.save(str(tmp_path / "y.npy"), numpy.array([object()]), allow_pickle=False)
-    assert numpy.load(path).tolist() == [0, 1, 2, 3, 4]
-    assert sorted(os.listdir(tmp_path)) == ["x.npy"]  # the failed save left nothing behind
-    assert numpy.save.__module__ == "numpy"  # restored

@@ -67,3 +67,12 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_training(tmp_pa
     assert code == 2 and err.startswith(f"error: {output}: {reason}") and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "tiny.txt"]
     assert list((tmp_path / "dir").iterdir()) == []
+
+
+def test_a_json_key_given_twice_is_refused(tmp_path, capsys, tool):
+    # Before: the field's documents were fed to SentencePiece twice, and exit 0.
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--input", "x.jsonl", "--output", str(tmp_path / "t.model"), "--json-keys", "text", "text"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --json-keys text text: 'text' given twice\n")
+    assert list(tmp_path.iterdir()) == []

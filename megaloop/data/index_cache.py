@@ -1,0 +1,127 @@
+"""The cache of megatron-core's dataset indices, made safe to share between jobs.
+
+megatron-core's GPTDataset and BlendedDataset keep their shuffle/sample indices as .npy files in
+``path_to_cache``, named by a hash of the settings that make them, and take a file's existence as
+a cache hit. Left as it is, that is unsafe where jobs share a cache directory (normal on a
+cluster), in three ways this module closes:
+
+- ``atomic_npy_writes``: megatron-core ``numpy.save``s in place, so a job killed mid-write, or a
+  job loading while another writes, meets a truncated .npy that looks whole;
+- ``exclusive_build``: two jobs missing the same index both build it; with an exclusive lock
+  on the cache directory the second waits, then loads the finished files;
+- ``sequence_lengths_md5``: the hash covers the dataset's path, not its contents, so data
+  re-tokenized under the same prefix (or another dataset reached by the same relative path)
+  would reuse indices built for other documents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import socket
+import threading
+
+import numpy
+
+from megaloop.data.indexed import IndexedSummary, sequence_lengths
+
+log = logging.getLogger("megaloop.data")
+
+BUILD_LOCK = ".megaloop-build.lock"
+_NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_PARTIAL_NPY = re.compile(r"\.npy\.tmp-\d+-\d+$")  # what atomic_npy_writes writes before its rename
+
+
+def sequence_lengths_md5(summary: IndexedSummary) -> str:
+    """A digest of what a GPTDataset's indices are made from: the token count of every sequence
+    (a sample spans sequences by their lengths; the tokens are read only when a sample is)."""
+    return hashlib.md5(sequence_lengths(summary), usedforsecurity=False).hexdigest()
+
+
+@contextlib.contextmanager
+def exclusive_build(cache_dir: str):
+    """Hold an exclusive ``flock`` on ``<cache_dir>/.megaloop-build.lock``, waiting (with a log
+    line naming the holder) while another process holds it; then remove the temporary files of
+    builds that were killed. The kernel drops a flock however its process ends, so a killed
+    job never blocks the next. A cache directory this process cannot write to is used unlocked:
+    it can only load from it. A filesystem without locks gets a warning and no lock."""
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        lock_file = open(os.path.join(cache_dir, BUILD_LOCK), "a+")
+    except OSError:
+        lock_file = None
+    if lock_file is None:
+        yield
+        return
+    with lock_file:
+        if _lock(lock_file, cache_dir):
+            _remove_partial_files(cache_dir)
+        yield
+
+
+def _lock(lock_file, cache_dir: str) -> bool:
+    """Takes the flock, waiting for it: True, or False (with a warning) without lock support."""
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "another process"
+        log.info("%s: waiting for %s, which is building dataset indices there", cache_dir, holder)
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno not in _NO_LOCK_SUPPORT:
+            raise
+        log.warning("%s: the filesystem does not support file locks (%s); jobs sharing this cache "
+                    "directory may build the same dataset indices at once", cache_dir, e.strerror)
+        return False
+    lock_file.seek(0)
+    lock_file.truncate()
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
+    lock_file.flush()
+    return True
+
+
+def _remove_partial_files(cache_dir: str) -> None:
+    """Every writer holds the lock, so a temporary .npy found under it is a killed build's."""
+    for name in os.listdir(cache_dir):
+        if _PARTIAL_NPY.search(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(cache_dir, name))
+
+
+@contextlib.contextmanager
+def atomic_npy_writes():
+    """Make ``numpy.save`` to a path write a temporary file and rename it into place.
+
+    megatron-core caches indices with plain ``numpy.save(path, ...)``, and judges a cache hit by
+    the files existing. Routing its saves through a rename means a killed run never leaves a
+    truncated .npy behind. Only saves made while building datasets are affected.
+    """
+    original = numpy.save
+
+    def atomic_save(file, arr, *args, **kwargs):
+        if not isinstance(file, (str, os.PathLike)):
+            return original(file, arr, *args, **kwargs)
+        path = os.fspath(file)
+        path = path if path.endswith(".npy") else path + ".npy"
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                original(f, arr, *args, **kwargs)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    numpy.save = atomic_save
+    try:
+        yield
+    finally:
+        numpy.save = original

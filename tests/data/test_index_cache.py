@@ -1,0 +1,108 @@
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy
+import pytest
+
+from megaloop.data.datasets import DatasetTokenizer, build_gpt_datasets
+from megaloop.data.index_cache import atomic_npy_writes
+from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
+
+REPO = Path(__file__).parents[2]
+CHILD = Path(__file__).with_name("index_cache_child.py")
+TOKENIZER = DatasetTokenizer(vocab_size=32000, eod=2, name="llama2_tokenizer.model")
+INDICES = ("document_index", "sample_index", "shuffle_index")
+
+
+def _indices(prefix: str, cache_dir: Path) -> dict:
+    """The train split's indices as the child jobs build them (same settings)."""
+    train = build_gpt_datasets([prefix], TOKENIZER, 64, (300, None, None), split="100,0,0",
+                               cache_dir=str(cache_dir))[0]
+    return {name: numpy.array(getattr(train, name)) for name in INDICES}
+
+
+def _assert_same(found, expected):
+    for name in INDICES:
+        assert numpy.array_equal(found[name], expected[name]), name
+
+
+def _start(tmp_path, prefix, name, mode):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    stderr = open(tmp_path / f"{name}.log", "w")
+    args = [prefix, str(tmp_path / "cache"), str(tmp_path / f"{name}.npz"), str(tmp_path), name, mode]
+    return subprocess.Popen([sys.executable, str(CHILD), *args], env=env, stderr=stderr)
+
+
+def _wait_until(condition, job) -> None:
+    deadline = time.monotonic() + 120  # a broken lock fails the test instead of hanging it
+    while not condition():
+        assert job.poll() is None, f"the job ended early (exit {job.returncode})"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_second_job_waits_for_the_first_to_build_then_loads_its_indices(tmp_path, tokenized_articles):
+    first = _start(tmp_path, tokenized_articles, "first", "hold")
+    _wait_until(lambda: (tmp_path / "first-building").exists(), first)
+    second = _start(tmp_path, tokenized_articles, "second", "hold")
+    # Before: the second job missed the cache too and built the same files at the same time.
+    waiting = f"waiting for pid {first.pid} on "
+    _wait_until(lambda: (waiting in (tmp_path / "second.log").read_text()
+                         or (tmp_path / "second-building").exists()), second)
+    assert not (tmp_path / "second-building").exists()
+    (tmp_path / "release").touch()
+    assert first.wait(120) == 0 and second.wait(120) == 0, (tmp_path / "second.log").read_text()
+    first_out, second_out = numpy.load(tmp_path / "first.npz"), numpy.load(tmp_path / "second.npz")
+    assert first_out["built"] and not second_out["built"]
+    expected = _indices(tokenized_articles, tmp_path / "fresh-cache")
+    _assert_same(first_out, expected)
+    _assert_same(second_out, expected)
+
+
+def test_a_job_killed_mid_write_leaves_nothing_the_next_job_loads(tmp_path, tokenized_articles):
+    killed = _start(tmp_path, tokenized_articles, "killed", "die")
+    _wait_until(lambda: (tmp_path / "killed-mid-write").exists(), killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(120)
+    cache = tmp_path / "cache"
+    # Before: the truncated shuffle index, beside the whole document and sample indices, was a
+    # cache hit; loading it failed or read garbage.
+    _assert_same(_indices(tokenized_articles, cache), _indices(tokenized_articles, tmp_path / "fresh"))
+    assert not any(".tmp-" in name for name in os.listdir(cache))  # the killed job's partial file went
+
+
+def test_indices_of_data_rewritten_under_the_same_prefix_are_rebuilt(tmp_path, sp_model, articles):
+    # Before: the cache key held the prefix, not the data, so re-tokenized data under the same
+    # prefix reused indices made for other documents.
+    def tokenize(records, where):
+        corpus = tmp_path / f"{where}.jsonl"
+        corpus.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True, workers=0)
+        preprocess(whole_files([str(corpus)]), str(tmp_path / where), options)
+        return output_prefix(str(tmp_path / where), "text")
+
+    prefix = tokenize(articles, "data")
+    before = _indices(prefix, tmp_path / "cache")
+    smaller = tokenize(articles[:20], "smaller")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(smaller + suffix, prefix + suffix)
+    after = _indices(prefix, tmp_path / "cache")
+    _assert_same(after, _indices(prefix, tmp_path / "fresh"))
+    assert not numpy.array_equal(after["document_index"], before["document_index"])
+
+
+def test_cache_writes_are_atomic(tmp_path):
+    path = tmp_path / "x.npy"
+    with atomic_npy_writes():
+        numpy.save(str(path), numpy.arange(5))
+        with pytest.raises(ValueError):
+            numpy.save(str(tmp_path / "y.npy"), numpy.array([object()]), allow_pickle=False)
+    assert numpy.load(path).tolist() == [0, 1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["x.npy"]  # the failed save left nothing behind
+    assert numpy.save.__module__ == "numpy"  # restored
