@@ -390,8 +390,9 @@ class Trainer:
                         f"loss was NaN/Inf for {self._consecutive_nonfinite} consecutive steps "
                         f"(last at step {self.step}); updates were skipped and nothing was saved; "
                         f"last good checkpoint: {latest or 'none'}")
+                # The last step's evaluation is the final one below (with the eval depths).
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0
-                        and self.valid_data is not None):
+                        and self.step < cfg.train_steps and self.valid_data is not None):
                     self.monitor.log_eval(self.step, self.evaluate())
                 interval = self.cfg.checkpoint.save_interval
                 if self._stop_requested():
