@@ -45,11 +45,23 @@ def dataset_tokenizer(cfg: RunConfig) -> DatasetTokenizer:
 
 
 def build_datasets(cfg: RunConfig):
-    """(train, valid) megatron-core datasets sized for the whole run; raises DataError on bad files."""
+    """(train, valid) datasets sized for the whole run; valid is None when ``data.split`` gives
+    it no data and no evaluation is asked for. Raises DataError on bad files."""
     samples = (cfg.train.train_steps * cfg.train.global_batch_size,
                cfg.train.eval_iters * cfg.train.global_batch_size, 0)
-    if cfg.data.format == "sft":
-        return _build_sft_datasets(cfg, samples)
+    build = _build_sft_datasets if cfg.data.format == "sft" else _build_indexed_datasets
+    train, valid = build(cfg, samples)
+    interval, depths = cfg.train.eval_interval, cfg.train.eval_depths
+    asked = (f"train.eval_interval={interval}" if interval
+             else f"train.eval_depths={depths}" if depths else None)
+    if valid is None and asked:
+        raise ConfigError(f"data.split={cfg.data.split!r}: gives the validation split no data, "
+                          f"but {asked} asks for evaluations; give it a weight, or train without "
+                          "evaluation (train.eval_interval=0, train.eval_depths=[])")
+    return train, valid
+
+
+def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, dataset_tokenizer(cfg), cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
