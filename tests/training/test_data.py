@@ -55,7 +55,7 @@ def test_no_scan_when_the_token_dtype_cannot_reach_the_vocabulary(tmp_path):
 
 
 def _write_legacy_tokenized(prefix, sp_model, copies=1):
-    """Two documents (``copies`` times) as tools/preprocess_data.py --legacy-tokenizer writes them."""
+    """Two documents, ``copies`` times, as preprocess_data.py --legacy-tokenizer writes them."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
