@@ -50,6 +50,9 @@ def build_config(argv: list[str] | None = None):
     parser.add_argument("overrides", nargs="*", help="section.field=value (before or after the "
                                                      "options)")
     args = parser.parse_intermixed_args(argv)
+    if args.world_size is not None and not args.dry_run:
+        raise ConfigError(f"--world-size {args.world_size}: only read with --dry-run; a run's "
+                          "world size is the launcher's (torchrun, srun, mpiexec)")
     cfg = RunConfig()
     if args.preset:
         from megaloop.presets import PRESETS

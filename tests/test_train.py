@@ -34,6 +34,7 @@ DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
     (["model.hiden_size=3"], "error: unknown field model.hiden_size (did you mean hidden_size?)"),
     ([], "error: data.path=[]: must be a non-empty list of dataset prefixes"),
     (["--preset", "2B"], "error: --preset '2B': unknown"),
+    (DATA + ["--world-size", "2"], "error: --world-size 2: only read with --dry-run"),
     (["data.path=[/nonexistent/prefix]", "data.eod_id=0", "train.out_dir=OUT"],
      "error: /nonexistent/prefix.idx: not found"),
     (["data.path=[DATA]", "data.tokenizer_model=/nonexistent/tok.model", "train.out_dir=OUT"],
@@ -100,7 +101,7 @@ def test_dry_run_refuses_a_world_of_no_ranks(capsys, size):
 
 def test_overrides_may_come_before_and_after_the_options():
     cfg, _ = build_config(["data.path=[x]", "--preset", "tiny", "train.lr=2e-3", "data.eod_id=0",
-                           "--world-size", "2", "model.arch=fullloop"])
+                           "--dry-run", "--world-size", "2", "model.arch=fullloop"])
     assert cfg.data.path == ["x"] and cfg.train.lr == 2e-3 and cfg.model.arch == "fullloop"
     assert cfg.model.hidden_size == build_config(["--preset", "tiny", "data.path=[x]",
                                                   "data.eod_id=0"])[0].model.hidden_size

@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
     args = parser.parse_intermixed_args(argv)
 
-    from megaloop.config import ConfigError
-    from megaloop.scale.layout import layout_of, micro_batches_per_step
+    from megaloop.config import ConfigError, micro_batches_per_step
+    from megaloop.scale.layout import layout_of
     from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, \
         fitting_layouts
     from megaloop.train import build_config

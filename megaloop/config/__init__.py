@@ -15,8 +15,8 @@ from megaloop.config.model import (DEFAULT_ITERATIONS, FLASH_HEAD_DIM_MULTIPLE, 
                                    Arch, Block, Injection, JointImpl, LatentReduction, MoELayers,
                                    ModelConfig, ResidualScale)
 from megaloop.config.run import (CheckpointConfig, DataConfig, DownstreamEvalConfig, Fp8Recipe,
-                                 ParallelConfig, RunConfig, TrainConfig, split_weights,
-                                 template_fields)
+                                 ParallelConfig, RunConfig, TrainConfig, micro_batches_per_step,
+                                 split_weights, template_fields)
 from megaloop.config.serialization import (apply_overrides, atomic_write_leftovers,
                                            check_field_names, from_dict, load_yaml,
                                            run_config_from, save_yaml, to_dict, write_text_atomic)
@@ -26,7 +26,7 @@ __all__ = [
     "DEFAULT_ITERATIONS", "FLASH_HEAD_DIM_MULTIPLE", "FLASH_MAX_HEAD_DIM", "Arch", "Block",
     "Injection", "JointImpl", "LatentReduction", "MoELayers", "ModelConfig", "ResidualScale",
     "CheckpointConfig", "DataConfig", "DownstreamEvalConfig", "Fp8Recipe", "ParallelConfig",
-    "RunConfig", "TrainConfig", "split_weights", "template_fields",
+    "RunConfig", "TrainConfig", "micro_batches_per_step", "split_weights", "template_fields",
     "apply_overrides", "check_field_names", "from_dict", "load_yaml", "run_config_from",
     "save_yaml", "to_dict", "write_text_atomic", "atomic_write_leftovers",
 ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megaloop.alrs.schedule import ALRSConfig
-from megaloop.config.errors import divisors_text, require, require_finite
+from megaloop.config.errors import ConfigError, divisors_text, require, require_finite
 from megaloop.config.model import ModelConfig
 from megaloop.data.datasets import SPLIT_RULE, split_weights  # split_weights re-exported
 
@@ -193,6 +193,27 @@ class TrainConfig:
         if self.precision != "fp8":
             return None
         return self.fp8_recipe or "current"
+
+
+def micro_batches_per_step(train: TrainConfig, parallel: ParallelConfig,
+                           data_parallel_size: int) -> int:
+    """Micro-batches of one optimizer step on each of ``data_parallel_size`` data-parallel ranks;
+    a ConfigError line for a global batch that does not split into them, which a launch must
+    refuse at start-up (and a dry run or estimate must not call fine)."""
+    per_step = train.micro_batch_size * data_parallel_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size}: must be a multiple of "
+            f"micro_batch_size x data-parallel size = {train.micro_batch_size} x "
+            f"{data_parallel_size} = {per_step}")
+    micro = train.global_batch_size // per_step
+    if parallel.virtual_pipeline > 1 and micro % parallel.pipeline:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size}: the interleaved schedule "
+            f"(parallel.virtual_pipeline={parallel.virtual_pipeline}) runs micro-batches in "
+            f"groups of parallel.pipeline={parallel.pipeline}, but a step has {micro} per "
+            f"data-parallel rank; use a multiple of {per_step * parallel.pipeline}")
+    return micro
 
 
 @dataclass

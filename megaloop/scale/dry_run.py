@@ -13,10 +13,9 @@ import os
 
 import yaml
 
-from megaloop.config import RunConfig, to_dict
+from megaloop.config import RunConfig, micro_batches_per_step, to_dict
 from megaloop.models.pipeline import describe_split, stage_counts
-from megaloop.scale.layout import (Layout, layout_of, micro_batches_per_step, rank_coordinates,
-                                   stage_layout)
+from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
 from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
 
 _FULL_TABLE_RANKS = 64  # larger worlds print their first two and last node only

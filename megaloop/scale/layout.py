@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from megaloop.config.errors import divisors_text
 from megaloop.models.pipeline import Stage, plan_stages, stage_counts
 
@@ -124,27 +124,6 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
             f"(world size {world_size} / tensor {parallel.tensor} / pipeline "
             f"{parallel.pipeline}): expert parallelism splits the data-parallel ranks; use "
             f"expert in ({divisors_text(data)})")
-
-
-def micro_batches_per_step(train: TrainConfig, parallel: ParallelConfig,
-                           data_parallel_size: int) -> int:
-    """Micro-batches of one optimizer step on each of ``data_parallel_size`` data-parallel ranks;
-    a ConfigError line for a global batch that does not split into them, which a launch must
-    refuse at start-up (and a dry run or estimate must not call fine)."""
-    per_step = train.micro_batch_size * data_parallel_size
-    if train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={train.global_batch_size}: must be a multiple of "
-            f"micro_batch_size x data-parallel size = {train.micro_batch_size} x "
-            f"{data_parallel_size} = {per_step}")
-    micro = train.global_batch_size // per_step
-    if parallel.virtual_pipeline > 1 and micro % parallel.pipeline:
-        raise ConfigError(
-            f"train.global_batch_size={train.global_batch_size}: the interleaved schedule "
-            f"(parallel.virtual_pipeline={parallel.virtual_pipeline}) runs micro-batches in "
-            f"groups of parallel.pipeline={parallel.pipeline}, but a step has {micro} per "
-            f"data-parallel rank; use a multiple of {per_step * parallel.pipeline}")
-    return micro
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megaloop.config import ModelConfig, RunConfig
-from megaloop.scale.layout import Layout, Stage, micro_batches_per_step, stage_layout
+from megaloop.config import ModelConfig, RunConfig, micro_batches_per_step
+from megaloop.scale.layout import Layout, Stage, stage_layout
 
 GIB = 1024**3
 OVERHEAD_BYTES = 3 * GIB  # CUDA context, NCCL communicators, cuBLAS / cuDNN workspaces

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from megaloop.config import ConfigError, RunConfig
+from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
 from megaloop.training.collective import rank0_decides
@@ -45,13 +45,26 @@ def dataset_tokenizer(cfg: RunConfig) -> DatasetTokenizer:
 
 
 def build_datasets(cfg: RunConfig):
-    """(train, valid) megatron-core datasets sized for the whole run; raises DataError on bad files."""
+    """(train, valid) datasets sized for the whole run; valid is None when ``data.split`` gives
+    it no data and no evaluation is asked for. Raises DataError on bad files."""
     samples = (cfg.train.train_steps * cfg.train.global_batch_size,
                cfg.train.eval_iters * cfg.train.global_batch_size, 0)
-    if cfg.data.format == "sft":
-        return _build_sft_datasets(cfg, samples)
+    build = _build_sft_datasets if cfg.data.format == "sft" else _build_indexed_datasets
+    train, valid = build(cfg, samples)
+    interval, depths = cfg.train.eval_interval, cfg.train.eval_depths
+    asked = (f"train.eval_interval={interval}" if interval
+             else f"train.eval_depths={depths}" if depths else None)
+    if valid is None and asked:
+        raise ConfigError(f"data.split={cfg.data.split!r}: gives the validation split no data, "
+                          f"but {asked} asks for evaluations; give it a weight, or train without "
+                          "evaluation (train.eval_interval=0, train.eval_depths=[])")
+    return train, valid
+
+
+def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
+    tokenizer = dataset_tokenizer(cfg)
     train, valid, _ = build_gpt_datasets(
-        cfg.data.path, dataset_tokenizer(cfg), cfg.model.seq_length, samples,
+        cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
         eod_mask_loss=cfg.data.eod_mask_loss,
     )
@@ -59,8 +72,13 @@ def build_datasets(cfg: RunConfig):
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
-    rank0_decides(lambda: check_token_ids(prefixes, cfg.model.vocab_size, cache_dir),
-                  (DataError,))
+
+    def check() -> None:
+        check_token_ids(prefixes, cfg.model.vocab_size, cache_dir)
+        if cfg.data.tokenizer_model is not None:
+            check_tokenizer_ids(prefixes, cfg.data, tokenizer.vocab_size, cache_dir)
+
+    rank0_decides(check, (DataError,))
     return train, valid
 
 
@@ -82,15 +100,48 @@ def check_token_ids(prefixes: list[str], vocab_size: int, cache_dir: str | os.Pa
     Free when the token dtype cannot hold such an id; otherwise one pass over the .bin, done once
     per file version: the maximum is cached as ``max_token_id-*`` files in the shuffle-index
     cache directory, keyed by the file's size and modification time."""
+    for prefix, top in _ids_reaching(prefixes, vocab_size, cache_dir):
+        raise DataError(f"{prefix}.bin: token id {top} is outside the model's vocabulary "
+                        f"(model.vocab_size={vocab_size}); the data was tokenized with "
+                        "another tokenizer, or the vocabulary is too small")
+
+
+def check_tokenizer_ids(prefixes: list[str], data: DataConfig, tokenizer_size: int,
+                        cache_dir: str | os.PathLike) -> None:
+    """Refuses data holding a token id past the ``tokenizer_size`` ids of ``data.tokenizer_model``,
+    which no encoding by that tokenizer writes. The id would fit the model's padded vocabulary, so
+    training would go on with another end-of-document id than the data's (wrong document
+    boundaries, ``eod_mask_loss`` masking the wrong token): tools/preprocess_data.py
+    ``--legacy-tokenizer`` with SentencePieceTokenizer, for one, ends documents with an
+    ``<EOD>`` id numbered past the model's pieces. Shares check_token_ids' cached scan."""
+    for prefix, top in _ids_reaching(prefixes, tokenizer_size, cache_dir):
+        raise DataError(f"{prefix}.bin: token id {top} is past the {tokenizer_size} ids of "
+                        f"data.tokenizer_model={data.tokenizer_model!r}: the data was tokenized "
+                        f"otherwise{_legacy_hint(data, top)}")
+
+
+def _legacy_hint(data: DataConfig, top: int) -> str:
+    """How to train on data from --legacy-tokenizer, when ``top`` is one of its added ids."""
+    if data.tokenizer_type != "SentencePieceTokenizer":  # the one type whose EOD legacy changes
+        return ""
+    legacy = load_tokenizer(data.tokenizer_type, data.tokenizer_model, legacy=True)
+    if top >= legacy.vocab_size:
+        return ""
+    return (f" (by its --legacy-tokenizer mode of tools/preprocess_data.py, which ends documents "
+            f"with id {legacy.eod}: train on it with data.eod_id={legacy.eod} in place of "
+            "data.tokenizer_model)")
+
+
+def _ids_reaching(prefixes: list[str], limit: int, cache_dir: str | os.PathLike):
+    """(prefix, its largest token id) for each file holding an id >= ``limit``; no scan of a file
+    whose token dtype cannot hold one."""
     for prefix in prefixes:
         summary = validate_indexed(prefix)
-        if numpy.iinfo(summary.dtype).max < vocab_size:
+        if numpy.iinfo(summary.dtype).max < limit:
             continue
         top = _max_token_id(prefix + ".bin", summary, cache_dir)
-        if top >= vocab_size:
-            raise DataError(f"{prefix}.bin: token id {top} is outside the model's vocabulary "
-                            f"(model.vocab_size={vocab_size}); the data was tokenized with "
-                            "another tokenizer, or the vocabulary is too small")
+        if top >= limit:
+            yield prefix, top
 
 
 def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:

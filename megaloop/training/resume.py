@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 
@@ -65,9 +66,8 @@ NOT_APPLICABLE = {
 # Read only when ALRS allocates (alrs.mode=alrs): in effect at the next allocation, refused once
 # the multipliers are frozen. decoder_boost and decoder_prefix set the multipliers of
 # alrs.mode=decoder_boost once, at the start of a run.
-AT_NEXT_ALLOCATION = ("alrs.s1", "alrs.s2", "alrs.transition", "alrs.embedding_head",
-                      "alrs.embedding_head_prefixes")
-AT_START = ("alrs.decoder_boost", "alrs.decoder_prefix")
+AT_NEXT_ALLOCATION = tuple(f"alrs.{name}" for name in ALLOCATION_OPTIONS)
+AT_START = tuple(f"alrs.{name}" for name in BOOST_OPTIONS)
 OWN_RULES = ("model.residual_scale_init", "train.use_alrs", "checkpoint.load",
              "checkpoint.load_optimizer")
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megaloop.config import ConfigError, RunConfig, save_yaml, to_dict
+from megaloop.config import RunConfig, micro_batches_per_step, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
@@ -142,19 +142,7 @@ class Trainer:
                          virtual_pipeline=par.virtual_pipeline)
         self._stop_point("joining the process group")
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        micro_per_step = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
-        per_step = cfg.train.micro_batch_size * self.dp_size
-        if micro_per_step * per_step != cfg.train.global_batch_size:
-            raise ConfigError(
-                f"train.global_batch_size={cfg.train.global_batch_size}: must be a multiple of "
-                f"micro_batch_size x data-parallel size = {per_step}")
-        if par.virtual_pipeline > 1 and micro_per_step % par.pipeline:
-            raise ConfigError(
-                f"train.global_batch_size={cfg.train.global_batch_size}: the interleaved schedule "
-                f"(parallel.virtual_pipeline={par.virtual_pipeline}) runs micro-batches in groups "
-                f"of parallel.pipeline={par.pipeline}, but a step has {micro_per_step} per "
-                f"data-parallel rank; use a multiple of {per_step * par.pipeline}")
-        self.num_microbatches = micro_per_step
+        self.num_microbatches = micro_batches_per_step(cfg.train, par, self.dp_size)
         self.out_dir = Path(cfg.train.out_dir)
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
         self._run_dirs = RunDirs(self.out_dir, self.checkpoint_dir, cfg.data.cache_dir)
@@ -402,8 +390,9 @@ class Trainer:
                         f"loss was NaN/Inf for {self._consecutive_nonfinite} consecutive steps "
                         f"(last at step {self.step}); updates were skipped and nothing was saved; "
                         f"last good checkpoint: {latest or 'none'}")
+                # The last step's evaluation is the final one below (with the eval depths).
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0
-                        and self.valid_data is not None):
+                        and self.step < cfg.train_steps and self.valid_data is not None):
                     self.monitor.log_eval(self.step, self.evaluate())
                 interval = self.cfg.checkpoint.save_interval
                 if self._stop_requested():

@@ -79,15 +79,17 @@ def test_each_eval_depth_equals_an_evaluation_of_the_model_at_that_depth(mcore, 
     assert len(set(losses)) == len(losses), losses
 
 
-def test_evaluation_runs_every_eval_interval_and_at_the_end(mcore, pattern_data, tmp_path):
+@pytest.mark.parametrize("train_steps, evaluated", [(4, [3, 4]), (6, [3, 6])])
+def test_evaluation_runs_every_eval_interval_and_at_the_end_once(mcore, pattern_data, tmp_path,
+                                                                 train_steps, evaluated):
     import json
     import math
 
     result = Trainer(tiny_run(pattern_data, tmp_path,
-                              train={"train_steps": 4, "eval_interval": 3})).train()
+                              train={"train_steps": train_steps, "eval_interval": 3})).train()
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "eval"]
-    assert [e["step"] for e in evals] == [3, 4]
+    assert [e["step"] for e in evals] == evaluated
     for e in evals:
         assert e["val_ppl"] == pytest.approx(math.exp(e["val_loss"]), rel=1e-9)
     assert evals[-1]["val_loss"] == result["val_loss"] != evals[0]["val_loss"]

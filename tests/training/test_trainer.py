@@ -168,9 +168,21 @@ def test_save_keeps_the_checkpoint_just_written_and_never_rewrites_latest(mcore,
         ckpt.save_checkpoint(tmp_path / "checkpoints", 4, {}, cfg, keep_last=1)
 
 
-def test_a_split_without_validation_data_trains_and_skips_evaluation(mcore, pattern_data,
-                                                                      tmp_path):
-    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2, "eval_interval": 1})
+@pytest.mark.parametrize("evaluations, message", [
+    ({"eval_interval": 1}, "train.eval_interval=1 asks for evaluations"),
+    ({"eval_depths": [1]}, r"train.eval_depths=\[1\] asks for evaluations")])
+def test_a_split_without_validation_data_is_refused_when_evaluations_are_asked_for(
+        mcore, pattern_data, tmp_path, evaluations, message):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2, **evaluations})
+    cfg.data.split = "100,0,0"
+    with pytest.raises(ConfigError, match=r"^data.split='100,0,0': gives the validation split no "
+                                          rf"data, but {message}; "):
+        Trainer(cfg)
+
+
+def test_a_split_without_validation_data_trains_when_no_evaluation_is_asked_for(
+        mcore, pattern_data, tmp_path):
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2, "eval_interval": 0})
     cfg.data.split = "100,0,0"
     result = Trainer(cfg).train()
     assert result == {"step": 2}
