@@ -104,8 +104,9 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
             raise ConfigError(f"{path}: no {needed.name} (not a megaloop run directory)")
     cfg = load_yaml(config)
     records, _ = read_metrics(metrics)
-    # One point per evaluated step, its last record: the trainer's final evaluation repeats the
-    # periodic one when train_steps is a multiple of eval_interval (a point counted twice).
+    # One point per evaluated step, its last record: a metrics.jsonl written before the trainer
+    # stopped repeating the final step's evaluation (train_steps a multiple of eval_interval) has
+    # two records of that step, and a resumed run may log a step again.
     evals = list({r["step"]: r for r in records
                   if r.get("kind") == "eval" and r.get("val_loss") is not None}.values())
     if not evals:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from megaloop.config import ConfigError, DataConfig, RunConfig
+from megaloop.config import ConfigError, DataConfig, RunConfig, write_text_atomic
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
 from megaloop.training.collective import rank0_decides
@@ -159,7 +159,9 @@ def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:
     del tokens
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        cached.write_text(f"{top}\n")
+        # Atomic: a truncated "31999" read as 319 by a job sharing the cache would pass as the
+        # maximum and hide the ids it should refuse.
+        write_text_atomic(cached, f"{top}\n")
     except OSError:  # a read-only cache only costs the scan again next time
         pass
     return top
