@@ -11,16 +11,19 @@ from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig
 VOCAB, EOD = 128, 0
 
 
-def write_pattern_dataset(prefix: Path, documents: int = 400, seed: int = 0) -> str:
-    """Arithmetic progressions mod 120 (ids 1..120, EOD 0): structure a model learns in steps."""
+def write_pattern_dataset(prefix: Path, documents: int = 400, seed: int = 0,
+                          modulus: int = 120) -> str:
+    """Arithmetic progressions mod ``modulus`` (ids 1..modulus, EOD 0): structure a model learns
+    in steps."""
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
     for _ in range(documents):
-        start, stride, length = rng.integers(0, 120), rng.integers(1, 4), rng.integers(20, 60)
-        doc = (start + stride * np.arange(length)) % 120 + 1
+        start, stride, length = (rng.integers(0, modulus), rng.integers(1, 4),
+                                 rng.integers(20, 60))
+        doc = (start + stride * np.arange(length)) % modulus + 1
         builder.add_item(torch.from_numpy(np.append(doc, EOD).astype(np.int64)))
         builder.end_document()
     builder.finalize(f"{prefix}.idx")

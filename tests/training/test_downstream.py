@@ -14,7 +14,7 @@ from megaloop.config import ConfigError, DownstreamEvalConfig
 from megaloop.training.downstream import preserved_rng
 from megaloop.training.trainer import Trainer
 from tests.hf.harness import EVAL_DATA, require_harness
-from tests.training.conftest import tiny_run, train_losses
+from tests.training.conftest import tiny_run, train_losses, write_pattern_dataset
 
 TASKS = ["piqa", "winogrande"]
 
@@ -31,6 +31,15 @@ def tokenizer(tmp_path_factory):
     train_sentencepiece(lines, path, vocab_size=100, byte_fallback=False,
                         hard_vocab_limit=False)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def pattern_data(tmp_path_factory, tokenizer):
+    """The pattern data within the tokenizer's ids (training refuses ids past them)."""
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=tokenizer).get_piece_size()
+    return write_pattern_dataset(tmp_path_factory.mktemp("data") / "pattern", modulus=pieces - 1)
 
 
 def _run(pattern_data, out_dir, tokenizer, downstream=None):
