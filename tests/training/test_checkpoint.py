@@ -298,6 +298,38 @@ def test_a_new_run_with_another_checkpoint_dir_goes_ahead_when_asked_for(tmp_pat
     assert ckpt.resume_source(cfg(out), new) is None, "its own directory, still empty"
 
 
+def test_a_config_yaml_in_out_dir_that_no_run_saved_names_no_previous_run(tmp_path):
+    """A config the user wrote into train.out_dir (``--config <out_dir>/config.yaml``) lacks the
+    sections a saved run config has: it names no checkpoint directory, so the run starts, rather
+    than being refused as an unreadable checkpoint config."""
+    from megaloop.config import DataConfig, TrainConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("model:\n  arch: asymloop\ntrain:\n  train_steps: 10\n")
+    cfg = RunConfig(data=DataConfig(path=["x"], eod_id=0), train=TrainConfig(out_dir=str(out)))
+    assert ckpt.resume_source(cfg, out / "checkpoints") is None
+
+
+def test_a_runs_out_dir_without_a_checkpoint_is_no_checkpoint(tmp_path):
+    """Before its first save a run's out_dir holds only its config.yaml: named, it is no
+    checkpoint (one line saying what was expected), not a checkpoint missing metadata.json. An
+    iter_N directory missing its metadata.json is still a (damaged) checkpoint, for
+    verify_checkpoint to name the file."""
+    from megaloop.config import TrainConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    save_yaml(RunConfig(train=TrainConfig(out_dir=str(out))), out / "config.yaml")
+    assert ckpt.named_checkpoint(out) is None
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint there \(expected an iter_N "):
+        ckpt.find_checkpoint(out)
+    damaged = out / "checkpoints" / "iter_0000002"
+    damaged.mkdir(parents=True)
+    save_yaml(RunConfig(), damaged / "config.yaml")
+    assert ckpt.named_checkpoint(damaged) == damaged
+
+
 # ----------------------------------------------------------------------- permissions
 
 def test_latest_and_config_are_readable_by_others_like_the_shards(saved_run, pattern_data,
