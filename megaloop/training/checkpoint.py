@@ -424,11 +424,17 @@ def _check_out_dir_not_left_by_its_checkpoints(cfg: RunConfig, checkpoint_dir: P
     """A run with nothing of its own to resume starts at step 0 and starts ``train.out_dir``'s
     metrics over. Refused when the config the last run there saved in ``train.out_dir`` names
     another checkpoint directory, one holding checkpoints: checkpoint.dir was changed, and the
-    run it names would lose its metrics history."""
+    run it names would lose its metrics history. Not when ``checkpoint.load`` continues that run
+    from one of them with its optimizer (checkpoints moved to new storage): it goes on from the
+    loaded step, its metrics before it kept."""
     out_dir = Path(cfg.train.out_dir)
     previous = _recorded_checkpoint_dir(out_dir)
     if previous is None:
         return
+    if cfg.checkpoint.load and cfg.checkpoint.load_optimizer:
+        loaded = named_checkpoint(cfg.checkpoint.load)
+        if loaded is not None and loaded.resolve().parent == previous.resolve():
+            return
     complete = complete_checkpoints(previous)
     if complete and previous.resolve() != checkpoint_dir.resolve():
         raise ConfigError(

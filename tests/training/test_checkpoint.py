@@ -274,6 +274,32 @@ def test_a_changed_checkpoint_dir_with_nothing_to_resume_is_refused_naming_both(
     assert not elsewhere.exists(), "the refused set-up removes the directory it made"
 
 
+def test_a_run_continued_into_another_checkpoint_dir_with_its_optimizer_keeps_its_metrics(
+        saved_run, pattern_data, tmp_path):
+    """checkpoint.load of the run's own checkpoints with load_optimizer=true (checkpoints moved to
+    new storage mid-run) continues at the loaded step, so nothing in out_dir starts over: not
+    refused. Before the fix this was refused as a changed checkpoint.dir."""
+    out = _copy(saved_run, tmp_path)
+    before = train_losses(out)
+    elsewhere = tmp_path / "elsewhere"
+    cfg = _cfg(pattern_data, out, dir=str(elsewhere), load=str(out / "checkpoints"))
+    cfg.train.train_steps = STEPS + 1
+    Trainer(cfg).train()
+    after = train_losses(out)
+    assert sorted(after) == list(range(1, STEPS + 2))
+    assert {step: after[step] for step in before} == before
+    assert ckpt.step_of(ckpt.latest_checkpoint(elsewhere)) == STEPS + 1
+    # Another run's checkpoint, or this one's without its optimizer, would start the metrics of
+    # this out_dir over or splice another run's onto them: refused as before.
+    other = tmp_path / "other"
+    shutil.copytree(out / "checkpoints", other)
+    for load, load_optimizer in ((other, True), (elsewhere, False)):
+        cfg = _cfg(pattern_data, out, dir=str(tmp_path / "third"), load=str(load),
+                   load_optimizer=load_optimizer)
+        with pytest.raises(ConfigError, match="holds no checkpoint to resume, but train.out_dir"):
+            ckpt.resume_source(cfg, tmp_path / "third")
+
+
 def test_a_new_run_with_another_checkpoint_dir_goes_ahead_when_asked_for(tmp_path):
     """checkpoint.resume=false in the same out_dir, or another out_dir: the two deliberate ways.
     The config the previous run saved in out_dir names its checkpoint directory."""
