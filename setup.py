@@ -15,7 +15,9 @@ setup(
         "megatron-core>=0.16.1",
         "numpy",
         "pyyaml",
-        "psutil",  # megatron-core's dist_checkpointing saver needs it but does not declare it
+        # megaloop.training.signals (the exit at once kills the process tree), the monitor, and
+        # megatron-core's dist_checkpointing saver, which needs it but does not declare it
+        "psutil",
         "sentencepiece",
         "tokenizers",
         "rich",

@@ -37,5 +37,5 @@ TRAIN_ARGS=(
   data.path="[$DATA]" data.tokenizer_model="$TOKENIZER"
   train.out_dir="$RUN_DIR"
 )
-mkdir -p "$RUN_DIR"
+[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RUN_DIR"  # a dry run writes nothing
 megaloop_train "${TRAIN_ARGS[@]}" "$@"

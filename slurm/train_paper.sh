@@ -46,10 +46,13 @@ TRAINING_ARGS=(
   train.global_batch_size=512 train.micro_batch_size="${MICRO_BATCH[$PRESET]}"
   train.train_steps="${STEPS[$PRESET]}" train.lr=1e-3 train.min_lr_ratio=0.1
   train.warmup_fraction=0.1 train.weight_decay=0.1 train.clip_grad=1.0
-  train.eval_interval=500 train.eval_depths="[1,3,5]"
+  train.eval_interval=500
 )
+if [ "$ARCH" != dense ]; then  # Dense has no test-time depth (the config refuses eval_depths)
+  TRAINING_ARGS+=(train.eval_depths="[1,3,5]")
+fi
 DATA_ARGS=(data.path="[$DATA]" data.tokenizer_model="$TOKENIZER")
 OUTPUT_ARGS=(train.out_dir="$RUN_DIR" checkpoint.save_interval=500)
 
-mkdir -p "$RUN_DIR"
+[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RUN_DIR"  # a dry run writes nothing
 megaloop_train "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

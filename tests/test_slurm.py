@@ -44,8 +44,8 @@ def test_scripts_call_only_megaloop_entry_points():
                 pytest.skip(f"{call} (called by slurm/{script}) is not in this checkout yet")
 
 
-def _dry_run(script, *args, nodes=1):
-    env = {**os.environ, "DRY_RUN": "1", "NODES": str(nodes), "DATA": "/data/fwe",
+def _dry_run(script, *args, nodes=1, **settings):
+    env = {**os.environ, **settings, "DRY_RUN": "1", "NODES": str(nodes), "DATA": "/data/fwe",
            "TOKENIZER": "/data/tok.model",
            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -60,6 +60,16 @@ def test_paper_runs_fit_one_node_of_80_gb_gpus(preset):
     assert result.returncode == 0, result.stderr
     assert "8 ranks = tensor 1 x pipeline 1 x data 8" in result.stdout
     assert "-> fits" in result.stdout, result.stdout[-400:]
+
+
+@pytest.mark.parametrize("arch", ["dense", "fullloop"])
+def test_every_architecture_the_paper_loop_submits_dry_runs_and_writes_nothing(arch, tmp_path):
+    """The header's loop submits dense too, which has no test-time depth to evaluate; a dry run
+    creates no run directory."""
+    result = _dry_run("train_paper.sh", "60M", arch, RUN_DIR=str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "-> fits" in result.stdout, result.stdout[-400:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_7b_recipe_dry_run_and_bad_input():

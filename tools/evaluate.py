@@ -13,7 +13,8 @@ checked) with the run's tokenizer or --tokenizer. --tasks: task names of example
 hellaswag, winogrande, arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu, gsm8k) or tags
 (asymloop_tasks: the AsymLoop paper's seven; latentloop_tasks: the LatentLoop paper's eight).
 --data-dir holds their files (names in each YAML's data_files). --depths: test-time iterations
-(default: the model's); Dense and LatentLoop have none to set (refused before any export).
+(default: the model's); Dense has none to set and LatentLoop only its own iterations (other
+values refused before any export).
 
 Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every metric), atomically,
 and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value),

@@ -424,12 +424,17 @@ def _check_out_dir_not_left_by_its_checkpoints(cfg: RunConfig, checkpoint_dir: P
     """A run with nothing of its own to resume starts at step 0 and starts ``train.out_dir``'s
     metrics over. Refused when the config the last run there saved in ``train.out_dir`` names
     another checkpoint directory, one holding checkpoints: checkpoint.dir was changed, and the
-    run it names would lose its metrics history."""
+    run it names would lose its metrics history. Not when ``checkpoint.load`` continues that run
+    from one of them with its optimizer (checkpoints moved to new storage): it goes on from the
+    loaded step, its metrics before it kept."""
     out_dir = Path(cfg.train.out_dir)
-    if not (out_dir / "config.yaml").is_file():
+    previous = _recorded_checkpoint_dir(out_dir)
+    if previous is None:
         return
-    saved_dir = (saved_config(out_dir).get("checkpoint") or {}).get("dir")
-    previous = Path(saved_dir) if saved_dir else out_dir / "checkpoints"
+    if cfg.checkpoint.load and cfg.checkpoint.load_optimizer:
+        loaded = named_checkpoint(cfg.checkpoint.load)
+        if loaded is not None and loaded.resolve().parent == previous.resolve():
+            return
     complete = complete_checkpoints(previous)
     if complete and previous.resolve() != checkpoint_dir.resolve():
         raise ConfigError(
@@ -445,26 +450,35 @@ def named_checkpoint(path: str | os.PathLike) -> Path | None:
     directory, or the one its checkpoint directory's ``latest`` names when ``path`` is a run's
     ``train.out_dir``; None when it is none of these."""
     path = Path(path)
-    path = _checkpoint_dir_of_out_dir(path) or path
+    if _is_out_dir(path):  # its config.yaml is the run's: no checkpoint until one has ``latest``
+        found = [d for d in (_recorded_checkpoint_dir(path), path / "checkpoints")
+                 if d is not None and (d / LATEST).exists()]
+        if not found:
+            return None
+        path = found[0]
     if path.is_dir() and (path / LATEST).exists():
         path = latest_checkpoint(path)
     return path if (path / "config.yaml").is_file() else None
 
 
-def _checkpoint_dir_of_out_dir(path: Path) -> Path | None:
-    """The checkpoint directory of the run whose ``train.out_dir`` is ``path`` (its config.yaml is
-    the run's, not a checkpoint's: no metadata.json beside it), when that directory has ``latest``.
-    Without this, a run's out_dir, which holds a config.yaml, passed for a checkpoint."""
-    if (path / "metadata.json").is_file() or not (path / "config.yaml").is_file():
+def _is_out_dir(path: Path) -> bool:
+    """Whether ``path`` is a run's ``train.out_dir`` (a config.yaml, but neither a checkpoint's
+    metadata.json nor an ``iter_N`` name, which a damaged checkpoint keeps, nor ``latest``)."""
+    return ((path / "config.yaml").is_file() and not (path / "metadata.json").is_file()
+            and not _NAME.match(path.name) and not (path / LATEST).exists())
+
+
+def _recorded_checkpoint_dir(out_dir: Path) -> Path | None:
+    """The checkpoint directory that the run config saved in ``out_dir`` names (its default,
+    ``<out_dir>/checkpoints``, when unset); None without a saved run config there (none, or a
+    config.yaml the user wrote, which lacks the model/parallel sections every saved one has)."""
+    if not (out_dir / "config.yaml").is_file():
         return None
     try:
-        saved_dir = (saved_config(path).get("checkpoint") or {}).get("dir")
+        saved_dir = (saved_config(out_dir).get("checkpoint") or {}).get("dir")
     except CheckpointError:
         return None
-    for candidate in ([Path(saved_dir)] if saved_dir else []) + [path / "checkpoints"]:
-        if (candidate / LATEST).exists():
-            return candidate
-    return None
+    return Path(saved_dir) if saved_dir else out_dir / "checkpoints"
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:

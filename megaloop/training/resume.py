@@ -10,7 +10,8 @@ a new field has to be placed):
 - ``BOOKKEEPING`` (logging, evaluation, saving): in effect, each change one info line. A
   ``checkpoint.dir`` changed so that the run finds nothing there to resume, while the config the
   last run saved in ``train.out_dir`` names a directory holding checkpoints, is refused before
-  this (``checkpoint.resume_source``): it would start that run over, metrics included;
+  this (``checkpoint.resume_source``): it would start that run over, metrics included (not so
+  with ``checkpoint.load`` of one of them and its optimizer, which continues the run);
 - ``NOT_APPLICABLE``: read only when a run starts from scratch, so a change cannot take effect
   and is refused in one line naming the field;
 - the ALRS switches and options, ``checkpoint.load`` / ``load_optimizer`` and

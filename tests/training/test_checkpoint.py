@@ -274,6 +274,32 @@ def test_a_changed_checkpoint_dir_with_nothing_to_resume_is_refused_naming_both(
     assert not elsewhere.exists(), "the refused set-up removes the directory it made"
 
 
+def test_a_run_continued_into_another_checkpoint_dir_with_its_optimizer_keeps_its_metrics(
+        saved_run, pattern_data, tmp_path):
+    """checkpoint.load of the run's own checkpoints with load_optimizer=true (checkpoints moved to
+    new storage mid-run) continues at the loaded step, so nothing in out_dir starts over: not
+    refused. Before the fix this was refused as a changed checkpoint.dir."""
+    out = _copy(saved_run, tmp_path)
+    before = train_losses(out)
+    elsewhere = tmp_path / "elsewhere"
+    cfg = _cfg(pattern_data, out, dir=str(elsewhere), load=str(out / "checkpoints"))
+    cfg.train.train_steps = STEPS + 1
+    Trainer(cfg).train()
+    after = train_losses(out)
+    assert sorted(after) == list(range(1, STEPS + 2))
+    assert {step: after[step] for step in before} == before
+    assert ckpt.step_of(ckpt.latest_checkpoint(elsewhere)) == STEPS + 1
+    # Another run's checkpoint, or this one's without its optimizer, would start the metrics of
+    # this out_dir over or splice another run's onto them: refused as before.
+    other = tmp_path / "other"
+    shutil.copytree(out / "checkpoints", other)
+    for load, load_optimizer in ((other, True), (elsewhere, False)):
+        cfg = _cfg(pattern_data, out, dir=str(tmp_path / "third"), load=str(load),
+                   load_optimizer=load_optimizer)
+        with pytest.raises(ConfigError, match="holds no checkpoint to resume, but train.out_dir"):
+            ckpt.resume_source(cfg, tmp_path / "third")
+
+
 def test_a_new_run_with_another_checkpoint_dir_goes_ahead_when_asked_for(tmp_path):
     """checkpoint.resume=false in the same out_dir, or another out_dir: the two deliberate ways.
     The config the previous run saved in out_dir names its checkpoint directory."""
@@ -296,6 +322,38 @@ def test_a_new_run_with_another_checkpoint_dir_goes_ahead_when_asked_for(tmp_pat
     assert ckpt.resume_source(cfg(tmp_path / "another"), new) is None
     save_yaml(RunConfig(checkpoint=CheckpointConfig(dir=str(new))), out / "config.yaml")
     assert ckpt.resume_source(cfg(out), new) is None, "its own directory, still empty"
+
+
+def test_a_config_yaml_in_out_dir_that_no_run_saved_names_no_previous_run(tmp_path):
+    """A config the user wrote into train.out_dir (``--config <out_dir>/config.yaml``) lacks the
+    sections a saved run config has: it names no checkpoint directory, so the run starts, rather
+    than being refused as an unreadable checkpoint config."""
+    from megaloop.config import DataConfig, TrainConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("model:\n  arch: asymloop\ntrain:\n  train_steps: 10\n")
+    cfg = RunConfig(data=DataConfig(path=["x"], eod_id=0), train=TrainConfig(out_dir=str(out)))
+    assert ckpt.resume_source(cfg, out / "checkpoints") is None
+
+
+def test_a_runs_out_dir_without_a_checkpoint_is_no_checkpoint(tmp_path):
+    """Before its first save a run's out_dir holds only its config.yaml: named, it is no
+    checkpoint (one line saying what was expected), not a checkpoint missing metadata.json. An
+    iter_N directory missing its metadata.json is still a (damaged) checkpoint, for
+    verify_checkpoint to name the file."""
+    from megaloop.config import TrainConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    save_yaml(RunConfig(train=TrainConfig(out_dir=str(out))), out / "config.yaml")
+    assert ckpt.named_checkpoint(out) is None
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint there \(expected an iter_N "):
+        ckpt.find_checkpoint(out)
+    damaged = out / "checkpoints" / "iter_0000002"
+    damaged.mkdir(parents=True)
+    save_yaml(RunConfig(), damaged / "config.yaml")
+    assert ckpt.named_checkpoint(damaged) == damaged
 
 
 # ----------------------------------------------------------------------- permissions
