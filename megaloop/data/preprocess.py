@@ -302,12 +302,13 @@ def write_sidecar(prefix: str, record: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except OSError as err:
-        raise DataError(f"{path}: cannot write the tokenizer sidecar ({err.strerror or err}); the "
-                        ".bin/.idx are complete without it") from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as err:
+        with contextlib.suppress(OSError):
             os.remove(temporary)
+        if isinstance(err, OSError):
+            raise DataError(f"{path}: cannot write the tokenizer sidecar ({err.strerror or err}); "
+                            "the .bin/.idx are complete without it") from None
+        raise
 
 
 def remove_sidecar(prefix: str) -> None:
