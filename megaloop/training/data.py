@@ -30,7 +30,8 @@ def text_tokenizer(cfg: RunConfig):
     ConfigError naming it when unusable)."""
     data = cfg.data
     try:
-        return load_tokenizer(data.tokenizer_type, data.tokenizer_model, legacy=data.legacy_tokenizer)
+        return load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                              legacy=data.legacy_tokenizer)
     except TokenizerError as e:
         raise ConfigError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
 
@@ -122,14 +123,15 @@ def check_sidecars(prefixes: list[str], data: DataConfig, eod: int,
         summary = validate_indexed(prefix)
         for key, held in (("documents", summary.num_documents), ("tokens", summary.num_tokens)):
             if key in saved and saved[key] != held:
-                raise DataError(f"{where}: describes {saved[key]} {key}, but {prefix}.bin/.idx hold "
-                                f"{held}: it was written for other data; remove it, or "
+                raise DataError(f"{where}: describes {saved[key]} {key}, but {prefix}.bin/.idx "
+                                f"hold {held}: it was written for other data; remove it, or "
                                 "preprocess the data again")
         for key, field, value in settings:
             if key not in saved or saved[key] == value:
                 continue
             if key == "tokenizer_sha256":
-                made = f"tokenizer_model={saved.get('tokenizer_model')!r} (sha256 {saved[key][:12]})"
+                made = (f"tokenizer_model={saved.get('tokenizer_model')!r} "
+                        f"(sha256 {saved[key][:12]})")
                 run = f"{field}={data.tokenizer_model!r} (sha256 {value[:12]})"
             else:
                 made, run = f"{key}={saved[key]!r}", f"{field}={value!r}"
