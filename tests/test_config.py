@@ -224,6 +224,10 @@ def test_split_strings(split, weights):
     # Before: accepted, and read by nobody (no tokenizer is loaded with data.eod_id alone).
     (["data.tokenizer_type=HuggingFaceTokenizer"], "data.tokenizer_type='HuggingFaceTokenizer': "
      "must be left at its default 'SentencePieceTokenizer' unless data.tokenizer_model is given"),
+    # Before the field: legacy data trained with another EOD id than its own; without a
+    # tokenizer the flag would be read by nobody.
+    (["data.legacy_tokenizer=true"], "data.legacy_tokenizer=True: must be false unless "
+     "data.tokenizer_model is given"),
     (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),

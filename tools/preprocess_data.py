@@ -1,7 +1,8 @@
 """Tokenize .jsonl(.gz/.zst), parquet or plain text into Megatron .bin/.idx files.
 
 Takes Megatron-LM's tools/preprocess_data.py flags and writes the same files,
-``{output_prefix}_{key}_document.bin/.idx``, through megatron-core's IndexedDatasetBuilder:
+``{output_prefix}_{key}_document.bin/.idx``, through megatron-core's IndexedDatasetBuilder, and
+beside them ``.tokenizer.json``, which training checks its tokenizer settings against:
 
     python tools/preprocess_data.py --input data/fineweb-edu/ --output-prefix data/fwe \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 8
@@ -212,12 +213,14 @@ def shard_prefix(prefix: str, rank: int, world: int) -> str:
 
 def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
     """Every rank's shard files, committed or partial: a failed run leaves no dataset that looks valid."""
-    from megaloop.data.preprocess import output_prefix
+    from megaloop.data.preprocess import output_prefix, sidecar_path
 
     for rank in range(world):
         for key in keys:
-            base = glob.escape(output_prefix(shard_prefix(prefix, rank, world), key))
-            for path in glob.glob(base + ".bin") + glob.glob(base + ".idx") + glob.glob(base + ".partial-*"):
+            shard = output_prefix(shard_prefix(prefix, rank, world), key)
+            base, sidecar = glob.escape(shard), glob.escape(sidecar_path(shard))
+            for path in (glob.glob(base + ".bin") + glob.glob(base + ".idx") + glob.glob(base + ".partial-*")
+                         + glob.glob(sidecar) + glob.glob(sidecar + ".partial-*")):
                 try:
                     os.remove(path)
                 except FileNotFoundError:  # its rank removed it first
@@ -227,7 +230,8 @@ def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
 def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
     from megaloop.data.indexed import merge_indexed, validate_indexed
-    from megaloop.data.preprocess import check_usable, output_prefix, preprocess, shard_ranges
+    from megaloop.data.preprocess import (check_usable, output_prefix, preprocess, read_sidecar, remove_sidecar,
+                                          shard_ranges, write_sidecar)
 
     rank, world = comm.Get_rank(), comm.Get_size()
     # Ranks count disjoint subsets of the files, then all learn every count.
@@ -247,8 +251,12 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
         for key in args.json_keys:
             parts = [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
             merged = output_prefix(args.output_prefix, key)
+            remove_sidecar(merged)
             total.docs = merge_indexed(parts, merged, args.max_docs)
-            total.tokens += validate_indexed(merged).num_tokens
+            tokens = validate_indexed(merged).num_tokens
+            total.tokens += tokens
+            # Every shard's sidecar describes the same tokenizer; the counts are the merge's.
+            write_sidecar(merged, {**read_sidecar(parts[0]), "documents": total.docs, "tokens": tokens})
         remove_shards(args.output_prefix, world, args.json_keys)
         _report(total, [output_prefix(args.output_prefix, k) for k in args.json_keys])
     comm.Barrier()
@@ -256,6 +264,8 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
 
 def _report(stats, prefixes: list[str]) -> None:
     from rich.console import Console
+
+    from megaloop.data.preprocess import SIDECAR_SUFFIX
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     console.print(f"done: {stats.docs:,} documents, {stats.tokens:,} tokens in {stats.seconds:.2f}s, "
@@ -270,7 +280,7 @@ def _report(stats, prefixes: list[str]) -> None:
         for example in stats.bad.examples:
             console.print(f"  {example}")
     for prefix in prefixes:
-        console.print(f"wrote {prefix}.bin / .idx")
+        console.print(f"wrote {prefix}.bin / .idx / {SIDECAR_SUFFIX}")
 
 
 def _mpi_comm():

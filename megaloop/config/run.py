@@ -226,6 +226,9 @@ class DataConfig:
     split: str = "969,30,1"  # train,valid,test proportions of the blend
     tokenizer_type: str = "SentencePieceTokenizer"
     tokenizer_model: str | None = None  # gives the EOD id and checks vocab_size
+    # Encode as tools/preprocess_data.py --legacy-tokenizer did (SentencePieceTokenizer: EOD is an
+    # added <EOD> id past the model's pieces), so training ends documents with the data's EOD id.
+    legacy_tokenizer: bool = False
     eod_id: int | None = None  # only without tokenizer_model
     cache_dir: str | None = None  # shuffle-index cache; None: beside the first prefix
     eod_mask_loss: bool = False
@@ -255,6 +258,9 @@ class DataConfig:
                 self.tokenizer_type, f"left at its default {DataConfig.tokenizer_type!r} unless "
                 f"{prefix}.tokenizer_model is given (with {prefix}.eod_id alone no tokenizer "
                 "is loaded)")
+        require(self.tokenizer_model is not None or not self.legacy_tokenizer, prefix,
+                "legacy_tokenizer", self.legacy_tokenizer, f"false unless {prefix}.tokenizer_model "
+                f"is given (with {prefix}.eod_id alone no tokenizer is loaded)")
         require(split_weights(self.split) is not None, prefix, "split", self.split, SPLIT_RULE)
 
     def _validate_sft(self, prefix: str) -> None:

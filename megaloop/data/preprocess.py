@@ -13,6 +13,11 @@ Documents are what Megatron-LM's tools/preprocess_data.py writes for the same re
 sequence; a list of sentences is one sequence per sentence that has tokens; EOD (if asked) ends the
 last sequence; a text with no tokens is an empty document, without EOD.
 
+Beside each .bin/.idx pair goes ``{prefix}.tokenizer.json`` (``write_sidecar``): how the ids were
+made (tokenizer type, model file and its sha256, legacy encoding, EOD id, vocabulary, --append-eod)
+and the documents and tokens it describes, so that training can refuse settings that read the ids
+otherwise. Megatron-LM writes none; readers treat it as optional.
+
 Workers are spawned (not forked) and import only this module's light dependencies: the parent
 has usually imported torch and megatron-core, which are slow to import and unsafe to fork. They are
 a ``ProcessPoolExecutor``'s, which notices a worker that died (the kernel's out-of-memory killer
@@ -22,8 +27,11 @@ sends SIGKILL) where ``multiprocessing.Pool`` would wait for its result forever.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import multiprocessing
+import os
 import signal
 import time
 from collections import deque
@@ -34,7 +42,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy
 
-from megaloop.data.readers import BadRecords, Chunk, DataError, RecordFilter, expand_inputs, iter_chunks, parse_chunk
+from megaloop.data.readers import (BadRecords, Chunk, DataError, RecordFilter, expand_inputs, first_line, iter_chunks,
+                                   parse_chunk)
 from megaloop.data.tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -258,6 +267,73 @@ def _stop_pool(executor: ProcessPoolExecutor, now: bool) -> None:
     executor.shutdown(wait=True, cancel_futures=True)
 
 
+SIDECAR_SUFFIX = ".tokenizer.json"
+
+
+def sidecar_path(prefix: str) -> str:
+    return prefix + SIDECAR_SUFFIX
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_record(options: PreprocessOptions, tokenizer: TextTokenizer) -> dict:
+    """The sidecar's description of how ``tokenizer`` (loaded from ``options``) makes ids."""
+    return {"tokenizer_type": options.tokenizer_type,
+            "tokenizer_model": os.path.basename(tokenizer.path),
+            "tokenizer_sha256": file_sha256(tokenizer.path),
+            "legacy_tokenizer": options.legacy_tokenizer, "eod_id": tokenizer.eod,
+            "vocab_size": tokenizer.vocab_size, "append_eod": options.append_eod}
+
+
+def write_sidecar(prefix: str, record: dict) -> None:
+    """``record`` (``tokenizer_record`` with the ``documents`` and ``tokens`` of ``prefix``'s
+    .bin/.idx) beside them, atomically; the data files are complete without it."""
+    path = sidecar_path(prefix)
+    temporary = f"{path}.partial-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        if isinstance(err, OSError):
+            raise DataError(f"{path}: cannot write the tokenizer sidecar ({err.strerror or err}); "
+                            "the .bin/.idx are complete without it") from None
+        raise
+
+
+def remove_sidecar(prefix: str) -> None:
+    """Before new data replaces ``prefix``: an earlier run's sidecar must not outlive its data."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(sidecar_path(prefix))
+
+
+def read_sidecar(prefix: str) -> dict | None:
+    """The sidecar of ``prefix``, or None when it has none (data from Megatron-LM, say)."""
+    path = sidecar_path(prefix)
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: unreadable tokenizer sidecar ({first_line(err)}); remove it or "
+                        "preprocess the data again")
+    if not isinstance(record, dict):
+        raise DataError(f"{path}: a tokenizer sidecar must be a JSON object, got "
+                        f"{type(record).__name__}")
+    return record
+
+
 def check_tokenizer(options: PreprocessOptions) -> TextTokenizer:
     """Load the tokenizer up front, so a bad file or missing EOD fails before any work."""
     tokenizer = _load(options)
@@ -303,6 +379,7 @@ def preprocess(
     keys = options.record_filter.keys
     chunks = iter_chunks(ranges, options.record_filter.columns(), options.chunk_records, options.chunk_bytes)
     stats = PreprocessStats()
+    tokens = dict.fromkeys(keys, 0)  # per output; stats.tokens counts them all
     executor, writers = None, {}
     try:
         if options.workers == 0:
@@ -329,6 +406,7 @@ def preprocess(
             for key in keys:
                 part = encoded.keys[key].first_documents(take)
                 writers[key].add_documents(part.tokens, part.sequence_lengths, part.document_sequences)
+                tokens[key] += len(part.tokens)
                 stats.tokens += len(part.tokens)
                 stats.empty += int((part.document_sequences == 0).sum())
             stats.docs += take
@@ -345,8 +423,11 @@ def preprocess(
                 break
         if not allow_empty:
             check_usable(stats, keys)
-        for writer in writers.values():
+        record = tokenizer_record(options, tokenizer)
+        for key, writer in writers.items():
+            remove_sidecar(writer.prefix)
             writer.commit()
+            write_sidecar(writer.prefix, {**record, "documents": stats.docs, "tokens": tokens[key]})
     except BaseException as err:
         if executor is not None:
             _stop_pool(executor, now=not isinstance(err, Exception))

@@ -9,6 +9,7 @@ parallel rank r takes the ``micro_batch_size`` samples at s*G + (m*dp + r)*micro
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,24 +19,28 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig, write_text_atomic
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
+from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.training.collective import rank0_decides
 
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
 
 
 def text_tokenizer(cfg: RunConfig):
-    """The tokenizer ``data.tokenizer_model`` names (a ConfigError naming it when unusable)."""
+    """The tokenizer ``data.tokenizer_model`` names, encoding as ``data.legacy_tokenizer`` says (a
+    ConfigError naming it when unusable)."""
     data = cfg.data
     try:
-        return load_tokenizer(data.tokenizer_type, data.tokenizer_model)
+        return load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                              legacy=data.legacy_tokenizer)
     except TokenizerError as e:
         raise ConfigError(f"data.tokenizer_model={data.tokenizer_model!r}: {e}") from None
 
 
-def dataset_tokenizer(cfg: RunConfig) -> DatasetTokenizer:
+def dataset_tokenizer(cfg: RunConfig, text=None) -> DatasetTokenizer:
+    """From ``text`` (``text_tokenizer(cfg)``, loaded here when not given) or ``data.eod_id``."""
     data, model = cfg.data, cfg.model
     if data.tokenizer_model is not None:
-        tokenizer = DatasetTokenizer.from_text_tokenizer(text_tokenizer(cfg))
+        tokenizer = DatasetTokenizer.from_text_tokenizer(text or text_tokenizer(cfg))
     else:
         tokenizer = DatasetTokenizer(model.vocab_size, data.eod_id, name=f"eod{data.eod_id}")
     if tokenizer.vocab_size > model.vocab_size:
@@ -62,7 +67,8 @@ def build_datasets(cfg: RunConfig):
 
 
 def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
-    tokenizer = dataset_tokenizer(cfg)
+    text = text_tokenizer(cfg) if cfg.data.tokenizer_model is not None else None
+    tokenizer = dataset_tokenizer(cfg, text)
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
@@ -74,6 +80,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
 
     def check() -> None:
+        check_sidecars(prefixes, cfg.data, tokenizer.eod, text.path if text else None)
         check_token_ids(prefixes, cfg.model.vocab_size, cache_dir)
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(prefixes, cfg.data, tokenizer.vocab_size, cache_dir)
@@ -92,6 +99,47 @@ def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no records")
     return train, valid
+
+
+def check_sidecars(prefixes: list[str], data: DataConfig, eod: int,
+                   tokenizer_file: str | None) -> None:
+    """Refuses data whose sidecar (``{prefix}.tokenizer.json``, from tools/preprocess_data.py)
+    says its ids were made otherwise than the run reads them: another tokenizer type or model file,
+    the other ``--legacy-tokenizer`` mode, another EOD id (``eod``: the run's). Also one that
+    describes other documents or tokens than the files hold (files replaced after it was written).
+    Data without a sidecar (Megatron-LM's) is left to the id checks."""
+    sidecars = [(prefix, saved) for prefix in prefixes if (saved := read_sidecar(prefix))]
+    if not sidecars:
+        return
+    if tokenizer_file is None:
+        settings = [("eod_id", "data.eod_id", eod)]
+    else:
+        settings = [("tokenizer_type", "data.tokenizer_type", data.tokenizer_type),
+                    ("tokenizer_sha256", "data.tokenizer_model", file_sha256(tokenizer_file)),
+                    ("legacy_tokenizer", "data.legacy_tokenizer", data.legacy_tokenizer),
+                    ("eod_id", "the EOD id of data.tokenizer_model", eod)]
+    for prefix, saved in sidecars:
+        where = sidecar_path(prefix)
+        summary = validate_indexed(prefix)
+        for key, held in (("documents", summary.num_documents), ("tokens", summary.num_tokens)):
+            if key in saved and saved[key] != held:
+                raise DataError(f"{where}: describes {saved[key]} {key}, but {prefix}.bin/.idx "
+                                f"hold {held}: it was written for other data; remove it, or "
+                                "preprocess the data again")
+        for key, field, value in settings:
+            if key not in saved or saved[key] == value:
+                continue
+            if key == "tokenizer_sha256":
+                made = (f"tokenizer_model={saved.get('tokenizer_model')!r} "
+                        f"(sha256 {saved[key][:12]})")
+                run = f"{field}={data.tokenizer_model!r} (sha256 {value[:12]})"
+            else:
+                made, run = f"{key}={saved[key]!r}", f"{field}={value!r}"
+            fix = (f"set {field}={json.dumps(saved[key])}" if field.startswith("data.")
+                   and key in ("legacy_tokenizer", "eod_id") else
+                   "train with the tokenizer it was made with, or preprocess it again")
+            raise DataError(f"{where}: {prefix} was tokenized with {made}, but the run has {run}; "
+                            f"{fix}")
 
 
 def check_token_ids(prefixes: list[str], vocab_size: int, cache_dir: str | os.PathLike) -> None:
@@ -122,14 +170,15 @@ def check_tokenizer_ids(prefixes: list[str], data: DataConfig, tokenizer_size: i
 
 def _legacy_hint(data: DataConfig, top: int) -> str:
     """How to train on data from --legacy-tokenizer, when ``top`` is one of its added ids."""
-    if data.tokenizer_type != "SentencePieceTokenizer":  # the one type whose EOD legacy changes
+    # SentencePieceTokenizer is the one type whose ids legacy adds to.
+    if data.legacy_tokenizer or data.tokenizer_type != "SentencePieceTokenizer":
         return ""
     legacy = load_tokenizer(data.tokenizer_type, data.tokenizer_model, legacy=True)
     if top >= legacy.vocab_size:
         return ""
     return (f" (by its --legacy-tokenizer mode of tools/preprocess_data.py, which ends documents "
-            f"with id {legacy.eod}: train on it with data.eod_id={legacy.eod} in place of "
-            "data.tokenizer_model)")
+            f"with id {legacy.eod}: train on it with data.legacy_tokenizer=true, or without the "
+            f"tokenizer with data.eod_id={legacy.eod})")
 
 
 def _ids_reaching(prefixes: list[str], limit: int, cache_dir: str | os.PathLike):

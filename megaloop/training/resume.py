@@ -49,8 +49,11 @@ APPLIED = (
     "parallel.recompute", "parallel.virtual_pipeline", "parallel.pipeline_split",
     "train.micro_batch_size", "train.global_batch_size", "train.clip_grad", "train.precision",
     "train.fp8_recipe", "train.distributed_optimizer", "train.max_nonfinite_steps",
-    "data.tokenizer_type", "data.tokenizer_model", "data.eod_id", "data.format",
-    "data.sft_prompt", "data.sft_solution",
+    # What sets the EOD id is checked against the data on every start (training.data), not
+    # against the checkpoint: a resume may so move legacy-tokenized data from the data.eod_id
+    # workaround to data.legacy_tokenizer, or correct an EOD id the data never held.
+    "data.tokenizer_type", "data.tokenizer_model", "data.legacy_tokenizer", "data.eod_id",
+    "data.format", "data.sft_prompt", "data.sft_solution",
     "alrs.interval", "alrs.fraction", "alrs.eig_method")
 BOOKKEEPING = (
     "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_iters",

@@ -101,7 +101,9 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert _read(str(tmp_path / "mpi_text_document")) == _read(tokenized_articles)
-    assert sorted(os.listdir(tmp_path)) == ["mpi_text_document.bin", "mpi_text_document.idx", "shards"]
+    assert sorted(os.listdir(tmp_path)) == ["mpi_text_document.bin", "mpi_text_document.idx",
+                                            "mpi_text_document.tokenizer.json", "shards"]
+    assert pp.read_sidecar(str(tmp_path / "mpi_text_document")) == pp.read_sidecar(tokenized_articles)
     # Each rank stops at --max-docs on its own; the merge cuts the total, and so must the report.
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -283,6 +285,47 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     code, err = run("--input", path, "--output-prefix", tmp_path / "bad", "--workers", 1, *flags, *_sp_args(sp_model))
     assert code == 2 and err.strip().startswith(f"error: {metadata}: metadata names library 'huggingface'")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_sidecar_beside_the_output_says_how_its_ids_were_made(tmp_path, run, sp_model):
+    import hashlib
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "an <EOD> inside"}\n{"text": "plain"}\n')
+    prefix = tmp_path / "out_text_document"
+    sidecar = tmp_path / "out_text_document.tokenizer.json"
+    sha256 = hashlib.sha256(sp_model.read_bytes()).hexdigest()
+    for legacy, eod, vocab in ((True, 32002, 32005), (False, 2, 32000)):  # the same prefix twice
+        code, err = run("--input", path, "--output-prefix", tmp_path / "out", "--workers", 1,
+                        *(["--legacy-tokenizer"] if legacy else []), *_sp_args(sp_model))
+        assert code == 0, err
+        data = IndexedDataset(str(prefix))
+        assert json.loads(sidecar.read_text()) == {
+            "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp_model.name,
+            "tokenizer_sha256": sha256, "legacy_tokenizer": legacy, "eod_id": eod,
+            "vocab_size": vocab, "append_eod": True, "documents": 2,
+            "tokens": sum(len(data[i]) for i in range(len(data)))}
+        assert data[0].tolist()[-1] == eod
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx",
+                                            sidecar.name]
+    assert f"wrote {prefix}.bin / .idx / .tokenizer.json" in err
+
+
+def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, sp_model, articles_path):
+    sidecar = tmp_path / "o_text_document.tokenizer.json"
+    (tmp_path / f"{sidecar.name}.partial-{os.getpid()}").mkdir()  # where it would be written first
+    options = pp.PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True, workers=0,
+                                   max_docs=3)
+    with pytest.raises(DataError) as error:
+        pp.preprocess(pp.whole_files([str(articles_path)]), str(tmp_path / "o"), options)
+    assert str(error.value) == (f"{sidecar}: cannot write the tokenizer sidecar (Is a directory); the "
+                                ".bin/.idx are complete without it")
+    from megaloop.data import validate_indexed
+
+    assert validate_indexed(str(tmp_path / "o_text_document")).num_documents == 3
+    assert not sidecar.exists()
 
 
 @pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",

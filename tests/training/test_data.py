@@ -1,5 +1,6 @@
 """Token ids beyond the model's vocabulary, or past the tokenizer's (data tokenized otherwise), are
-refused before step 1, cheaply on restarts."""
+refused before step 1, cheaply on restarts; so are settings that the data's tokenizer sidecar
+contradicts. Data from --legacy-tokenizer trains with data.legacy_tokenizer=true."""
 
 import os
 
@@ -95,8 +96,13 @@ def test_data_from_the_legacy_tokenizer_is_refused_with_its_eod_id_named(tmp_pat
         f"{prefix}.bin: token id 32002 is past the 32000 ids of data.tokenizer_model="
         f"{str(sp_model)!r}: the data was tokenized otherwise (by its --legacy-tokenizer mode of "
         "tools/preprocess_data.py, which ends documents with id 32002: train on it with "
-        "data.eod_id=32002 in place of data.tokenizer_model)")
+        "data.legacy_tokenizer=true, or without the tokenizer with data.eod_id=32002)")
     check_tokenizer_ids([prefix], data, 32003, cache_dir=tmp_path / "cache")
+    # With the legacy encoding asked for already, the hint would name the setting that failed.
+    data.legacy_tokenizer = True
+    with pytest.raises(DataError) as error:
+        check_tokenizer_ids([prefix], data, 32000, cache_dir=tmp_path / "cache")
+    assert str(error.value).endswith("the data was tokenized otherwise")
 
 
 def test_the_trainer_refuses_legacy_data_with_the_tokenizer_and_takes_it_with_its_eod_id(
@@ -113,3 +119,114 @@ def test_the_trainer_refuses_legacy_data_with_the_tokenizer_and_takes_it_with_it
     cfg.data.eod_id, cfg.data.tokenizer_model = eod, None
     with Trainer(cfg) as trainer:
         assert trainer.train_data.config.tokenizer.eod == eod
+    cfg.data.eod_id, cfg.data.tokenizer_model, cfg.data.legacy_tokenizer = None, str(sp_model), True
+    with Trainer(cfg) as trainer:
+        assert trainer.train_data.config.tokenizer.eod == eod
+
+
+# ------------------------------------------------ the sidecar tools/preprocess_data.py writes
+
+def _preprocess(tmp_path, sp_model, legacy, copies=1):
+    """Two documents, ``copies`` times, through megaloop's preprocessing (sidecar included)."""
+    import json
+
+    from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
+
+    source = tmp_path / "docs.jsonl"
+    texts = ["The cat sat on the mat.", "A second <SEP> document."] * copies
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prefix = str(tmp_path / ("legacy" if legacy else "plain"))
+    options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True,
+                                workers=0, legacy_tokenizer=legacy)
+    preprocess(whole_files([str(source)]), prefix, options)
+    return output_prefix(prefix, "text")
+
+
+@pytest.mark.parametrize("data, made, run, fix", [
+    ({}, "legacy_tokenizer=True", "data.legacy_tokenizer=False", "set data.legacy_tokenizer=true"),
+    ({"tokenizer_type": "Llama2Tokenizer", "legacy_tokenizer": True}, "tokenizer_type="
+     "'SentencePieceTokenizer'", "data.tokenizer_type='Llama2Tokenizer'",
+     "train with the tokenizer it was made with, or preprocess it again"),
+    ({"tokenizer_model": None, "eod_id": 2}, "eod_id=32002", "data.eod_id=2",
+     "set data.eod_id=32002"),
+])
+def test_settings_the_sidecar_contradicts_are_refused_naming_it(tmp_path, sp_model, data, made,
+                                                                run, fix):
+    from megaloop.config import DataConfig
+    from megaloop.data import load_tokenizer
+    from megaloop.training.data import check_sidecars
+
+    prefix = _preprocess(tmp_path, sp_model, legacy=True)
+    data = DataConfig(path=[prefix], **{"tokenizer_model": str(sp_model), **data})
+    tokenizer = data.tokenizer_model and load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                                                        legacy=data.legacy_tokenizer)
+    eod = tokenizer.eod if tokenizer else data.eod_id
+    with pytest.raises(DataError) as error:
+        check_sidecars([prefix], data, eod, tokenizer and tokenizer.path)
+    assert str(error.value) == (f"{prefix}.tokenizer.json: {prefix} was tokenized with {made}, "
+                                f"but the run has {run}; {fix}")
+
+
+def test_another_model_file_is_refused_and_matching_settings_pass(tmp_path, sp_model):
+    import shutil
+
+    from megaloop.config import DataConfig
+    from megaloop.training.data import check_sidecars
+
+    prefix = _preprocess(tmp_path, sp_model, legacy=False)
+    data = DataConfig(path=[prefix], tokenizer_model=str(sp_model))
+    check_sidecars([prefix], data, 2, str(sp_model))
+    check_sidecars([prefix], DataConfig(path=[prefix], eod_id=2), 2, None)
+    other = tmp_path / "other.model"
+    shutil.copy(sp_model, other)
+    with open(other, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(DataError, match=r"tokenized with tokenizer_model='llama2_tokenizer.model' "
+                                        r"\(sha256 9e556afd4421\), but the run has "
+                                        r"data.tokenizer_model='.*' \(sha256 [0-9a-f]{12}\); train "
+                                        "with the tokenizer it was made with"):
+        check_sidecars([prefix], data, 2, str(other))
+
+
+def test_a_sidecar_left_from_other_files_or_unreadable_is_refused_and_none_is_fine(tmp_path,
+                                                                                   sp_model):
+    import json
+
+    from megaloop.config import DataConfig
+    from megaloop.training.data import check_sidecars
+
+    prefix = _preprocess(tmp_path, sp_model, legacy=False)
+    data = DataConfig(path=[prefix], eod_id=2)
+    sidecar = tmp_path / "plain_text_document.tokenizer.json"
+    record = json.loads(sidecar.read_text())
+    assert record["documents"] == 2 and record["append_eod"] and record["vocab_size"] == 32000
+    sidecar.write_text(json.dumps({**record, "tokens": record["tokens"] + 1}))
+    with pytest.raises(DataError) as error:
+        check_sidecars([prefix], data, 2, None)
+    assert str(error.value) == (f"{sidecar}: describes {record['tokens'] + 1} tokens, but "
+                                f"{prefix}.bin/.idx hold {record['tokens']}: it was written for "
+                                "other data; remove it, or preprocess the data again")
+    sidecar.write_text("{not json")
+    with pytest.raises(DataError, match=f"^{sidecar}: unreadable tokenizer sidecar"):
+        check_sidecars([prefix], data, 2, None)
+    sidecar.unlink()  # as Megatron-LM's data: only the id checks apply
+    check_sidecars([prefix], data, 32002, None)
+
+
+def test_the_trainer_refuses_legacy_data_by_its_sidecar_and_trains_with_its_eod_id(
+        mcore, tmp_path, sp_model):
+    from megaloop.training.trainer import Trainer
+    from tests.training.conftest import tiny_run
+
+    prefix = _preprocess(tmp_path, sp_model, legacy=True, copies=40)
+    cfg = tiny_run(prefix, tmp_path / "run", model={"vocab_size": 32128})
+    cfg.data.eod_id, cfg.data.tokenizer_model = None, str(sp_model)
+    with pytest.raises(DataError, match=r"tokenized with legacy_tokenizer=True, but the run has "
+                                        r"data.legacy_tokenizer=False; set data.legacy"):
+        Trainer(cfg)
+    cfg.data.legacy_tokenizer, cfg.data.eod_mask_loss = True, True
+    with Trainer(cfg) as trainer:
+        sample = trainer.train_data[0]  # megatron-core masks the loss where the input is EOD
+        ends = sample["tokens"] == 32002
+        assert ends.any() and not sample["loss_mask"][ends].any()  # EOD is the data's id
+        assert sample["loss_mask"][~ends].all()

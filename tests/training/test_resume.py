@@ -241,6 +241,19 @@ def test_a_change_a_resume_cannot_apply_is_refused_in_one_line(tmp_path, caplog,
     assert not caplog.records  # nothing logged as if applied before the refusal
 
 
+def test_a_resume_may_move_legacy_data_from_its_eod_id_to_the_legacy_tokenizer(tmp_path, caplog):
+    """data.legacy_tokenizer changes the EOD id, as data.eod_id does: the data checks compare it
+    with the data on every start, so a resume applies it (one line per change) and does not pin
+    the workaround a run started with."""
+    path, cfg = _checkpoint(tmp_path, data={"eod_id": 32002})
+    legacy = _changed(cfg, "data", eod_id=None, tokenizer_model="tok.model", legacy_tokenizer=True)
+    assert _check(path, legacy, caplog) == [
+        (logging.WARNING, f"resume from {path}: data.{name} changed from {old!r} to {new!r}; "
+                          "in effect from step 5")
+        for name, old, new in (("tokenizer_model", None, "tok.model"),
+                               ("legacy_tokenizer", False, True), ("eod_id", 32002, None))]
+
+
 def test_fewer_steps_than_the_checkpoint_has_taken_are_refused(tmp_path, caplog):
     from megaloop.config import ConfigError
 
