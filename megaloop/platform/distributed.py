@@ -7,6 +7,7 @@ without CUDA the backend is gloo and the CPU compatibility layer is switched on.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from megaloop.config import ConfigError, ParallelConfig
 from megaloop.platform import cpu_compat
 from megaloop.scale.layout import check_world_size
+
+log = logging.getLogger("megaloop.platform")
 
 
 @dataclass(frozen=True)
@@ -97,16 +100,17 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
 
 
 def local_device(launch: LaunchEnv, visible_gpus: int) -> int:
-    """The CUDA device of this process: its local rank among the node's GPUs, or device 0 when
-    the launcher gives each task its own (one visible). More tasks on a node than visible GPUs
-    would put two ranks on one GPU, which NCCL refuses only later and less clearly."""
-    if visible_gpus == 1:
-        return 0
-    if launch.local_rank >= visible_gpus:
-        raise RuntimeError(f"local rank {launch.local_rank} ({launch.launcher} launch): this node "
-                           f"shows {visible_gpus} GPUs, fewer than its tasks; launch at most "
-                           f"{visible_gpus} tasks per node, or give each task its own GPU")
-    return launch.local_rank
+    """The CUDA device of this process: its local rank among the GPUs it sees (all of the node's
+    under torchrun; its own under ``srun --gpus-per-task``, where the modulo picks the first).
+    A local rank past the visible GPUs while several are visible may put two ranks on one GPU
+    (NCCL then refuses later, less clearly), or be a launcher that gave each task its own set:
+    said in one line rather than refused."""
+    if launch.local_rank >= visible_gpus > 1:
+        log.warning("local rank %d (%s launch) sees %d GPUs, fewer than its local rank: it takes "
+                    "GPU %d, which another rank takes too unless the launcher gave each task its "
+                    "own GPUs", launch.local_rank, launch.launcher, visible_gpus,
+                    launch.local_rank % visible_gpus)
+    return launch.local_rank % visible_gpus
 
 
 def init_distributed(
