@@ -21,7 +21,7 @@ from megaloop.training import checkpoint as ckpt
 from megaloop.training.signals import StopSignals
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
-from tests.training.test_signals import end_group, processes_in_group, wait_until_group_ends
+from tests.training.process_groups import end_group, processes_in_group, wait_until_group_ends
 
 REPO = Path(__file__).parents[2]
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from megaloop.training.signals import StopSignals
+from tests.training.process_groups import end_group, wait_until_group_ends
 
 
 def _signalled_then_done() -> None:
@@ -44,38 +45,6 @@ def _wait_for(condition, what: str) -> None:
     while not condition():
         assert time.time() < deadline, what
         time.sleep(0.01)
-
-
-def processes_in_group(group: int) -> list[str]:
-    """The command lines of the live processes of process group ``group`` (a zombie has ended:
-    it only waits to be reaped)."""
-    import psutil
-
-    found = []
-    for process in psutil.process_iter(["status", "cmdline"]):
-        try:
-            if (os.getpgid(process.pid) == group
-                    and process.info["status"] != psutil.STATUS_ZOMBIE):
-                found.append(" ".join(process.info["cmdline"] or []))
-        except ProcessLookupError:
-            pass
-    return found
-
-
-def wait_until_group_ends(group: int) -> None:
-    """Children leave once the trainer has gone (the resource tracker when its pipe closes)."""
-    deadline = time.time() + 60
-    while left := processes_in_group(group):
-        assert time.time() < deadline, f"left alive: {left}"
-        time.sleep(0.1)
-
-
-def end_group(group: int) -> None:
-    """Whatever a failed test leaves."""
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def test_spawned_children_outlive_stop_signals_that_the_process_notices():
