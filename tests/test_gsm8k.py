@@ -45,13 +45,14 @@ def test_reference_and_equality():
     assert not gsm8k.same_number(None, "18")
 
 
-def _save_tiny(directory: Path, **fields) -> None:
+def _save_tiny(directory: Path, data: dict | None = None, **fields) -> None:
     import megaloop.api as ml
     from megaloop.config import DataConfig, RunConfig
     from megaloop.training.checkpoint import save_checkpoint
 
     model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, **fields)
-    base = RunConfig(model=model.cfg, data=DataConfig(path=["x"], tokenizer_model="tok.model"))
+    base = RunConfig(model=model.cfg, data=DataConfig(
+        path=["x"], **(data or {"tokenizer_model": "tok.model"})))
     save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
 
 
@@ -135,6 +136,33 @@ def test_a_reference_without_its_final_number_is_an_error_before_decoding():
     with pytest.raises(DataError, match=r"test.jsonl: record 2: its answer has no '#### "
                                         r"<number>' to score against \(ends '3 apples'\)"):
         gsm8k.evaluate(None, None, records, source="test.jsonl")
+
+
+def test_a_legacy_tokenizer_run_is_fine_tuned_and_evaluated_with_its_eod(mcore, tmp_path,
+                                                                         monkeypatch, capsys):
+    """data.legacy_tokenizer=true ends documents with the added <EOD> id (32002 with LLaMA-2's
+    32000 pieces), not eos 2: fine-tuning and evaluation tokenise as the base run did."""
+    from megaloop.data.tokenizer import LegacySentencePieceTokenizer
+    from megaloop.training.data import text_tokenizer
+
+    if not SP_MODEL.is_file():
+        pytest.skip(f"{SP_MODEL} not available")
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(SP_MODEL), "legacy_tokenizer": True},
+               vocab_size=32128)
+    cfg = gsm8k.finetune_config(base, ["train.jsonl"], str(tmp_path / "out"))
+    assert cfg.data.legacy_tokenizer and text_tokenizer(cfg).eod == 32002
+    used = []
+
+    def record_tokenizer(model, tokenizer, records, **options):
+        used.append(tokenizer)
+        raise DataError("stopped before decoding")
+
+    monkeypatch.setattr(gsm8k, "evaluate", record_tokenizer)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    assert load_tool("eval_gsm8k").main([str(base), "--test", str(tmp_path / "t.jsonl")]) == 2
+    assert "stopped before decoding" in capsys.readouterr().err
+    assert isinstance(used[0], LegacySentencePieceTokenizer) and used[0].eod == 32002
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,12 @@ Prints one JSON object (accuracy, strict_accuracy, correct, total, ...) on stdou
 JSON line per question (reference, generation, extracted prediction, rule, correct) to
 ``--predictions``, atomically. The prompt is the one the checkpoint was fine-tuned with
 (``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
-``data.tokenizer_model`` unless ``--tokenizer`` is given. Decoding runs in this one process, one
-question at a time, with the checkpoint's weights in megaloop's reference (Hugging Face) model and
-its KV cache; ``--uncached`` recomputes the canonical model's full forward at every step instead
-(the same tokens, much slower; megaloop.generation). Answer rules are in megaloop.gsm8k.
+``data.tokenizer_model`` unless ``--tokenizer`` is given, encoding as its
+``data.legacy_tokenizer`` says (a legacy SentencePiece run stops at the ``<EOD>`` id it was trained
+with). Decoding runs in this one process, one question at a time, with the checkpoint's weights in
+megaloop's reference (Hugging Face) model and its KV cache; ``--uncached`` recomputes the
+canonical model's full forward at every step instead (the same tokens, much slower;
+megaloop.generation). Answer rules are in megaloop.gsm8k.
 Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
 """
 
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer_model is None:
             raise ConfigError(f"{path}: its config names no tokenizer; give --tokenizer")
         tokenizer = load_tokenizer(args.tokenizer_type or data.get("tokenizer_type")
-                                   or "SentencePieceTokenizer", tokenizer_model)
+                                   or "SentencePieceTokenizer", tokenizer_model,
+                                   legacy=bool(data.get("legacy_tokenizer")))
         fields = tuple(dict.fromkeys(("question", "answer") + template_fields(prompt)))
         records = read_records(args.test, fields)[:args.limit]
         model = ml.load(path)
