@@ -114,17 +114,20 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
     dense = tmp_path.parent / "dense" / "checkpoints"
     _save_tiny(dense, arch="dense", iterations=1)
     assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "5"]) == 2
-    assert capsys.readouterr().err == (f"error: --num-iterations 5: {dense / 'iter_0000000'} holds "
-                                       "a Dense model, which has no depth to vary (it would loop "
-                                       "its layers)\n")
+    assert capsys.readouterr().err == (f"error: --num-iterations 5: {dense / 'iter_0000000'}: "
+                                       "arch=dense has no depth to vary (it would loop its layers; "
+                                       "arch=fullloop is the looped stack)\n")
+    # Its own depth 1 passes the depth check (and fails later, at the missing tokenizer).
+    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "1"]) == 2
+    assert "tok.model: tokenizer file not found" in capsys.readouterr().err
     # Before the fix a LatentLoop model failed at its first forward, after the tokenizer, the
     # test file and the model were read (here the missing tokenizer came first).
     latent = tmp_path.parent / "latent" / "checkpoints"
     _save_tiny(latent, arch="latentloop", iterations=2, num_layers=3)
     assert evaluate([str(latent), "--test", "t.jsonl", "--num-iterations", "3"]) == 2
-    assert capsys.readouterr().err == (f"error: --num-iterations 3: {latent / 'iter_0000000'} "
-                                       "holds a LatentLoop model, which runs exactly its "
-                                       "iterations=2 visits (each has its own scales)\n")
+    assert capsys.readouterr().err == (f"error: --num-iterations 3: {latent / 'iter_0000000'}: "
+                                       "arch=latentloop runs exactly its iterations=2 visits "
+                                       "(each has its own scales)\n")
     with pytest.raises(SystemExit) as exit_:
         evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
     assert exit_.value.code == 2

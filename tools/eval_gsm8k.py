@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party_warnings()
     import megaloop.api as ml
     from megaloop import gsm8k
-    from megaloop.config import ConfigError, template_fields
+    from megaloop.config import ConfigError, ModelConfig, template_fields
     from megaloop.data import DataError, TokenizerError, load_tokenizer
     from megaloop.data.sft import read_records
     from megaloop.training import checkpoint as ckpt
@@ -59,14 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
         saved = ckpt.saved_config(path)
-        arch, iterations = saved["model"].get("arch"), saved["model"].get("iterations")
-        if arch == "dense" and args.num_iterations not in (None, 1):
-            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a Dense "
-                              "model, which has no depth to vary (it would loop its layers)")
-        if arch == "latentloop" and args.num_iterations not in (None, iterations):
-            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a "
-                              f"LatentLoop model, which runs exactly its iterations={iterations} "
-                              "visits (each has its own scales)")
+        if args.num_iterations is not None:
+            problem = ckpt.saved_section(path, ModelConfig, "model").depth_refusal(
+                args.num_iterations)
+            if problem:
+                raise ConfigError(f"--num-iterations {args.num_iterations}: {path}: {problem}")
         data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
