@@ -55,15 +55,17 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int,
     # By default the HF tokenizer adds what training's did (legacy bos, a legacy tokenizer.json's
     # post-processor); add_special_tokens=False encodes the text alone.
     texts = list(PROBE_TEXTS) + _special_probes(megaloop_tokenizer)
-    plain, _ = _megaloop_tokenizer(path, tokenizer_type, legacy and not _adds_tokens(
-        tokenizer_type, sentencepiece))
+    plain = _megaloop_tokenizer(path, tokenizer_type)[0] if legacy and _adds_tokens(
+        tokenizer_type, sentencepiece) else megaloop_tokenizer
     for text, ids, text_ids in zip(texts, megaloop_tokenizer.encode_batch(texts),
                                    plain.encode_batch(texts)):
-        got = saved(text, add_special_tokens=False)["input_ids"]
-        if got != text_ids or saved(text)["input_ids"] != ids:
-            raise ProbeMismatch(f"tokenizer {path}: the Hugging Face conversion encodes {text!r} "
-                                f"as {saved(text)['input_ids'][:8]}..., megaloop as {ids[:8]}..."
-                                f"{' (data.legacy_tokenizer=true)' if legacy else ''}")
+        for add, expected in ((True, ids), (False, text_ids)):
+            got = saved(text, add_special_tokens=add)["input_ids"]
+            if got != expected:
+                raise ProbeMismatch(
+                    f"tokenizer {path}: the Hugging Face conversion encodes {text!r} as "
+                    f"{got[:8]}... (add_special_tokens={add}), megaloop as {expected[:8]}..."
+                    f"{' (data.legacy_tokenizer=true)' if legacy else ''}")
     return {"bos_token_id": saved.bos_token_id, "eos_token_id": eod}
 
 

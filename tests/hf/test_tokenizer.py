@@ -139,3 +139,18 @@ def test_a_legacy_tokenizer_run_exports_the_encoding_and_eod_it_trained_with(exp
     prompt = torch.tensor([hf("the cat")["input_ids"]])
     out = model.generate(prompt, max_new_tokens=4, logits_processor=LogitsProcessorList([force_plan]))
     assert out[0, prompt.shape[1]:].tolist() == [5, eod]
+
+
+def test_a_conversion_that_encodes_otherwise_is_refused_naming_the_text(tmp_path, monkeypatch):
+    """Literal <unk> is one added token to the Hugging Face tokenizer but pieces to megaloop's
+    legacy one (it is none of Megatron-LM's special strings): a probe holding it fails."""
+    from megaloop.hf import tokenizer as hf_tokenizer
+    from megaloop.hf.common import ProbeMismatch
+
+    monkeypatch.setattr(hf_tokenizer, "PROBE_TEXTS", ("x <unk>",))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ProbeMismatch, match=r"encodes 'x <unk>' as \[[\d, ]+\]\.\.\. "
+                                            r"\(add_special_tokens=True\), megaloop as \[[\d, ]+"
+                                            r"\]\.\.\. \(data.legacy_tokenizer=true\)$"):
+        hf_tokenizer.write_tokenizer(_sentencepiece(tmp_path), tmp_path / "out", 128,
+                                     "SentencePieceTokenizer", legacy=True)
