@@ -183,8 +183,9 @@ def test_test_time_depth_reaches_the_model_and_is_restored(harness):
     assert [(r["task"], r["iterations"], r["samples"]) for r in rows] == [
         ("winogrande", 1, 2), ("winogrande", 3, 2)]
     assert export.model.config.iterations == 2
-    with pytest.raises(ev.EvaluationError, match=r"^depth 2: LlamaForCausalLM \(model_type=llama\): "
-                                                 "arch=dense has no depth to vary"):
+    with pytest.raises(ev.EvaluationError, match=r"^depth 2: LlamaForCausalLM "
+                                                 r"\(model_type=llama\): arch=dense has no depth "
+                                                 "to vary"):
         ev.evaluate(harness["dense"].model, harness["dense"].tokenizer, ["piqa"],
                     data_dir=harness["data"], depths=(1, 2))
     assert ev.set_depth(harness["dense"].model, 1) is None  # its own depth: nothing to set

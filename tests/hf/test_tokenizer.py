@@ -137,7 +137,8 @@ def test_a_legacy_tokenizer_run_exports_the_encoding_and_eod_it_trained_with(exp
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
     prompt = torch.tensor([hf("the cat")["input_ids"]])
-    out = model.generate(prompt, max_new_tokens=4, logits_processor=LogitsProcessorList([force_plan]))
+    out = model.generate(prompt, max_new_tokens=4,
+                         logits_processor=LogitsProcessorList([force_plan]))
     assert out[0, prompt.shape[1]:].tolist() == [5, eod]
 
 
