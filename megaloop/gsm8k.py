@@ -121,8 +121,10 @@ def finetune_config(base_checkpoint: str | os.PathLike, data_files: Sequence[str
 
     path = ckpt.find_checkpoint(base_checkpoint)
     saved = ckpt.saved_config(path)
+    # Tokenised as the base model was trained: its EOD (legacy <EOD> or eos) ends each solution.
     tokenizer = {key: saved.get("data", {}).get(key) for key in ("tokenizer_type",
-                                                                 "tokenizer_model")}
+                                                                 "tokenizer_model",
+                                                                 "legacy_tokenizer")}
     run = {"model": {**saved["model"], **RECIPE["model"]},
            "train": {**RECIPE["train"], "out_dir": out_dir},
            "data": {**RECIPE["data"], **{k: v for k, v in tokenizer.items() if v is not None},

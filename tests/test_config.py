@@ -472,3 +472,15 @@ def test_moe_settings_megatron_core_would_refuse_at_build_are_refused_naming_the
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch, iterations, depth, refusal", [
+    ("dense", None, 1, None), ("dense", None, 2, "arch=dense has no depth to vary"),
+    ("latentloop", 2, 2, None), ("latentloop", None, 2, None),  # its default is 2 visits
+    ("latentloop", 2, 3, "arch=latentloop runs exactly its iterations=2 visits"),
+    ("asymloop", 3, 7, None), ("fullloop", 2, 1, None), ("asymloop", 3, 0, "must be >= 1"),
+    ("dense", None, 0, "must be >= 1"),
+])
+def test_depth_refusal_is_the_one_test_time_depth_rule(arch, iterations, depth, refusal):
+    problem = ModelConfig(arch=arch, iterations=iterations).depth_refusal(depth)
+    assert problem == refusal if refusal is None else problem.startswith(refusal)

@@ -45,13 +45,14 @@ def test_reference_and_equality():
     assert not gsm8k.same_number(None, "18")
 
 
-def _save_tiny(directory: Path, **fields) -> None:
+def _save_tiny(directory: Path, data: dict | None = None, **fields) -> None:
     import megaloop.api as ml
     from megaloop.config import DataConfig, RunConfig
     from megaloop.training.checkpoint import save_checkpoint
 
     model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, **fields)
-    base = RunConfig(model=model.cfg, data=DataConfig(path=["x"], tokenizer_model="tok.model"))
+    base = RunConfig(model=model.cfg, data=DataConfig(
+        path=["x"], **(data or {"tokenizer_model": "tok.model"})))
     save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
 
 
@@ -113,17 +114,20 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
     dense = tmp_path.parent / "dense" / "checkpoints"
     _save_tiny(dense, arch="dense", iterations=1)
     assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "5"]) == 2
-    assert capsys.readouterr().err == (f"error: --num-iterations 5: {dense / 'iter_0000000'} holds "
-                                       "a Dense model, which has no depth to vary (it would loop "
-                                       "its layers)\n")
+    assert capsys.readouterr().err == (f"error: --num-iterations 5: {dense / 'iter_0000000'}: "
+                                       "arch=dense has no depth to vary (it would loop its layers; "
+                                       "arch=fullloop is the looped stack)\n")
+    # Its own depth 1 passes the depth check (and fails later, at the missing tokenizer).
+    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "1"]) == 2
+    assert "tok.model: tokenizer file not found" in capsys.readouterr().err
     # Before the fix a LatentLoop model failed at its first forward, after the tokenizer, the
     # test file and the model were read (here the missing tokenizer came first).
     latent = tmp_path.parent / "latent" / "checkpoints"
     _save_tiny(latent, arch="latentloop", iterations=2, num_layers=3)
     assert evaluate([str(latent), "--test", "t.jsonl", "--num-iterations", "3"]) == 2
-    assert capsys.readouterr().err == (f"error: --num-iterations 3: {latent / 'iter_0000000'} "
-                                       "holds a LatentLoop model, which runs exactly its "
-                                       "iterations=2 visits (each has its own scales)\n")
+    assert capsys.readouterr().err == (f"error: --num-iterations 3: {latent / 'iter_0000000'}: "
+                                       "arch=latentloop runs exactly its iterations=2 visits "
+                                       "(each has its own scales)\n")
     with pytest.raises(SystemExit) as exit_:
         evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
     assert exit_.value.code == 2
@@ -135,6 +139,33 @@ def test_a_reference_without_its_final_number_is_an_error_before_decoding():
     with pytest.raises(DataError, match=r"test.jsonl: record 2: its answer has no '#### "
                                         r"<number>' to score against \(ends '3 apples'\)"):
         gsm8k.evaluate(None, None, records, source="test.jsonl")
+
+
+def test_a_legacy_tokenizer_run_is_fine_tuned_and_evaluated_with_its_eod(mcore, tmp_path,
+                                                                         monkeypatch, capsys):
+    """data.legacy_tokenizer=true ends documents with the added <EOD> id (32002 with LLaMA-2's
+    32000 pieces), not eos 2: fine-tuning and evaluation tokenise as the base run did."""
+    from megaloop.data.tokenizer import LegacySentencePieceTokenizer
+    from megaloop.training.data import text_tokenizer
+
+    if not SP_MODEL.is_file():
+        pytest.skip(f"{SP_MODEL} not available")
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(SP_MODEL), "legacy_tokenizer": True},
+               vocab_size=32128)
+    cfg = gsm8k.finetune_config(base, ["train.jsonl"], str(tmp_path / "out"))
+    assert cfg.data.legacy_tokenizer and text_tokenizer(cfg).eod == 32002
+    used = []
+
+    def record_tokenizer(model, tokenizer, records, **options):
+        used.append(tokenizer)
+        raise DataError("stopped before decoding")
+
+    monkeypatch.setattr(gsm8k, "evaluate", record_tokenizer)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    assert load_tool("eval_gsm8k").main([str(base), "--test", str(tmp_path / "t.jsonl")]) == 2
+    assert "stopped before decoding" in capsys.readouterr().err
+    assert isinstance(used[0], LegacySentencePieceTokenizer) and used[0].eod == 32002
 
 
 @pytest.fixture(scope="module")

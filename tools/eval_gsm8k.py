@@ -8,10 +8,12 @@ Prints one JSON object (accuracy, strict_accuracy, correct, total, ...) on stdou
 JSON line per question (reference, generation, extracted prediction, rule, correct) to
 ``--predictions``, atomically. The prompt is the one the checkpoint was fine-tuned with
 (``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
-``data.tokenizer_model`` unless ``--tokenizer`` is given. Decoding runs in this one process, one
-question at a time, with the checkpoint's weights in megaloop's reference (Hugging Face) model and
-its KV cache; ``--uncached`` recomputes the canonical model's full forward at every step instead
-(the same tokens, much slower; megaloop.generation). Answer rules are in megaloop.gsm8k.
+``data.tokenizer_model`` unless ``--tokenizer`` is given, encoding as its
+``data.legacy_tokenizer`` says (a legacy SentencePiece run stops at the ``<EOD>`` id it was trained
+with). Decoding runs in this one process, one question at a time, with the checkpoint's weights in
+megaloop's reference (Hugging Face) model and its KV cache; ``--uncached`` recomputes the
+canonical model's full forward at every step instead (the same tokens, much slower;
+megaloop.generation). Answer rules are in megaloop.gsm8k.
 Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
 """
 
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party_warnings()
     import megaloop.api as ml
     from megaloop import gsm8k
-    from megaloop.config import ConfigError, template_fields
+    from megaloop.config import ConfigError, ModelConfig, template_fields
     from megaloop.data import DataError, TokenizerError, load_tokenizer
     from megaloop.data.sft import read_records
     from megaloop.training import checkpoint as ckpt
@@ -57,21 +59,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
         saved = ckpt.saved_config(path)
-        arch, iterations = saved["model"].get("arch"), saved["model"].get("iterations")
-        if arch == "dense" and args.num_iterations not in (None, 1):
-            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a Dense "
-                              "model, which has no depth to vary (it would loop its layers)")
-        if arch == "latentloop" and args.num_iterations not in (None, iterations):
-            raise ConfigError(f"--num-iterations {args.num_iterations}: {path} holds a "
-                              f"LatentLoop model, which runs exactly its iterations={iterations} "
-                              "visits (each has its own scales)")
+        if args.num_iterations is not None:
+            problem = ckpt.saved_section(path, ModelConfig, "model").depth_refusal(
+                args.num_iterations)
+            if problem:
+                raise ConfigError(f"--num-iterations {args.num_iterations}: {path}: {problem}")
         data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
         if tokenizer_model is None:
             raise ConfigError(f"{path}: its config names no tokenizer; give --tokenizer")
         tokenizer = load_tokenizer(args.tokenizer_type or data.get("tokenizer_type")
-                                   or "SentencePieceTokenizer", tokenizer_model)
+                                   or "SentencePieceTokenizer", tokenizer_model,
+                                   legacy=bool(data.get("legacy_tokenizer")))
         fields = tuple(dict.fromkeys(("question", "answer") + template_fields(prompt)))
         records = read_records(args.test, fields)[:args.limit]
         model = ml.load(path)

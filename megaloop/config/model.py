@@ -151,6 +151,21 @@ class ModelConfig:
     def num_iterations(self) -> int:
         return DEFAULT_ITERATIONS[self.arch] if self.iterations is None else self.iterations
 
+    def depth_refusal(self, depth: int) -> str | None:
+        """Why this model cannot run test-time depth ``depth`` (a phrase naming the arch, for the
+        caller to put after the value it was given as); None where it can. Dense has no depth but
+        its own 1; LatentLoop's visits each have their own scales, so it runs exactly its
+        configured number; the looped models run any depth >= 1."""
+        if depth < 1:
+            return "must be >= 1"
+        if self.arch == "dense" and depth != 1:
+            return ("arch=dense has no depth to vary (it would loop its layers; arch=fullloop is "
+                    "the looped stack)")
+        if self.arch == "latentloop" and depth != self.num_iterations:
+            return (f"arch=latentloop runs exactly its iterations={self.num_iterations} visits "
+                    "(each has its own scales)")
+        return None
+
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads

@@ -105,16 +105,13 @@ def _one_line(error: BaseException) -> str:
 
 
 def _refused_depth(depth: int | None, arch: str | None, iterations: int | None) -> str | None:
-    """Why a model of megaloop ``arch`` (None: a native transformers class) configured with
-    ``iterations`` cannot run test-time depth ``depth``; None where it can (or ``depth`` is None).
-    LatentLoop's visits each have their own scales: it runs exactly its configured number."""
+    """ModelConfig.depth_refusal of a model of megaloop ``arch`` configured with ``iterations``;
+    a native transformers class (``arch`` None) is a Dense export. None where ``depth`` is None."""
+    from megaloop.config import ModelConfig
+
     if depth is None:
         return None
-    if arch in (None, "dense"):
-        return "has no test-time depth to set"
-    if arch == "latentloop" and depth != iterations:
-        return f"has no test-time depth to set (it runs exactly its iterations={iterations} visits)"
-    return "must be >= 1" if depth < 1 else None
+    return ModelConfig(arch=arch or "dense", iterations=iterations).depth_refusal(depth)
 
 
 def set_depth(model, depth: int | None) -> int | None:
@@ -124,7 +121,7 @@ def set_depth(model, depth: int | None) -> int | None:
     problem = _refused_depth(depth, arch, getattr(config, "iterations", None))
     if problem:
         raise EvaluationError(f"depth {depth}: {type(model).__name__} "
-                              f"({arch or config.model_type}) {problem}")
+                              f"(model_type={config.model_type}): {problem}")
     looped = arch not in (None, "dense")
     if depth is not None and looped:
         config.iterations = depth
@@ -147,17 +144,16 @@ def check_depths(source: str | Path, depths: Sequence[int]) -> None:
             raise EvaluationError(f"{config_file}: not JSON ({e})") from None
         megaloop = config.get("model_type") in MEGALOOP_MODEL_TYPES
         arch = config.get("arch") if megaloop else None
-        name, iterations = f"{config_file}: " + (
-            f"arch={arch}" if megaloop else f"model_type={config.get('model_type')}"), \
+        name, iterations = f"{config_file} (model_type={config.get('model_type')})", \
             config.get("iterations")
     else:
         path = checkpoint_path(source)
         cfg = saved_section(path, ModelConfig, "model")
-        arch, iterations, name = cfg.arch, cfg.iterations, f"{path}: arch={cfg.arch}"
+        arch, iterations, name = cfg.arch, cfg.iterations, str(path)
     for depth in depths:
         problem = _refused_depth(depth, arch, iterations)
         if problem:
-            raise EvaluationError(f"--depths {depth}: {name} {problem}")
+            raise EvaluationError(f"--depths {depth}: {name}: {problem}")
 
 
 def harness_model(model, tokenizer, batch_size: int = 8):

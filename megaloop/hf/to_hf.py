@@ -155,7 +155,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
 
 def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, staging: Path):
     """(the tokenizer file written into ``staging``, the special token ids) of checkpoint
-    ``path``: ``tokenizer``, else the run's data.tokenizer_model, if ``with_tokenizer``. Read
+    ``path``: ``tokenizer``, else the run's data.tokenizer_model, if ``with_tokenizer``, encoding
+    as the run's data.tokenizer_type and data.legacy_tokenizer do (eos: the EOD it trained). Read
     from the checkpoint's config alone, so that a missing or unsuitable tokenizer fails before
     the weights are read."""
     from megaloop.config import DataConfig
@@ -174,9 +175,11 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
 
     if data.tokenizer_model is not None and Path(data.tokenizer_model).exists() and \
             Path(tokenizer).resolve() != Path(data.tokenizer_model).resolve():
-        check_encodes_like(tokenizer, data.tokenizer_model)
+        check_encodes_like(tokenizer, data.tokenizer_model, data.tokenizer_type,
+                           data.legacy_tokenizer)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
-    special_tokens = write_tokenizer(tokenizer, staging, vocab_size)
+    special_tokens = write_tokenizer(tokenizer, staging, vocab_size, data.tokenizer_type,
+                                     data.legacy_tokenizer)
     eod = special_tokens["eos_token_id"]
     if data.eod_id is not None and eod is not None and eod != data.eod_id:
         raise ConversionError(f"--tokenizer {tokenizer}: ends documents with id {eod}, the run's "

@@ -18,15 +18,22 @@ PROBE_TEXTS = ("The quick brown fox jumps over the lazy dog.", "  two  spaces\ta
                "line one\nline two", "naïve café, 東京, 😀, ﬁ", "x=1; y = [2, 3]", "")
 
 
-def write_tokenizer(path: str | Path, out: Path, vocab_size: int) -> dict:
+def write_tokenizer(path: str | Path, out: Path, vocab_size: int,
+                    tokenizer_type: str | None = None, legacy: bool = False) -> dict:
     """Writes the tokenizer at ``path`` (SentencePiece .model, or tokenizer.json / a directory
-    holding one) into ``out``; returns its special token ids (bos/eos, eos being megaloop's
+    holding one) into ``out``, encoding as the run's ``data.tokenizer_type`` and
+    ``data.legacy_tokenizer`` do; returns its special token ids (bos/eos, eos being megaloop's
     end-of-document id). ``vocab_size``: the model's embedding rows, at least the tokenizer's
-    size."""
+    size.
+
+    Legacy SentencePieceTokenizer's ids past the model's pieces (``<EOD>``, the trained EOD, among
+    them) become added special tokens with the same ids, so they are cut out of text as they were
+    in training; legacy Llama2Tokenizer's bos starts every text, as the post-processor then adds
+    it; a legacy tokenizer.json keeps its post-processor, which training applied."""
     from transformers import AutoTokenizer, TokenizersBackend
 
     path = Path(path)
-    megaloop_tokenizer, sentencepiece = _megaloop_tokenizer(path)
+    megaloop_tokenizer, sentencepiece = _megaloop_tokenizer(path, tokenizer_type, legacy)
     if megaloop_tokenizer.vocab_size > vocab_size:
         raise ConversionError(f"{path}: {megaloop_tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size={vocab_size} (not this model's tokenizer?)")
@@ -34,6 +41,10 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int) -> dict:
     if sentencepiece:
         shutil.copyfile(path, out / "tokenizer.model")
         tokenizer = TokenizersBackend.from_pretrained(out)
+        _add_legacy_special_tokens(tokenizer, megaloop_tokenizer, path)
+        if legacy and tokenizer_type == "Llama2Tokenizer":
+            tokenizer.add_bos_token = True
+            tokenizer.update_post_processor()
     else:
         json_file = path / "tokenizer.json" if path.is_dir() else path
         tokenizer = TokenizersBackend(tokenizer_file=str(json_file))
@@ -41,33 +52,75 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int) -> dict:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eod)
     tokenizer.save_pretrained(out)
     saved = AutoTokenizer.from_pretrained(out)
-    expected = megaloop_tokenizer.encode_batch(list(PROBE_TEXTS))
-    for text, ids in zip(PROBE_TEXTS, expected):
-        got = saved(text, add_special_tokens=False)["input_ids"]
-        if got != ids or saved(text)["input_ids"] != ids:
-            raise ProbeMismatch(f"tokenizer {path}: the Hugging Face conversion encodes {text!r} "
-                                f"as {got[:8]}..., megaloop as {ids[:8]}...")
+    # By default the HF tokenizer adds what training's did (legacy bos, a legacy tokenizer.json's
+    # post-processor); add_special_tokens=False encodes the text alone.
+    texts = list(PROBE_TEXTS) + _special_probes(megaloop_tokenizer)
+    plain = _megaloop_tokenizer(path, tokenizer_type)[0] if legacy and _adds_tokens(
+        tokenizer_type, sentencepiece) else megaloop_tokenizer
+    for text, ids, text_ids in zip(texts, megaloop_tokenizer.encode_batch(texts),
+                                   plain.encode_batch(texts)):
+        for add, expected in ((True, ids), (False, text_ids)):
+            got = saved(text, add_special_tokens=add)["input_ids"]
+            if got != expected:
+                raise ProbeMismatch(
+                    f"tokenizer {path}: the Hugging Face conversion encodes {text!r} as "
+                    f"{got[:8]}... (add_special_tokens={add}), megaloop as {expected[:8]}..."
+                    f"{' (data.legacy_tokenizer=true)' if legacy else ''}")
     return {"bos_token_id": saved.bos_token_id, "eos_token_id": eod}
 
 
-def _megaloop_tokenizer(path: Path):
-    """(megaloop's tokenizer of ``path``, whether it is a SentencePiece model)."""
-    from megaloop.data.tokenizer import TokenizerError, load_tokenizer
+def _adds_tokens(tokenizer_type: str | None, sentencepiece: bool) -> bool:
+    """Whether the legacy encoding of this type adds tokens around the text (bos, a
+    post-processor's) rather than reading special strings out of it."""
+    return not sentencepiece or tokenizer_type == "Llama2Tokenizer"
+
+
+def _add_legacy_special_tokens(tokenizer, megaloop_tokenizer, path: Path) -> None:
+    """Legacy SentencePieceTokenizer's special strings as added special tokens of ``tokenizer``
+    with megaloop's ids (new ones are numbered past the pieces in the same order)."""
+    special = getattr(megaloop_tokenizer, "special", {})
+    new = [name for name, token_id in special.items() if token_id >= len(tokenizer)]
+    if new:
+        from tokenizers import AddedToken
+
+        tokenizer.add_special_tokens({"additional_special_tokens": [
+            AddedToken(name, special=True, normalized=False) for name in new]})
+    got = tokenizer.convert_tokens_to_ids(list(special))
+    if got != list(special.values()):
+        raise ConversionError(f"tokenizer {path}: the Hugging Face conversion numbers the "
+                              f"data.legacy_tokenizer special tokens {list(special)} as {got}, "
+                              f"megaloop as {list(special.values())}")
+
+
+def _special_probes(megaloop_tokenizer) -> list[str]:
+    """Probe texts with legacy SentencePieceTokenizer's special strings inside and around text."""
+    names = list(getattr(megaloop_tokenizer, "special", ()))
+    return [f"one{name} two {name}" for name in names] + (["".join(names)] if names else [])
+
+
+def _megaloop_tokenizer(path: Path, tokenizer_type: str | None = None, legacy: bool = False):
+    """(megaloop's tokenizer of ``path`` encoding as ``tokenizer_type`` (the run's; by default
+    the one its file kind takes) and ``legacy`` say, whether it is a SentencePiece model)."""
+    from megaloop.data.tokenizer import (HUGGINGFACE_TYPES, SENTENCEPIECE_TYPES, TokenizerError,
+                                         load_tokenizer)
 
     sentencepiece = path.suffix != ".json" and not path.is_dir()
+    types = SENTENCEPIECE_TYPES if sentencepiece else HUGGINGFACE_TYPES
     try:
-        return load_tokenizer("SentencePieceTokenizer" if sentencepiece else "HuggingFaceTokenizer",
-                              path), sentencepiece
+        return load_tokenizer(tokenizer_type if tokenizer_type in types else types[0], path,
+                              legacy=legacy), sentencepiece
     except TokenizerError as e:
         raise ConversionError(f"tokenizer: {e}") from None
 
 
-def check_encodes_like(path: str | Path, original: str | Path) -> None:
+def check_encodes_like(path: str | Path, original: str | Path, tokenizer_type: str | None = None,
+                       legacy: bool = False) -> None:
     """The tokenizer at ``path``, given in place of a run's ``original`` one, encodes the probe
-    texts as it does and ends documents with the same id; else a ConversionError naming both (a
-    copy or a conversion of the run's tokenizer passes, another model's does not)."""
-    given, _ = _megaloop_tokenizer(Path(path))
-    theirs, _ = _megaloop_tokenizer(Path(original))
+    texts as it does (both as the run's ``tokenizer_type`` and ``legacy`` say) and ends documents
+    with the same id; else a ConversionError naming both (a copy or a conversion of the run's
+    tokenizer passes, another model's does not)."""
+    given, _ = _megaloop_tokenizer(Path(path), tokenizer_type, legacy)
+    theirs, _ = _megaloop_tokenizer(Path(original), tokenizer_type, legacy)
     if given.eod != theirs.eod:
         raise ConversionError(f"--tokenizer {path}: ends documents with id {given.eod}, the run's "
                               f"data.tokenizer_model {original} with {theirs.eod} (not the "

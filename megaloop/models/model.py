@@ -331,11 +331,9 @@ class LoopedLM(LanguageModule):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         steps = self.cfg.iterations if num_iterations is None else num_iterations
-        if steps < 1:
-            raise ValueError(f"num_iterations={steps}: must be >= 1")
-        if self.cfg.arch == "dense" and steps != 1:
-            raise ValueError(f"num_iterations={steps}: arch=dense has no depth to vary (it would "
-                             "loop its layers; arch=fullloop is the looped stack)")
+        problem = self.cfg.depth_refusal(steps)
+        if problem:
+            raise ValueError(f"num_iterations={steps}: {problem}")
         if len(self.stages) > 1 and steps != self.cfg.iterations:
             raise ValueError(f"num_iterations={steps}: a pipeline runs exactly the "
                              f"iterations={self.cfg.iterations} its stages unroll")

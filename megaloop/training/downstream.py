@@ -74,7 +74,8 @@ class DownstreamEval:
                                                             section.task_dir or ev.TASK_DIR))
             self._workdir = tempfile.TemporaryDirectory(prefix="megaloop-downstream-")
             write_tokenizer(cfg.data.tokenizer_model, Path(self._workdir.name),
-                            cfg.model.vocab_size)
+                            cfg.model.vocab_size, cfg.data.tokenizer_type,
+                            cfg.data.legacy_tokenizer)
             self.tokenizer = AutoTokenizer.from_pretrained(self._workdir.name,
                                                            trust_remote_code=False)
         except (ev.EvaluationError, ConversionError) as e:

@@ -183,10 +183,12 @@ def test_test_time_depth_reaches_the_model_and_is_restored(harness):
     assert [(r["task"], r["iterations"], r["samples"]) for r in rows] == [
         ("winogrande", 1, 2), ("winogrande", 3, 2)]
     assert export.model.config.iterations == 2
-    with pytest.raises(ev.EvaluationError, match=r"depth 2: LlamaForCausalLM \(llama\) has no "
-                                                 "test-time depth"):
+    with pytest.raises(ev.EvaluationError, match=r"^depth 2: LlamaForCausalLM "
+                                                 r"\(model_type=llama\): arch=dense has no depth "
+                                                 "to vary"):
         ev.evaluate(harness["dense"].model, harness["dense"].tokenizer, ["piqa"],
-                    data_dir=harness["data"], depths=(2,))
+                    data_dir=harness["data"], depths=(1, 2))
+    assert ev.set_depth(harness["dense"].model, 1) is None  # its own depth: nothing to set
 
 
 def test_a_continuation_longer_than_the_context_is_one_line(harness):
@@ -340,28 +342,31 @@ def test_depths_a_model_has_not_are_refused_before_any_export_or_load(harness, t
                                                                       capsys, monkeypatch):
     """Dense has no depth; LatentLoop runs exactly its visits (2 here): found in the source's
     config, before a checkpoint is exported (before: after the export, from the loaded model)."""
-    from megaloop.hf import from_hf, to_hf
+    from megaloop.hf import evaluate as ev, from_hf, to_hf
 
     evaluate = load_tool("evaluate").main
     work = []
     monkeypatch.setattr(to_hf, "export_checkpoint", lambda *a, **k: work.append("export"))
     monkeypatch.setattr(from_hf, "load_hf_model", lambda *a, **k: work.append("load"))
     latent, dense = harness["latentloop"], harness["dense"]
-    cases = [(latent.checkpoint, f"--depths 3: {latent.checkpoint}: arch=latentloop has no "
-                                 "test-time depth to set (it runs exactly its iterations=2 "
-                                 "visits)"),
-             (latent.directory, f"--depths 3: {latent.directory}/config.json: arch=latentloop "
-                                "has no test-time depth"),
-             (dense.checkpoint, f"--depths 2: {dense.checkpoint}: arch=dense has no test-time "
-                                "depth to set"),
-             (dense.directory, f"--depths 2: {dense.directory}/config.json: model_type=llama "
-                               "has no test-time depth to set")]
-    for source, message in cases:
-        assert evaluate([str(source), "--data-dir", str(harness["data"]), "--depths", "2", "3",
-                         "--output", str(tmp_path / "x")]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == ["error: " + message] if message.endswith("set") else \
-            len(err) == 1 and message in err[0], err
+    dense_refusal = ("arch=dense has no depth to vary (it would loop its layers; "
+                     "arch=fullloop is the looped stack)")
+    cases = [(latent.checkpoint, f"--depths 3: {latent.checkpoint}: arch=latentloop runs exactly "
+                                 "its iterations=2 visits (each has its own scales)"),
+             (latent.directory, f"--depths 3: {latent.directory}/config.json "
+                                "(model_type=megaloop_latentloop): arch=latentloop runs exactly "
+                                "its iterations=2 visits (each has its own scales)"),
+             (dense.checkpoint, f"--depths 2: {dense.checkpoint}: {dense_refusal}"),
+             (dense.directory, f"--depths 2: {dense.directory}/config.json (model_type=llama): "
+                               f"{dense_refusal}")]
+    for source, message in cases:  # the first refused depth is named: 3, and 2 on Dense
+        own = "2" if source in (latent.checkpoint, latent.directory) else "1"
+        assert evaluate([str(source), "--data-dir", str(harness["data"]), "--depths", own, "2",
+                         "3", "--output", str(tmp_path / "x")]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == ["error: " + message]
+    # Depth 1 is a Dense model's own (before: refused here, accepted by the model and eval_gsm8k).
+    for source in (dense.checkpoint, dense.directory):
+        ev.check_depths(source, [1])
     assert work == []
 
 

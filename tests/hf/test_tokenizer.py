@@ -17,10 +17,10 @@ LINES = [f"the {w} sat on {n} mats, said   {w.upper()}!\n" for w in ("cat", "dog
          for n in range(40)]
 
 
-def _with_tokenizer(exports, tmp_path, tokenizer: Path) -> Path:
+def _with_tokenizer(exports, tmp_path, tokenizer: Path, **data) -> Path:
     checkpoint = Path(shutil.copytree(exports.get("dense").checkpoint, tmp_path / "checkpoint"))
     config = yaml.safe_load((checkpoint / "config.yaml").read_text())
-    config["data"].update(tokenizer_model=str(tokenizer), eod_id=None)
+    config["data"].update(tokenizer_model=str(tokenizer), eod_id=None, **data)
     (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
     return checkpoint
 
@@ -99,3 +99,59 @@ def test_refuses_a_tokenizer_ending_documents_otherwise_than_the_runs_eod_id(exp
                                               rf"{eod}, the run's data.eod_id is 5"):
         export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(source))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "Llama2Tokenizer"])
+def test_a_legacy_tokenizer_run_exports_the_encoding_and_eod_it_trained_with(exports, tmp_path,
+                                                                           tokenizer_type):
+    """data.legacy_tokenizer: SentencePieceTokenizer's special strings (<EOD> among them) are ids
+    past the model's pieces, <EOD> the trained EOD; Llama2Tokenizer starts texts with bos. The
+    export's tokenizer encodes so, and generate() stops at the trained EOD."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+
+    source = _sentencepiece(tmp_path)
+    export_checkpoint(_with_tokenizer(exports, tmp_path, source, legacy_tokenizer=True,
+                                      tokenizer_type=tokenizer_type), tmp_path / "out")
+    megaloop = load_tokenizer(tokenizer_type, source, legacy=True)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "the emu<EOD> sat <CLS>on 7 mats,<MASK>  said CAT!<EOD>"
+    ids = megaloop.encode_batch([text])[0]
+    assert hf(text)["input_ids"] == ids
+    plain = "the emu sat on 7 mats,  said CAT!"
+    assert hf.decode(megaloop.encode_batch([plain])[0], skip_special_tokens=True) == \
+        megaloop.decode(megaloop.encode_batch([plain])[0][ids[0] == 1:])
+    eod, eod_name = megaloop.eod, ("<EOD>" if tokenizer_type == "SentencePieceTokenizer"
+                                   else "</s>")
+    assert hf.eos_token_id == eod and hf.convert_ids_to_tokens(eod) == eod_name
+    assert hf.decode(hf(plain)["input_ids"] + [eod]).endswith(f"CAT!{eod_name}")
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "out" / name).read_text())["eos_token_id"] == eod
+
+    planned = [5, eod, 7, 7]  # generation must stop at eod, the second token
+
+    def force_plan(input_ids, scores):
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, planned[input_ids.shape[1] - prompt.shape[1]]] = 0
+        return forced
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    prompt = torch.tensor([hf("the cat")["input_ids"]])
+    out = model.generate(prompt, max_new_tokens=4,
+                         logits_processor=LogitsProcessorList([force_plan]))
+    assert out[0, prompt.shape[1]:].tolist() == [5, eod]
+
+
+def test_a_conversion_that_encodes_otherwise_is_refused_naming_the_text(tmp_path, monkeypatch):
+    """Literal <unk> is one added token to the Hugging Face tokenizer but pieces to megaloop's
+    legacy one (it is none of Megatron-LM's special strings): a probe holding it fails."""
+    from megaloop.hf import tokenizer as hf_tokenizer
+    from megaloop.hf.common import ProbeMismatch
+
+    monkeypatch.setattr(hf_tokenizer, "PROBE_TEXTS", ("x <unk>",))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ProbeMismatch, match=r"encodes 'x <unk>' as \[[\d, ]+\]\.\.\. "
+                                            r"\(add_special_tokens=True\), megaloop as \[[\d, ]+"
+                                            r"\]\.\.\. \(data.legacy_tokenizer=true\)$"):
+        hf_tokenizer.write_tokenizer(_sentencepiece(tmp_path), tmp_path / "out", 128,
+                                     "SentencePieceTokenizer", legacy=True)

@@ -66,3 +66,23 @@ def test_reference_refuses_test_time_depth_on_dense_as_the_canonical_model_does(
     for net in (model, reference):
         with pytest.raises(ValueError, match="num_iterations=3: arch=dense has no depth to vary"):
             net(x, num_iterations=3)
+
+
+@pytest.mark.parametrize("arch", ["dense", "latentloop", "asymloop"])
+def test_reference_keeps_the_canonical_test_time_depth_rule(seeded, arch):
+    """The reference (remote code, its own copy of the rule) refuses exactly the depths
+    ModelConfig.depth_refusal refuses, with the canonical model's message."""
+    cfg = small_config(arch)
+    model = build_model(cfg)
+    reference = to_reference(model)
+    x = torch.randint(0, cfg.vocab_size, (1, 8))
+    for depth in (0, 1, 2, 3):
+        problem = cfg.depth_refusal(depth)
+        for net in (model, reference):
+            if problem is None:
+                with torch.no_grad():
+                    net(x, num_iterations=depth)
+            else:
+                with pytest.raises(ValueError) as error:
+                    net(x, num_iterations=depth)
+                assert str(error.value) == f"num_iterations={depth}: {problem}"

@@ -154,3 +154,23 @@ def test_run_level_requirements_fail_before_the_model_is_built(mcore, pattern_da
                    dataclasses.replace(section, **change))
         with pytest.raises(ConfigError, match=message):
             Trainer(cfg)
+
+
+def test_the_harness_tokenizer_encodes_as_the_runs_legacy_tokenizer(mcore, pattern_data,
+                                                                    tokenizer, tmp_path):
+    """data.legacy_tokenizer=true: the harness reads text with the run's <EOD> and other added ids,
+    and eos is the EOD the model trains with."""
+    from megaloop.data import load_tokenizer
+    from megaloop.training.downstream import DownstreamEval
+
+    cfg = _run(pattern_data, tmp_path, tokenizer,
+               DownstreamEvalConfig(tasks=TASKS, data_dir=str(EVAL_DATA)))
+    cfg.data = dataclasses.replace(cfg.data, legacy_tokenizer=True)
+    legacy = load_tokenizer("SentencePieceTokenizer", tokenizer, legacy=True)
+    downstream = DownstreamEval(cfg)
+    try:
+        text = "a goal<EOD> then<CLS>"
+        assert downstream.tokenizer(text)["input_ids"] == legacy.encode_batch([text])[0]
+        assert downstream.tokenizer.eos_token_id == legacy.eod
+    finally:
+        downstream.close()
