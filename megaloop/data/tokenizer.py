@@ -84,8 +84,7 @@ class SentencePieceTextTokenizer:
 
 class LegacySentencePieceTokenizer(SentencePieceTextTokenizer):
     """Megatron-LM's legacy SentencePieceTokenizer: special-token strings in the text become ids of
-    their own (new ones numbered past the model's pieces, in this order), and EOD is ``<EOD>``.
-    ``decode`` (inherited) knows the model's own pieces only."""
+    their own (new ones numbered past the model's pieces, in this order), and EOD is ``<EOD>``."""
 
     def __init__(self, model_path: str | os.PathLike):
         super().__init__(model_path)
@@ -103,6 +102,20 @@ class LegacySentencePieceTokenizer(SentencePieceTextTokenizer):
         self.eod = self.special["<EOD>"]
         # Leftmost match first, ties to the earlier name: the order Megatron-LM searches in.
         self._pattern = re.compile("(" + "|".join(map(re.escape, self.special)) + ")")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """As Megatron-LM's legacy tokenizer decodes: a special id is written as its string with a
+        space on either side, and the runs of the model's pieces between them decode as usual (the
+        model alone knows no id past its pieces: an IndexError for a generated ``<CLS>``)."""
+        names = {token: name for name, token in self.special.items()}
+        text, pieces = "", []
+        for token in map(int, ids):
+            if token in names:
+                text += f"{super().decode(pieces)} {names[token]} "
+                pieces = []
+            else:
+                pieces.append(token)
+        return text + super().decode(pieces)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         parts = [self._pattern.split(text) for text in texts]  # text, special, text, ..., text

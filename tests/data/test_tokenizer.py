@@ -40,6 +40,17 @@ def test_legacy_sentencepiece_types_encode_as_megatron_lm_legacy_tokenizers(sp_m
     assert llama.encode_batch(["x", ""]) == [[sp.bos_id()] + sp.encode("x"), [sp.bos_id()]]
 
 
+def test_legacy_sentencepiece_decodes_its_added_ids_as_megatron_lm_does(sp_model):
+    """A generated <CLS> (an id past the model's pieces) used to be an IndexError."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
+    legacy = load_tokenizer("SentencePieceTokenizer", sp_model, legacy=True)
+    ids = sp.encode("The answer") + [32000] + sp.encode("is 42") + [32002]
+    assert legacy.decode(ids) == "The answer <CLS> is 42 <EOD> "
+    assert legacy.decode(sp.encode("plain text")) == "plain text"
+
+
 def test_legacy_huggingface_adds_the_special_tokens_transformers_adds(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
