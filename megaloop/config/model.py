@@ -258,10 +258,11 @@ class ModelConfig:
                     "with D >= 1")
             require(self.local_kv or self.injection == "global_kv", prefix, "local_kv",
                     self.local_kv, "true unless injection=global_kv (the decoder needs some keys)")
-            require(not self.moe_in("decoder") or self.decoder_ffn_hidden_size == self.ffn_hidden_size,
+            dense_decoder_ffn = not self.moe_in("decoder")
+            require(dense_decoder_ffn or self.decoder_ffn_hidden_size == self.ffn_hidden_size,
                     prefix, "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,
-                    f"unset when the decoder's FFNs are MoE layers (moe_layers={self.moe_layers!r}),"
-                    " which use moe_ffn_hidden_size")
+                    "unset when the decoder's FFNs are MoE layers "
+                    f"(moe_layers={self.moe_layers!r}), which use moe_ffn_hidden_size")
         else:
             require(self.decoder_ffn_hidden_size == self.ffn_hidden_size, prefix,
                     "decoder_ffn_hidden_size", self.decoder_ffn_hidden_size,

@@ -314,10 +314,8 @@ class LatentLoopLM(LoopedLM):
     def loop(self, hidden: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
              steps: int) -> torch.Tensor:
         """The V visits, then the coda. They are V distinct modules applied in order (each its own
-        residual scale and compression) over the shared block, so there is no test-time depth."""
-        if steps != self.cfg.iterations:
-            raise ValueError(f"num_iterations={steps}: arch=latentloop runs exactly its "
-                             f"iterations={self.cfg.iterations} visits (each has its own scales)")
+        residual scale and compression) over the shared block, so there is no test-time depth:
+        ``steps`` is its iterations, as LoopedLM.forward has checked (ModelConfig.depth_refusal)."""
         for visit in self.visits:
             with self.applying(f"visit{visit.visit}"):
                 hidden = visit(hidden, rope)
