@@ -8,12 +8,20 @@ import tempfile
 import pytest
 import torch
 
+from tests import tool_scripts
+
 # Remote-code models loaded by the tests (Hugging Face exports) are copied into transformers' module
 # cache, one folder per directory name; keep those copies out of the user's home. Set before any
 # test imports transformers, which reads it once.
 if "HF_MODULES_CACHE" not in os.environ:
     os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="megaloop-test-hf-modules-")
     atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """Imports a script under tools/ as a module (tools/ is not a package)."""
+    return tool_scripts.load_tool
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ import pytest
 
 from megaloop import gsm8k
 from megaloop.data import DataError
-from tests.data.conftest import SHARED_DATA, SP_MODEL, _load_tool as load_tool
+from tests.data.conftest import SHARED_DATA, SP_MODEL
+from tests.tool_scripts import load_tool
 
 GSM8K_TRAIN = SHARED_DATA / "gsm8k_train.jsonl"
 GSM8K_TEST = SHARED_DATA / "eval" / "gsm8k_test.jsonl"

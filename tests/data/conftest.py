@@ -1,6 +1,5 @@
 """Fixtures for the data pipeline tests: the shared offline corpus and a tokenized copy of it."""
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -13,14 +12,6 @@ SHARED_DATA = Path(os.environ.get("MEGALOOP_SHARED_DATA", REPO.parent / "shared"
 SP_MODEL = SHARED_DATA / "llama2_tokenizer.model"
 HF_TOKENIZER = SHARED_DATA / "gpt2_tokenizer.json"
 ARTICLES = SHARED_DATA / "wikitext2_raw_test_articles.jsonl"
-
-
-def _load_tool(name: str):
-    path = REPO / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"tool_{name.replace('/', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")
@@ -58,12 +49,6 @@ def tokenized_articles(tmp_path_factory, sp_model, articles_path) -> str:
     options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True, workers=0)
     preprocess(whole_files([str(articles_path)]), prefix, options)
     return output_prefix(prefix, "text")
-
-
-@pytest.fixture(scope="session")
-def load_tool():
-    """Import a script under tools/ as a module (tools/ is not a package)."""
-    return _load_tool
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megaloop.config import DataConfig, ModelConfig, RunConfig
-from tests.data.conftest import SP_MODEL, _load_tool as load_tool
+from tests.data.conftest import SP_MODEL
+from tests.tool_scripts import load_tool
 from tests.hf.harness import (EVAL_DATA, SAMPLE_TASKS, expected_requests, loglikelihood, records,
                               require_harness, write_standard_files)
 

@@ -3,7 +3,7 @@ printed rates of zero tokens and exited 0; --repeats 0 failed after building the
 
 import pytest
 
-from tests.data.conftest import _load_tool as load_tool
+from tests.tool_scripts import load_tool
 
 
 @pytest.mark.parametrize("flag, value, minimum", [("--new-tokens", "1", 2), ("--repeats", "0", 1),
