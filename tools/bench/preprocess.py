@@ -73,22 +73,31 @@ def run_tool(input_path: str, tokenizer_model: str, workers: int, out_dir: str) 
     }
 
 
-def _encode_share(model: str, chunks: list[list[str]], barrier, results) -> None:
+def _encode_share(model: str, chunks: list[list[str]], next_chunk, barrier, results) -> None:
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
     barrier.wait()
-    wall, cpu = time.perf_counter(), time.process_time()
-    tokens = sum(len(ids) for chunk in chunks for ids in sp.encode(chunk, num_threads=1))
+    wall, cpu, tokens = time.perf_counter(), time.process_time(), 0
+    while True:
+        with next_chunk.get_lock():
+            index = next_chunk.value
+            next_chunk.value += 1
+        if index >= len(chunks):
+            break
+        tokens += sum(len(ids) for ids in sp.encode(chunks[index], num_threads=1))
     results.put((time.perf_counter() - wall, time.process_time() - cpu, tokens))
 
 
 def encode_ceiling(chunks: list[list[str]], tokenizer_model: str, workers: int, megabytes: float) -> dict:
-    """The chunks dealt round-robin to ``workers`` spawned processes that only encode them."""
+    """``workers`` spawned processes that only encode the chunks, each taking the next one when it
+    is done (as the tool's pool hands them out): dealt in advance, a worker slowed by other load
+    would hold the others' finish back, and the "ceiling" would fall below the tool."""
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(workers), ctx.Queue()
-    processes = [ctx.Process(target=_encode_share, args=(tokenizer_model, chunks[w::workers], barrier, results))
-                 for w in range(workers)]
+    barrier, results, next_chunk = ctx.Barrier(workers), ctx.Queue(), ctx.Value("l", 0)
+    processes = [ctx.Process(target=_encode_share,
+                             args=(tokenizer_model, chunks, next_chunk, barrier, results))
+                 for _ in range(workers)]
     for p in processes:
         p.start()
     done = [results.get() for _ in processes]
