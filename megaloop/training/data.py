@@ -19,6 +19,7 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig, write_text_atomic
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
+from megaloop.data.indexed import IndexedSummary
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.training.collective import rank0_decides
 
@@ -80,10 +81,11 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
 
     def check() -> None:
-        check_sidecars(prefixes, cfg.data, tokenizer.eod, text.path if text else None)
-        check_token_ids(prefixes, cfg.model.vocab_size, cache_dir)
+        summaries = {prefix: validate_indexed(prefix) for prefix in prefixes}  # one read each
+        check_sidecars(summaries, cfg.data, tokenizer.eod, text.path if text else None)
+        check_token_ids(summaries, cfg.model.vocab_size, cache_dir)
         if cfg.data.tokenizer_model is not None:
-            check_tokenizer_ids(prefixes, cfg.data, tokenizer.vocab_size, cache_dir)
+            check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
 
     rank0_decides(check, (DataError,))
     return train, valid
@@ -101,14 +103,15 @@ def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     return train, valid
 
 
-def check_sidecars(prefixes: list[str], data: DataConfig, eod: int,
+def check_sidecars(summaries: dict[str, IndexedSummary], data: DataConfig, eod: int,
                    tokenizer_file: str | None) -> None:
     """Refuses data whose sidecar (``{prefix}.tokenizer.json``, from tools/preprocess_data.py)
     says its ids were made otherwise than the run reads them: another tokenizer type or model file,
     the other ``--legacy-tokenizer`` mode, another EOD id (``eod``: the run's). Also one that
     describes other documents or tokens than the files hold (files replaced after it was written).
-    Data without a sidecar (Megatron-LM's) is left to the id checks."""
-    sidecars = [(prefix, saved) for prefix in prefixes if (saved := read_sidecar(prefix))]
+    Data without a sidecar (Megatron-LM's) is left to the id checks. ``summaries``: each
+    prefix's ``validate_indexed``, as for the id checks."""
+    sidecars = [(prefix, saved) for prefix in summaries if (saved := read_sidecar(prefix))]
     if not sidecars:
         return
     if tokenizer_file is None:
@@ -119,8 +122,7 @@ def check_sidecars(prefixes: list[str], data: DataConfig, eod: int,
                     ("legacy_tokenizer", "data.legacy_tokenizer", data.legacy_tokenizer),
                     ("eod_id", "the EOD id of data.tokenizer_model", eod)]
     for prefix, saved in sidecars:
-        where = sidecar_path(prefix)
-        summary = validate_indexed(prefix)
+        where, summary = sidecar_path(prefix), summaries[prefix]
         for key, held in (("documents", summary.num_documents), ("tokens", summary.num_tokens)):
             if key in saved and saved[key] != held:
                 raise DataError(f"{where}: describes {saved[key]} {key}, but {prefix}.bin/.idx "
@@ -142,27 +144,29 @@ def check_sidecars(prefixes: list[str], data: DataConfig, eod: int,
                             f"{fix}")
 
 
-def check_token_ids(prefixes: list[str], vocab_size: int, cache_dir: str | os.PathLike) -> None:
+def check_token_ids(summaries: dict[str, IndexedSummary], vocab_size: int,
+                    cache_dir: str | os.PathLike) -> None:
     """Refuses data holding a token id >= ``model.vocab_size`` (made with another tokenizer),
     which would otherwise be an IndexError inside step 1 on CPU and a device-side assert on GPU.
     Free when the token dtype cannot hold such an id; otherwise one pass over the .bin, done once
     per file version: the maximum is cached as ``max_token_id-*`` files in the shuffle-index
-    cache directory, keyed by the file's size and modification time."""
-    for prefix, top in _ids_reaching(prefixes, vocab_size, cache_dir):
+    cache directory, keyed by the file's size and modification time. ``summaries``: each
+    prefix's ``validate_indexed``."""
+    for prefix, top in _ids_reaching(summaries, vocab_size, cache_dir):
         raise DataError(f"{prefix}.bin: token id {top} is outside the model's vocabulary "
                         f"(model.vocab_size={vocab_size}); the data was tokenized with "
                         "another tokenizer, or the vocabulary is too small")
 
 
-def check_tokenizer_ids(prefixes: list[str], data: DataConfig, tokenizer_size: int,
-                        cache_dir: str | os.PathLike) -> None:
+def check_tokenizer_ids(summaries: dict[str, IndexedSummary], data: DataConfig,
+                        tokenizer_size: int, cache_dir: str | os.PathLike) -> None:
     """Refuses data holding a token id past the ``tokenizer_size`` ids of ``data.tokenizer_model``,
     which no encoding by that tokenizer writes. The id would fit the model's padded vocabulary, so
     training would go on with another end-of-document id than the data's (wrong document
     boundaries, ``eod_mask_loss`` masking the wrong token): tools/preprocess_data.py
     ``--legacy-tokenizer`` with SentencePieceTokenizer, for one, ends documents with an
     ``<EOD>`` id numbered past the model's pieces. Shares check_token_ids' cached scan."""
-    for prefix, top in _ids_reaching(prefixes, tokenizer_size, cache_dir):
+    for prefix, top in _ids_reaching(summaries, tokenizer_size, cache_dir):
         raise DataError(f"{prefix}.bin: token id {top} is past the {tokenizer_size} ids of "
                         f"data.tokenizer_model={data.tokenizer_model!r}: the data was tokenized "
                         f"otherwise{_legacy_hint(data, top)}")
@@ -181,11 +185,11 @@ def _legacy_hint(data: DataConfig, top: int) -> str:
             f"tokenizer with data.eod_id={legacy.eod})")
 
 
-def _ids_reaching(prefixes: list[str], limit: int, cache_dir: str | os.PathLike):
+def _ids_reaching(summaries: dict[str, IndexedSummary], limit: int,
+                  cache_dir: str | os.PathLike):
     """(prefix, its largest token id) for each file holding an id >= ``limit``; no scan of a file
     whose token dtype cannot hold one."""
-    for prefix in prefixes:
-        summary = validate_indexed(prefix)
+    for prefix, summary in summaries.items():
         if numpy.iinfo(summary.dtype).max < limit:
             continue
         top = _max_token_id(prefix + ".bin", summary, cache_dir)

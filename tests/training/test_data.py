@@ -7,8 +7,14 @@ import os
 import pytest
 
 from megaloop.data import DataError
+from megaloop.data import validate_indexed
 from megaloop.training.data import check_token_ids
 from tests.training.conftest import write_pattern_dataset
+
+
+def _indexed(prefix) -> dict:
+    """What the checks take: each prefix's summary, validated once."""
+    return {prefix: validate_indexed(prefix)}
 
 
 def _write(prefix, top_id=None):
@@ -29,9 +35,9 @@ def _write(prefix, top_id=None):
 
 def test_ids_beyond_the_vocabulary_are_refused_naming_the_file(tmp_path):
     prefix = _write(tmp_path / "data")
-    check_token_ids([prefix], vocab_size=121, cache_dir=tmp_path / "cache")
+    check_token_ids(_indexed(prefix), vocab_size=121, cache_dir=tmp_path / "cache")
     with pytest.raises(DataError) as error:
-        check_token_ids([prefix], vocab_size=120, cache_dir=tmp_path / "cache")
+        check_token_ids(_indexed(prefix), vocab_size=120, cache_dir=tmp_path / "cache")
     assert str(error.value).startswith(f"{prefix}.bin: token id 120 is outside the model's "
                                        "vocabulary (model.vocab_size=120)")
 
@@ -39,19 +45,19 @@ def test_ids_beyond_the_vocabulary_are_refused_naming_the_file(tmp_path):
 def test_the_scan_is_cached_per_file_version(tmp_path):
     prefix = _write(tmp_path / "data")
     cache = tmp_path / "cache"
-    check_token_ids([prefix], vocab_size=128, cache_dir=cache)
+    check_token_ids(_indexed(prefix), vocab_size=128, cache_dir=cache)
     (cached,) = cache.iterdir()
     assert cached.read_text().strip() == "120"
     # A rewritten file (another size and time) is scanned again, not trusted from the cache.
     _write(tmp_path / "data", top_id=500)
     with pytest.raises(DataError, match="token id 500"):
-        check_token_ids([prefix], vocab_size=128, cache_dir=cache)
+        check_token_ids(_indexed(prefix), vocab_size=128, cache_dir=cache)
     assert len(list(cache.iterdir())) == 2
 
 
 def test_no_scan_when_the_token_dtype_cannot_reach_the_vocabulary(tmp_path):
     prefix = _write(tmp_path / "data")  # uint16: ids <= 65535
-    check_token_ids([prefix], vocab_size=70_000, cache_dir=tmp_path / "cache")
+    check_token_ids(_indexed(prefix), vocab_size=70_000, cache_dir=tmp_path / "cache")
     assert not os.path.exists(tmp_path / "cache")
 
 
@@ -88,20 +94,20 @@ def test_data_from_the_legacy_tokenizer_is_refused_with_its_eod_id_named(tmp_pat
 
     prefix, eod = _write_legacy_tokenized(tmp_path / "legacy", str(sp_model))
     assert eod == 32002  # <EOD> past the 32000 pieces, where the tokenizer's own EOD is 2
-    check_token_ids([prefix], vocab_size=32128, cache_dir=tmp_path / "cache")  # the model's rows
+    check_token_ids(_indexed(prefix), vocab_size=32128, cache_dir=tmp_path / "cache")  # the model's rows
     data = DataConfig(path=[prefix], tokenizer_model=str(sp_model))
     with pytest.raises(DataError) as error:
-        check_tokenizer_ids([prefix], data, 32000, cache_dir=tmp_path / "cache")
+        check_tokenizer_ids(_indexed(prefix), data, 32000, cache_dir=tmp_path / "cache")
     assert str(error.value) == (
         f"{prefix}.bin: token id 32002 is past the 32000 ids of data.tokenizer_model="
         f"{str(sp_model)!r}: the data was tokenized otherwise (by its --legacy-tokenizer mode of "
         "tools/preprocess_data.py, which ends documents with id 32002: train on it with "
         "data.legacy_tokenizer=true, or without the tokenizer with data.eod_id=32002)")
-    check_tokenizer_ids([prefix], data, 32003, cache_dir=tmp_path / "cache")
+    check_tokenizer_ids(_indexed(prefix), data, 32003, cache_dir=tmp_path / "cache")
     # With the legacy encoding asked for already, the hint would name the setting that failed.
     data.legacy_tokenizer = True
     with pytest.raises(DataError) as error:
-        check_tokenizer_ids([prefix], data, 32000, cache_dir=tmp_path / "cache")
+        check_tokenizer_ids(_indexed(prefix), data, 32000, cache_dir=tmp_path / "cache")
     assert str(error.value).endswith("the data was tokenized otherwise")
 
 
@@ -162,7 +168,7 @@ def test_settings_the_sidecar_contradicts_are_refused_naming_it(tmp_path, sp_mod
                                                         legacy=data.legacy_tokenizer)
     eod = tokenizer.eod if tokenizer else data.eod_id
     with pytest.raises(DataError) as error:
-        check_sidecars([prefix], data, eod, tokenizer and tokenizer.path)
+        check_sidecars(_indexed(prefix), data, eod, tokenizer and tokenizer.path)
     assert str(error.value) == (f"{prefix}.tokenizer.json: {prefix} was tokenized with {made}, "
                                 f"but the run has {run}; {fix}")
 
@@ -175,8 +181,8 @@ def test_another_model_file_is_refused_and_matching_settings_pass(tmp_path, sp_m
 
     prefix = _preprocess(tmp_path, sp_model, legacy=False)
     data = DataConfig(path=[prefix], tokenizer_model=str(sp_model))
-    check_sidecars([prefix], data, 2, str(sp_model))
-    check_sidecars([prefix], DataConfig(path=[prefix], eod_id=2), 2, None)
+    check_sidecars(_indexed(prefix), data, 2, str(sp_model))
+    check_sidecars(_indexed(prefix), DataConfig(path=[prefix], eod_id=2), 2, None)
     other = tmp_path / "other.model"
     shutil.copy(sp_model, other)
     with open(other, "ab") as f:
@@ -185,7 +191,7 @@ def test_another_model_file_is_refused_and_matching_settings_pass(tmp_path, sp_m
                                         r"\(sha256 9e556afd4421\), but the run has "
                                         r"data.tokenizer_model='.*' \(sha256 [0-9a-f]{12}\); train "
                                         "with the tokenizer it was made with"):
-        check_sidecars([prefix], data, 2, str(other))
+        check_sidecars(_indexed(prefix), data, 2, str(other))
 
 
 def test_a_sidecar_left_from_other_files_or_unreadable_is_refused_and_none_is_fine(tmp_path,
@@ -202,15 +208,15 @@ def test_a_sidecar_left_from_other_files_or_unreadable_is_refused_and_none_is_fi
     assert record["documents"] == 2 and record["append_eod"] and record["vocab_size"] == 32000
     sidecar.write_text(json.dumps({**record, "tokens": record["tokens"] + 1}))
     with pytest.raises(DataError) as error:
-        check_sidecars([prefix], data, 2, None)
+        check_sidecars(_indexed(prefix), data, 2, None)
     assert str(error.value) == (f"{sidecar}: describes {record['tokens'] + 1} tokens, but "
                                 f"{prefix}.bin/.idx hold {record['tokens']}: it was written for "
                                 "other data; remove it, or preprocess the data again")
     sidecar.write_text("{not json")
     with pytest.raises(DataError, match=f"^{sidecar}: unreadable tokenizer sidecar"):
-        check_sidecars([prefix], data, 2, None)
+        check_sidecars(_indexed(prefix), data, 2, None)
     sidecar.unlink()  # as Megatron-LM's data: only the id checks apply
-    check_sidecars([prefix], data, 32002, None)
+    check_sidecars(_indexed(prefix), data, 32002, None)
 
 
 def test_the_trainer_refuses_legacy_data_by_its_sidecar_and_trains_with_its_eod_id(
