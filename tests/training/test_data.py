@@ -94,7 +94,8 @@ def test_data_from_the_legacy_tokenizer_is_refused_with_its_eod_id_named(tmp_pat
 
     prefix, eod = _write_legacy_tokenized(tmp_path / "legacy", str(sp_model))
     assert eod == 32002  # <EOD> past the 32000 pieces, where the tokenizer's own EOD is 2
-    check_token_ids(_indexed(prefix), vocab_size=32128, cache_dir=tmp_path / "cache")  # the model's rows
+    # the model's rows
+    check_token_ids(_indexed(prefix), vocab_size=32128, cache_dir=tmp_path / "cache")
     data = DataConfig(path=[prefix], tokenizer_model=str(sp_model))
     with pytest.raises(DataError) as error:
         check_tokenizer_ids(_indexed(prefix), data, 32000, cache_dir=tmp_path / "cache")
