@@ -1,7 +1,7 @@
 """Maps the canonical megatron-core LoopedLM onto the plain-PyTorch reference model and back.
 
 This is the weight mapping the Hugging Face export builds on and the one the parity tests exercise.
-It works on a full (tensor-parallel size 1) state dict. The way back (``from_reference_state_dict``)
+It works on a full (tensor-parallel size 1) state dict. The way back (``invert_mapping``)
 is not a second mapping: it runs this one on element indices and scatters the reference tensors
 through them, so the two directions cannot drift apart.
 
@@ -201,8 +201,3 @@ def invert_mapping(mapping, values: dict[str, torch.Tensor], shapes: dict[str, t
         raise ValueError(f"tensor {unexpected[0]}: not part of this architecture")
     return {name: flat[index.flatten()].view(index.shape) for name, index in ids.items()}
 
-
-def from_reference_state_dict(reference: dict, shapes: dict[str, tuple], cfg: ModelConfig) -> dict:
-    """The megatron-core state dict (keys and shapes of a TP=1 model: ``shapes``) whose reference
-    tensors are ``reference``."""
-    return invert_mapping(lambda state: reference_state_dict(state, cfg), reference, shapes)
