@@ -258,7 +258,16 @@ def check_compatible(path: Path, cfg: RunConfig) -> None:
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: RunConfig,
                     keep_last: int) -> Path:
     """Collective: every rank calls it with its sharded state dict. A failed save raises a
-    CheckpointError naming the path, leaving ``latest`` where it was."""
+    CheckpointError naming the path, leaving ``latest`` where it was.
+
+    Memory: on the CPU, megatron-core's writer (FileSystemWriterAsync.prepare_write_data) clones
+    every tensor that is a view of a larger storage, and all clones live until the save ends. Its
+    own SwiGLU factory (mlp.apply_swiglu_sharded_factory) saves each fc1 weight as two chunk()
+    views, so a bare model's save peaks at +0.16x its fp32 weights (60M AsymLoop); under its
+    DistributedDataParallel with the distributed optimizer every parameter is a view into one
+    flat buffer: +1.0x (tools/bench/checkpoint_save_memory.py). Both are megatron-core's. On a
+    GPU nothing is cloned: the writer stages every tensor (a view: its own elements) in host
+    memory."""
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
