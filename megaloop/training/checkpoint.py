@@ -161,12 +161,24 @@ def saved_config(path: Path) -> dict:
     """The run config stored with a checkpoint, as a plain dict."""
     config_file = path / "config.yaml"
     try:
-        saved = yaml.safe_load(config_file.read_text())
-        if not isinstance(saved.get("model"), dict) or not isinstance(saved.get("parallel"), dict):
-            raise KeyError("model/parallel sections")
-        return saved
-    except (OSError, yaml.YAMLError, KeyError, AttributeError) as e:
-        raise CheckpointError(f"{config_file}: unreadable checkpoint config ({e})") from None
+        saved = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{config_file}: unreadable checkpoint config "
+                              f"({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{config_file}: unreadable checkpoint config (not UTF-8 text)"
+                              ) from None
+    except yaml.YAMLError as e:  # its message spans several lines: the problem and where
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise CheckpointError(f"{config_file}: unreadable checkpoint config (invalid YAML{where}: "
+                              f"{problem})") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)
+            and isinstance(saved.get("parallel"), dict)):
+        raise CheckpointError(f"{config_file}: unreadable checkpoint config (no model and "
+                              "parallel sections, which every config a run saves holds)")
+    return saved
 
 
 def saved_section(path: Path, cls, section: str):
