@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 from megaloop.cli import quiet_third_party_warnings
+from megaloop.config import DEFAULT_ITERATIONS, ConfigError
+from megaloop.presets import preset
 
 
 def _status_bytes(field: str) -> int:
@@ -59,7 +61,6 @@ def measure(preset_name: str, arch: str, layout: str) -> dict:
 
     from megaloop.config import DataConfig, RunConfig
     from megaloop.hf.checkpoint import build_single_process_model
-    from megaloop.presets import preset
     from megaloop.training.checkpoint import save_checkpoint
 
     cfg = preset(preset_name, arch=arch).resolve()
@@ -93,9 +94,13 @@ def measure(preset_name: str, arch: str, layout: str) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="60M")
-    parser.add_argument("--arch", default="asymloop")
+    parser.add_argument("--arch", default="asymloop", choices=sorted(DEFAULT_ITERATIONS))
     parser.add_argument("--measure", metavar="LAYOUT", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
+    try:
+        preset(args.preset, arch=args.arch)
+    except ConfigError as e:
+        parser.error(f"argument --preset: {e}")
     quiet_third_party_warnings()
     if args.measure:
         print(json.dumps(measure(args.preset, args.arch, args.measure)))
