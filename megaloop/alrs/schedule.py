@@ -104,16 +104,23 @@ class ALRSConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def read_options(self) -> set[str]:
+        """The options of ``ALLOCATION_OPTIONS`` and ``BOOST_OPTIONS`` that this mode reads: the
+        one rule behind the start-up warning (``unread_options``) and the prefix checks of the
+        ALRS hook."""
+        if self.mode == "alrs":
+            # "include" ranges embedding and head like any matrix: their prefixes mark nothing.
+            return set(ALLOCATION_OPTIONS) - ({"embedding_head_prefixes"}
+                                              if self.embedding_head == "include" else set())
+        if self.mode == "decoder_boost":
+            return set(BOOST_OPTIONS)
+        return set()
+
     def unread_options(self) -> list[str]:
         """``name=value`` of each option set away from its default that this mode does not read.
         They are accepted, so that one config serves both arms of a comparison (mode=alrs
         against mode=uniform); the ALRS hook names them when it starts."""
-        unread = set(ALLOCATION_OPTIONS + BOOST_OPTIONS)
-        if self.mode == "alrs":
-            unread = set(BOOST_OPTIONS) | ({"embedding_head_prefixes"}
-                                           if self.embedding_head == "include" else set())
-        elif self.mode == "decoder_boost":
-            unread -= set(BOOST_OPTIONS)
+        unread = set(ALLOCATION_OPTIONS + BOOST_OPTIONS) - self.read_options()
         default = ALRSConfig()
         return [f"{name}={getattr(self, name)!r}" for name in self.to_dict()
                 if name in unread and getattr(self, name) != getattr(default, name)]

@@ -325,17 +325,17 @@ class ALRS:
                                f"{names[0] if names else 'none'!r})")
 
     def _check_prefixes_match(self) -> None:
-        """A prefix set for the mode that no matrix name starts with (a typo) would leave the
-        matrices it was meant for at multiplier 1 or in the α range: refused in one line. Every
-        rank lists the same names, so every rank decides alike. The default embedding/head
-        prefixes are exempt: a tied model has no output_layer."""
-        config, default = self.config, ALRSConfig()
+        """A prefix the mode reads (``ALRSConfig.read_options``) that no matrix name starts with
+        (a typo) would leave the matrices it was meant for at multiplier 1 or in the α range:
+        refused in one line. Every rank lists the same names, so every rank decides alike. The
+        default embedding/head prefixes are exempt: a tied model has no output_layer."""
+        config, read = self.config, self.config.read_options()
         prefixes = []
-        if config.mode == "decoder_boost":
-            prefixes = [("decoder_prefix", config.decoder_prefix)]
-        elif (config.mode == "alrs" and config.embedding_head != "include"
-              and config.embedding_head_prefixes != default.embedding_head_prefixes):
-            prefixes = [("embedding_head_prefixes", p) for p in config.embedding_head_prefixes]
+        if "decoder_prefix" in read:
+            prefixes.append(("decoder_prefix", config.decoder_prefix))
+        if ("embedding_head_prefixes" in read
+                and config.embedding_head_prefixes != ALRSConfig().embedding_head_prefixes):
+            prefixes += [("embedding_head_prefixes", p) for p in config.embedding_head_prefixes]
         for field, prefix in prefixes:
             if not any(name.startswith(prefix) for name in self.names):
                 example = self.names[0] if self.names else "-"

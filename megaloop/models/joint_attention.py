@@ -72,14 +72,22 @@ class _JointFlashAttention(torch.autograd.Function):
         return dq_g + dq_l, dk_g, dv_g, dk_l, dv_l, None
 
 
+def runs_masked_formula(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``joint_attention_fused`` on tensors of this device and dtype runs the exact masked
+    formula ([N, 2N] scores) instead of the flash kernels: CUDA's flash kernel takes only
+    fp16/bf16. The one rule, also behind the model's start-up note
+    (megaloop.models.model.note_fp32_joint_attention)."""
+    return device.type == "cuda" and dtype == torch.float32
+
+
 def joint_attention_fused(q, k_glob, v_glob, k_loc, v_loc, scale: float):
     """Joint causal attention over [Global; Local] keys. All tensors [B, H, N, D] (any strides),
     equal head counts.
 
-    Returns [B, H, N, D]. Equal to megaloop.reference.modeling_asymloop.joint_attention. CUDA's
-    flash kernel takes only fp16/bf16, so fp32 on a GPU uses that exact masked formula instead.
+    Returns [B, H, N, D]. Equal to megaloop.reference.modeling_asymloop.joint_attention, which
+    runs instead where the flash kernels cannot (``runs_masked_formula``).
     """
-    if q.is_cuda and q.dtype == torch.float32:
+    if runs_masked_formula(q.device, q.dtype):
         from megaloop.reference.modeling_asymloop import joint_attention
 
         return joint_attention(q, k_glob, v_glob, k_loc, v_loc, scale)

@@ -34,6 +34,7 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megaloop.config import ModelConfig, ParallelConfig
 from megaloop.models import moe, pipeline, specs
+from megaloop.models.joint_attention import runs_masked_formula
 from megaloop.models.layers import LayerBlock
 from megaloop.models.recurrence import Segment, run_segments
 
@@ -379,10 +380,12 @@ def check_parallel_groups(parallel: ParallelConfig) -> None:
 
 
 def note_fp32_joint_attention(cfg: ModelConfig, params_dtype: torch.dtype) -> None:
-    """Logs the one case where joint_attention=fused runs another kernel: fp32 on a GPU, where the
-    flash kernel takes no fp32 and the exact masked formula ([N, 2N] scores) runs instead."""
+    """Logs the one case where joint_attention=fused runs another kernel (``runs_masked_formula``:
+    fp32 on a GPU, where the exact masked formula runs). The model's tensors live on the GPU when
+    there is one and carry ``params_dtype``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if (cfg.decoder_attention == "joint" and cfg.joint_attention == "fused"
-            and params_dtype == torch.float32 and torch.cuda.is_available()):
+            and runs_masked_formula(device, params_dtype)):
         log.warning("model.joint_attention='fused' in fp32 on CUDA runs the masked formula (the "
                     "CUDA flash kernel takes bf16/fp16 only): [N, 2N] attention scores per head")
 

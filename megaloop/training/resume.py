@@ -69,7 +69,8 @@ NOT_APPLICABLE = {
 }
 # Read only when ALRS allocates (alrs.mode=alrs): in effect at the next allocation, refused once
 # the multipliers are frozen. decoder_boost and decoder_prefix set the multipliers of
-# alrs.mode=decoder_boost once, at the start of a run.
+# alrs.mode=decoder_boost once, at the start of a run. Either, changed for a run of a mode that
+# does not read it (ALRSConfig.read_options), is noted as without effect.
 AT_NEXT_ALLOCATION = tuple(f"alrs.{name}" for name in ALLOCATION_OPTIONS)
 AT_START = tuple(f"alrs.{name}" for name in BOOST_OPTIONS)
 OWN_RULES = ("model.residual_scale_init", "train.use_alrs", "checkpoint.load",
@@ -118,7 +119,12 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
     alrs_on = cfg.train.use_alrs and before["train.use_alrs"]
     if not alrs_on:  # the alrs section is read only while ALRS runs
         changed = {k: v for k, v in changed.items() if not k.startswith("alrs.")}
+    # Options for another mode than the run's (which a resume cannot change): no effect either way.
+    unread = {f"alrs.{name}" for name in ALLOCATION_OPTIONS + BOOST_OPTIONS
+              if name not in cfg.alrs.read_options()}
     for name, (old, new) in changed.items():
+        if name in unread:
+            continue
         reason = None
         if name in NOT_APPLICABLE:
             reason = NOT_APPLICABLE[name]
@@ -152,6 +158,10 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
                               "a new run")
     for name, (old, new) in changed.items():
         if name in REPORTED_BY_TRAINER:
+            continue
+        if name in unread:
+            log.info("%s: %s changed from %r to %r; alrs.mode=%r does not read it (no effect on "
+                     "this run)", where, name, old, new, cfg.alrs.mode)
             continue
         when = f"from step {step + 1}"
         if name in AT_NEXT_ALLOCATION or (name == "train.use_alrs" and cfg.alrs.mode == "alrs"):

@@ -316,3 +316,24 @@ def test_a_prefix_the_mode_reads_that_names_no_matrix_is_refused(fields, message
     # The default embedding/head prefixes need not all match: a tied model has no output_layer.
     tied = {n: p for n, p in params.items() if not n.startswith("output_layer.")}
     ALRS(lambda: tied.items(), 100, ALRSConfig())
+
+
+@pytest.mark.parametrize("mode", ["alrs", "uniform", "decoder_boost"])
+@pytest.mark.parametrize("embedding_head", ["pin_s2", "exclude", "include"])
+@pytest.mark.parametrize("field, value", [("decoder_prefix", "nowhere."),
+                                          ("embedding_head_prefixes", ("nothing.",))])
+def test_a_prefix_matching_nothing_is_refused_or_named_unread_never_both_nor_neither(
+        mode, embedding_head, field, value, caplog):
+    """The start-up warning and the prefix check follow one rule (ALRSConfig.read_options)."""
+    params = _params()
+    config = ALRSConfig(mode=mode, embedding_head=embedding_head, **{field: value})
+    refused = False
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        try:
+            ALRS(lambda: params.items(), 100, config)
+        except ValueError as e:
+            refused = str(e).startswith(f"alrs.{field}: ")
+    warned = any(f"alrs.{field}=" in r.getMessage() for r in caplog.records)
+    assert refused != warned
+    assert refused == (mode == "decoder_boost" if field == "decoder_prefix"
+                       else mode == "alrs" and embedding_head != "include")

@@ -47,6 +47,31 @@ def test_global_keys_share_the_softmax_with_local_keys():
                                atol=1e-4, rtol=1e-4)
 
 
+def test_the_kernel_falls_back_exactly_where_runs_masked_formula_says(monkeypatch):
+    """The start-up note (megaloop.models.model) and the kernel read one predicate; here it is
+    made to say "fallback" on the CPU, where the flash path would otherwise run."""
+    from megaloop.models import joint_attention as kernel
+
+    inputs = [x.detach() for x in _inputs(1, 2, 33, 16)]
+    masked = joint_attention(*inputs, 0.25)
+    flash = joint_attention_fused(*inputs, 0.25)
+    assert not torch.equal(flash, masked)  # else this test could not tell the paths apart
+    seen = []
+    monkeypatch.setattr(kernel, "runs_masked_formula",
+                        lambda device, dtype: seen.append((device, dtype)) or True)
+    assert torch.equal(joint_attention_fused(*inputs, 0.25), masked)
+    assert seen == [(torch.device("cpu"), torch.float32)]
+
+
+@pytest.mark.parametrize("device, dtype, masked", [
+    ("cuda", torch.float32, True), ("cuda", torch.bfloat16, False), ("cuda", torch.float16, False),
+    ("cpu", torch.float32, False), ("cpu", torch.bfloat16, False)])
+def test_runs_masked_formula_only_in_fp32_on_cuda(device, dtype, masked):
+    from megaloop.models.joint_attention import runs_masked_formula
+
+    assert runs_masked_formula(torch.device(device), dtype) is masked
+
+
 # ------------------------------------------------------------------------------------------------
 # megatron-core's layouts (shared with the CUDA check in tests/models/test_gpu.py)
 # ------------------------------------------------------------------------------------------------

@@ -191,6 +191,24 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(saved_run, pattern_dat
     assert "checkpoint.fallback_to_previous=true resumes from iter_0000002" in message
 
 
+@pytest.mark.parametrize("content, reason", [
+    (b"model: [1, 2\nparallel: {}\n", r"invalid YAML at line 2, column 9: expected ',' or ']', "
+                                        r"but got ':'"),
+    (b"", "no model and parallel sections"), (b"- 1\n", "no model and parallel sections"),
+    (b"model: {}\n", "no model and parallel sections"), (b"\xff\xfe", "not UTF-8 text"),
+])
+def test_a_damaged_checkpoint_config_is_one_line_saying_what_is_wrong(tmp_path, content, reason):
+    config = tmp_path / "iter_0000001" / "config.yaml"
+    config.parent.mkdir()
+    config.write_bytes(content)
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.saved_config(config.parent)
+    # Before: YAML's message over six lines; "'NoneType' object has no attribute 'get'".
+    message = str(error.value)
+    assert message.startswith(f"{config}: unreadable checkpoint config ({reason}")
+    assert "\n" not in message
+
+
 def test_fallback_resumes_from_the_previous_complete_checkpoint(saved_run, pattern_data,
                                                                 tmp_path, caplog):
     out = _copy(saved_run, tmp_path)

@@ -278,6 +278,22 @@ def test_alrs_options_apply_at_the_next_allocation_while_alrs_allocates(tmp_path
                           "effect from ALRS's next allocation, at step 100")]
 
 
+@pytest.mark.parametrize("mode, embedding_head, field, old, new", [
+    ("uniform", "pin_s2", "s2", 5.0, 3.0), ("decoder_boost", "pin_s2", "transition", 50, 10),
+    ("alrs", "pin_s2", "decoder_boost", 2.0, 4.0),
+    ("alrs", "include", "embedding_head_prefixes", ["embedding.", "output_layer."], ["emb."]),
+])
+def test_a_changed_alrs_option_the_mode_does_not_read_is_noted_without_effect(
+        tmp_path, caplog, mode, embedding_head, field, old, new):
+    """One config serves both arms of a comparison. Before: s2 changed for a uniform run was
+    refused ("ALRS allocates no more"), decoder_boost changed for an alrs run said "in effect"."""
+    path, cfg = _checkpoint(tmp_path, train={"use_alrs": True, "train_steps": 1000},
+                            alrs={"mode": mode, "embedding_head": embedding_head})
+    assert _check(path, _changed(cfg, "alrs", **{field: new}), caplog) == [
+        (logging.INFO, f"resume from {path}: alrs.{field} changed from {old!r} to {new!r}; "
+                       f"alrs.mode={mode!r} does not read it (no effect on this run)")]
+
+
 def test_latentloop_residual_scale_init_applies_only_to_fixed_scales(tmp_path, caplog):
     from megaloop.config import ConfigError
 
