@@ -215,7 +215,7 @@ class _HuggingFaceTensors:
 
 def _fill(params: dict[str, torch.Tensor], tensors: _HuggingFaceTensors, cfg: ModelConfig,
           family: str | None) -> None:
-    """Writes megatron-core tensors ``params`` (a group of ``by_layer``, mapped with ``cfg``)
+    """Writes megatron-core tensors ``params`` (a group of ``by_layer`` of a model of ``cfg``)
     from the Hugging Face tensors they map to (a ValueError naming one that is missing or
     shaped otherwise)."""
     from megaloop.models.export import invert_mapping, reference_state_dict
@@ -251,8 +251,8 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
         model = build_single_process_model(cfg, initialize=False)  # every weight written below
         params = weights(model)
         try:
-            for names, mapping_cfg in by_layer(list(params), cfg):
-                _fill({name: params.pop(name) for name in names}, tensors, mapping_cfg, family)
+            for names in by_layer(list(params)):
+                _fill({name: params.pop(name) for name in names}, tensors, cfg, family)
             if tensors.left:
                 raise ValueError(f"tensor {sorted(tensors.left)[0]}: not part of this "
                                  "architecture")

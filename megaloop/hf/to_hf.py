@@ -50,8 +50,8 @@ def reference_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
     from megaloop.models.export import reference_state_dict
 
     reference = {}
-    for names, mapping_cfg in by_layer(list(state), cfg):
-        mapped = reference_state_dict({n: state.pop(n) for n in names}, mapping_cfg)
+    for names in by_layer(list(state)):
+        mapped = reference_state_dict({n: state.pop(n) for n in names}, cfg)
         reference.update({name: _owning(tensor) for name, tensor in mapped.items()})
     return reference
 
