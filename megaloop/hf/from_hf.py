@@ -35,8 +35,10 @@ from megaloop.hf.to_hf import probe_length
 MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
 
 
-def _config(directory: Path):
-    """(transformers config, megaloop ModelConfig, model class, native family or None)."""
+def read_config(directory: Path):
+    """(transformers config, megaloop ModelConfig, model class, native family or None) of the
+    Hugging Face directory's config.json; a ConversionError naming the file (and field) where it
+    is missing, unreadable or describes no model megaloop computes."""
     import transformers
 
     from megaloop.models.export import model_config, reference_class
@@ -96,7 +98,7 @@ def load_hf_model(directory: str | Path):
     directory = Path(directory)
     if not directory.is_dir():
         raise ConversionError(f"{directory}: no such directory")
-    hf_config, cfg, model_class, family = _config(directory)
+    hf_config, cfg, model_class, family = read_config(directory)
     try:
         cfg.validate()
     except ConfigError as e:
