@@ -4,7 +4,6 @@ probe."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import secrets
@@ -124,19 +123,15 @@ def compare_logits(source: torch.Tensor, converted: torch.Tensor, what: str) -> 
     return difference.max().item()
 
 
-def by_layer(names, cfg):
-    """Yields (names, config): a megatron-core state dict's ``names`` in groups, the rest at once
-    (embedding, final norm, head, LatentLoop's per-visit tensors), then a layer at a time
-    ("<...>layers.<i>." names), each with the ModelConfig to map them to the reference model's
-    names with (megaloop.models.export.reference_state_dict): a layer's map on their own, untied,
-    since the tied head is the embedding's, part of the rest. A conversion maps one such group
-    at a time, so that no more than one group's temporary copies exist at once; the rest, which
-    holds the embedding and head, comes first, while little else is held."""
+def by_layer(names):
+    """Yields a megatron-core state dict's ``names`` in groups: the rest at once (embedding, final
+    norm, head, LatentLoop's per-visit tensors), then a layer at a time ("<...>layers.<i>." names).
+    A conversion maps one such group at a time to the reference model's names
+    (megaloop.models.export.reference_state_dict), so that no more than one group's temporary
+    copies exist at once; the rest, which holds the embedding and head, comes first, while little
+    else is held."""
     groups = {"": []}
     for name in names:
         layer = re.match(r"^(.*?\blayers\.\d+\.)", name)
         groups.setdefault(layer.group(1) if layer else "", []).append(name)
-    untied = dataclasses.replace(cfg, tie_embeddings=False)
-    for prefix, group in groups.items():
-        if group:
-            yield group, cfg if prefix == "" else untied
+    yield from (group for group in groups.values() if group)

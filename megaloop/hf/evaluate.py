@@ -134,24 +134,18 @@ def check_depths(source: str | Path, depths: Sequence[int]) -> None:
     export or load: an EvaluationError naming the flag and the architecture."""
     from megaloop.config import ModelConfig
     from megaloop.hf.checkpoint import checkpoint_path
+    from megaloop.hf.from_hf import read_config
     from megaloop.training.checkpoint import saved_section
 
     config_file = Path(source) / "config.json"
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except ValueError as e:
-            raise EvaluationError(f"{config_file}: not JSON ({e})") from None
-        megaloop = config.get("model_type") in MEGALOOP_MODEL_TYPES
-        arch = config.get("arch") if megaloop else None
-        name, iterations = f"{config_file} (model_type={config.get('model_type')})", \
-            config.get("iterations")
+    if config_file.is_file():  # read as an import reads it: the same one-line errors
+        hf, cfg, _, _ = read_config(Path(source))
+        name = f"{config_file} (model_type={hf.model_type})"
     else:
         path = checkpoint_path(source)
-        cfg = saved_section(path, ModelConfig, "model")
-        arch, iterations, name = cfg.arch, cfg.iterations, str(path)
+        cfg, name = saved_section(path, ModelConfig, "model"), str(path)
     for depth in depths:
-        problem = _refused_depth(depth, arch, iterations)
+        problem = _refused_depth(depth, cfg.arch, cfg.iterations)
         if problem:
             raise EvaluationError(f"--depths {depth}: {name}: {problem}")
 

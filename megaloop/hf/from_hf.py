@@ -35,8 +35,10 @@ from megaloop.hf.to_hf import probe_length
 MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
 
 
-def _config(directory: Path):
-    """(transformers config, megaloop ModelConfig, model class, native family or None)."""
+def read_config(directory: Path):
+    """(transformers config, megaloop ModelConfig, model class, native family or None) of the
+    Hugging Face directory's config.json; a ConversionError naming the file (and field) where it
+    is missing, unreadable or describes no model megaloop computes."""
     import transformers
 
     from megaloop.models.export import model_config, reference_class
@@ -96,7 +98,7 @@ def load_hf_model(directory: str | Path):
     directory = Path(directory)
     if not directory.is_dir():
         raise ConversionError(f"{directory}: no such directory")
-    hf_config, cfg, model_class, family = _config(directory)
+    hf_config, cfg, model_class, family = read_config(directory)
     try:
         cfg.validate()
     except ConfigError as e:
@@ -215,7 +217,7 @@ class _HuggingFaceTensors:
 
 def _fill(params: dict[str, torch.Tensor], tensors: _HuggingFaceTensors, cfg: ModelConfig,
           family: str | None) -> None:
-    """Writes megatron-core tensors ``params`` (a group of ``by_layer``, mapped with ``cfg``)
+    """Writes megatron-core tensors ``params`` (a group of ``by_layer`` of a model of ``cfg``)
     from the Hugging Face tensors they map to (a ValueError naming one that is missing or
     shaped otherwise)."""
     from megaloop.models.export import invert_mapping, reference_state_dict
@@ -251,8 +253,8 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
         model = build_single_process_model(cfg, initialize=False)  # every weight written below
         params = weights(model)
         try:
-            for names, mapping_cfg in by_layer(list(params), cfg):
-                _fill({name: params.pop(name) for name in names}, tensors, mapping_cfg, family)
+            for names in by_layer(list(params)):
+                _fill({name: params.pop(name) for name in names}, tensors, cfg, family)
             if tensors.left:
                 raise ValueError(f"tensor {sorted(tensors.left)[0]}: not part of this "
                                  "architecture")

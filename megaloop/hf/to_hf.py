@@ -15,6 +15,7 @@ weights rounded as the file holds them (``--dtype bfloat16`` or ``float16``).
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -49,8 +50,8 @@ def reference_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
     from megaloop.models.export import reference_state_dict
 
     reference = {}
-    for names, mapping_cfg in by_layer(list(state), cfg):
-        mapped = reference_state_dict({n: state.pop(n) for n in names}, mapping_cfg)
+    for names in by_layer(list(state)):
+        mapped = reference_state_dict({n: state.pop(n) for n in names}, cfg)
         reference.update({name: _owning(tensor) for name, tensor in mapped.items()})
     return reference
 
@@ -63,13 +64,20 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_tokens: dict):
-    """The Hugging Face model carrying ``reference`` (the reference model's tensors, in the dtype
-    to export): a native class where ``native_family`` finds one, else the reference model with
-    its ``auto_map``. The model is built without storage and takes the tensors as they are: no
-    second copy of the weights, no random initialisation to overwrite. ``reference`` is emptied
-    (a native MoE class stacks each layer's experts, a copy, once that layer's tensors are
-    released)."""
+    """(the Hugging Face model, built without storage in the dtype of ``reference``; its tensors as
+    its safetensors hold them) of ``reference`` (the reference model's tensors, in the dtype to
+    export), which it empties: a native class where ``native_family`` finds one, else the
+    reference model with its ``auto_map``.
+
+    The file holds the layout of the original checkpoints, which transformers' save_pretrained
+    writes by reverting its load-time conversions (a native MoE class's stacked experts unstacked
+    per expert). Reverted here a layer at a time (``revert_weight_conversion``), each result owning
+    its storage, so that no more than a layer's temporary copies exist at once: save_pretrained
+    reverts the whole model at once, copying the experts' halves out of every layer's stacked
+    gate_up_proj beside the stacked tensors. The names and shapes must be the ones the model
+    would save (a mapping bug is a RuntimeError naming the first difference)."""
     import transformers
+    from transformers.core_model_loading import revert_weight_conversion
 
     from megaloop.models.export import reference_class, reference_config
 
@@ -77,13 +85,6 @@ def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_token
     if family is not None:
         model_class = getattr(transformers, FAMILIES[family])
         config = native_config(cfg, family, special_tokens)
-        layers = {}
-        for name in reference:  # "decoder.<i>" or "" (embedding, final norm, head)
-            layers.setdefault(".".join(name.split(".")[:2]) if name.startswith("decoder.")
-                              else "", []).append(name)
-        state = {}
-        for names in layers.values():
-            state.update(to_native_state_dict({n: reference.pop(n) for n in names}, family))
     else:
         config = reference_config(cfg)
         config.update(special_tokens)
@@ -91,12 +92,36 @@ def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_token
         config.auto_map = {"AutoConfig": f"configuration_megaloop.{type(config).__name__}",
                            "AutoModelForCausalLM": f"{model_class.__module__.rsplit('.', 1)[1]}."
                                                    f"{model_class.__name__}"}
-        state = dict(reference)
-        reference.clear()
     with torch.device("meta"):
-        model = model_class(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model
+        model = model_class(config).to(next(iter(reference.values())).dtype)
+    layers = {}
+    for name in reference:  # "<block>.<i>" of a layer, or "" (embedding, final norm, head, ...)
+        layer = re.match(r"^(.*?\.\d+)\.", name)
+        layers.setdefault(layer.group(1) if layer else "", []).append(name)
+    state = {}
+    for names in layers.values():
+        group = {n: reference.pop(n) for n in names}
+        native = group if family is None else to_native_state_dict(group, family)
+        del group
+        state.update({name: _owning(tensor) for name, tensor in
+                      revert_weight_conversion(model, native).items()})
+    _check_saved_names(state, revert_weight_conversion(model, model.state_dict()))
+    return model, state
+
+
+def _check_saved_names(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """A RuntimeError naming the first tensor of ``state`` missing from ``expected`` (what the
+    model saves), not in it, or shaped otherwise."""
+    for name in sorted(set(state) | set(expected)):
+        if name not in state:
+            raise RuntimeError(f"tensor {name}: not mapped; the Hugging Face model saves it "
+                               f"(shape {tuple(expected[name].shape)})")
+        if name not in expected:
+            raise RuntimeError(f"tensor {name}: mapped, but the Hugging Face model saves no such "
+                               "tensor")
+        if state[name].shape != expected[name].shape:
+            raise RuntimeError(f"tensor {name}: mapped with shape {tuple(state[name].shape)}, the "
+                               f"Hugging Face model saves {tuple(expected[name].shape)}")
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
@@ -115,7 +140,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     is read once, into fp32; the weights are cast to ``dtype`` in place, mapped to the Hugging
     Face names a layer at a time (``reference_tensors``) and handed to the Hugging Face model
     without a copy; the export is loaded back once, in its dtype, and cast to fp32 for the mapping
-    check). Not so for a native MoE class in float32: save_pretrained copies its experts."""
+    check); a native MoE class's experts are unstacked a layer at a time (``hf_model``)."""
     from transformers import GenerationConfig
 
     chosen = None if dtype is None else export_dtype(dtype)
@@ -134,9 +159,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         del model  # its tensors are now state's alone, released as they are mapped
         reference = reference_tensors(state, cfg)
         family, why_not_native = native_family(cfg)
-        converted = hf_model(cfg, reference, special_tokens)
-        converted.save_pretrained(staging)
-        del converted
+        converted, state = hf_model(cfg, reference, special_tokens)
+        converted.save_pretrained(staging, state_dict=state, save_original_format=False)
+        del converted, state
         GenerationConfig(**special_tokens, pad_token_id=special_tokens["eos_token_id"],
                          do_sample=False).save_pretrained(staging)
         if family is None:

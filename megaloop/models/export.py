@@ -116,7 +116,9 @@ def _split_global_kv(weight: torch.Tensor, cfg: ModelConfig):
 
 
 def to_reference_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
-    """Renames and splits a megatron-core LoopedLM state dict into the reference model's keys."""
+    """Renames and splits a megatron-core LoopedLM state dict into the reference model's keys.
+    Part of one maps to its part (a conversion maps a layer at a time); the tied head comes with
+    the embedding."""
     out = {}
     for name, tensor in state_dict.items():
         if name.endswith("_extra_state"):
@@ -145,7 +147,7 @@ def to_reference_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfi
             out.update({prefix + key: value for key, value in moe.items()})
         else:
             raise KeyError(f"unmapped megatron-core parameter {name}")
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
 

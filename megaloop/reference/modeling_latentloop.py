@@ -189,14 +189,19 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         batch, n, d = h.shape
         state = cache.state if cache is not None else {}
         new_valid = valid[:, -n:] if valid is not None else h.new_ones(batch, n, dtype=torch.bool)
+        seen = cache.seen if cache is not None else 0
         total = valid.sum(1) if valid is not None else \
-            torch.full((batch,), (cache.seen if cache is not None else 0) + n, device=h.device)
+            torch.full((batch,), seen + n, device=h.device)
         done = (total - new_valid.sum(1)) // k  # per row: latents completed before this call
         completes = total // k - done  # ... and by this call
         seq = torch.cat([state.get(f"pending{visit}", h.new_zeros(batch, k - 1, d)), h], dim=1)
         latent_valid = state.get(f"latent_valid{visit}", new_valid[:, :0])
         deltas = state.get(f"deltas{visit}", h[:, :0])
-        groups = int(completes.max())
+        if valid is None:  # no padding, ever (``_positions``): every row's counts known here,
+            # without reading them back from the device at every generated token
+            groups, latent_count = (seen + n) // k - seen // k, (seen + n) // k
+        else:
+            groups, latent_count = int(completes.max()), int((done + completes).max())
         if groups:
             j = torch.arange(groups, device=h.device)
             placeholders = (groups - completes)[:, None]
@@ -210,11 +215,11 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
             rotary = rope(latent_index * k + k - 1, cfg.head_dim, cfg.rotary_base)
             latent_valid = torch.cat([latent_valid, new_latents], dim=1)
             allowed = causal_mask(groups, latent_valid.shape[1], h.device,
-                                  None if bool(latent_valid.all()) else latent_valid)
+                                  None if valid is None else latent_valid)
             out = self._middle(latents, rotary, allowed, cache, first_slot, visit)
             # row b's D_i, i >= done_b, come from its new latents, after its placeholders
             kept = deltas.shape[1]
-            target = torch.arange(int((done + completes).max()), device=h.device)[None]
+            target = torch.arange(latent_count, device=h.device)[None]
             source = torch.where(target < done[:, None], target,
                                  kept + target - done[:, None] + placeholders)
             deltas = torch.cat([deltas, out - latents], dim=1).gather(

@@ -371,6 +371,27 @@ def test_depths_a_model_has_not_are_refused_before_any_export_or_load(harness, t
     assert work == []
 
 
+@pytest.mark.parametrize("edit", [lambda text: text[:-5], lambda text: json.dumps(
+    {**json.loads(text), "iterations": "two"})])
+def test_a_bad_config_json_is_the_same_one_line_error_as_for_an_import(harness, tmp_path, capsys,
+                                                                       edit):
+    """--depths reads a Hugging Face directory's config.json as an import does (before: by hand,
+    with its own messages, and a field of the wrong type passed on unchecked)."""
+    from megaloop.hf.common import ConversionError
+    from megaloop.hf.from_hf import import_hf
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    text = (harness["latentloop"].directory / "config.json").read_text()
+    (source / "config.json").write_text(edit(text))
+    with pytest.raises(ConversionError) as error:
+        import_hf(source, tmp_path / "imported")
+    assert str(error.value).startswith(f"{source / 'config.json'}: ")
+    assert load_tool("evaluate").main([str(source), "--data-dir", str(harness["data"]),
+                                       "--depths", "2", "--output", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {error.value}"]
+
+
 def test_more_shots_than_a_file_holds_is_one_line(harness, tmp_path):
     """The written SciQ and MMLU files hold three records: 3 shots leave SciQ's question out of
     three (4 needed); MMLU draws from its dev file (3 needed). lm-eval alone raises a bare

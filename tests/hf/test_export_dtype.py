@@ -150,16 +150,10 @@ def test_refuses_an_unknown_dtype_in_one_line(exports, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
-# transformers' save_pretrained writes a native MoE class's stacked experts in the per-expert
-# layout of the original checkpoints: views of the stacked tensors, which it copies all at once
-# (about 1.4x the fp32 weights of the test's Mixtral while it writes them in float32).
-MOE_SAVE_COPY = "save_pretrained copies the stacked experts of a native MoE class at once"
-
-
 @pytest.mark.parametrize("variant, dtype", [
     ("dense", "bfloat16"), ("asymloop", "float16"), ("asymloop", "float32"),
-    ("latentloop", "float32"), ("mixtral", "bfloat16"),
-    pytest.param("mixtral", "float32", marks=pytest.mark.xfail(strict=True, reason=MOE_SAVE_COPY))])
+    ("latentloop", "float32"), ("mixtral", "bfloat16"), ("mixtral", "float32"),
+    ("qwen3_moe", "float32")])
 def test_an_export_holds_one_copy_of_the_weights_at_a_time(exports, variant, dtype, tmp_path,
                                                            monkeypatch):
     """The export is loaded back once; the tensors alive whenever a model is complete (each probe,

@@ -49,6 +49,39 @@ def test_export_gives_megaloop_logits(exports, variant):
     torch.testing.assert_close(logits, exported.logits, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "dense", "latentloop_moe"])
+def test_the_safetensors_are_what_transformers_saves_of_the_loaded_export(exports, variant,
+                                                                          tmp_path):
+    """The file is in the layout of the original checkpoints (a native MoE class's experts one
+    tensor per expert, Mixtral's w1/w2/w3 under block_sparse_moe), as transformers' own
+    save_pretrained writes it, though the export unstacks the experts itself."""
+    from safetensors import safe_open
+
+    exported = exports.get(variant)
+    load(exported.hf_dir).save_pretrained(tmp_path / "again")
+    with safe_open(exported.hf_dir / "model.safetensors", framework="pt") as ours, \
+            safe_open(tmp_path / "again" / "model.safetensors", framework="pt") as theirs:
+        names = sorted(ours.keys())
+        assert names == sorted(theirs.keys())
+        for name in names:
+            assert torch.equal(ours.get_tensor(name), theirs.get_tensor(name)), name
+    if variant == "mixtral":
+        assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in names
+
+
+def test_a_mapping_to_names_the_model_does_not_save_is_refused_naming_the_tensor(
+        exports, tmp_path, monkeypatch):
+    from megaloop.hf import native
+
+    layer = {**native._LAYER, "mlp.router.weight": "mlp.router.weight"}
+    monkeypatch.setattr(native, "_LAYER", layer)
+    with pytest.raises(RuntimeError, match=r"^tensor model.layers.0.block_sparse_moe.gate.weight: "
+                                           r"not mapped; the Hugging Face model saves it "
+                                           r"\(shape \(4, 64\)\)$"):
+        export_checkpoint(exports.get("mixtral").checkpoint, tmp_path / "out")
+    _assert_nothing_written(tmp_path / "out")
+
+
 def test_remote_code_is_the_reference_and_imports_only_torch_and_transformers(exports):
     """The shipped files are megaloop/reference's, byte for byte (no third definition)."""
     hf_dir = exports.get("asymloop").hf_dir

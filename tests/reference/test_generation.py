@@ -130,6 +130,40 @@ def test_latentloop_left_padding_gives_each_row_its_unpadded_logits_and_tokens(v
                                                      do_sample=False)[0])
 
 
+def _reads_to_the_host(monkeypatch) -> list[str]:
+    """Each tensor value taken to the host from now on (on a GPU, a sync that stalls the step)."""
+    reads = []
+    for method in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        def counted(self, *args, _original=getattr(torch.Tensor, method), _name=method):
+            reads.append(_name)
+            return _original(self, *args)
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    return reads
+
+
+def test_latentloop_decodes_without_padding_reading_nothing_back_from_the_device(monkeypatch):
+    """Without padding the decode steps (groups of k=3 completed at some, not others) take no
+    value back from the device: every row's latent counts are the cache's. Left-padded rows count
+    their own, read back once a step (the logits stay those of a full forward)."""
+    model = reference_model("latentloop_stride3_lag1")
+    x = tokens(length=11)
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    for attention_mask in (None, mask):
+        with torch.no_grad():
+            full = model(x, attention_mask=attention_mask, use_cache=False).logits
+            cache = model.new_cache()
+            steps = [model(x[:, :5], attention_mask=None if attention_mask is None else
+                           attention_mask[:, :5], cache=cache).logits]
+            with monkeypatch.context() as patch:
+                reads = _reads_to_the_host(patch)
+                for b in range(6, 12):
+                    steps.append(model(x[:, b - 1:b], cache=cache, attention_mask=None if
+                                       attention_mask is None else attention_mask[:, :b]).logits)
+        assert (reads == []) == (attention_mask is None), reads
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-6, rtol=1e-5)
+
+
 def test_latentloop_refuses_padding_after_a_token_and_other_depths():
     model = reference_model("latentloop")
     x = tokens(batch=2, length=6)

@@ -3,6 +3,11 @@
 Prints JSON.
 
     python tools/bench/export_memory.py [--preset 60M --arch asymloop --dtypes float32 bfloat16]
+                                        [--set model.FIELD=VALUE ...]
+
+``--set``: model fields on top of the preset, as a run's overrides, e.g. a Mixtral-like model:
+``--arch dense --set model.iterations=1 model.num_experts=8 model.moe_top_k=2
+model.moe_ffn_hidden_size=1512``.
 
 A checkpoint of the preset (random weights, fp32) is saved once; each dtype is then exported in a
 fresh process (glibc mapping every large block on its own), which first exports once unmeasured
@@ -79,6 +84,8 @@ def main(argv=None):
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--set", nargs="+", default=[], metavar="model.FIELD=VALUE",
+                        help="model fields on top of the preset")
     parser.add_argument("--measure", nargs=3, metavar=("CHECKPOINT", "DTYPE", "WORKDIR"),
                         help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
@@ -89,11 +96,15 @@ def main(argv=None):
 
     import torch
 
-    from megaloop.config import DataConfig, RunConfig
+    from megaloop.config import DataConfig, RunConfig, apply_overrides
     from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
     from megaloop.presets import preset
 
-    cfg = preset(args.preset, arch=args.arch)
+    for item in args.set:
+        if not item.startswith("model."):
+            parser.error(f"--set {item}: only model fields (model.FIELD=VALUE) shape the bench")
+    cfg = apply_overrides(RunConfig(model=preset(args.preset, arch=args.arch)), args.set).model
+    cfg.validate()
     with tempfile.TemporaryDirectory(prefix="megaloop-export-memory-") as workdir:
         torch.manual_seed(0)
         model = build_single_process_model(cfg)
@@ -112,7 +123,7 @@ def main(argv=None):
             for key in ("peak", "checkpoint_read_peak", "import_peak"):
                 row[f"{key}_over_fp32_weights"] = row[f"{key}_rss_rise"] / (4 * parameters)
             rows[dtype] = row
-    print(json.dumps({"config": {"preset": args.preset, "arch": args.arch,
+    print(json.dumps({"config": {"preset": args.preset, "arch": args.arch, "set": args.set,
                                  "parameters": parameters, "fp32_weight_bytes": 4 * parameters,
                                  "threads": torch.get_num_threads()},
                       "exports": rows}, indent=2))
