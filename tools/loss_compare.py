@@ -9,8 +9,9 @@ from the same seed checkpoint, written first by one process. The tolerances are 
 megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
 earlier comparison, an override of a setting the tool makes itself: the parallel section, the
-run's length, directories and checkpoints). A --config's parallel section is replaced by each
-layout's, which a note names.
+run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a pipelined layout
+cannot take or no layout pipelines). A --config's parallel section is replaced by each layout's,
+which a note names; its ``pipeline_split`` is kept for the layouts of as many stages.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from megaloop.cli import int_at_least, refuse_overrides_of
 
 
 # Settings every layout's run gets from the tool, and what sets them instead; a dotted override
-# of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply).
+# of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply), or refused
+# (check_pipeline_split).
 SET_BY_THE_TOOL = {
     "parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)", "parallel.pipeline_split": None,
     "train.train_steps": "--steps", "train.out_dir": "--out", "checkpoint.dir": "--out",
@@ -46,6 +48,30 @@ def replaced_parallel_fields(cfg) -> list[str]:
     return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}"
             for f in dataclasses.fields(default) if f.name != "pipeline_split"
             and getattr(cfg.parallel, f.name) != getattr(default, f.name)]
+
+
+def check_pipeline_split(cfg, texts: list[str], layouts: list) -> None:
+    """Refuses (ConfigError) a config's ``parallel.pipeline_split`` that a pipelined layout has
+    another number of stages for, or that no layout pipelines: it would be left out for the
+    balanced split without a word. Megatron-LM likewise refuses uneven-pipeline arguments its
+    stages cannot take rather than fall back to an even split; a one-stage layout has no split to
+    take, so it runs the whole model as the split's layouts do."""
+    from megaloop.config import ConfigError
+
+    split = cfg.parallel.pipeline_split
+    if not split:
+        return
+    stages = len(split)
+    for text, layout in zip(texts, layouts):
+        if layout.pipeline > 1 and layout.pipeline * layout.virtual != stages:
+            raise ConfigError(
+                f"parallel.pipeline_split={split}: cuts {stages} stages, layout {text!r} has "
+                f"{layout.pipeline * layout.virtual}; compare layouts of {stages} stages (pp x vp)"
+                " and one-stage ones, or leave the split out (each layout then splits evenly)")
+    if all(layout.pipeline == 1 for layout in layouts):
+        raise ConfigError(f"parallel.pipeline_split={split}: none of --layouts {' '.join(texts)} "
+                          f"is pipelined; add one of {stages} stages (e.g. pp{stages}) or leave "
+                          "the split out")
 
 
 def check_layouts_and_out(texts: list[str], layouts: list, out: Path) -> None:
@@ -92,6 +118,7 @@ def main(argv=None) -> int:
         cfg, _ = build_config(train_args + args.overrides + [f"train.train_steps={args.steps}"])
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tensorboard=False,
                                                                  eval_iters=1))
+        check_pipeline_split(cfg, args.layouts, layouts)
         for layout in layouts:
             layout.apply(cfg).validate()
         check_layouts_and_out(args.layouts, layouts, Path(args.out))

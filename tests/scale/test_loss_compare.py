@@ -118,3 +118,33 @@ def test_loss_compare_names_the_parallel_settings_of_a_config_that_the_layouts_r
     assert loss_compare.replaced_parallel_fields(cfg) == ["parallel.tensor=2",
                                                           "parallel.sequence_parallel=True"]
     assert loss_compare.replaced_parallel_fields(RunConfig()) == []
+
+
+@pytest.mark.parametrize("layouts, message", [
+    # Before: pp3 ran the balanced split and was compared as if it were the config's.
+    (["single", "pp2", "pp3"], "parallel.pipeline_split=[2, 4]: cuts 2 stages, layout 'pp3' has "
+                               "3; compare layouts of 2 stages (pp x vp) and one-stage ones, or "
+                               "leave the split out (each layout then splits evenly)"),
+    (["single", "pp2,vp2"], "parallel.pipeline_split=[2, 4]: cuts 2 stages, layout 'pp2,vp2' has "
+                            "4;"),
+    # Before: no layout took the split, and none said so.
+    (["single", "dp2"], "parallel.pipeline_split=[2, 4]: none of --layouts single dp2 is "
+                        "pipelined; add one of 2 stages (e.g. pp2) or leave the split out"),
+])
+def test_loss_compare_refuses_a_pipeline_split_a_layout_cannot_take(tmp_path, capsys, layouts,
+                                                                    message):
+    from megaloop.config import save_yaml
+    from megaloop.scale.layout import parse_layout
+    from tools import loss_compare
+
+    cfg = tiny_run(str(tmp_path / "data"), tmp_path / "unused",
+                   parallel={"pipeline": 2, "pipeline_split": [2, 4]})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    argv = ["--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "out"), "--layouts",
+            *layouts]
+    assert loss_compare.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    fitting = ["single", "pp2", "pp2,dp2"]  # one-stage layouts have no split to take
+    loss_compare.check_pipeline_split(cfg, fitting, [parse_layout(t) for t in fitting])
