@@ -25,19 +25,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaloop.cli import int_at_least, refuse_overrides_of
+from megaloop.cli import (int_at_least, quiet_third_party_warnings, refuse_overrides_of, set_by,
+                          with_settings)
 
 
-# Settings every layout's run gets from the tool, and what sets them instead; a dotted override
-# of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply), or refused
-# (check_pipeline_split).
-SET_BY_THE_TOOL = {
-    "parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)", "parallel.pipeline_split": None,
-    "train.train_steps": "--steps", "train.out_dir": "--out", "checkpoint.dir": "--out",
-    **dict.fromkeys(("train.tensorboard", "train.eval_iters", "checkpoint.load",
-                     "checkpoint.load_optimizer", "checkpoint.resume", "checkpoint.save_interval"),
-                    "the tool for every layout (all start from one seed checkpoint)"),
-}
+def run_settings(steps) -> dict[str, object]:
+    """What the tool sets in the config before any layout (``section.field: value``): the run's
+    length, and no TensorBoard or long evaluations, which the comparison does not read."""
+    return {"train.train_steps": steps, "train.tensorboard": False, "train.eval_iters": 1}
+
+
+def set_by_the_tool() -> dict[str, str | None]:
+    """For refuse_overrides_of: every field the tool sets (``run_settings``, the layouts' parallel
+    section, ``seed_settings``) and what sets it; an override of one would be silently replaced.
+    parallel.pipeline_split is kept (Layout.apply) or refused (check_pipeline_split)."""
+    from megaloop.scale.loss_compare import seed_settings
+
+    settings = {**run_settings("--steps"), **seed_settings("seed", "--out/layout")}
+    return {"parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)",
+            "parallel.pipeline_split": None,
+            **set_by(settings, ("--steps", "--out"),
+                     "the tool for every layout (all start from one seed checkpoint)")}
 
 
 def replaced_parallel_fields(cfg) -> list[str]:
@@ -106,18 +114,16 @@ def main(argv=None) -> int:
     from megaloop.config import ConfigError, save_yaml
     from megaloop.scale.layout import parse_layout
     from megaloop.scale.loss_compare import compare_curves, read_curve, seeded_config
-    from megaloop.cli import quiet_third_party_warnings
     from megaloop.train import build_config
 
     quiet_third_party_warnings()
     try:
-        refuse_overrides_of(args.overrides, SET_BY_THE_TOOL)
+        refuse_overrides_of(args.overrides, set_by_the_tool())
         layouts = [parse_layout(text) for text in args.layouts]
         train_args = [a for flag in ("preset", "config") if getattr(args, flag)
                       for a in (f"--{flag}", getattr(args, flag))]
-        cfg, _ = build_config(train_args + args.overrides + [f"train.train_steps={args.steps}"])
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tensorboard=False,
-                                                                 eval_iters=1))
+        cfg, _ = build_config(train_args + args.overrides)
+        cfg = with_settings(cfg, run_settings(args.steps))
         check_pipeline_split(cfg, args.layouts, layouts)
         for layout in layouts:
             layout.apply(cfg).validate()
