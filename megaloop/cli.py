@@ -103,3 +103,20 @@ def set_by(settings: dict[str, object], options: tuple[str, ...], otherwise: str
     return {key: next((option for option in options if option in str(value)), otherwise)
             for key, value in settings.items()}
 
+
+def train_config_args(preset: str | None, config: str | None) -> list[str]:
+    """megaloop-train's ``--preset`` / ``--config`` arguments (for megaloop.train.build_config) of
+    a tool that takes the same two options."""
+    return [word for flag, value in (("--preset", preset), ("--config", config)) if value
+            for word in (flag, value)]
+
+
+def default_model_note(preset: str | None, config: str | None, model) -> str | None:
+    """With neither ``--preset`` nor ``--config`` a tool works on megaloop's default model, as
+    megaloop-train does; a line naming its size, so that it does not pass for one the user chose
+    (None when either option is given)."""
+    if preset or config:
+        return None
+    return (f"neither --preset nor --config: megaloop's default model (model.arch={model.arch}, "
+            f"num_layers={model.num_layers}, hidden_size={model.hidden_size}, seq_length="
+            f"{model.seq_length}, after the overrides); give --preset or --config for another")

@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaloop.cli import (int_at_least, quiet_third_party_warnings, refuse_overrides_of, set_by,
-                          with_settings)
+from megaloop.cli import (default_model_note, int_at_least, quiet_third_party_warnings,
+                          refuse_overrides_of, set_by, train_config_args, with_settings)
 
 
 def run_settings(steps) -> dict[str, object]:
@@ -120,9 +120,7 @@ def main(argv=None) -> int:
     try:
         refuse_overrides_of(args.overrides, set_by_the_tool())
         layouts = [parse_layout(text) for text in args.layouts]
-        train_args = [a for flag in ("preset", "config") if getattr(args, flag)
-                      for a in (f"--{flag}", getattr(args, flag))]
-        cfg, _ = build_config(train_args + args.overrides)
+        cfg, _ = build_config(train_config_args(args.preset, args.config) + args.overrides)
         cfg = with_settings(cfg, run_settings(args.steps))
         check_pipeline_split(cfg, args.layouts, layouts)
         for layout in layouts:
@@ -131,6 +129,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    note = default_model_note(args.preset, args.config, cfg.model)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     replaced = replaced_parallel_fields(cfg)
     if replaced:
         print(f"note: {args.config}: {', '.join(replaced)} replaced by each layout's",
