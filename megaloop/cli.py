@@ -81,3 +81,42 @@ def refuse_overrides_of(overrides: list[str], set_by: dict[str, str | None]) -> 
         by = set_by[key] if key in set_by else set_by.get(section)
         if by is not None:
             raise ConfigError(f"override {item!r}: set by {by}")
+
+
+def with_settings(cfg, settings: dict[str, object]):
+    """A copy of the RunConfig ``cfg`` with each ``section.field`` of ``settings`` set to its
+    value. A command sets what it sets itself through this, and refuses overrides of the same
+    keys (``set_by`` and ``refuse_overrides_of``), so the refusal cannot miss a field it sets."""
+    import dataclasses
+
+    for key, value in settings.items():
+        section, _, name = key.partition(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                       **{name: value})})
+    return cfg
+
+
+def set_by(settings: dict[str, object], options: tuple[str, ...], otherwise: str) -> dict[str, str]:
+    """``{section.field: what sets it}`` for ``refuse_overrides_of``, of a command's ``settings``
+    made with each option's value being the option's own name (``"--out"``): a field whose value
+    holds an option's name is set by that option, any other by ``otherwise``."""
+    return {key: next((option for option in options if option in str(value)), otherwise)
+            for key, value in settings.items()}
+
+
+def train_config_args(preset: str | None, config: str | None) -> list[str]:
+    """megaloop-train's ``--preset`` / ``--config`` arguments (for megaloop.train.build_config) of
+    a tool that takes the same two options."""
+    return [word for flag, value in (("--preset", preset), ("--config", config)) if value
+            for word in (flag, value)]
+
+
+def default_model_note(preset: str | None, config: str | None, model) -> str | None:
+    """With neither ``--preset`` nor ``--config`` a tool works on megaloop's default model, as
+    megaloop-train does; a line naming its size, so that it does not pass for one the user chose
+    (None when either option is given)."""
+    if preset or config:
+        return None
+    return (f"neither --preset nor --config: megaloop's default model (model.arch={model.arch}, "
+            f"num_layers={model.num_layers}, hidden_size={model.hidden_size}, seq_length="
+            f"{model.seq_length}, after the overrides); give --preset or --config for another")

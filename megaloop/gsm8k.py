@@ -43,6 +43,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Sequence
 
+from megaloop.cli import with_settings
 from megaloop.config import (ConfigError, RunConfig, apply_overrides, run_config_from,
                              write_text_atomic)
 from megaloop.data.readers import DataError
@@ -115,8 +116,8 @@ def same_number(a: str | None, b: str | None) -> bool:
 def finetune_config(base_checkpoint: str | os.PathLike, data_files: Sequence[str], out_dir: str,
                     overrides: Sequence[str] = ()) -> RunConfig:
     """The fine-tuning run: the base checkpoint's model and tokenizer, ``RECIPE``, then
-    ``overrides`` (``section.field=value``); validated. ``train.train_steps`` is left for the
-    caller (``steps_for_epochs``)."""
+    ``overrides`` (``section.field=value``), then ``finetune_settings``; validated.
+    ``train.train_steps`` is left for the caller (``steps_for_epochs``)."""
     from megaloop.training import checkpoint as ckpt
 
     path = ckpt.find_checkpoint(base_checkpoint)
@@ -125,13 +126,19 @@ def finetune_config(base_checkpoint: str | os.PathLike, data_files: Sequence[str
     tokenizer = {key: saved.get("data", {}).get(key) for key in ("tokenizer_type",
                                                                  "tokenizer_model",
                                                                  "legacy_tokenizer")}
-    run = {"model": {**saved["model"], **RECIPE["model"]},
-           "train": {**RECIPE["train"], "out_dir": out_dir},
-           "data": {**RECIPE["data"], **{k: v for k, v in tokenizer.items() if v is not None},
-                    "path": [str(f) for f in data_files]},
-           "checkpoint": {**RECIPE["checkpoint"], "load": str(path)}}
-    cfg = run_config_from(run)
-    return apply_overrides(cfg, list(overrides)).validate()
+    run = {"model": {**saved["model"], **RECIPE["model"]}, "train": {**RECIPE["train"]},
+           "data": {**RECIPE["data"], **{k: v for k, v in tokenizer.items() if v is not None}},
+           "checkpoint": {**RECIPE["checkpoint"]}}
+    cfg = apply_overrides(run_config_from(run), list(overrides))
+    return with_settings(cfg, finetune_settings(str(path), data_files, out_dir)).validate()
+
+
+def finetune_settings(checkpoint: str, data_files: Sequence[str], out_dir: str
+                      ) -> dict[str, object]:
+    """What ``finetune_config`` sets from its arguments (``section.field: value``), after the
+    overrides: the base checkpoint's weights, the data, the run directory."""
+    return {"checkpoint.load": checkpoint, "data.path": [str(f) for f in data_files],
+            "train.out_dir": out_dir}
 
 
 def steps_for_epochs(cfg: RunConfig, epochs: float) -> tuple[int, int]:

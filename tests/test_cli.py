@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from megaloop.cli import float_above, int_at_least, refuse_overrides_of
+from megaloop.cli import float_above, int_at_least, refuse_overrides_of, set_by, with_settings
 
 
 def _parser():
@@ -47,3 +47,16 @@ def test_an_override_of_what_the_command_sets_is_refused_naming_what_sets_it():
     for override, by in (("parallel.tensor=2", "--layouts"), ("train.train_steps=9", "--steps")):
         with pytest.raises(ConfigError, match=rf"^override '{override}': set by {by}$"):
             refuse_overrides_of(["train.lr=1e-4", override], set_by)
+
+
+def test_a_commands_settings_apply_to_a_copy_and_name_the_option_each_comes_from():
+    from megaloop.config import RunConfig
+
+    settings = {"train.out_dir": "--out/single", "train.train_steps": "--steps",
+                "checkpoint.resume": False}
+    assert set_by(settings, ("--steps", "--out"), "the tool") == {
+        "train.out_dir": "--out", "train.train_steps": "--steps", "checkpoint.resume": "the tool"}
+    given = RunConfig()
+    cfg = with_settings(given, {"train.lr": 0.5, "checkpoint.resume": False})
+    assert (cfg.train.lr, cfg.checkpoint.resume) == (0.5, False)
+    assert (given.train.lr, given.checkpoint.resume) == (RunConfig().train.lr, True)

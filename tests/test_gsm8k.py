@@ -78,6 +78,37 @@ def test_recipe_is_the_papers_and_overridable(base_checkpoint, tmp_path):
     assert (tuned.train.lr, tuned.model.seq_length) == (3e-5, 512)
 
 
+def _flat(cfg) -> dict:
+    from megaloop.config import to_dict
+
+    return {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
+            for name, value in fields.items()}
+
+
+def test_every_field_an_option_sets_is_refused_as_an_override_naming_it(base_checkpoint,
+                                                                        tmp_path):
+    """Runs that differ in one option only: each field in which their configs differ is one whose
+    override the tool refuses, naming that option (the override would lose to it silently)."""
+    import shutil
+
+    from megaloop.cli import refuse_overrides_of
+    from megaloop.config import ConfigError
+
+    other_base = tmp_path / "other" / "checkpoints"
+    shutil.copytree(base_checkpoint, other_base)
+    arguments = {"--base": base_checkpoint, "--data": ["a.jsonl"], "--out": str(tmp_path / "a")}
+    others = {"--base": other_base, "--data": ["b.jsonl"], "--out": str(tmp_path / "b")}
+    first = _flat(gsm8k.finetune_config(*arguments.values()))
+    set_by = load_tool("finetune_gsm8k").set_by_options()
+    for option, value in others.items():
+        changed = _flat(gsm8k.finetune_config(*{**arguments, option: value}.values()))
+        keys = [key for key in first if first[key] != changed[key]]
+        assert keys, option
+        for key in keys:
+            with pytest.raises(ConfigError, match=rf"^override '{key}=x': set by {option}$"):
+                refuse_overrides_of([f"{key}=x"], set_by)
+
+
 def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
     finetune, evaluate = load_tool("finetune_gsm8k").main, load_tool("eval_gsm8k").main
     common = ["--base", str(base_checkpoint), "--data", "train.jsonl", "--out", str(tmp_path)]

@@ -23,9 +23,15 @@ import sys
 from pathlib import Path
 
 
-# Settings the options make; an override of one would silently win over its option (weights from
-# another checkpoint than --base's model, the run outside --out, other data than --data).
-SET_BY_OPTIONS = {"checkpoint.load": "--base", "train.out_dir": "--out", "data.path": "--data"}
+def set_by_options() -> dict[str, str]:
+    """For refuse_overrides_of: every field the options set (gsm8k.finetune_settings) and the
+    option that sets it; an override of one would silently lose to its option (weights from
+    another checkpoint than --base's model, the run outside --out, other data than --data)."""
+    from megaloop import gsm8k
+    from megaloop.cli import set_by
+
+    return set_by(gsm8k.finetune_settings("--base", ["--data"], "--out"),
+                  ("--base", "--data", "--out"), "the tool")
 
 
 def is_override(word: str) -> bool:
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
 
     talk = os.environ.get("RANK", "0") == "0"
     try:
-        refuse_overrides_of(args.overrides, SET_BY_OPTIONS)
+        refuse_overrides_of(args.overrides, set_by_options())
         cfg = gsm8k.finetune_config(args.base, args.data, args.out, args.overrides)
         explicit_steps = any(o.partition("=")[0] == "train.train_steps" for o in args.overrides)
         if explicit_steps and args.epochs is not None:

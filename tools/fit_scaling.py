@@ -11,6 +11,8 @@ LatentLoop without compressed visits is "moe_loop"). A run contributes its last 
 (``--all-evals``: every evaluation) at the compute spent until then:
     C = training FLOPs per token (3 x forward, megaloop.models.flops, of the run's config.yaml)
         x the tokens trained on up to that evaluation.
+A run whose train records show another model than config.yaml's (one changed across resumes, such
+as the depth or the sequence length: config.yaml holds only the last start's) is refused.
 The tokens are summed step by step from metrics.jsonl's train records (tokens_per_s x step_time_s:
 each step's own global batch x sequence length, so a resume that changed the batch size is counted
 right); a step without such a record (a metrics file cut short, a run continued from another run
@@ -82,6 +84,29 @@ def logged_tokens(records: list[dict]) -> dict[int, int]:
     return tokens
 
 
+def check_one_model(metrics: Path, records: list[dict], flops_per_token: float) -> None:
+    """Refuses (ConfigError) a run whose train records were logged by another model than
+    config.yaml's, which holds only the last start's: a resume may change model.iterations or
+    model.seq_length, and their steps would be counted at the wrong FLOPs per token. A record
+    logs tflops_per_device = tokens_per_s x FLOPs per token / world size; the world size is not
+    logged and may change on a resume too, so a step is taken for config.yaml's model's when that
+    model's FLOPs per token give it a whole number of processes (a model change whose FLOPs ratio
+    happens to make one passes)."""
+    for r in records:
+        rate, tflops = r.get("tokens_per_s"), r.get("tflops_per_device")
+        if r.get("kind") != "train" or not all(isinstance(v, (int, float)) and v > 0
+                                               for v in (rate, tflops)):
+            continue
+        processes = flops_per_token * rate / (tflops * 1e12)
+        if round(processes) < 1 or abs(processes - round(processes)) > 1e-6 * processes:
+            raise ConfigError(
+                f"{metrics}: step {r['step']} was trained at {tflops * 1e12 / rate:.6g} FLOPs per "
+                f"token per process, which config.yaml's model ({flops_per_token:.6g} per token) "
+                "gives on no whole number of processes: the model changed across resumes (e.g. "
+                "model.iterations or model.seq_length) and config.yaml holds the last one only; "
+                "leave the run out")
+
+
 def tokens_until(steps: list[int], logged: dict[int, int], unlogged_step_tokens: int
                  ) -> tuple[dict[int, int], int]:
     """({step: tokens trained on in steps 1..step} for ``steps``, how many of the steps up to the
@@ -124,6 +149,7 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
                 f"tokens_per_s and step_time_s; counted at config.yaml's global_batch_size x "
                 f"seq_length = {step_tokens} tokens each")
     flops = model_flops_per_token(cfg.model)
+    check_one_model(metrics, records, flops)
     return label_of(cfg), [(flops * until[r["step"]], float(r["val_loss"])) for r in evals], note
 
 

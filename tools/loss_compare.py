@@ -9,8 +9,9 @@ from the same seed checkpoint, written first by one process. The tolerances are 
 megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
 earlier comparison, an override of a setting the tool makes itself: the parallel section, the
-run's length, directories and checkpoints). A --config's parallel section is replaced by each
-layout's, which a note names.
+run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a pipelined layout
+cannot take or no layout pipelines). A --config's parallel section is replaced by each layout's,
+which a note names; its ``pipeline_split`` is kept for the layouts of as many stages.
 """
 
 from __future__ import annotations
@@ -24,18 +25,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaloop.cli import int_at_least, refuse_overrides_of
+from megaloop.cli import (default_model_note, int_at_least, quiet_third_party_warnings,
+                          refuse_overrides_of, set_by, train_config_args, with_settings)
 
 
-# Settings every layout's run gets from the tool, and what sets them instead; a dotted override
-# of one would be silently replaced. parallel.pipeline_split is kept (Layout.apply).
-SET_BY_THE_TOOL = {
-    "parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)", "parallel.pipeline_split": None,
-    "train.train_steps": "--steps", "train.out_dir": "--out", "checkpoint.dir": "--out",
-    **dict.fromkeys(("train.tensorboard", "train.eval_iters", "checkpoint.load",
-                     "checkpoint.load_optimizer", "checkpoint.resume", "checkpoint.save_interval"),
-                    "the tool for every layout (all start from one seed checkpoint)"),
-}
+def run_settings(steps) -> dict[str, object]:
+    """What the tool sets in the config before any layout (``section.field: value``): the run's
+    length, and no TensorBoard or long evaluations, which the comparison does not read."""
+    return {"train.train_steps": steps, "train.tensorboard": False, "train.eval_iters": 1}
+
+
+def set_by_the_tool() -> dict[str, str | None]:
+    """For refuse_overrides_of: every field the tool sets (``run_settings``, the layouts' parallel
+    section, ``seed_settings``) and what sets it; an override of one would be silently replaced.
+    parallel.pipeline_split is kept (Layout.apply) or refused (check_pipeline_split)."""
+    from megaloop.scale.loss_compare import seed_settings
+
+    settings = {**run_settings("--steps"), **seed_settings("seed", "--out/layout")}
+    return {"parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)",
+            "parallel.pipeline_split": None,
+            **set_by(settings, ("--steps", "--out"),
+                     "the tool for every layout (all start from one seed checkpoint)")}
 
 
 def replaced_parallel_fields(cfg) -> list[str]:
@@ -46,6 +56,30 @@ def replaced_parallel_fields(cfg) -> list[str]:
     return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}"
             for f in dataclasses.fields(default) if f.name != "pipeline_split"
             and getattr(cfg.parallel, f.name) != getattr(default, f.name)]
+
+
+def check_pipeline_split(cfg, texts: list[str], layouts: list) -> None:
+    """Refuses (ConfigError) a config's ``parallel.pipeline_split`` that a pipelined layout has
+    another number of stages for, or that no layout pipelines: it would be left out for the
+    balanced split without a word. Megatron-LM likewise refuses uneven-pipeline arguments its
+    stages cannot take rather than fall back to an even split; a one-stage layout has no split to
+    take, so it runs the whole model as the split's layouts do."""
+    from megaloop.config import ConfigError
+
+    split = cfg.parallel.pipeline_split
+    if not split:
+        return
+    stages = len(split)
+    for text, layout in zip(texts, layouts):
+        if layout.pipeline > 1 and layout.pipeline * layout.virtual != stages:
+            raise ConfigError(
+                f"parallel.pipeline_split={split}: cuts {stages} stages, layout {text!r} has "
+                f"{layout.pipeline * layout.virtual}; compare layouts of {stages} stages (pp x vp)"
+                " and one-stage ones, or leave the split out (each layout then splits evenly)")
+    if all(layout.pipeline == 1 for layout in layouts):
+        raise ConfigError(f"parallel.pipeline_split={split}: none of --layouts {' '.join(texts)} "
+                          f"is pipelined; add one of {stages} stages (e.g. pp{stages}) or leave "
+                          "the split out")
 
 
 def check_layouts_and_out(texts: list[str], layouts: list, out: Path) -> None:
@@ -80,24 +114,24 @@ def main(argv=None) -> int:
     from megaloop.config import ConfigError, save_yaml
     from megaloop.scale.layout import parse_layout
     from megaloop.scale.loss_compare import compare_curves, read_curve, seeded_config
-    from megaloop.cli import quiet_third_party_warnings
     from megaloop.train import build_config
 
     quiet_third_party_warnings()
     try:
-        refuse_overrides_of(args.overrides, SET_BY_THE_TOOL)
+        refuse_overrides_of(args.overrides, set_by_the_tool())
         layouts = [parse_layout(text) for text in args.layouts]
-        train_args = [a for flag in ("preset", "config") if getattr(args, flag)
-                      for a in (f"--{flag}", getattr(args, flag))]
-        cfg, _ = build_config(train_args + args.overrides + [f"train.train_steps={args.steps}"])
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tensorboard=False,
-                                                                 eval_iters=1))
+        cfg, _ = build_config(train_config_args(args.preset, args.config) + args.overrides)
+        cfg = with_settings(cfg, run_settings(args.steps))
+        check_pipeline_split(cfg, args.layouts, layouts)
         for layout in layouts:
             layout.apply(cfg).validate()
         check_layouts_and_out(args.layouts, layouts, Path(args.out))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    note = default_model_note(args.preset, args.config, cfg.model)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     replaced = replaced_parallel_fields(cfg)
     if replaced:
         print(f"note: {args.config}: {', '.join(replaced)} replaced by each layout's",

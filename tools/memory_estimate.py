@@ -18,7 +18,7 @@ import dataclasses
 import json
 import sys
 
-from megaloop.cli import float_above, int_at_least
+from megaloop.cli import default_model_note, float_above, int_at_least, train_config_args
 
 
 def main(argv=None) -> int:
@@ -40,14 +40,16 @@ def main(argv=None) -> int:
     # The data section plays no part in an estimate: a placeholder section (last, so that it
     # replaces the config's whole, SFT settings included) satisfies the config's validation.
     placeholder = ["data={path: [unused], eod_id: 0}"]
-    train_args = [a for flag in ("preset", "config") if getattr(args, flag)
-                  for a in (f"--{flag}", getattr(args, flag))]
     try:
-        cfg, _ = build_config(train_args + args.overrides + placeholder)
+        cfg, _ = build_config(train_config_args(args.preset, args.config) + args.overrides
+                              + placeholder)
         layout = layout_of(cfg.parallel, args.world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    note = default_model_note(args.preset, args.config, cfg.model)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     try:  # the memory does not depend on it, but the launch would be refused
         micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
     except ConfigError as e:

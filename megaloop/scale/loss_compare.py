@@ -34,21 +34,25 @@ import json
 import math
 from pathlib import Path
 
+from megaloop.cli import with_settings
 from megaloop.config import RunConfig
 from megaloop.scale.layout import Layout, parse_layout
 
 RTOL = 1e-6
 
 
+def seed_settings(seed_checkpoint: str, out_dir: str) -> dict[str, object]:
+    """What every layout's run is given (``section.field: value``): it writes to ``out_dir`` and
+    starts from the seed checkpoint's weights, with a fresh optimizer and no saved progress, so
+    every layout starts alike."""
+    return {"train.out_dir": out_dir, "checkpoint.dir": str(Path(out_dir) / "checkpoints"),
+            "checkpoint.load": seed_checkpoint, "checkpoint.load_optimizer": False,
+            "checkpoint.resume": False, "checkpoint.save_interval": 0}
+
+
 def seeded_config(cfg: RunConfig, layout: Layout, seed_checkpoint: str, out_dir: str) -> RunConfig:
-    """``cfg`` under ``layout``, writing to ``out_dir``, starting from the seed checkpoint's weights
-    (a fresh optimizer and no saved progress, so every layout starts alike)."""
-    cfg = layout.apply(cfg)
-    return dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, out_dir=out_dir),
-        checkpoint=dataclasses.replace(cfg.checkpoint, dir=str(Path(out_dir) / "checkpoints"),
-                                       load=seed_checkpoint, load_optimizer=False, resume=False,
-                                       save_interval=0))
+    """``cfg`` under ``layout`` with ``seed_settings``."""
+    return with_settings(layout.apply(cfg), seed_settings(seed_checkpoint, out_dir))
 
 
 def save_seed_checkpoint(cfg: RunConfig, out_dir: str) -> str:

@@ -159,3 +159,19 @@ def test_memory_tool_estimates_a_fine_tuning_config(tmp_path, capsys):
     assert memory_estimate.main(["--preset", "tiny", "--config", str(tmp_path / "finetune.yaml"),
                                  "--world-size", "1", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"] == "single"
+
+
+def test_memory_tool_names_the_default_model_it_estimates_without_preset_or_config(capsys):
+    """Before: the default 4-layer model was estimated without a word."""
+    import json
+
+    from tools import memory_estimate
+
+    assert memory_estimate.main(["--world-size", "2", "model.num_layers=8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("note: neither --preset nor --config: megaloop's default model "
+                            "(model.arch=asymloop, num_layers=8, hidden_size=128, seq_length=128, "
+                            "after the overrides); give --preset or --config for another\n")
+    assert json.loads(captured.out)["layout"] == "dp2"
+    assert memory_estimate.main(["--preset", "tiny", "--world-size", "1"]) == 0
+    assert capsys.readouterr().err == ""

@@ -1,12 +1,13 @@
 """tools/fit_scaling.py: power-law fits of validation NLL against training compute, the compute each
 architecture needs for a target NLL and its saving against a baseline, from run directories."""
 
+import dataclasses
 import json
 import os
 
 import pytest
 
-from megaloop.config import RunConfig, TrainConfig, save_yaml
+from megaloop.config import ConfigError, RunConfig, TrainConfig, save_yaml
 from megaloop.models.flops import model_flops_per_token
 from megaloop.presets import preset
 
@@ -169,3 +170,41 @@ def test_compute_sums_each_steps_logged_tokens_across_a_batch_change(load_tool, 
     assert note == (f"{run / 'metrics.jsonl'}: 2 of the 8 steps have no train record with "
                     f"tokens_per_s and step_time_s; counted at config.yaml's global_batch_size x "
                     f"seq_length = {16 * seq} tokens each")
+
+
+def test_a_run_whose_model_changed_across_resumes_is_refused(load_tool, tmp_path):
+    """Resumed at step 4 on 4 processes instead of 8, then (another run) also at depth 3 instead
+    of 2: config.yaml holds the last start's model. A new world size leaves the compute right; a
+    new depth would have counted steps 1-3 at the deeper model's FLOPs per token."""
+    tool = load_tool("fit_scaling")
+    run = tmp_path / "run"
+    run.mkdir()
+    shallow = preset("tiny", iterations=2)
+    deep = dataclasses.replace(shallow, iterations=3)
+    tokens = 8 * shallow.seq_length
+
+    def write(first_model, last_model):
+        save_yaml(RunConfig(model=last_model, train=TrainConfig(global_batch_size=8)),
+                  run / "config.yaml")
+        records = []
+        for step in range(1, 7):
+            model, world = (first_model, 8) if step <= 3 else (last_model, 4)
+            rate = tokens / 0.25  # tflops_per_device as megaloop.training.monitor logs it
+            records.append({"kind": "train", "step": step, "step_time_s": 0.25,
+                            "tokens_per_s": rate,
+                            "tflops_per_device": rate * model_flops_per_token(model) / world
+                            / 1e12})
+        records.append({"kind": "eval", "step": 6, "val_loss": 2.5})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write(shallow, shallow)
+    _, points, _ = tool.run_points(run, all_evals=False)
+    assert points == [(model_flops_per_token(shallow) * 6 * tokens, 2.5)]
+    write(shallow, deep)
+    with pytest.raises(ConfigError) as refused:
+        tool.run_points(run, all_evals=False)
+    assert str(refused.value).startswith(
+        f"{run / 'metrics.jsonl'}: step 1 was trained at {model_flops_per_token(shallow) / 8:.6g}"
+        f" FLOPs per token per process, which config.yaml's model "
+        f"({model_flops_per_token(deep):.6g} per token) gives on no whole number of processes: "
+        "the model changed across resumes")
