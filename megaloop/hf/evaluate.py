@@ -39,7 +39,6 @@ from typing import Sequence
 
 TASK_DIR = Path(__file__).resolve().parents[2] / "examples" / "eval"
 TASK_PREFIX = "local_"
-MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
 
 
 class EvaluationError(ValueError):
@@ -137,6 +136,8 @@ def _refused_depth(depth: int | None, arch: str | None, iterations: int | None) 
 
 def set_depth(model, depth: int | None) -> int | None:
     """Sets ``model``'s test-time depth (None: leave it); returns the depth it now runs."""
+    from megaloop.hf.from_hf import MEGALOOP_MODEL_TYPES
+
     config = model.config
     arch = config.arch if config.model_type in MEGALOOP_MODEL_TYPES else None
     problem = _refused_depth(depth, arch, getattr(config, "iterations", None))
