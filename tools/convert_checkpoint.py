@@ -9,10 +9,13 @@ to-hf: CHECKPOINT is a checkpoint (iter_N) of any TP/PP/EP layout, or a checkpoi
 ``latest`` pointer (or that pointer). OUT gets safetensors, config.json, generation_config.json and
 the run's tokenizer (data.tokenizer_model, or --tokenizer); a Dense model loads as a native
 transformers class where one fits, every other one as remote code:
-``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config refuses a checkpoint
-of another architecture than that run config's. --dtype: what the safetensors hold and config.json's
-``dtype`` (what ``from_pretrained`` loads in); by default the dtype the checkpoint holds its weights
-in (bfloat16 after a bf16 run), which loses nothing.
+``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config (its model section):
+refuses a checkpoint of another architecture than that run config's, naming each field; its
+settings that a loaded checkpoint lets change (model.iterations for another test-time depth,
+seq_length, rotary_base, ...) are exported, each listed in the report's settings_from_config.
+--dtype: what the safetensors hold and config.json's ``dtype`` (what ``from_pretrained`` loads in);
+by default the dtype the checkpoint holds its weights in (bfloat16 after a bf16 run), which loses
+nothing.
 
 from-hf: OUT becomes a checkpoint directory that a run starts from with
 ``checkpoint.load=OUT checkpoint.load_optimizer=false``; it holds the weights in the dtype
@@ -37,7 +40,8 @@ def main(argv=None) -> int:
     to_hf = sub.add_parser("to-hf", help="megaloop checkpoint -> Hugging Face directory")
     to_hf.add_argument("checkpoint")
     to_hf.add_argument("out")
-    to_hf.add_argument("--config", help="run config YAML whose model the checkpoint must match")
+    to_hf.add_argument("--config", help="run config YAML whose model the checkpoint must match; its "
+                       "test-time depth, context, ... are exported")
     tokenizer = to_hf.add_mutually_exclusive_group()
     tokenizer.add_argument("--tokenizer", help="tokenizer file instead of data.tokenizer_model")
     tokenizer.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")

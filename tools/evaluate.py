@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ev.result_files(args.output)  # an unwritable --output fails before the evaluation
         ev.check_depths(args.source, args.depths or ())  # and depths the model has not, before
+        # the export (minutes for a large checkpoint), as are tasks, data and few-shot records
+        ev.prepare_tasks(args.tasks, args.data_dir, args.task_dir or ev.TASK_DIR,
+                         args.num_fewshot, args.max_gen_toks)
         with tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
                 contextlib.redirect_stdout(sys.stderr):  # stdout is the table only
             model, tokenizer, info = ev.load_for_evaluation(args.source, workdir,

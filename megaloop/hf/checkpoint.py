@@ -51,23 +51,37 @@ def build_single_process_model(cfg: ModelConfig, initialize: bool = True):
     return model.eval()
 
 
-def load_checkpoint_model(path: str | Path, requested: ModelConfig | None = None):
+def requested_settings(path: Path, requested: ModelConfig) -> dict[str, tuple]:
+    """{field: (the checkpoint's value, ``requested``'s)} of each setting in which the model
+    config ``requested`` (a ``--config``'s) differs from checkpoint ``path``'s and which a loaded
+    checkpoint lets change (``checkpoint.RESUMABLE_MODEL_FIELDS``, as a resume and
+    ``megaloop.api.load`` apply them). Another architecture is a CheckpointError naming every
+    field that differs.
+
+    Applied, not refused: exporting a looped model to run at another depth (``iterations``), with
+    a longer context (``seq_length``, ``rotary_base``) or another routing width is what these
+    fields are changeable for; the export's config.json then holds the requested values and its
+    probe logits are checked against the checkpoint's model built with them. The others
+    (the attention kernel, loss weights, initialisation) have no Hugging Face counterpart or
+    none that changes the model; applied alike, they are reported with the rest."""
+    ckpt.check_compatible(path, RunConfig(model=requested))
+    saved = vars(ckpt.saved_section(path, ModelConfig, "model").resolve())
+    wanted = vars(dataclasses.replace(requested).resolve())
+    return {name: (saved[name], wanted[name]) for name in ckpt.RESUMABLE_MODEL_FIELDS
+            if saved[name] != wanted[name]}
+
+
+def load_checkpoint_model(path: str | Path, **overrides):
     """(model, run config, checkpoint path): the checkpoint's weights in a single-process model
     (``megaloop.api.load`` on the CPU, megatron-core's local spec); the run config holds the
-    checkpoint's model and data sections.
-
-    ``requested``: the architecture the caller expects; a checkpoint of another one is refused,
-    naming the fields that differ. Without it, the checkpoint's own config.yaml decides."""
+    checkpoint's model and data sections, the model's with ``overrides`` (ModelConfig fields that
+    a loaded checkpoint lets change, e.g. from ``requested_settings``)."""
     from megaloop.api import load_with
 
     path = checkpoint_path(path)
-
-    def build(cfg: ModelConfig):
-        if requested is not None:
-            ckpt.check_compatible(path, RunConfig(model=requested))
-        return build_single_process_model(cfg, initialize=False)  # filled by the checkpoint
-
-    model = load_with(build, path)
+    # initialize=False: every weight is filled by the checkpoint
+    model = load_with(lambda cfg: build_single_process_model(cfg, initialize=False), path,
+                      **overrides)
     return model, RunConfig(model=model.cfg, data=ckpt.saved_section(path, DataConfig, "data")), \
         path
 

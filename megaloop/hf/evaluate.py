@@ -39,7 +39,6 @@ from typing import Sequence
 
 TASK_DIR = Path(__file__).resolve().parents[2] / "examples" / "eval"
 TASK_PREFIX = "local_"
-MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
 
 
 class EvaluationError(ValueError):
@@ -82,6 +81,27 @@ def resolve_tasks(names: Sequence[str], manager) -> list[str]:
     return resolved
 
 
+def prepare_tasks(tasks: Sequence[str], data_dir: str | Path, task_dir: str | Path = TASK_DIR,
+                  num_fewshot: Sequence[int] = (0,), max_gen_toks: int | None = None):
+    """(TaskManager, lm-eval names, {generation task: its generation settings}) of ``tasks``:
+    everything about them that can be wrong (directories, names, data files, few-shot records,
+    ``max_gen_toks`` without a generation task) an EvaluationError found here, before a model is
+    loaded or exported."""
+    quiet_harness()
+    manager = task_manager(data_dir, task_dir)
+    names = resolve_tasks(tasks, manager)
+    new_tokens = {} if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
+    generation = {}
+    for name, task in manager.load(names)["tasks"].items():
+        check_fewshot(name, task, max(num_fewshot))
+        if task.config.output_type == "generate_until":
+            generation[name] = {**(task.config.generation_kwargs or {}), **new_tokens}
+    if max_gen_toks is not None and not generation:
+        raise EvaluationError(f"max_gen_toks {max_gen_toks}: none of the tasks generates text "
+                              "(it sets the new tokens of a generation task, e.g. gsm8k)")
+    return manager, names, generation
+
+
 def check_fewshot(name: str, task, shots: int) -> None:
     """Task ``name``'s few-shot records hold ``shots`` examples besides the question being asked
     (lm-eval leaves it out): an EvaluationError naming the file where they do not, where lm-eval
@@ -116,6 +136,8 @@ def _refused_depth(depth: int | None, arch: str | None, iterations: int | None) 
 
 def set_depth(model, depth: int | None) -> int | None:
     """Sets ``model``'s test-time depth (None: leave it); returns the depth it now runs."""
+    from megaloop.hf.from_hf import MEGALOOP_MODEL_TYPES
+
     config = model.config
     arch = config.arch if config.model_type in MEGALOOP_MODEL_TYPES else None
     problem = _refused_depth(depth, arch, getattr(config, "iterations", None))
@@ -268,19 +290,12 @@ def evaluate(model, tokenizer, tasks: Sequence[str], *, data_dir: str | Path,
         set_depth(model, depth)
     if configured is not None:
         model.config.iterations = configured
-    manager = task_manager(data_dir, task_dir)
-    names = resolve_tasks(tasks, manager)
-    gen_kwargs = None if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
+    manager, names, generation = prepare_tasks(tasks, data_dir, task_dir, num_fewshot,
+                                               max_gen_toks)
     lm = harness_model(model, tokenizer, batch_size)
-    generating = []
-    for name, task in manager.load(names)["tasks"].items():  # before any task runs
-        check_fewshot(name, task, max(num_fewshot))
-        if task.config.output_type == "generate_until":
-            generating.append(name)
-            lm.new_tokens({**(task.config.generation_kwargs or {}), **(gen_kwargs or {})}, name)
-    if max_gen_toks is not None and not generating:
-        raise EvaluationError(f"max_gen_toks {max_gen_toks}: none of the tasks generates text "
-                              "(it sets the new tokens of a generation task, e.g. gsm8k)")
+    for name, settings in generation.items():
+        lm.new_tokens(settings, name)
+    gen_kwargs = None if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
     rows = []
     try:
         for depth in depths:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from megaloop.config import ModelConfig
-from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, stored_dtype,
-                                    weights)
+from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, requested_settings,
+                                    stored_dtype, weights)
 from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compare_logits,
                                 export_dtype, probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
@@ -129,7 +129,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
                       with_tokenizer: bool = True, dtype: str | None = None) -> dict:
     """Converts ``checkpoint`` (any parallel layout) into the Hugging Face directory ``out``.
 
-    ``requested``: refuse a checkpoint of another architecture. ``tokenizer``: a tokenizer file in
+    ``requested`` (a run config's model): refuse a checkpoint of another architecture, and export
+    with its settings that a loaded checkpoint lets change (``requested_settings``: the test-time
+    depth, the context, ...), each listed in the report's ``settings_from_config``. ``tokenizer``: a tokenizer file in
     place of the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. ``dtype``
     (a DTYPES name): what the safetensors hold and config.json's ``dtype`` says, the dtype
     ``from_pretrained`` loads in; by default the one the checkpoint holds its weights in, which
@@ -146,8 +148,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         path = checkpoint_path(checkpoint)
+        changed = {} if requested is None else requested_settings(path, requested)
         tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
-        model, run, path = load_checkpoint_model(path, requested)
+        model, run, path = load_checkpoint_model(
+            path, **{name: value for name, (_, value) in changed.items()})
         chosen = stored_dtype(path, model) if chosen is None else chosen
         cfg = run.model
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
@@ -175,7 +179,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
             "safetensors_bytes": sum(f.stat().st_size for f in Path(out).glob("*.safetensors")),
             "probe_max_abs_difference": difference,
             "probe_max_abs_difference_in_dtype": in_dtype,
-            "tokenizer": str(tokenizer) if tokenizer else None}
+            "tokenizer": str(tokenizer) if tokenizer else None,
+            "settings_from_config": {f"model.{name}": {"checkpoint": old, "export": new}
+                                     for name, (old, new) in changed.items()}}
 
 
 def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, staging: Path):

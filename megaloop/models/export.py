@@ -183,13 +183,25 @@ def to_reference(model):
 def invert_mapping(mapping, values: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict:
     """The tensors of ``shapes`` that ``mapping`` (a function of a state dict that only renames,
     slices, reshapes and concatenates) sends to ``values``. Raises ValueError naming the first
-    tensor that is missing, unexpected or of the wrong shape."""
-    ids, total = {}, 0
+    tensor that is missing, unexpected or of the wrong shape.
+
+    Each tensor the mapping slices or joins is found through an index tensor of its elements
+    (int64: twice its fp32 size) and comes back as a view of one buffer of them all; one it only
+    renames (an embedding, an output layer: most of a small model's weights) is taken as it is,
+    found by mapping meta tensors first. So a group of tensors is mapped holding no copy of the
+    values but that buffer, and index tensors only for what is sliced or joined."""
+    probe = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    source_of = {id(tensor): name for name, tensor in probe.items()}
+    renamed = {name: source_of[id(tensor)] for name, tensor in mapping(probe).items()
+               if id(tensor) in source_of}
+    ids, ranges, total = dict(probe), {}, 0  # a renamed tensor stays a meta tensor
     for name, shape in shapes.items():
-        ids[name] = torch.arange(total, total + math.prod(shape)).view(shape)
-        total += math.prod(shape)
+        if name not in renamed.values():
+            ids[name] = torch.arange(total, total + math.prod(shape)).view(shape)
+            ranges[name] = total, total + math.prod(shape)
+            total += math.prod(shape)
     dtype = next(iter(values.values())).dtype if values else torch.float32
-    flat = torch.empty(total, dtype=dtype)
+    flat, found = torch.empty(total, dtype=dtype), {}
     mapped = mapping(ids)
     for name, index in mapped.items():
         if name not in values:
@@ -197,9 +209,13 @@ def invert_mapping(mapping, values: dict[str, torch.Tensor], shapes: dict[str, t
         if tuple(values[name].shape) != tuple(index.shape):
             raise ValueError(f"tensor {name}: shape {tuple(values[name].shape)}, the config "
                              f"gives {tuple(index.shape)}")
-        flat[index.flatten()] = values[name].flatten().to(dtype)
+        if name in renamed:
+            found[renamed[name]] = values[name].to(dtype)
+        else:
+            flat[index.flatten()] = values[name].flatten().to(dtype)
     unexpected = sorted(set(values) - set(mapped))
     if unexpected:
         raise ValueError(f"tensor {unexpected[0]}: not part of this architecture")
-    return {name: flat[index.flatten()].view(index.shape) for name, index in ids.items()}
+    return {name: found[name] if name in found else flat[slice(*ranges[name])].view(shape)
+            for name, shape in shapes.items()}
 

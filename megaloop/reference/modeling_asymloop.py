@@ -226,7 +226,12 @@ class MegaloopPreTrainedModel(PreTrainedModel):
     def _positions(self, input_ids, attention_mask, cache):
         """RoPE positions [B, N] of the new tokens, the attention mask [B|1, 1, N, past + N] and the
         padding of all positions ([B, past + N] bool, None without padding). ``attention_mask``
-        (1 = token, 0 = padding) covers the new tokens, or the cached and new ones."""
+        (1 = token, 0 = padding) covers the new tokens, or the cached and new ones.
+
+        Left padding is read from the mask of a cache's first tokens (the prompt) only: once a
+        cache holds tokens and no padding, its later calls' new tokens follow tokens (generate()
+        extends the mask with ones), so their mask is not read back from the device, which on a
+        GPU would be a sync at every generated token."""
         b, n = input_ids.shape
         past, device = (cache.seen if cache is not None else 0), input_ids.device
         past_valid = cache.state.get("valid") if cache is not None else None
@@ -236,7 +241,7 @@ class MegaloopPreTrainedModel(PreTrainedModel):
                 raise ValueError(f"attention_mask has {attention_mask.shape[-1]} positions: expected "
                                  f"{n} (the new tokens) or {past + n} (cached and new)")
             new_valid = attention_mask[:, -n:].bool()
-            if past_valid is None and bool(new_valid.all()):
+            if past_valid is None and (past > 0 or bool(new_valid.all())):
                 new_valid = None
         if past_valid is None and new_valid is None:
             positions = torch.arange(past, past + n, device=device)[None].expand(b, n)

@@ -371,6 +371,39 @@ def test_depths_a_model_has_not_are_refused_before_any_export_or_load(harness, t
     assert work == []
 
 
+def test_tasks_and_their_data_are_refused_before_any_export_or_load(harness, tmp_path, capsys,
+                                                                    monkeypatch):
+    """An unknown task, a missing data directory, too few few-shot records or --max-gen-toks
+    without a generation task is known from the task files: found before a checkpoint is exported
+    (before: after it, minutes for a large model)."""
+    from megaloop.hf import from_hf, to_hf
+
+    evaluate = load_tool("evaluate").main
+
+    def work(*args, **kwargs):
+        raise AssertionError("exported or loaded before the tasks were checked")
+
+    monkeypatch.setattr(to_hf, "export_checkpoint", work)
+    monkeypatch.setattr(from_hf, "load_hf_model", work)
+    few = tmp_path / "few"
+    few.mkdir()
+    (few / "piqa_valid.jsonl").write_text('{"goal": "g", "sol1": "a", "sol2": "b", "label": 0}\n'
+                                          * 2)
+    checkpoint, data = str(harness["asymloop"].checkpoint.parent), str(harness["data"])
+    cases = [(["--data-dir", data, "--tasks", "piqaa"], "error: task 'piqaa': not in the task "
+                                                        "directory (tasks: arc_challenge"),
+             (["--data-dir", str(tmp_path / "nonexistent")],
+              f"error: {tmp_path / 'nonexistent'}: no such data directory"),
+             (["--data-dir", str(few), "--tasks", "piqa", "--num-fewshot", "0", "5"],
+              "error: num_fewshot 5: task piqa draws its examples from"),
+             (["--data-dir", data, "--tasks", "piqa", "--max-gen-toks", "5"],
+              "error: max_gen_toks 5: none of the tasks generates text")]
+    for argv, message in cases:
+        assert evaluate([checkpoint, *argv, "--output", str(tmp_path / "x")]) == 2, message
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(message), (message, err)
+
+
 @pytest.mark.parametrize("edit", [lambda text: text[:-5], lambda text: json.dumps(
     {**json.loads(text), "iterations": "two"})])
 def test_a_bad_config_json_is_the_same_one_line_error_as_for_an_import(harness, tmp_path, capsys,

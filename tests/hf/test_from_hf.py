@@ -193,3 +193,13 @@ def test_refuses_an_untied_output_layer_under_tie_word_embeddings(exports, tmp_p
     _edit_config(directory, tie_word_embeddings=True)
     _refused(directory, tmp_path, r"tensor lm_head.weight: differs from the embedding, which "
                                   r"config.json's tie_word_embeddings=true makes it")
+
+
+def test_the_megaloop_model_types_are_those_of_the_reference_configs():
+    """One list (read by the import and by the evaluation's depth setting) of the model_type
+    values an export's config.json carries."""
+    from megaloop.hf.from_hf import MEGALOOP_MODEL_TYPES
+    from megaloop.reference.configuration_megaloop import LatentLoopConfig, MegaloopConfig
+
+    assert sorted(MEGALOOP_MODEL_TYPES) == sorted([MegaloopConfig.model_type,
+                                                   LatentLoopConfig.model_type])

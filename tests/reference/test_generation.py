@@ -164,6 +164,33 @@ def test_latentloop_decodes_without_padding_reading_nothing_back_from_the_device
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["dense", "asymloop", "latentloop_stride3_lag1"])
+def test_decoding_with_generates_attention_mask_reads_nothing_back_from_the_device(variant,
+                                                                                   monkeypatch):
+    """generate() passes an attention mask at every step: without padding in the prompt, the
+    decode steps take no value of it back from the device (before: one read per generated
+    token); a left-padded prompt still gives each row the logits of a full forward."""
+    model = reference_model(variant)
+    x = tokens(length=11)
+    padded = torch.ones_like(x)
+    padded[1, :2] = 0
+    for mask in (torch.ones_like(x), padded):
+        with torch.no_grad():
+            full = model(x, attention_mask=mask, use_cache=False).logits
+            cache = model.new_cache()
+            steps = [model(x[:, :5], attention_mask=mask[:, :5], cache=cache).logits]
+            with monkeypatch.context() as patch:
+                reads = _reads_to_the_host(patch)
+                for b in range(6, 12):
+                    steps.append(model(x[:, b - 1:b], cache=cache,
+                                       attention_mask=mask[:, :b]).logits)
+        if mask is not padded or not variant.startswith("latentloop"):  # its rows count apart
+            assert reads == [], reads
+        kept = mask.bool()[:, :, None]
+        torch.testing.assert_close(torch.cat(steps, dim=1) * kept, full * kept, atol=2e-6,
+                                   rtol=1e-5)
+
+
 def test_latentloop_refuses_padding_after_a_token_and_other_depths():
     model = reference_model("latentloop")
     x = tokens(batch=2, length=6)

@@ -65,3 +65,35 @@ def test_a_damaged_export_is_exit_2_not_a_traceback(load_tool, checkpoint, tmp_p
     assert tool.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {weights}: not a readable safetensors file") and "\n" not in err
+
+
+def test_to_hf_exports_the_settings_a_config_changes_and_refuses_another_architecture(
+        load_tool, checkpoint, tmp_path, capsys):
+    """--config's test-time depth, context and RoPE base reach config.json (the probe checks the
+    export against the checkpoint's model built with them); an architecture field is refused."""
+    import yaml
+
+    tool = load_tool("convert_checkpoint")
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    saved = dict(config["model"])
+    config["model"].update(iterations=5, rotary_base=500000.0, seq_length=2048)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    assert tool.main(["to-hf", str(checkpoint), str(tmp_path / "hf"), "--config",
+                      str(tmp_path / "cfg.yaml")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (exported["iterations"], exported["rotary_base"],
+            exported["max_position_embeddings"]) == (5, 500000.0, 2048)
+    assert report["settings_from_config"] == {
+        "model.iterations": {"checkpoint": saved["iterations"], "export": 5},
+        "model.rotary_base": {"checkpoint": saved["rotary_base"], "export": 500000.0},
+        "model.seq_length": {"checkpoint": saved["seq_length"], "export": 2048}}
+
+    config["model"].update(num_layers=saved["num_layers"] + 2, hidden_size=96)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    assert tool.main(["to-hf", str(checkpoint), str(tmp_path / "other"), "--config",
+                      str(tmp_path / "cfg.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"model.num_layers={saved['num_layers']} in the checkpoint" in err
+    assert f"model.hidden_size={saved['hidden_size']} in the checkpoint, 96 now" in err
+    assert not (tmp_path / "other").exists()
