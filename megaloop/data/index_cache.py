@@ -23,19 +23,17 @@ import fcntl
 import hashlib
 import logging
 import os
-import re
 import socket
-import threading
 
 import numpy
 
 from megaloop.data.indexed import IndexedSummary, sequence_lengths
+from megaloop.platform.files import atomic_open, temporaries_in
 
 log = logging.getLogger("megaloop.data")
 
 BUILD_LOCK = ".megaloop-build.lock"
 _NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_PARTIAL_NPY = re.compile(r"\.npy\.tmp-\d+-\d+$")  # what atomic_npy_writes writes before its rename
 
 
 def sequence_lengths_md5(summary: IndexedSummary) -> str:
@@ -90,10 +88,8 @@ def _lock(lock_file, cache_dir: str) -> bool:
 
 def _remove_partial_files(cache_dir: str) -> None:
     """Every writer holds the lock, so a temporary .npy found under it is a killed build's."""
-    for name in os.listdir(cache_dir):
-        if _PARTIAL_NPY.search(name):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(cache_dir, name))
+    for leftover in temporaries_in(cache_dir, ".npy"):
+        leftover.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -111,14 +107,8 @@ def atomic_npy_writes():
             return original(file, arr, *args, **kwargs)
         path = os.fspath(file)
         path = path if path.endswith(".npy") else path + ".npy"
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            with open(tmp, "wb") as f:
-                original(f, arr, *args, **kwargs)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        with atomic_open(path, "wb") as f:
+            original(f, arr, *args, **kwargs)
 
     numpy.save = atomic_save
     try:

@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy
 import torch
 
-from megaloop.config import ConfigError, DataConfig, RunConfig, write_text_atomic
+from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
 from megaloop.data.indexed import IndexedSummary
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import rank0_decides
 
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory

@@ -12,6 +12,7 @@ import pytest
 
 from megaloop.data.datasets import DatasetTokenizer, build_gpt_datasets
 from megaloop.data.index_cache import atomic_npy_writes
+from megaloop.platform.files import temporaries_in
 from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
 
 REPO = Path(__file__).parents[2]
@@ -74,7 +75,7 @@ def test_a_job_killed_mid_write_leaves_nothing_the_next_job_loads(tmp_path, toke
     # Before: the truncated shuffle index, beside the whole document and sample indices, was a
     # cache hit; loading it failed or read garbage.
     _assert_same(_indices(tokenized_articles, cache), _indices(tokenized_articles, tmp_path / "fresh"))
-    assert not any(".tmp-" in name for name in os.listdir(cache))  # the killed job's partial file went
+    assert temporaries_in(cache) == []  # the killed job's partial file went
 
 
 def test_indices_of_data_rewritten_under_the_same_prefix_are_rebuilt(tmp_path, sp_model, articles):
