@@ -17,23 +17,19 @@ cluster), in three ways this module closes:
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
-import fcntl
 import hashlib
 import logging
 import os
-import socket
 
 import numpy
 
 from megaloop.data.indexed import IndexedSummary, sequence_lengths
 from megaloop.platform.files import atomic_open, temporaries_in
+from megaloop.platform.locks import take_flock, warn_unguarded
 
 log = logging.getLogger("megaloop.data")
 
 BUILD_LOCK = ".megaloop-build.lock"
-_NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def sequence_lengths_md5(summary: IndexedSummary) -> str:
@@ -57,33 +53,16 @@ def exclusive_build(cache_dir: str):
     if lock_file is None:
         yield
         return
+
+    def wait(holder: str) -> None:
+        log.info("%s: waiting for %s, which is building dataset indices there", cache_dir, holder)
+
+    unguarded = warn_unguarded(log, cache_dir, "jobs sharing this cache directory may build the "
+                                               "same dataset indices at once")
     with lock_file:
-        if _lock(lock_file, cache_dir):
+        if take_flock(lock_file, wait, unguarded):
             _remove_partial_files(cache_dir)
         yield
-
-
-def _lock(lock_file, cache_dir: str) -> bool:
-    """Takes the flock, waiting for it: True, or False (with a warning) without lock support."""
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "another process"
-        log.info("%s: waiting for %s, which is building dataset indices there", cache_dir, holder)
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-    except OSError as e:
-        if e.errno not in _NO_LOCK_SUPPORT:
-            raise
-        log.warning("%s: the filesystem does not support file locks (%s); jobs sharing this cache "
-                    "directory may build the same dataset indices at once", cache_dir, e.strerror)
-        return False
-    lock_file.seek(0)
-    lock_file.truncate()
-    started = datetime.datetime.now().isoformat(timespec="seconds")
-    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
-    lock_file.flush()
-    return True
 
 
 def _remove_partial_files(cache_dir: str) -> None:
