@@ -8,7 +8,8 @@ cluster), in three ways this module closes:
 - ``atomic_npy_writes``: megatron-core ``numpy.save``s in place, so a job killed mid-write, or a
   job loading while another writes, meets a truncated .npy that looks whole;
 - ``exclusive_build``: two jobs missing the same index both build it; with an exclusive lock
-  on the cache directory the second waits, then loads the finished files;
+  on the cache directory, taken only by a job that misses an index, the second waits, then
+  loads the finished files;
 - ``sequence_lengths_md5``: the hash covers the dataset's path, not its contents, so data
   re-tokenized under the same prefix (or another dataset reached by the same relative path)
   would reuse indices built for other documents.
@@ -38,31 +39,63 @@ def sequence_lengths_md5(summary: IndexedSummary) -> str:
     return hashlib.md5(sequence_lengths(summary), usedforsecurity=False).hexdigest()
 
 
+class _BuildLock:
+    """The build lock of one cache directory, taken at the first index this process builds."""
+
+    def __init__(self, cache_dir: str):
+        self.cache_dir, self.file, self.taken = cache_dir, None, False
+
+    def take(self) -> None:
+        if self.taken:
+            return
+        self.taken = True
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            self.file = open(os.path.join(self.cache_dir, BUILD_LOCK), "a+")
+        except OSError:  # a cache this process cannot write to: it can only load from it
+            return
+
+        def wait(holder: str) -> None:
+            log.info("%s: waiting for %s, which is building dataset indices there",
+                     self.cache_dir, holder)
+
+        unguarded = warn_unguarded(log, self.cache_dir, "jobs sharing this cache directory may "
+                                                        "build the same dataset indices at once")
+        if take_flock(self.file, wait, unguarded):
+            _remove_partial_files(self.cache_dir)
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # drops the lock
+
+
+_building: _BuildLock | None = None  # the exclusive_build in progress in this process
+
+
 @contextlib.contextmanager
 def exclusive_build(cache_dir: str):
-    """Hold an exclusive ``flock`` on ``<cache_dir>/.megaloop-build.lock``, waiting (with a log
-    line naming the holder) while another process holds it; then remove the temporary files of
-    builds that were killed. The kernel drops a flock however its process ends, so a killed
-    job never blocks the next. A cache directory this process cannot write to is used unlocked:
+    """Within the block, the first index missing from ``cache_dir`` (``before_building``) takes
+    an exclusive ``flock`` on ``<cache_dir>/.megaloop-build.lock``, held to the end of the block:
+    while another job holds it, this one waits (with a log line naming the holder), then loads
+    what that job built; once it holds the lock, it removes the temporary files of builds that
+    were killed. A job whose indices are all cached never takes the lock, so it loads them while
+    another job builds others. A cache directory this process cannot write to is used unlocked:
     it can only load from it. A filesystem without locks gets a warning and no lock."""
+    global _building
+    lock = _building = _BuildLock(cache_dir)
     try:
-        os.makedirs(cache_dir, exist_ok=True)
-        lock_file = open(os.path.join(cache_dir, BUILD_LOCK), "a+")
-    except OSError:
-        lock_file = None
-    if lock_file is None:
         yield
-        return
+    finally:
+        _building = None
+        lock.release()
 
-    def wait(holder: str) -> None:
-        log.info("%s: waiting for %s, which is building dataset indices there", cache_dir, holder)
 
-    unguarded = warn_unguarded(log, cache_dir, "jobs sharing this cache directory may build the "
-                                               "same dataset indices at once")
-    with lock_file:
-        if take_flock(lock_file, wait, unguarded):
-            _remove_partial_files(cache_dir)
-        yield
+def before_building() -> None:
+    """Called before building a missing index (by ``atomic_npy_writes`` at each save, and by the
+    dataset before computing one): takes ``exclusive_build``'s lock, waiting while another job
+    builds, so the caller must look for the index again afterwards. Nothing outside the block."""
+    if _building is not None:
+        _building.take()
 
 
 def _remove_partial_files(cache_dir: str) -> None:
@@ -86,6 +119,7 @@ def atomic_npy_writes():
             return original(file, arr, *args, **kwargs)
         path = os.fspath(file)
         path = path if path.endswith(".npy") else path + ".npy"
+        before_building()  # BlendedDataset computes its indices unannounced: locked from its save
         with atomic_open(path, "wb") as f:
             original(f, arr, *args, **kwargs)
 
