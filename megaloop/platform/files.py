@@ -48,7 +48,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = None) -> Iterator[IO]:
+def atomic_open(path: str | os.PathLike, mode: str = "w",
+                encoding: str | None = None) -> Iterator[IO]:
     """``open(path, mode)`` for writing (``mode`` "w" or "wb"; text is UTF-8 unless ``encoding``
     says otherwise) through ``atomic_path``: ``path`` changes only when the block completes."""
     if mode not in ("w", "wb"):

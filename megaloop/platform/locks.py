@@ -20,7 +20,8 @@ from typing import IO, Callable
 NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-def take_flock(file: IO, when_held: Callable[[str], None], unguarded: Callable[[str], None]) -> bool:
+def take_flock(file: IO, when_held: Callable[[str], None],
+               unguarded: Callable[[str], None]) -> bool:
     """Takes an exclusive flock on ``file`` (open for reading and appending) and records this
     process in it as the holder: True. While another process holds it, ``when_held(holder)`` is
     called first with what that process recorded: raising refuses the lock; returning waits for

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict, save_yaml
+from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict,
+                             save_yaml)
 from megaloop.platform.files import atomic_write_leftovers, write_text_atomic
 from megaloop.training.collective import is_rank0, rank0_decides
 

@@ -334,7 +334,7 @@ def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, s
     from megaloop.data import validate_indexed
 
     assert validate_indexed(str(tmp_path / "o_text_document")).num_documents == 3
-    assert sorted(os.listdir(tmp_path)) == ["o_text_document.bin", "o_text_document.idx"]  # no temporary
+    assert sorted(os.listdir(tmp_path)) == ["o_text_document.bin", "o_text_document.idx"]  # no temp
 
 
 @pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",

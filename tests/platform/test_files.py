@@ -53,7 +53,8 @@ def test_an_error_inside_the_block_leaves_the_old_file_and_no_temporary(tmp_path
         with atomic_path(target) as tmp:
             tmp.write_text("half of the new")
             raise error()
-    assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
 
 
 def test_the_file_is_synced_before_its_rename(tmp_path, monkeypatch):

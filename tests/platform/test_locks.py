@@ -20,7 +20,8 @@ def test_a_free_lock_is_taken_and_names_its_holder(tmp_path):
         f.write("pid 1 on gone since yesterday\n")  # a dead holder's record is replaced
         f.flush()
         assert take_flock(f, _never, _never)
-    assert (tmp_path / "lock").read_text().startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
+    record = (tmp_path / "lock").read_text()
+    assert record.startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
 
 
 def test_a_held_lock_is_refused_with_its_holder_when_asked(tmp_path):
