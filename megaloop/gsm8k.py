@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Sequence
 
 from megaloop.cli import with_settings
-from megaloop.config import (ConfigError, RunConfig, apply_overrides, run_config_from,
-                             write_text_atomic)
+from megaloop.config import ConfigError, RunConfig, apply_overrides, run_config_from
 from megaloop.data.readers import DataError
+from megaloop.platform.files import write_text_atomic
 
 log = logging.getLogger("megaloop.gsm8k")
 

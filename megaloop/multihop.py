@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from megaloop.config import write_text_atomic
+from megaloop.platform.files import write_text_atomic
 
 NAMES = "abcdefgh"
 DIGITS = "0123456789"

@@ -210,7 +210,7 @@ class StagedOutput:
         reads an index cache made for another corpus."""
         import yaml
 
-        from megaloop.config import write_text_atomic
+        from megaloop.platform.files import write_text_atomic
 
         for config in sorted(self.path.rglob("config.yaml")):
             saved = relocated(yaml.safe_load(config.read_text()), self.path, self.out)

@@ -3,7 +3,7 @@
 import pytest
 
 from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, apply_overrides,
-                             load_yaml, save_yaml, split_weights, write_text_atomic)
+                             load_yaml, save_yaml, split_weights)
 
 
 def test_yaml_round_trip_preserves_every_field(tmp_path):
@@ -152,57 +152,6 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=rf"^config file {bad}: not UTF-8 text \(byte 0xe9 on "
                                           r"line 2\)$"):
         load_yaml(bad)
-
-
-@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
-def test_atomic_writes_get_the_permissions_of_a_plain_open(tmp_path, umask, mode):
-    import os
-    import stat
-
-    previous = os.umask(umask)
-    try:
-        write_text_atomic(tmp_path / "latest", "iter_0000001\n")
-    finally:
-        os.umask(previous)
-    assert stat.S_IMODE((tmp_path / "latest").stat().st_mode) == mode
-    assert (tmp_path / "latest").read_text() == "iter_0000001\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
-
-
-def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    import os
-
-    target = tmp_path / "latest"
-    target.write_text("old\n")
-
-    def no_rename(src, dst):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", no_rename)
-    with pytest.raises(OSError):
-        write_text_atomic(target, "new\n")
-    monkeypatch.undo()
-    assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["latest"]
-
-
-def test_an_atomic_write_removes_only_stale_temporaries_of_its_own_path(tmp_path):
-    import os
-    import time
-
-    from megaloop.config.serialization import STALE_TEMPORARY_SECONDS
-
-    killed = tmp_path / ".config.yaml-4242-0123abcd"  # a write killed before its rename
-    live = tmp_path / ".config.yaml-4243-89abcdef"  # a concurrent writer's, being written
-    others = [tmp_path / ".run.yaml-4242-0123abcd", tmp_path / ".config.yaml-4242-0123abcd.bak",
-              tmp_path / "config.yaml-4242-0123abcd", tmp_path / ".config.yaml-x-0123abcd"]
-    old = time.time() - STALE_TEMPORARY_SECONDS - 60
-    for p in [killed, live, *others]:
-        p.write_text("partial")
-        if p is not live:
-            os.utime(p, (old, old))
-    save_yaml(RunConfig(), tmp_path / "config.yaml")
-    assert sorted(tmp_path.iterdir()) == sorted([tmp_path / "config.yaml", live, *others])
-    assert load_yaml(tmp_path / "config.yaml") == RunConfig()
 
 
 @pytest.mark.parametrize("split, weights", [

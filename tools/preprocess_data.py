@@ -214,13 +214,14 @@ def shard_prefix(prefix: str, rank: int, world: int) -> str:
 def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
     """Every rank's shard files, committed or partial: a failed run leaves no dataset that looks valid."""
     from megaloop.data.preprocess import output_prefix, sidecar_path
+    from megaloop.platform.files import atomic_write_leftovers
 
     for rank in range(world):
         for key in keys:
             shard = output_prefix(shard_prefix(prefix, rank, world), key)
-            base, sidecar = glob.escape(shard), glob.escape(sidecar_path(shard))
+            base, sidecar = glob.escape(shard), sidecar_path(shard)
             for path in (glob.glob(base + ".bin") + glob.glob(base + ".idx") + glob.glob(base + ".partial-*")
-                         + glob.glob(sidecar) + glob.glob(sidecar + ".partial-*")):
+                         + glob.glob(glob.escape(sidecar)) + atomic_write_leftovers(sidecar)):
                 try:
                     os.remove(path)
                 except FileNotFoundError:  # its rank removed it first

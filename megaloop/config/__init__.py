@@ -17,9 +17,8 @@ from megaloop.config.model import (DEFAULT_ITERATIONS, FLASH_HEAD_DIM_MULTIPLE, 
 from megaloop.config.run import (CheckpointConfig, DataConfig, DownstreamEvalConfig, Fp8Recipe,
                                  ParallelConfig, RunConfig, TrainConfig, micro_batches_per_step,
                                  split_weights, template_fields)
-from megaloop.config.serialization import (apply_overrides, atomic_write_leftovers,
-                                           check_field_names, from_dict, load_yaml,
-                                           run_config_from, save_yaml, to_dict, write_text_atomic)
+from megaloop.config.serialization import (apply_overrides, check_field_names, from_dict,
+                                           load_yaml, run_config_from, save_yaml, to_dict)
 
 __all__ = [
     "ConfigError",
@@ -28,5 +27,5 @@ __all__ = [
     "CheckpointConfig", "DataConfig", "DownstreamEvalConfig", "Fp8Recipe", "ParallelConfig",
     "RunConfig", "TrainConfig", "micro_batches_per_step", "split_weights", "template_fields",
     "apply_overrides", "check_field_names", "from_dict", "load_yaml", "run_config_from",
-    "save_yaml", "to_dict", "write_text_atomic", "atomic_write_leftovers",
+    "save_yaml", "to_dict",
 ]

@@ -1,14 +1,10 @@
-"""Configs to and from plain dicts and YAML files, dotted ``section.field=value`` overrides, and
-the atomic write that saves them."""
+"""Configs to and from plain dicts and YAML files, and dotted ``section.field=value`` overrides."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
-import re
-import secrets
-import time
 import types
 import typing
 from pathlib import Path
@@ -18,6 +14,7 @@ import yaml
 
 from megaloop.config.errors import ConfigError
 from megaloop.config.run import RunConfig
+from megaloop.platform.files import write_text_atomic
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -185,56 +182,6 @@ def run_config_from(data: dict, base: RunConfig | None = None) -> RunConfig:
     return from_dict(RunConfig, _deep_merge(to_dict(base or RunConfig()), data))
 
 
-_TOKEN_BYTES = 4  # of the temporary name's random part
-# A writer holds its temporary file only from the open to the rename (milliseconds; seconds with a
-# slow fsync), so one last modified this long ago belongs to a process killed in between. The age,
-# not the pid, decides: the writer may be on another node of a shared filesystem, where a pid
-# means nothing here, and a dead writer's pid may have been reused.
-STALE_TEMPORARY_SECONDS = 15 * 60
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Writes a temporary file in the same directory, then renames it over ``path``, and removes
-    the stale temporaries of earlier writes of ``path`` killed before their rename. The file gets
-    the permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), not
-    ``tempfile.mkstemp``'s 0600, so that teammates can read a shared run."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(_TOKEN_BYTES)}")
-    try:
-        with open(tmp, "x") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _remove_stale_temporaries(path)
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Best effort: the write itself succeeded, so a leftover that cannot be removed stays."""
-    cutoff = time.time() - STALE_TEMPORARY_SECONDS
-    for leftover in atomic_write_leftovers(path):
-        try:
-            if leftover.stat().st_mtime < cutoff:
-                leftover.unlink()
-        except OSError:  # renamed or removed meanwhile by its writer or another cleaner
-            pass
-
-
-def atomic_write_leftovers(path: str | os.PathLike) -> list[Path]:
-    """The temporary files that ``write_text_atomic(path, ...)`` calls left beside ``path`` when
-    their process was killed between the write and the rename (``.<name>-<pid>-<hex>``). All are
-    stale only where no other process is writing ``path`` (a run's ``latest``, under its lock);
-    every write removes those older than ``STALE_TEMPORARY_SECONDS`` itself."""
-    path = Path(path)
-    name = re.compile(rf"\.{re.escape(path.name)}-\d+-[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
-    if not path.parent.is_dir():
-        return []
-    return sorted(p for p in path.parent.iterdir() if name.fullmatch(p.name))
-
-
 def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:
-    """Writes atomically (``write_text_atomic``)."""
+    """Writes atomically (``megaloop.platform.files.write_text_atomic``)."""
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

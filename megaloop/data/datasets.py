@@ -24,7 +24,8 @@ import warnings
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from megaloop.data.index_cache import atomic_npy_writes, exclusive_build, sequence_lengths_md5
+from megaloop.data.index_cache import (atomic_npy_writes, before_building, exclusive_build,
+                                       sequence_lengths_md5)
 from megaloop.data.indexed import sequence_lengths, validate_indexed
 from megaloop.data.readers import DataError
 
@@ -220,6 +221,19 @@ def _import_mcore_datasets():
         @staticmethod
         def _key_config_attributes() -> list[str]:
             return [*GPTDataset._key_config_attributes(), "sequence_lengths_md5"]
+
+        def _build_document_sample_shuffle_indices(self):
+            if not self._cached():
+                before_building()  # the build lock, before minutes of computing the indices
+            return super()._build_document_sample_shuffle_indices()
+
+        def _cached(self) -> bool:
+            # megatron-core's names and cache-hit test (GPTDataset._build_document_sample_
+            # shuffle_indices); should they change, every index looks missing, and takes the lock.
+            base = os.path.join(self.config.path_to_cache, f"{self.unique_description_hash}-"
+                                f"{type(self).__name__}-{self.index_split.name}-")
+            return all(os.path.isfile(base + name) for name in (
+                "description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"))
 
     return types.SimpleNamespace(
         BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,

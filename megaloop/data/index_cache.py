@@ -8,7 +8,8 @@ cluster), in three ways this module closes:
 - ``atomic_npy_writes``: megatron-core ``numpy.save``s in place, so a job killed mid-write, or a
   job loading while another writes, meets a truncated .npy that looks whole;
 - ``exclusive_build``: two jobs missing the same index both build it; with an exclusive lock
-  on the cache directory the second waits, then loads the finished files;
+  on the cache directory, taken only by a job that misses an index, the second waits, then
+  loads the finished files;
 - ``sequence_lengths_md5``: the hash covers the dataset's path, not its contents, so data
   re-tokenized under the same prefix (or another dataset reached by the same relative path)
   would reuse indices built for other documents.
@@ -17,25 +18,19 @@ cluster), in three ways this module closes:
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
-import fcntl
 import hashlib
 import logging
 import os
-import re
-import socket
-import threading
 
 import numpy
 
 from megaloop.data.indexed import IndexedSummary, sequence_lengths
+from megaloop.platform.files import atomic_open, temporaries_in
+from megaloop.platform.locks import take_flock, warn_unguarded
 
 log = logging.getLogger("megaloop.data")
 
 BUILD_LOCK = ".megaloop-build.lock"
-_NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_PARTIAL_NPY = re.compile(r"\.npy\.tmp-\d+-\d+$")  # what atomic_npy_writes writes before its rename
 
 
 def sequence_lengths_md5(summary: IndexedSummary) -> str:
@@ -44,56 +39,69 @@ def sequence_lengths_md5(summary: IndexedSummary) -> str:
     return hashlib.md5(sequence_lengths(summary), usedforsecurity=False).hexdigest()
 
 
+class _BuildLock:
+    """The build lock of one cache directory, taken at the first index this process builds."""
+
+    def __init__(self, cache_dir: str):
+        self.cache_dir, self.file, self.taken = cache_dir, None, False
+
+    def take(self) -> None:
+        if self.taken:
+            return
+        self.taken = True
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            self.file = open(os.path.join(self.cache_dir, BUILD_LOCK), "a+")
+        except OSError:  # a cache this process cannot write to: it can only load from it
+            return
+
+        def wait(holder: str) -> None:
+            log.info("%s: waiting for %s, which is building dataset indices there",
+                     self.cache_dir, holder)
+
+        unguarded = warn_unguarded(log, self.cache_dir, "jobs sharing this cache directory may "
+                                                        "build the same dataset indices at once")
+        if take_flock(self.file, wait, unguarded):
+            _remove_partial_files(self.cache_dir)
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # drops the lock
+
+
+_building: _BuildLock | None = None  # the exclusive_build in progress in this process
+
+
 @contextlib.contextmanager
 def exclusive_build(cache_dir: str):
-    """Hold an exclusive ``flock`` on ``<cache_dir>/.megaloop-build.lock``, waiting (with a log
-    line naming the holder) while another process holds it; then remove the temporary files of
-    builds that were killed. The kernel drops a flock however its process ends, so a killed
-    job never blocks the next. A cache directory this process cannot write to is used unlocked:
+    """Within the block, the first index missing from ``cache_dir`` (``before_building``) takes
+    an exclusive ``flock`` on ``<cache_dir>/.megaloop-build.lock``, held to the end of the block:
+    while another job holds it, this one waits (with a log line naming the holder), then loads
+    what that job built; once it holds the lock, it removes the temporary files of builds that
+    were killed. A job whose indices are all cached never takes the lock, so it loads them while
+    another job builds others. A cache directory this process cannot write to is used unlocked:
     it can only load from it. A filesystem without locks gets a warning and no lock."""
+    global _building
+    lock = _building = _BuildLock(cache_dir)
     try:
-        os.makedirs(cache_dir, exist_ok=True)
-        lock_file = open(os.path.join(cache_dir, BUILD_LOCK), "a+")
-    except OSError:
-        lock_file = None
-    if lock_file is None:
         yield
-        return
-    with lock_file:
-        if _lock(lock_file, cache_dir):
-            _remove_partial_files(cache_dir)
-        yield
+    finally:
+        _building = None
+        lock.release()
 
 
-def _lock(lock_file, cache_dir: str) -> bool:
-    """Takes the flock, waiting for it: True, or False (with a warning) without lock support."""
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "another process"
-        log.info("%s: waiting for %s, which is building dataset indices there", cache_dir, holder)
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-    except OSError as e:
-        if e.errno not in _NO_LOCK_SUPPORT:
-            raise
-        log.warning("%s: the filesystem does not support file locks (%s); jobs sharing this cache "
-                    "directory may build the same dataset indices at once", cache_dir, e.strerror)
-        return False
-    lock_file.seek(0)
-    lock_file.truncate()
-    started = datetime.datetime.now().isoformat(timespec="seconds")
-    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
-    lock_file.flush()
-    return True
+def before_building() -> None:
+    """Called before building a missing index (by ``atomic_npy_writes`` at each save, and by the
+    dataset before computing one): takes ``exclusive_build``'s lock, waiting while another job
+    builds, so the caller must look for the index again afterwards. Nothing outside the block."""
+    if _building is not None:
+        _building.take()
 
 
 def _remove_partial_files(cache_dir: str) -> None:
     """Every writer holds the lock, so a temporary .npy found under it is a killed build's."""
-    for name in os.listdir(cache_dir):
-        if _PARTIAL_NPY.search(name):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(cache_dir, name))
+    for leftover in temporaries_in(cache_dir, ".npy"):
+        leftover.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -111,14 +119,9 @@ def atomic_npy_writes():
             return original(file, arr, *args, **kwargs)
         path = os.fspath(file)
         path = path if path.endswith(".npy") else path + ".npy"
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            with open(tmp, "wb") as f:
-                original(f, arr, *args, **kwargs)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        before_building()  # BlendedDataset computes its indices unannounced: locked from its save
+        with atomic_open(path, "wb") as f:
+            original(f, arr, *args, **kwargs)
 
     numpy.save = atomic_save
     try:

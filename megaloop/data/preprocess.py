@@ -45,6 +45,7 @@ import numpy
 from megaloop.data.readers import (BadRecords, Chunk, DataError, RecordFilter, expand_inputs, first_line, iter_chunks,
                                    parse_chunk)
 from megaloop.data.tokenizer import TextTokenizer, load_tokenizer
+from megaloop.platform.files import write_text_atomic
 
 
 class WorkerDied(RuntimeError):
@@ -295,20 +296,11 @@ def write_sidecar(prefix: str, record: dict) -> None:
     """``record`` (``tokenizer_record`` with the ``documents`` and ``tokens`` of ``prefix``'s
     .bin/.idx) beside them, atomically; the data files are complete without it."""
     path = sidecar_path(prefix)
-    temporary = f"{path}.partial-{os.getpid()}"
     try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        if isinstance(err, OSError):
-            raise DataError(f"{path}: cannot write the tokenizer sidecar ({err.strerror or err}); "
-                            "the .bin/.idx are complete without it") from None
-        raise
+        write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    except OSError as err:
+        raise DataError(f"{path}: cannot write the tokenizer sidecar ({err.strerror or err}); "
+                        "the .bin/.idx are complete without it") from None
 
 
 def remove_sidecar(prefix: str) -> None:

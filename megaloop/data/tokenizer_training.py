@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, iter_documents
+from megaloop.platform.files import atomic_open
 
 
 class EmptyCorpus(DataError):
@@ -70,19 +71,12 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
         )
     except RuntimeError as err:  # e.g. a vocab larger than the corpus allows
         raise DataError(f"sentencepiece training failed: {str(err).strip().splitlines()[-1]}")
-    tmp = f"{output}.partial-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic_open(output, "wb") as f:  # a crash leaves the old model or this one
             f.write(model.getvalue())
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename: a crash leaves the old model or this
-        os.replace(tmp, output)
     except OSError as err:
         raise DataError(f"{output}: cannot write the model ({err.strerror or err})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _check_output(output: str) -> None:

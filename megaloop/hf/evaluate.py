@@ -414,7 +414,7 @@ def write_results(rows: list[dict], prefix: str | Path, info: dict) -> tuple[Pat
     """``prefix``.md (the table) and ``prefix``.json (every metric), each written atomically."""
     import lm_eval
 
-    from megaloop.config import write_text_atomic
+    from megaloop.platform.files import write_text_atomic
 
     markdown, data = result_files(prefix)
     markdown.parent.mkdir(parents=True, exist_ok=True)

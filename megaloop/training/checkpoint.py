@@ -35,8 +35,9 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig,
-                             atomic_write_leftovers, from_dict, save_yaml, write_text_atomic)
+from megaloop.config import (ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict,
+                             save_yaml)
+from megaloop.platform.files import atomic_write_leftovers, write_text_atomic
 from megaloop.training.collective import is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")

@@ -9,6 +9,7 @@ parallel rank r takes the ``micro_batch_size`` samples at s*G + (m*dp + r)*micro
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -16,11 +17,12 @@ from pathlib import Path
 import numpy
 import torch
 
-from megaloop.config import ConfigError, DataConfig, RunConfig, write_text_atomic
+from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
 from megaloop.data.indexed import IndexedSummary
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import rank0_decides
 
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
@@ -70,13 +72,6 @@ def build_datasets(cfg: RunConfig):
 def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     text = text_tokenizer(cfg) if cfg.data.tokenizer_model is not None else None
     tokenizer = dataset_tokenizer(cfg, text)
-    train, valid, _ = build_gpt_datasets(
-        cfg.data.path, tokenizer, cfg.model.seq_length, samples,
-        split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
-        eod_mask_loss=cfg.data.eod_mask_loss,
-    )
-    if train is None:
-        raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
 
@@ -87,7 +82,16 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
 
+    # Before the datasets: data made with another tokenizer is refused before megatron-core
+    # spends minutes building its indices, and leaves none in the cache.
     rank0_decides(check, (DataError,))
+    train, valid, _ = build_gpt_datasets(
+        cfg.data.path, tokenizer, cfg.model.seq_length, samples,
+        split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
+        eod_mask_loss=cfg.data.eod_mask_loss,
+    )
+    if train is None:
+        raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
     return train, valid
 
 
@@ -206,10 +210,8 @@ def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:
         return int(cached.read_text())
     except (OSError, ValueError):
         pass
-    tokens = numpy.memmap(bin_file, dtype=summary.dtype, mode="r")
-    top = max((int(tokens[i:i + _SCAN_CHUNK].max())
-               for i in range(0, summary.num_tokens, _SCAN_CHUNK)), default=-1)
-    del tokens
+    top = _scan_max_token_id(bin_file, stat.st_size, stat.st_mtime_ns, summary.dtype,
+                             summary.num_tokens)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # Atomic: a truncated "31999" read as 319 by a job sharing the cache would pass as the
@@ -217,6 +219,15 @@ def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:
         write_text_atomic(cached, f"{top}\n")
     except OSError:  # a read-only cache only costs the scan again next time
         pass
+    return top
+
+
+@functools.cache  # by file version: without a writable cache, the two id checks share one scan
+def _scan_max_token_id(bin_file: str, size: int, mtime_ns: int, dtype, num_tokens: int) -> int:
+    tokens = numpy.memmap(bin_file, dtype=dtype, mode="r")
+    top = max((int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, num_tokens, _SCAN_CHUNK)),
+              default=-1)
+    del tokens
     return top
 
 

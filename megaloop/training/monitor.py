@@ -32,6 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megaloop.platform.files import atomic_open, write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
@@ -353,12 +355,8 @@ class Monitor:
             return
         records, malformed = read_metrics(self.metrics_path)
         kept = [r for r in records if r["step"] < resume_step]
-        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_open(self.metrics_path) as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.metrics_path)
         dropped = len(records) - len(kept)
         if dropped or malformed:
             self._print(f"metrics: resuming at step {resume_step}: dropped {dropped} line(s) at step >= "
@@ -400,9 +398,7 @@ class Monitor:
                 self._print(f"wandb: this run starts at step 1: a new wandb run, not "
                             f"{id_path.read_text().strip()} (the earlier run in {self.out_dir})")
             run_id = uuid.uuid4().hex[:8]
-            tmp = id_path.with_name(id_path.name + ".tmp")
-            tmp.write_text(run_id + "\n")
-            os.replace(tmp, id_path)
+            write_text_atomic(id_path, run_id + "\n")
         return wandb.init(project=project, name=self.out_dir.name, id=run_id, resume="allow",
                           dir=str(self.out_dir), config=run_config or {})
 

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from megaloop.platform.files import atomic_path
 from megaloop.training.monitor import METRICS_FILE, read_metrics
 
 
@@ -86,12 +87,8 @@ def save_figure(fig, out: str | os.PathLike) -> None:
         raise ValueError(f"{out}: matplotlib writes no .{kind} files (it writes "
                          f"{', '.join(sorted(supported))})")
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp")
     try:
-        fig.savefig(tmp, dpi=120, format=kind)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, dpi=120, format=kind)
     finally:
         plt.close(fig)

@@ -9,12 +9,11 @@ it must be on a filesystem they share.
 
 Lock: rank 0 holds an exclusive ``flock`` on ``<dir>/.megaloop.lock`` in each directory for the
 run's lifetime; a second run on either directory is refused with the holder's host and pid (which
-the file records). The kernel releases a flock when its process ends, however it ends (kill -9,
-OOM); on a network filesystem the server releases a dead client's locks when its lease expires or
-it is evicted (NFSv4: about 90 s). So a crashed run's lock does not block the next one, and there
-is no stale-lock cleanup to get wrong. Only rank 0 locks: the other ranks of a run start together
-under one launcher and write only into the checkpoint's ``.tmp`` directory, which rank 0 owns. A
-filesystem without lock support (Lustre mounted ``noflock``) gets a warning and no lock.
+the file records; ``megaloop.platform.locks``). A crashed run's lock does not block the next one:
+the kernel drops a flock however its process ends. Only rank 0 locks: the other ranks of a run
+start together under one launcher and write only into the checkpoint's ``.tmp`` directory, which
+rank 0 owns. A filesystem without lock support (Lustre mounted ``noflock``) gets a warning and no
+lock.
 
 A set-up that does not complete (a refused dataset, tokenizer or checkpoint, a stop signal) leaves
 the directories as it found them: ``RunDirs.undo`` removes the files set-up created in them and
@@ -26,9 +25,6 @@ it holds the lock, that the path names another file or none, and locks afresh.
 
 from __future__ import annotations
 
-import datetime
-import errno
-import fcntl
 import logging
 import os
 import shutil
@@ -36,12 +32,12 @@ import socket
 from pathlib import Path
 
 from megaloop.config import ConfigError
+from megaloop.platform.locks import take_flock, warn_unguarded
 from megaloop.training.collective import first_error, is_rank0
 
 log = logging.getLogger("megaloop.train")
 
 LOCK_FILE = ".megaloop.lock"
-_NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class RunLock:
@@ -51,34 +47,18 @@ class RunLock:
 
     def __init__(self, directory: Path, field: str):
         self.path = directory / LOCK_FILE
-        while True:
-            self.created, self._file = _open_or_create(self.path)
-            if not self._lock(directory, field) or self._holds_the_file_at_path():
-                break
-            self._file.close()  # removed by a run that gave up as this one opened it
-        self._file.seek(0)
-        self._file.truncate()
-        started = datetime.datetime.now().isoformat(timespec="seconds")
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
-        self._file.flush()
-
-    def _lock(self, directory: Path, field: str) -> bool:
-        """Takes the flock: True, or False (with a warning) on a filesystem without locks."""
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
+        def refuse(holder: str) -> None:
             self.release()
             raise ConfigError(f"{field}={str(directory)!r}: in use by another run ({holder}); "
                               "wait for it to end or choose another directory") from None
-        except OSError as e:
-            if e.errno not in _NO_LOCK_SUPPORT:
-                raise
-            log.warning("%s: the filesystem does not support file locks (%s); a second run on "
-                        "this directory will not be detected", self.path, e.strerror)
-            return False
+
+        unguarded = warn_unguarded(log, str(self.path),
+                                   "a second run on this directory will not be detected")
+        while True:
+            self.created, self._file = _open_or_create(self.path)
+            if not take_flock(self._file, refuse, unguarded) or self._holds_the_file_at_path():
+                break
+            self._file.close()  # removed by a run that gave up as this one opened it
 
     def _holds_the_file_at_path(self) -> bool:
         try:

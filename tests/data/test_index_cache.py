@@ -11,8 +11,10 @@ import numpy
 import pytest
 
 from megaloop.data.datasets import DatasetTokenizer, build_gpt_datasets
-from megaloop.data.index_cache import atomic_npy_writes
+from megaloop.data.index_cache import BUILD_LOCK, atomic_npy_writes
 from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
+from megaloop.platform.files import temporaries_in
+from megaloop.platform.locks import take_flock
 
 REPO = Path(__file__).parents[2]
 CHILD = Path(__file__).with_name("index_cache_child.py")
@@ -65,6 +67,30 @@ def test_a_second_job_waits_for_the_first_to_build_then_loads_its_indices(tmp_pa
     _assert_same(second_out, expected)
 
 
+def test_a_job_whose_indices_are_cached_loads_them_while_another_holds_the_lock(
+        tmp_path, tokenized_articles, caplog):
+    import logging
+    import threading
+
+    cache = tmp_path / "cache"
+    built = _indices(tokenized_articles, cache)
+    files = sorted(os.listdir(cache))
+
+    def fail(_):
+        raise AssertionError("the lock was not free")
+
+    with open(cache / BUILD_LOCK, "a+") as holder:  # another job, building other indices there
+        assert take_flock(holder, fail, fail)
+        threading.Timer(10, holder.close).start()  # so that the test fails rather than hangs
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="megaloop.data"):
+            loaded = _indices(tokenized_articles, cache)
+        # Before: it waited for the holder to end (here 10 s) for files it only reads.
+        assert time.monotonic() - start < 5 and "waiting for" not in caplog.text
+    _assert_same(loaded, built)
+    assert sorted(os.listdir(cache)) == files
+
+
 def test_a_job_killed_mid_write_leaves_nothing_the_next_job_loads(tmp_path, tokenized_articles):
     killed = _start(tmp_path, tokenized_articles, "killed", "die")
     _wait_until(lambda: (tmp_path / "killed-mid-write").exists(), killed)
@@ -74,7 +100,7 @@ def test_a_job_killed_mid_write_leaves_nothing_the_next_job_loads(tmp_path, toke
     # Before: the truncated shuffle index, beside the whole document and sample indices, was a
     # cache hit; loading it failed or read garbage.
     _assert_same(_indices(tokenized_articles, cache), _indices(tokenized_articles, tmp_path / "fresh"))
-    assert not any(".tmp-" in name for name in os.listdir(cache))  # the killed job's partial file went
+    assert temporaries_in(cache) == []  # the killed job's partial file went
 
 
 def test_indices_of_data_rewritten_under_the_same_prefix_are_rebuilt(tmp_path, sp_model, articles):

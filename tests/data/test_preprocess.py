@@ -1,3 +1,4 @@
+import errno
 import gzip
 import json
 import multiprocessing
@@ -313,19 +314,27 @@ def test_a_sidecar_beside_the_output_says_how_its_ids_were_made(tmp_path, run, s
     assert f"wrote {prefix}.bin / .idx / .tokenizer.json" in err
 
 
-def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, sp_model, articles_path):
+def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, sp_model, articles_path,
+                                                                     monkeypatch):
     sidecar = tmp_path / "o_text_document.tokenizer.json"
-    (tmp_path / f"{sidecar.name}.partial-{os.getpid()}").mkdir()  # where it would be written first
+    replace = os.replace
+
+    def no_room_for_the_sidecar(src, dst):
+        if os.fspath(dst) == str(sidecar):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", no_room_for_the_sidecar)
     options = pp.PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True, workers=0,
                                    max_docs=3)
     with pytest.raises(DataError) as error:
         pp.preprocess(pp.whole_files([str(articles_path)]), str(tmp_path / "o"), options)
-    assert str(error.value) == (f"{sidecar}: cannot write the tokenizer sidecar (Is a directory); the "
-                                ".bin/.idx are complete without it")
+    assert str(error.value) == (f"{sidecar}: cannot write the tokenizer sidecar (No space left on "
+                                "device); the .bin/.idx are complete without it")
     from megaloop.data import validate_indexed
 
     assert validate_indexed(str(tmp_path / "o_text_document")).num_documents == 3
-    assert not sidecar.exists()
+    assert sorted(os.listdir(tmp_path)) == ["o_text_document.bin", "o_text_document.idx"]  # no temp
 
 
 @pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",

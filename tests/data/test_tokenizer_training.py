@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from megaloop.data import DataError, load_tokenizer
@@ -15,7 +17,9 @@ def test_trained_model_round_trips_text_and_is_written_atomically(tmp_path, monk
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
                         or fsync(fd))
     train_sentencepiece(LINES, out, vocab_size=300)
-    assert synced == [f"{out}.partial-{os.getpid()}"]  # before its rename (it was not synced)
+    # The temporary, before its rename (it was not synced).
+    assert [re.sub(r"-[0-9a-f]{8}$", "", path) for path in synced] == [
+        f"{tmp_path}/.{out.name}-{os.getpid()}"]
     tokenizer = load_tokenizer("SentencePieceTokenizer", out)
     text = "the yak sat on 1234 mats,   said ÉMU!\n"
     assert tokenizer.decode(tokenizer.encode_batch([text])[0]) == text  # spaces, digits, unseen

@@ -237,3 +237,43 @@ def test_the_trainer_refuses_legacy_data_by_its_sidecar_and_trains_with_its_eod_
         ends = sample["tokens"] == 32002
         assert ends.any() and not sample["loss_mask"][ends].any()  # EOD is the data's id
         assert sample["loss_mask"][~ends].all()
+
+
+def test_data_made_with_another_tokenizer_is_refused_before_any_index_is_built(tmp_path,
+                                                                               sp_model):
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    prefix = _preprocess(tmp_path, sp_model, legacy=True, copies=40)
+    cfg = tiny_run(prefix, tmp_path / "run", model={"vocab_size": 32128})
+    cfg.data.eod_id, cfg.data.tokenizer_model = None, str(sp_model)
+    with pytest.raises(DataError, match="tokenized with legacy_tokenizer=True"):
+        build_datasets(cfg)
+    # Before: megatron-core built (and cached) the shuffle indices first, then the sidecar
+    # check refused the data.
+    cache = tmp_path / "run" / "cache"
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_without_a_writable_cache_the_two_id_checks_share_one_scan(tmp_path, sp_model,
+                                                                   monkeypatch):
+    import numpy
+
+    from megaloop.config import DataConfig
+    from megaloop.training.data import check_tokenizer_ids
+
+    prefix, _ = _write_legacy_tokenized(tmp_path / "legacy", str(sp_model))
+    (tmp_path / "file").write_text("")
+    unwritable = tmp_path / "file" / "cache"  # below a file: the scan's result cannot be kept
+    scans, memmap = [], numpy.memmap
+
+    def counted(path, *args, **kwargs):
+        scans.extend([path] if str(path).endswith(".bin") else [])
+        return memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(numpy, "memmap", counted)
+    summaries = _indexed(prefix)
+    check_token_ids(summaries, vocab_size=32128, cache_dir=unwritable)
+    check_tokenizer_ids(summaries, DataConfig(path=[prefix], tokenizer_model=str(sp_model),
+                                              legacy_tokenizer=True), 32003, cache_dir=unwritable)
+    assert scans == [f"{prefix}.bin"]  # before: scanned once per check

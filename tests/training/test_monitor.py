@@ -182,6 +182,26 @@ def test_resume_drops_lines_at_or_after_resume_step_atomically(tmp_path, capsys,
             in capsys.readouterr().out)
 
 
+def test_a_failed_resume_rewrite_keeps_the_log_and_leaves_no_temporary(tmp_path, monkeypatch,
+                                                                      no_nvml):
+    import os
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    old = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) + "\n" for s in range(1, 4)]
+    _write_lines(path, old)
+
+    def no_space(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    with pytest.raises(OSError, match="No space left on device"):
+        _monitor(tmp_path, resume_step=2)
+    monkeypatch.undo()
+    assert path.read_text() == "".join(old)
+    # Before: metrics.jsonl.tmp stayed, beside a log that a fresh resume then rewrote again.
+    assert [p.name for p in path.parent.iterdir()] == ["metrics.jsonl"]
+
+
 def test_append_without_resume_starts_after_a_half_written_line(tmp_path, no_nvml):
     path = tmp_path / "run" / "metrics.jsonl"
     _write_lines(path, [json.dumps({"kind": "train", "step": 1}) + "\n", '{"kind": "tr'])

@@ -1,0 +1,97 @@
+"""Files written whole or not at all: every writer puts a temporary file beside the target, syncs
+it to disk and renames it over the target (one atomic step on POSIX), so a reader or a crash sees
+the old file or the new one, never half of one; on any error (Ctrl-C included) the temporary is
+removed and the target left as it was.
+
+A temporary is named ``.<target name>-<pid>-<8 hex digits>``: hidden, unique to its writer, and
+recognisable (``atomic_write_leftovers``) when a killed process left it behind. It gets the
+permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), not
+``tempfile.mkstemp``'s 0600, so that teammates can read a shared run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+_TOKEN_BYTES = 4  # of the temporary name's random part
+_TEMPORARY = re.compile(rf"\.(?P<target>.+)-\d+-[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
+# A writer holds its temporary file only from the open to the rename (milliseconds; seconds with a
+# slow fsync), so one last modified this long ago belongs to a process killed in between. The age,
+# not the pid, decides: the writer may be on another node of a shared filesystem, where a pid
+# means nothing here, and a dead writer's pid may have been reused.
+STALE_TEMPORARY_SECONDS = 15 * 60
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a fresh path beside ``path`` for the block to write one file at (with any writer:
+    numpy, matplotlib, ...). When the block ends without an exception the file is synced and
+    renamed over ``path``, and stale temporaries of earlier writes of ``path`` are removed; on
+    any exception the temporary is removed and ``path`` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(_TOKEN_BYTES)}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as written:  # fsync syncs the file, whichever descriptor names it
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _remove_stale_temporaries(path)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w",
+                encoding: str | None = None) -> Iterator[IO]:
+    """``open(path, mode)`` for writing (``mode`` "w" or "wb"; text is UTF-8 unless ``encoding``
+    says otherwise) through ``atomic_path``: ``path`` changes only when the block completes."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open: mode {mode!r} (must be 'w' or 'wb')")
+    if mode == "w":
+        encoding = encoding or "utf-8"
+    with atomic_path(path) as tmp, open(tmp, mode.replace("w", "x"), encoding=encoding) as f:
+        yield f
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` (UTF-8) to ``path`` through ``atomic_path``."""
+    with atomic_open(path) as f:
+        f.write(text)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Best effort: the write itself succeeded, so a leftover that cannot be removed stays."""
+    cutoff = time.time() - STALE_TEMPORARY_SECONDS
+    for leftover in atomic_write_leftovers(path):
+        try:
+            if leftover.stat().st_mtime < cutoff:
+                leftover.unlink()
+        except OSError:  # renamed or removed meanwhile by its writer or another cleaner
+            pass
+
+
+def atomic_write_leftovers(path: str | os.PathLike) -> list[Path]:
+    """The temporary files that atomic writes of ``path`` left beside it when their process was
+    killed between the write and the rename. All are stale only where no other process is writing
+    ``path`` (a run's ``latest``, under its lock); every write removes those older than
+    ``STALE_TEMPORARY_SECONDS`` itself."""
+    path = Path(path)
+    return [p for p in temporaries_in(path.parent) if _TEMPORARY.fullmatch(p.name)["target"]
+            == path.name]
+
+
+def temporaries_in(directory: str | os.PathLike, suffix: str = "") -> list[Path]:
+    """The temporaries of atomic writes in ``directory`` whose target's name ends with ``suffix``
+    (every one, live or left by a killed writer), sorted."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir()
+                  if (m := _TEMPORARY.fullmatch(p.name)) and m["target"].endswith(suffix))
