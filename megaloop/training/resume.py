@@ -14,8 +14,9 @@ a new field has to be placed):
   with ``checkpoint.load`` of one of them and its optimizer, which continues the run);
 - ``NOT_APPLICABLE``: read only when a run starts from scratch, so a change cannot take effect
   and is refused in one line naming the field;
-- the ALRS switches and options, ``checkpoint.load`` / ``load_optimizer`` and
-  ``model.residual_scale_init``: rules of their own below.
+- the ALRS switches and options, ``checkpoint.load`` / ``load_optimizer``,
+  ``model.residual_scale_init`` and ``model.iterations`` (applied where the saved model can run
+  the new depth, ``ModelConfig.depth_refusal``): rules of their own below.
 
 A run that takes only the weights of another run's checkpoint (``checkpoint.load`` with
 ``load_optimizer=false``) starts afresh: only the architecture is compared. One that continues
@@ -25,6 +26,7 @@ another run's checkpoint with its optimizer is a resume, except that its checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -42,7 +44,7 @@ REPORTED_BY_TRAINER = (
     *(f"train.{name}" for name in SCHEDULE_FIELDS), "checkpoint.keep_schedule",
     "train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
 APPLIED = (
-    "model.iterations", "model.joint_attention", "model.rotary_base", "model.norm_eps",
+    "model.joint_attention", "model.rotary_base", "model.norm_eps",
     "model.moe_top_k", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
     # Layouts the optimizer state cannot move to are refused by checkpoint.check_optimizer_state.
     "parallel.tensor", "parallel.pipeline", "parallel.expert", "parallel.sequence_parallel",
@@ -72,8 +74,8 @@ NOT_APPLICABLE = {
 # alrs.mode=decoder_boost once, at the start of a run.
 AT_NEXT_ALLOCATION = tuple(f"alrs.{name}" for name in ALLOCATION_OPTIONS)
 AT_START = tuple(f"alrs.{name}" for name in BOOST_OPTIONS)
-OWN_RULES = ("model.residual_scale_init", "train.use_alrs", "checkpoint.load",
-             "checkpoint.load_optimizer")
+OWN_RULES = ("model.iterations", "model.residual_scale_init", "train.use_alrs",
+             "checkpoint.load", "checkpoint.load_optimizer")
 
 
 def _flat(section: dict, prefix: str) -> dict:
@@ -129,6 +131,8 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
                       "multipliers saved in the checkpoint hold")
         elif name in AT_START and cfg.alrs.mode == "decoder_boost":
             reason = "the multipliers saved in the checkpoint hold"
+        elif name == "model.iterations":  # the saved weights are those of a model with ``old``
+            reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
         elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":
             reason = "learned residual scales are weights, restored from the checkpoint"
         elif name == "checkpoint.load":

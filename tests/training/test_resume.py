@@ -291,6 +291,29 @@ def test_latentloop_residual_scale_init_applies_only_to_fixed_scales(tmp_path, c
         _check(path, _changed(cfg, "model", residual_scale_init=[0.5, 1.0]), caplog)
 
 
+def test_latentloop_iterations_are_refused_before_the_model_is_built(tmp_path, caplog):
+    """LatentLoop runs exactly its own number of visits (ModelConfig.depth_refusal): before the
+    fix a changed model.iterations was logged as applied, then the load failed after the model
+    build with a 7,000-character list of state-dict keys."""
+    from megaloop.config import ConfigError
+
+    model = {"arch": "latentloop", "num_layers": 4, "iterations": 2, "encoder_layers": None,
+             "prelude_layers": 1, "coda_layers": 1}
+    path, cfg = _checkpoint(tmp_path, model=model)
+    with pytest.raises(ConfigError) as error:
+        _check(path, _changed(cfg, "model", iterations=3), caplog)
+    message = str(error.value)
+    assert message.startswith("model.iterations=3: differs from 2 in ") and "\n" not in message
+    assert "arch=latentloop runs exactly its iterations=2 visits" in message
+    assert not caplog.records
+    # The looped models run any depth: there the change applies from the next step.
+    path, cfg = _checkpoint(tmp_path / "fullloop", model={"arch": "fullloop", "iterations": 2,
+                                                          "encoder_layers": None})
+    assert _check(path, _changed(cfg, "model", iterations=4), caplog) == [
+        (logging.WARNING, f"resume from {path}: model.iterations changed from 2 to 4; in effect "
+                          "from step 5")]
+
+
 def test_another_runs_checkpoint_is_compared_only_when_its_optimizer_state_is_loaded(tmp_path,
                                                                                     caplog):
     path, cfg = _checkpoint(tmp_path)
