@@ -231,6 +231,10 @@ def test_split_strings(split, weights):
     (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),
+    # Before the fix, refused by the final evaluation, after the last step and before its save.
+    (["model.arch=latentloop", "model.encoder_layers=null", "train.eval_depths=[2, 3]"],
+     "train.eval_depths=[2, 3]: must be depths the model runs (3: arch=latentloop runs exactly "
+     "its iterations=2 visits (each has its own scales))"),
     (["parallel.pipeline=2", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty when parallel.pipeline > 1 (the stages unroll "
      "exactly model.iterations iterations)"),
