@@ -1,9 +1,10 @@
 """The training loop: megatron-core DDP, distributed optimizer and pipeline schedules around LoopedLM.
 
 Order of set-up (cheap checks first, so that a mistake costs seconds, not a model build):
-config validation -> stop-signal handlers -> process groups -> run directories (probe writes, run
-lock) -> datasets (bad files and token ids beyond the vocabulary fail here) -> resume source
-(verified) and its architecture check -> model -> DDP -> optimizer -> checkpoint load.
+config validation and the logging packages it asks for -> stop-signal handlers -> process groups
+-> run directories (probe writes, run lock) -> datasets (bad files and token ids beyond the
+vocabulary fail here) -> resume source (verified) and its architecture check -> model -> DDP ->
+optimizer -> checkpoint load.
 
 One optimizer step (1-based ``step``): micro-batches run through ``get_forward_backward_func``
 (gradient accumulation, pipeline schedule), ``finalize_model_grads`` reduces gradients, a non-finite
@@ -29,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megaloop.config import RunConfig, micro_batches_per_step, save_yaml, to_dict
+from megaloop.config import ConfigError, RunConfig, micro_batches_per_step, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
@@ -76,6 +77,21 @@ def _precision(cfg: RunConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
+def _check_logging_packages(train) -> None:
+    """Refuses train.tensorboard / train.wandb_project without its package, in one line before
+    set-up: the Monitor that imports them is built last, after the model and the checkpoint load.
+    Every rank checks, so that all stop here alike."""
+    from megaloop.training.monitor import import_summary_writer, import_wandb
+
+    try:
+        if train.tensorboard:
+            import_summary_writer("train.tensorboard")
+        if train.wandb_project:
+            import_wandb(train.wandb_project, "train.wandb_project")
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _use_per_token_loss(model: torch.nn.Module) -> None:
     """Switches megatron-core to per-token loss scaling: the loss function returns token sums and
     counts, schedules stop dividing by micro-batch count, DDP sums over data-parallel ranks and
@@ -109,6 +125,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg.validate()
+        _check_logging_packages(cfg.train)
         self.precision = _precision(cfg)
         # Installed before anything slow so that a preemption signal during set-up is remembered,
         # not fatal.
