@@ -63,6 +63,8 @@ BOOKKEEPING = (
     "train.downstream_eval", "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval",
     "checkpoint.keep_last", "checkpoint.resume", "checkpoint.fallback_to_previous",
     "checkpoint.optimizer_format", "alrs.log_eigenvalues", "alrs.monitor_after_freeze")
+# Where a run's files are: changed when a run directory is moved, in effect as soon as it starts.
+LOCATIONS = ("train.out_dir", "data.cache_dir", "checkpoint.dir")
 NOT_APPLICABLE = {
     "model.init_std": "it initialises the weights of a run that starts from scratch",
     "alrs.mode": "the multipliers saved in the checkpoint would stay in effect",
@@ -94,12 +96,15 @@ def next_allocation(step: int, cfg: RunConfig) -> int | None:
     return candidate if alrs.allocates_at(candidate, total) else None
 
 
-def check_changed_settings(path: Path, cfg: RunConfig) -> None:
+def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
     """Refuses, in one ConfigError line, a changed setting that a resume from ``path`` cannot
-    apply; logs each other change in one line. Call after the architecture check."""
+    apply; logs each other change in one line. Call after the architecture check. True when
+    ``path`` is the run's own checkpoint at ``train.train_steps`` already (a finished run
+    relaunched): then nothing is left to train, evaluate or save, which is logged in one line
+    naming any changed setting instead."""
     own = ckpt.is_own_checkpoint(path, cfg)
     if not own and not cfg.checkpoint.load_optimizer or not ckpt.holds_training_state(path):
-        return  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
+        return False  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
     saved = ckpt.saved_config(path)
     defaults, now = to_dict(RunConfig()), to_dict(cfg)
     before, after = {}, {}
@@ -120,6 +125,15 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
     alrs_on = cfg.train.use_alrs and before["train.use_alrs"]
     if not alrs_on:  # the alrs section is read only while ALRS runs
         changed = {k: v for k, v in changed.items() if not k.startswith("alrs.")}
+    # A finished run relaunched (not so one continuing another run's checkpoint at
+    # train.train_steps, which evaluates and saves it as its own).
+    if own and cfg.train.train_steps == step:
+        unused = [k for k in changed if k not in LOCATIONS]
+        unused = f"; changed settings not applied: {', '.join(unused)}" if unused else ""
+        log.log(logging.WARNING if unused else logging.INFO,
+                "%s: the run is complete at step %d (train.train_steps=%d): nothing to train "
+                "(raise train.train_steps to continue it)%s", path, step, step, unused)
+        return True
     for name, (old, new) in changed.items():
         reason = None
         if name in NOT_APPLICABLE:
@@ -162,6 +176,7 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
             when = f"from ALRS's next allocation, at step {first}"
         level = logging.INFO if name in BOOKKEEPING else logging.WARNING
         log.log(level, "%s: %s changed from %r to %r; in effect %s", where, name, old, new, when)
+    return False
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,

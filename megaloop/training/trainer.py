@@ -120,7 +120,10 @@ class Trainer:
     ``stop_signals``: handlers the caller installed earlier (``megaloop-train`` does so before
     importing torch); by default the Trainer installs its own and restores the previous ones when
     it closes. A stop signal during set-up ends it early: the Trainer is then closed,
-    ``stopped_during_set_up`` is True and ``train()`` only returns the stop.
+    ``stopped_during_set_up`` is True and ``train()`` only returns the stop. Finding the run
+    finished (its own latest checkpoint at ``train.train_steps``) ends set-up early too:
+    ``complete`` is then True, no model is built, and ``train()`` (or ``close()``) evaluates,
+    saves and logs nothing.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
@@ -132,7 +135,7 @@ class Trainer:
         self._own_signals = stop_signals is None
         self.stop_signals = StopSignals() if stop_signals is None else stop_signals
         self._run_dirs, self.monitor, self.alrs, self.downstream = None, None, None, None
-        self.step, self.stopped_during_set_up = 0, False
+        self.step, self.stopped_during_set_up, self.complete = 0, False, False
         try:
             self._set_up()
         except BaseException as e:
@@ -170,8 +173,11 @@ class Trainer:
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
             ckpt.check_optimizer_state(self.resume_path, cfg)
-            check_changed_settings(self.resume_path, cfg)
+            self.complete = check_changed_settings(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
+            if self.complete:
+                self.step = ckpt.step_of(self.resume_path)
+                return
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval
 
@@ -383,6 +389,9 @@ class Trainer:
         """Runs to ``train.train_steps`` (or a stop signal); returns the final metrics."""
         if self.stopped_during_set_up:
             return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
+        if self.complete:  # relaunched at its last step: no new evaluation or metrics rows
+            self.close()
+            return {"step": self.step, "complete": True}
         cfg = self.cfg.train
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)
