@@ -8,12 +8,13 @@ overrides. The resolved config is validated before anything heavy runs, and the 
 to ``<train.out_dir>/config.yaml`` once set-up has completed. Launch under torchrun, srun or
 mpiexec for more than one process.
 
-Exit codes: 0 finished; 2 a configuration, data, storage or checkpoint problem (one line on
-stderr); 3 training aborted (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 (resumable: a
-checkpoint of the last step was saved, or the signal came during set-up, before there was anything
-to save); 128 + the signal's number (143, 138) on a second stop signal, which exits at once without
-saving (megaloop.training.signals). torchrun reports any failed worker as 1, so requeue-on-75 needs
-srun or a direct launch.
+Exit codes: 0 finished, or found finished (relaunched at its train.train_steps); 2 a
+configuration, data, storage or checkpoint problem (one line on stderr); 3 training aborted
+(NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 (resumable: a checkpoint of the last step was
+saved, or the signal came during set-up, before there was anything to save); 128 + the signal's
+number (143, 138) on a second stop signal, which exits at once without saving
+(megaloop.training.signals). torchrun reports any failed worker as 1, so requeue-on-75 needs srun
+or a direct launch.
 
 Only the standard library is imported at module level: the stop-signal handlers go in before torch
 loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143.
@@ -109,6 +110,11 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # A relaunched finished run (result["complete"]) exits 0 as well, as Megatron-LM and
+    # torchtitan do when the checkpoint they load is at the last step: what was asked for, a run
+    # trained to train.train_steps, is there; a requeue-on-failure job or `train && export`
+    # would otherwise retry or stop on a run that is done.
+    #
     # Stopped early by SIGTERM/SIGUSR1 (with a checkpoint of any step run, or during set-up with
     # nothing to save): "try again later", so that a job script can requeue (slurm/common.sh does)
     # while a finished run exits 0. The rerun resumes from the same checkpoint or starts afresh.

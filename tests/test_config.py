@@ -180,6 +180,10 @@ def test_split_strings(split, weights):
     (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),
+    # Before the fix, refused by the final evaluation, after the last step and before its save.
+    (["model.arch=latentloop", "model.encoder_layers=null", "train.eval_depths=[2, 3]"],
+     "train.eval_depths=[2, 3]: must be depths the model runs (3: arch=latentloop runs exactly "
+     "its iterations=2 visits (each has its own scales))"),
     (["parallel.pipeline=2", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty when parallel.pipeline > 1 (the stages unroll "
      "exactly model.iterations iterations)"),
@@ -391,6 +395,44 @@ def test_duplicate_yaml_keys_are_refused_naming_file_key_and_lines(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'model=\{arch: dense, arch: fullloop\}': "
                                           "key 'arch' given twice"):
         apply_overrides(RunConfig(), ["model={arch: dense, arch: fullloop}"])
+
+
+@pytest.mark.parametrize("yaml_text, override, message", [
+    # Before the fix: seed 83, silently.
+    ("train: {seed: 0123}", "train.seed=0123", "train.seed=0123: YAML 1.1 reads a leading zero "
+     "as octal (83), YAML 1.2 as decimal (123); write the number without it"),
+    ("train: {lr: 010}", "train.lr=010", "train.lr=010: YAML 1.1 reads a leading zero as octal "
+     "(8), YAML 1.2 as decimal (10); write the number without it"),
+    ("train: {eval_depths: [1, 0_12]}", "train.eval_depths=[1, 0_12]", "train.eval_depths[1]=0_12:"
+     " YAML 1.1 reads a leading zero as octal (10), YAML 1.2 as decimal (12); write the number "
+     "without it"),
+    ("train: {seed: 1:30}", "train.seed=1:30", "train.seed=1:30: YAML 1.1 reads this as base 60 "
+     "(90), YAML 1.2 as text; write the number"),
+])
+def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_value(
+        tmp_path, yaml_text, override, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(path)
+    assert str(err.value) == f"config file {path}: {message}"
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), [override])
+    assert str(err.value) == message
+
+
+def test_numbers_where_text_is_expected_are_read_as_their_text(tmp_path):
+    path = tmp_path / "run.yaml"
+    # Before the fix: data.split=100: must be of type str.
+    path.write_text("data: {split: 100, path: [0.3, a, 7, b], eod_id: 0}\n"
+                    "train: {wandb_project: 2024, seed: 07}\ncheckpoint: {dir: 0123}\n")
+    cfg = load_yaml(path).validate()
+    assert (cfg.data.split, cfg.data.path) == ("100", ["0.3", "a", "7", "b"])
+    assert (cfg.train.wandb_project, cfg.checkpoint.dir) == ("2024", "0123")  # as written
+    assert cfg.train.seed == 7  # 07 is 7 in either reading
+    assert apply_overrides(RunConfig(), ["data.split=100"]).data.split == "100"
+    save_yaml(cfg, path)
+    assert load_yaml(path) == cfg
 
 
 def test_alrs_granularity_is_read_without_alrs_too():

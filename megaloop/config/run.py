@@ -343,6 +343,11 @@ class RunConfig:
         require(not (self.train.eval_depths and self.model.arch == "dense"), "train",
                 "eval_depths", self.train.eval_depths,
                 "empty for model.arch=dense (a Dense model has no depth to vary)")
+        # Checked here, not first by the final evaluation after the last step (before its save).
+        refusal = next((f"{k}: {why}" for k in self.train.eval_depths
+                        if (why := self.model.depth_refusal(k))), None)
+        require(refusal is None, "train", "eval_depths", self.train.eval_depths,
+                f"depths the model runs ({refusal})")
         if not self.train.use_alrs:  # the alrs section would be silently ignored
             # ...except granularity, which also shapes the optimizer's LR multipliers.
             changed = [f"alrs.{f.name}={getattr(self.alrs, f.name)!r}"

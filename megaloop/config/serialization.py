@@ -17,10 +17,35 @@ from megaloop.config.run import RunConfig
 from megaloop.platform.files import write_text_atomic
 
 
+# Integers YAML 1.1 (PyYAML, and so omegaconf) and YAML 1.2 read differently: a leading zero is
+# octal in 1.1 (0123 = 83) and decimal in 1.2 (123); 1:30 is base 60 in 1.1 (90) and a string in
+# 1.2. A number field refuses them rather than read them either way: octal is what no one means
+# (seed: 0123), and decimal would make the file mean something else to other YAML 1.1 tools.
+_YAML11_ONLY_INT = re.compile(r"[-+]?0[0-7_]+|[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
+
+
+class _Yaml11Int(str):
+    """Such an integer as written, with its YAML 1.1 ``value``: the text is kept for a text
+    field, a number field refuses it."""
+
+    def __new__(cls, text: str, value: int):
+        self = super().__new__(cls, text)
+        self.value = value
+        return self
+
+    def refusal(self, where: str) -> str:
+        if ":" in self:
+            return (f"{where}={self}: YAML 1.1 reads this as base 60 ({self.value}), YAML 1.2 "
+                    "as text; write the number")
+        return (f"{where}={self}: YAML 1.1 reads a leading zero as octal ({self.value}), YAML "
+                f"1.2 as decimal ({int(self.replace('_', ''), 10)}); write the number without it")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load's loader that refuses a key given twice in one mapping, which PyYAML resolves
     silently by keeping the last (``arch: dense`` then ``arch: fullloop`` would train fullloop).
-    Keys brought in by a ``<<`` merge may still be overridden: that is what a merge is for."""
+    Keys brought in by a ``<<`` merge may still be overridden: that is what a merge is for.
+    Integers that only YAML 1.1 reads as numbers come back as ``_Yaml11Int``."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -35,6 +60,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                       f"{first_line[key]} and {line}")
                 first_line[key] = line
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        """An integer, or one YAML 1.1 and 1.2 read differently as a _Yaml11Int."""
+        text, value = self.construct_scalar(node), super().construct_yaml_int(node)
+        if _YAML11_ONLY_INT.fullmatch(text) and (":" in text or
+                                                 value != int(text.replace("_", ""), 10)):
+            return _Yaml11Int(text, value)
+        return value  # 0, 07: the same number either way
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 
 
 def _yaml_load(stream):
@@ -69,14 +105,18 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         # (alrs.exclude: router would otherwise exclude every name holding an r, o, u, ...).
         if not isinstance(value, (list, tuple)):
             value = [value]
-        if item is str:  # blend weights in a data path arrive as YAML numbers
-            value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                     for v in value]
         return origin(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: must be a mapping of {hint.__name__} fields")
         return from_dict(hint, value, where)
+    if isinstance(value, _Yaml11Int):
+        if hint is str:
+            return str(value)
+        raise ConfigError(value.refusal(where))
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # Megatron's numbers as YAML reads them: data.split 100, blend weights in data.path.
+        return str(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):

@@ -150,21 +150,24 @@ def _visible_gpu_indices(count: int) -> list[int]:
     return list(range(count))
 
 
-def _import_summary_writer():
+def import_summary_writer(field: str = "tensorboard"):
+    """torch's SummaryWriter; a missing package is a RuntimeError naming ``field``, the setting
+    that asked for it (the Trainer checks under the config's name before its set-up)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:
-        raise RuntimeError(f"Monitor: tensorboard=True needs the tensorboard package "
-                           f"(pip install tensorboard): {error}") from None
+        raise RuntimeError(f"{field}=True needs the tensorboard package (pip install tensorboard, "
+                           f"or set {field}=false): {error}") from None
     return SummaryWriter
 
 
-def _import_wandb(project: str):
+def import_wandb(project: str, field: str = "wandb_project"):
+    """The wandb module; a missing package is a RuntimeError naming ``field``, as above."""
     try:
         import wandb
     except ImportError:
-        raise RuntimeError(f"Monitor: wandb_project={project!r} is set but wandb is not installed "
-                           "(pip install wandb, or leave wandb_project unset)") from None
+        raise RuntimeError(f"{field}={project!r} is set but wandb is not installed (pip install "
+                           f"wandb, or leave {field} unset)") from None
     return wandb
 
 
@@ -307,8 +310,8 @@ class Monitor:
         if not is_writer:
             return
         # Missing packages fail here, before a bar, NVML or a file is opened.
-        summary_writer = _import_summary_writer() if tensorboard else None
-        wandb = _import_wandb(wandb_project) if wandb_project else None
+        summary_writer = import_summary_writer() if tensorboard else None
+        wandb = import_wandb(wandb_project) if wandb_project else None
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / METRICS_FILE

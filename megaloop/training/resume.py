@@ -14,8 +14,9 @@ a new field has to be placed):
   with ``checkpoint.load`` of one of them and its optimizer, which continues the run);
 - ``NOT_APPLICABLE``: read only when a run starts from scratch, so a change cannot take effect
   and is refused in one line naming the field;
-- the ALRS switches and options, ``checkpoint.load`` / ``load_optimizer`` and
-  ``model.residual_scale_init``: rules of their own below.
+- the ALRS switches and options, ``checkpoint.load`` / ``load_optimizer``,
+  ``model.residual_scale_init`` and ``model.iterations`` (applied where the saved model can run
+  the new depth, ``ModelConfig.depth_refusal``): rules of their own below.
 
 A run that takes only the weights of another run's checkpoint (``checkpoint.load`` with
 ``load_optimizer=false``) starts afresh: only the architecture is compared. One that continues
@@ -25,6 +26,7 @@ another run's checkpoint with its optimizer is a resume, except that its checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -42,7 +44,7 @@ REPORTED_BY_TRAINER = (
     *(f"train.{name}" for name in SCHEDULE_FIELDS), "checkpoint.keep_schedule",
     "train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
 APPLIED = (
-    "model.iterations", "model.joint_attention", "model.rotary_base", "model.norm_eps",
+    "model.joint_attention", "model.rotary_base", "model.norm_eps",
     "model.moe_top_k", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
     # Layouts the optimizer state cannot move to are refused by checkpoint.check_optimizer_state.
     "parallel.tensor", "parallel.pipeline", "parallel.expert", "parallel.sequence_parallel",
@@ -61,6 +63,8 @@ BOOKKEEPING = (
     "train.downstream_eval", "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval",
     "checkpoint.keep_last", "checkpoint.resume", "checkpoint.fallback_to_previous",
     "checkpoint.optimizer_format", "alrs.log_eigenvalues", "alrs.monitor_after_freeze")
+# Where a run's files are: changed when a run directory is moved, in effect as soon as it starts.
+LOCATIONS = ("train.out_dir", "data.cache_dir", "checkpoint.dir")
 NOT_APPLICABLE = {
     "model.init_std": "it initialises the weights of a run that starts from scratch",
     "alrs.mode": "the multipliers saved in the checkpoint would stay in effect",
@@ -73,8 +77,8 @@ NOT_APPLICABLE = {
 # does not read it (ALRSConfig.read_options), is noted as without effect.
 AT_NEXT_ALLOCATION = tuple(f"alrs.{name}" for name in ALLOCATION_OPTIONS)
 AT_START = tuple(f"alrs.{name}" for name in BOOST_OPTIONS)
-OWN_RULES = ("model.residual_scale_init", "train.use_alrs", "checkpoint.load",
-             "checkpoint.load_optimizer")
+OWN_RULES = ("model.iterations", "model.residual_scale_init", "train.use_alrs",
+             "checkpoint.load", "checkpoint.load_optimizer")
 
 
 def _flat(section: dict, prefix: str) -> dict:
@@ -93,12 +97,15 @@ def next_allocation(step: int, cfg: RunConfig) -> int | None:
     return candidate if alrs.allocates_at(candidate, total) else None
 
 
-def check_changed_settings(path: Path, cfg: RunConfig) -> None:
+def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
     """Refuses, in one ConfigError line, a changed setting that a resume from ``path`` cannot
-    apply; logs each other change in one line. Call after the architecture check."""
+    apply; logs each other change in one line. Call after the architecture check. True when
+    ``path`` is the run's own checkpoint at ``train.train_steps`` already (a finished run
+    relaunched): then nothing is left to train, evaluate or save, which is logged in one line
+    naming any changed setting instead."""
     own = ckpt.is_own_checkpoint(path, cfg)
     if not own and not cfg.checkpoint.load_optimizer or not ckpt.holds_training_state(path):
-        return  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
+        return False  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
     saved = ckpt.saved_config(path)
     defaults, now = to_dict(RunConfig()), to_dict(cfg)
     before, after = {}, {}
@@ -119,6 +126,15 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
     alrs_on = cfg.train.use_alrs and before["train.use_alrs"]
     if not alrs_on:  # the alrs section is read only while ALRS runs
         changed = {k: v for k, v in changed.items() if not k.startswith("alrs.")}
+    # A finished run relaunched (not so one continuing another run's checkpoint at
+    # train.train_steps, which evaluates and saves it as its own).
+    if own and cfg.train.train_steps == step:
+        unused = [k for k in changed if k not in LOCATIONS]
+        unused = f"; changed settings not applied: {', '.join(unused)}" if unused else ""
+        log.log(logging.WARNING if unused else logging.INFO,
+                "%s: the run is complete at step %d (train.train_steps=%d): nothing to train "
+                "(raise train.train_steps to continue it)%s", path, step, step, unused)
+        return True
     # Options for another mode than the run's (which a resume cannot change): no effect either way.
     unread = {f"alrs.{name}" for name in ALLOCATION_OPTIONS + BOOST_OPTIONS
               if name not in cfg.alrs.read_options()}
@@ -135,6 +151,8 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
                       "multipliers saved in the checkpoint hold")
         elif name in AT_START and cfg.alrs.mode == "decoder_boost":
             reason = "the multipliers saved in the checkpoint hold"
+        elif name == "model.iterations":  # the saved weights are those of a model with ``old``
+            reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
         elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":
             reason = "learned residual scales are weights, restored from the checkpoint"
         elif name == "checkpoint.load":
@@ -168,6 +186,7 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> None:
             when = f"from ALRS's next allocation, at step {first}"
         level = logging.INFO if name in BOOKKEEPING else logging.WARNING
         log.log(level, "%s: %s changed from %r to %r; in effect %s", where, name, old, new, when)
+    return False
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,

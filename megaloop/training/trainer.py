@@ -1,9 +1,10 @@
 """The training loop: megatron-core DDP, distributed optimizer and pipeline schedules around LoopedLM.
 
 Order of set-up (cheap checks first, so that a mistake costs seconds, not a model build):
-config validation -> stop-signal handlers -> process groups -> run directories (probe writes, run
-lock) -> datasets (bad files and token ids beyond the vocabulary fail here) -> resume source
-(verified) and its architecture check -> model -> DDP -> optimizer -> checkpoint load.
+config validation and the logging packages it asks for -> stop-signal handlers -> process groups
+-> run directories (probe writes, run lock) -> datasets (bad files and token ids beyond the
+vocabulary fail here) -> resume source (verified) and its architecture check -> model -> DDP ->
+optimizer -> checkpoint load.
 
 One optimizer step (1-based ``step``): micro-batches run through ``get_forward_backward_func``
 (gradient accumulation, pipeline schedule), ``finalize_model_grads`` reduces gradients, a non-finite
@@ -29,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megaloop.config import RunConfig, micro_batches_per_step, save_yaml, to_dict
+from megaloop.config import ConfigError, RunConfig, micro_batches_per_step, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
@@ -76,6 +77,21 @@ def _precision(cfg: RunConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
+def _check_logging_packages(train) -> None:
+    """Refuses train.tensorboard / train.wandb_project without its package, in one line before
+    set-up: the Monitor that imports them is built last, after the model and the checkpoint load.
+    Every rank checks, so that all stop here alike."""
+    from megaloop.training.monitor import import_summary_writer, import_wandb
+
+    try:
+        if train.tensorboard:
+            import_summary_writer("train.tensorboard")
+        if train.wandb_project:
+            import_wandb(train.wandb_project, "train.wandb_project")
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _use_per_token_loss(model: torch.nn.Module) -> None:
     """Switches megatron-core to per-token loss scaling: the loss function returns token sums and
     counts, schedules stop dividing by micro-batch count, DDP sums over data-parallel ranks and
@@ -104,18 +120,22 @@ class Trainer:
     ``stop_signals``: handlers the caller installed earlier (``megaloop-train`` does so before
     importing torch); by default the Trainer installs its own and restores the previous ones when
     it closes. A stop signal during set-up ends it early: the Trainer is then closed,
-    ``stopped_during_set_up`` is True and ``train()`` only returns the stop.
+    ``stopped_during_set_up`` is True and ``train()`` only returns the stop. Finding the run
+    finished (its own latest checkpoint at ``train.train_steps``) ends set-up early too:
+    ``complete`` is then True, no model is built, and ``train()`` (or ``close()``) evaluates,
+    saves and logs nothing.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg.validate()
+        _check_logging_packages(cfg.train)
         self.precision = _precision(cfg)
         # Installed before anything slow so that a preemption signal during set-up is remembered,
         # not fatal.
         self._own_signals = stop_signals is None
         self.stop_signals = StopSignals() if stop_signals is None else stop_signals
         self._run_dirs, self.monitor, self.alrs, self.downstream = None, None, None, None
-        self.step, self.stopped_during_set_up = 0, False
+        self.step, self.stopped_during_set_up, self.complete = 0, False, False
         try:
             self._set_up()
         except BaseException as e:
@@ -153,8 +173,11 @@ class Trainer:
         if self.resume_path is not None:
             ckpt.check_compatible(self.resume_path, cfg)
             ckpt.check_optimizer_state(self.resume_path, cfg)
-            check_changed_settings(self.resume_path, cfg)
+            self.complete = check_changed_settings(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
+            if self.complete:
+                self.step = ckpt.step_of(self.resume_path)
+                return
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval
 
@@ -366,6 +389,9 @@ class Trainer:
         """Runs to ``train.train_steps`` (or a stop signal); returns the final metrics."""
         if self.stopped_during_set_up:
             return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
+        if self.complete:  # relaunched at its last step: no new evaluation or metrics rows
+            self.close()
+            return {"step": self.step, "complete": True}
         cfg = self.cfg.train
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)

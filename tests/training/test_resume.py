@@ -4,6 +4,7 @@ set by hand come back group by group, and changes that alter the sample order ar
 
 import logging
 import math
+import shutil
 
 import pytest
 
@@ -22,9 +23,17 @@ def run_at_step_4(mcore, pattern_data, tmp_path_factory):
     return out
 
 
-def _copy(run, tmp_path):
-    import shutil
+@pytest.fixture(scope="module")
+def run_stopped_at_step_4(mcore, pattern_data, tmp_path_factory):
+    """An 8-step run whose latest checkpoint is that of step 4, as after a crash at step 5."""
+    out = tmp_path_factory.mktemp("resume") / "run"
+    Trainer(tiny_run(pattern_data, out, checkpoint={"save_interval": 4})).train()
+    shutil.rmtree(out / "checkpoints" / "iter_0000008")
+    (out / "checkpoints" / "latest").write_text("iter_0000004\n")
+    return out
 
+
+def _copy(run, tmp_path):
     shutil.copytree(run, tmp_path / "run")
     return tmp_path / "run"
 
@@ -83,24 +92,52 @@ def test_keep_schedule_keeps_the_checkpoints_schedule_and_says_so(run_at_step_4,
     trainer.close()
 
 
-def test_an_unchanged_config_resumes_without_a_word(run_at_step_4, pattern_data, tmp_path,
-                                                    caplog):
-    out = _copy(run_at_step_4, tmp_path)
+def test_an_unchanged_config_resumes_without_a_word(run_stopped_at_step_4, pattern_data,
+                                                    tmp_path, caplog):
+    out = _copy(run_stopped_at_step_4, tmp_path)
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
-        Trainer(tiny_run(pattern_data, out, train={"train_steps": 4})).close()
+        trainer = Trainer(tiny_run(pattern_data, out))
+    trainer.close()
+    assert trainer.step == 4 and not trainer.complete
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, pattern_data,
+                                                            tmp_path, caplog, monkeypatch):
+    """Before the fix: exit 0 with no word, after a new validation and a duplicate eval row of
+    step 4 in metrics.jsonl (and TensorBoard)."""
+    import megaloop.models.model as model_module
+
+    def no_model(*a, **k):
+        raise AssertionError("the model must not be built")
+
+    def files():  # but the run and cache locks, which each start takes
+        return {p: p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and not p.name.endswith(".lock")}
+
+    out = _copy(run_at_step_4, tmp_path)
+    before = files()
+    monkeypatch.setattr(model_module, "LoopedLM", no_model)
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        result = Trainer(tiny_run(pattern_data, out, train={"train_steps": 4})).train()
+    assert result == {"step": 4, "complete": True}
+    path = out / "checkpoints" / "iter_0000004"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"{path}: the run is complete at step 4 (train.train_steps=4): nothing to "
+                       "train (raise train.train_steps to continue it)")]
+    assert files() == before  # metrics.jsonl included
 
 
 @pytest.mark.parametrize("change, named", [
     (dict(model={"seq_length": 16}), "model.seq_length"),
     (dict(train={"seed": 7}), "train.seed"),
 ])
-def test_a_change_of_the_sample_order_is_warned(run_at_step_4, pattern_data, tmp_path, caplog,
-                                                change, named):
-    out = _copy(run_at_step_4, tmp_path)
-    train = {"train_steps": 4, **change.get("train", {})}
+def test_a_change_of_the_sample_order_is_warned(run_stopped_at_step_4, pattern_data, tmp_path,
+                                                caplog, change, named):
+    out = _copy(run_stopped_at_step_4, tmp_path)
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
-        Trainer(tiny_run(pattern_data, out, model=change.get("model"), train=train)).close()
+        Trainer(tiny_run(pattern_data, out, model=change.get("model"),
+                         train=change.get("train"))).close()
     lines = [r.getMessage() for r in caplog.records if "sample order" in r.getMessage()]
     assert len(lines) == 1 and named in lines[0], caplog.text
 
@@ -258,12 +295,31 @@ def test_fewer_steps_than_the_checkpoint_has_taken_are_refused(tmp_path, caplog)
     from megaloop.config import ConfigError
 
     path, cfg = _checkpoint(tmp_path, train={"train_steps": 8})
-    _check(path, _changed(cfg, "train", train_steps=4), caplog)  # a finished run, rerun
     # Before the fix: no step run, exit 0.
     with pytest.raises(ConfigError, match=r"^train.train_steps=3: .*iter_0000004 is at step 4 "
                                           r"already; a resume trains up to train.train_steps "
                                           r"\(give 4 or more\)$"):
         _check(path, _changed(cfg, "train", train_steps=3), caplog)
+
+
+def test_a_finished_run_relaunched_is_complete_and_names_what_it_did_not_apply(tmp_path,
+                                                                              caplog):
+    from megaloop.training.resume import check_changed_settings
+
+    path, cfg = _checkpoint(tmp_path, train={"train_steps": 4})
+    done = f"{path}: the run is complete at step 4 (train.train_steps=4): nothing to train"
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        assert check_changed_settings(path, cfg) is True
+        # A change not even a resume could apply is reported, not refused: nothing runs.
+        assert check_changed_settings(path, _changed(cfg, "model", init_std=0.5)) is True
+        assert check_changed_settings(path, _changed(cfg, "train", train_steps=5)) is False
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"{done} (raise train.train_steps to continue it)"),
+        (logging.WARNING, f"{done} (raise train.train_steps to continue it); changed settings "
+                          "not applied: model.init_std")]  # train_steps: resume_schedule's
+    # Another run's checkpoint, continued with its optimizer, is copied as this run's step 4.
+    elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path))
+    assert check_changed_settings(path, elsewhere) is False
 
 
 def test_alrs_options_apply_at_the_next_allocation_while_alrs_allocates(tmp_path, caplog):
@@ -307,6 +363,29 @@ def test_latentloop_residual_scale_init_applies_only_to_fixed_scales(tmp_path, c
         _check(path, _changed(cfg, "model", residual_scale_init=[0.5, 1.0]), caplog)
 
 
+def test_latentloop_iterations_are_refused_before_the_model_is_built(tmp_path, caplog):
+    """LatentLoop runs exactly its own number of visits (ModelConfig.depth_refusal): before the
+    fix a changed model.iterations was logged as applied, then the load failed after the model
+    build with a 7,000-character list of state-dict keys."""
+    from megaloop.config import ConfigError
+
+    model = {"arch": "latentloop", "num_layers": 4, "iterations": 2, "encoder_layers": None,
+             "prelude_layers": 1, "coda_layers": 1}
+    path, cfg = _checkpoint(tmp_path, model=model)
+    with pytest.raises(ConfigError) as error:
+        _check(path, _changed(cfg, "model", iterations=3), caplog)
+    message = str(error.value)
+    assert message.startswith("model.iterations=3: differs from 2 in ") and "\n" not in message
+    assert "arch=latentloop runs exactly its iterations=2 visits" in message
+    assert not caplog.records
+    # The looped models run any depth: there the change applies from the next step.
+    path, cfg = _checkpoint(tmp_path / "fullloop", model={"arch": "fullloop", "iterations": 2,
+                                                          "encoder_layers": None})
+    assert _check(path, _changed(cfg, "model", iterations=4), caplog) == [
+        (logging.WARNING, f"resume from {path}: model.iterations changed from 2 to 4; in effect "
+                          "from step 5")]
+
+
 def test_another_runs_checkpoint_is_compared_only_when_its_optimizer_state_is_loaded(tmp_path,
                                                                                     caplog):
     path, cfg = _checkpoint(tmp_path)
@@ -321,15 +400,15 @@ def test_another_runs_checkpoint_is_compared_only_when_its_optimizer_state_is_lo
         f"resume from {path}: train.clip_grad changed from 1.0 to 0.5; in effect from step 5"]
 
 
-def test_a_changed_setting_is_checked_before_the_model_is_built(run_at_step_4, pattern_data,
-                                                                tmp_path, caplog):
+def test_a_changed_setting_is_checked_before_the_model_is_built(run_stopped_at_step_4,
+                                                                pattern_data, tmp_path, caplog):
     from megaloop.config import ConfigError
 
-    out = _copy(run_at_step_4, tmp_path)
+    out = _copy(run_stopped_at_step_4, tmp_path)
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
-        Trainer(tiny_run(pattern_data, out, train={"train_steps": 4, "clip_grad": 0.5})).close()
+        Trainer(tiny_run(pattern_data, out, train={"clip_grad": 0.5})).close()
     assert [r.getMessage() for r in caplog.records] == [
         f"resume from {out / 'checkpoints' / 'iter_0000004'}: train.clip_grad changed from 1.0 "
         "to 0.5; in effect from step 5"]
     with pytest.raises(ConfigError, match=r"^model.init_std=0.5: differs from 0.02 in "):
-        Trainer(tiny_run(pattern_data, out, model={"init_std": 0.5}, train={"train_steps": 4}))
+        Trainer(tiny_run(pattern_data, out, model={"init_std": 0.5}))

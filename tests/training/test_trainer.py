@@ -111,6 +111,32 @@ def test_missing_or_corrupt_data_fails_before_the_model_is_built(mcore, pattern_
         Trainer(tiny_run(str(broken), tmp_path / "run"))
 
 
+@pytest.mark.parametrize("train, module, message", [
+    ({"wandb_project": "foo"}, "wandb", r"train.wandb_project='foo' is set but wandb is not "
+                                        r"installed \(pip install wandb, or leave "
+                                        r"train.wandb_project unset\)"),
+    ({"tensorboard": True}, "torch.utils.tensorboard",
+     r"train.tensorboard=True needs the tensorboard package \(pip install tensorboard, or set "
+     r"train.tensorboard=false\): "),
+])
+def test_a_missing_logging_package_is_refused_before_set_up(pattern_data, tmp_path, monkeypatch,
+                                                             train, module, message):
+    """Before the fix: a multi-line RuntimeError from the Monitor, built after the model and the
+    checkpoint load (about 30 s into a tiny run)."""
+    import sys
+
+    import megaloop.training.trainer as trainer_module
+
+    def no_set_up(*a, **k):
+        raise AssertionError("set-up must not begin")
+
+    monkeypatch.setattr(trainer_module, "build_datasets", no_set_up)
+    monkeypatch.setitem(sys.modules, module, None)  # its import raises ImportError
+    with pytest.raises(ConfigError, match=f"^{message}") as error:
+        Trainer(tiny_run(pattern_data, tmp_path / "run", train=train))
+    assert "\n" not in str(error.value)
+
+
 def test_batch_sizes_must_divide(mcore, pattern_data, tmp_path):
     with pytest.raises(ConfigError, match=r"train.global_batch_size=5: must be a multiple of "
                                           r"micro_batch_size=2"):
