@@ -9,7 +9,7 @@ import pytest
 
 from megaloop import gsm8k
 from megaloop.data import DataError
-from tests.data.conftest import SHARED_DATA, SP_MODEL
+from tests.data.conftest import HF_TOKENIZER, SHARED_DATA, SP_MODEL
 from tests.tool_scripts import load_tool
 
 GSM8K_TRAIN = SHARED_DATA / "gsm8k_train.jsonl"
@@ -164,6 +164,47 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
         evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
     assert exit_.value.code == 2
     assert not list(tmp_path.iterdir())  # nothing written by a refused run
+
+
+def _sentencepiece(path: Path, words: tuple[str, ...]) -> Path:
+    from megaloop.data.tokenizer_training import train_sentencepiece
+
+    train_sentencepiece([f"the {w} sat on {n} mats, said {w.upper()}!\n" for w in words
+                         for n in range(40)], path, vocab_size=400, hard_vocab_limit=False)
+    return path
+
+
+def test_a_tokenizer_other_than_the_runs_is_refused_before_decoding(mcore, tmp_path, capsys):
+    """Before: another SentencePiece model gave an accuracy from ids the model never learned
+    (exit 0), a larger vocabulary an IndexError at the embedding."""
+    import shutil
+
+    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    other = _sentencepiece(tmp_path / "other.model", ("quokka", "narwhal", "axolotl"))
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, vocab_size=512)
+    test_file = tmp_path / "t.jsonl"
+    test_file.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    evaluate = load_tool("eval_gsm8k").main
+    argv = [str(base), "--test", str(test_file), "--max-new-tokens", "2", "--predictions",
+            str(tmp_path / "p.jsonl")]
+    assert evaluate(argv + ["--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer {other}: ") and err.count("\n") == 1
+    assert f"the run's data.tokenizer_model {run_tokenizer}" in err
+    assert err.endswith("(not the tokenizer this model was trained with)\n")
+    if HF_TOKENIZER.is_file():  # 50257 ids for a model of 512 rows; the run's tokenizer gone
+        run_tokenizer.unlink()
+        assert evaluate(argv + ["--tokenizer", str(HF_TOKENIZER), "--tokenizer-type",
+                                "HuggingFaceTokenizer"]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --tokenizer {HF_TOKENIZER}: ids up to 50256, past the model's vocab_size=512 "
+            "(not the tokenizer this model was trained with)\n")
+        _sentencepiece(run_tokenizer, ("cat", "dog", "emu"))
+    # A copy of the run's tokenizer encodes as it does: the evaluation runs.
+    copy = Path(shutil.copy(run_tokenizer, tmp_path / "copy.model"))
+    assert evaluate(argv + ["--tokenizer", str(copy)]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 1
 
 
 def test_a_reference_without_its_final_number_is_an_error_before_decoding():
