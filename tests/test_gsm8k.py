@@ -129,8 +129,8 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
          "error: override 'train.out_dir=/elsewhere': set by --out\n"),
         (finetune, common + ["--epochs", "0", "data.tokenizer_model=null"],
          "data.tokenizer_model=None: must be given for data.format='sft'"),
-        (evaluate, [str(base_checkpoint), "--test", "t.jsonl"], "tok.model: tokenizer file not "
-                                                                "found"),
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--max-new-tokens", "8"],
+         "tok.model: tokenizer file not found"),
         (evaluate, [str(tmp_path / "none"), "--test", "t.jsonl"], "none: no checkpoint there"),
         # Before the fix: a traceback after decoding every question.
         (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--predictions",
@@ -150,7 +150,8 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
                                        "arch=dense has no depth to vary (it would loop its layers; "
                                        "arch=fullloop is the looped stack)\n")
     # Its own depth 1 passes the depth check (and fails later, at the missing tokenizer).
-    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "1"]) == 2
+    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "1",
+                     "--max-new-tokens", "8"]) == 2
     assert "tok.model: tokenizer file not found" in capsys.readouterr().err
     # Before the fix a LatentLoop model failed at its first forward, after the tokenizer, the
     # test file and the model were read (here the missing tokenizer came first).
@@ -174,20 +175,27 @@ def _sentencepiece(path: Path, words: tuple[str, ...]) -> Path:
     return path
 
 
+def _run_with_tokenizer(tmp_path: Path) -> tuple[Path, list[str]]:
+    """(the run's tokenizer, eval_gsm8k's arguments for one question) of a tiny model (vocab_size
+    512, seq_length 128) whose run names a SentencePiece model trained here."""
+    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, vocab_size=512)
+    test_file = tmp_path / "t.jsonl"
+    test_file.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    return run_tokenizer, [str(base), "--test", str(test_file), "--predictions",
+                           str(tmp_path / "p.jsonl")]
+
+
 def test_a_tokenizer_other_than_the_runs_is_refused_before_decoding(mcore, tmp_path, capsys):
     """Before: another SentencePiece model gave an accuracy from ids the model never learned
     (exit 0), a larger vocabulary an IndexError at the embedding."""
     import shutil
 
-    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    run_tokenizer, argv = _run_with_tokenizer(tmp_path)
+    argv += ["--max-new-tokens", "2"]
     other = _sentencepiece(tmp_path / "other.model", ("quokka", "narwhal", "axolotl"))
-    base = tmp_path / "base" / "checkpoints"
-    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, vocab_size=512)
-    test_file = tmp_path / "t.jsonl"
-    test_file.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
     evaluate = load_tool("eval_gsm8k").main
-    argv = [str(base), "--test", str(test_file), "--max-new-tokens", "2", "--predictions",
-            str(tmp_path / "p.jsonl")]
     assert evaluate(argv + ["--tokenizer", str(other)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --tokenizer {other}: ") and err.count("\n") == 1
@@ -205,6 +213,32 @@ def test_a_tokenizer_other_than_the_runs_is_refused_before_decoding(mcore, tmp_p
     copy = Path(shutil.copy(run_tokenizer, tmp_path / "copy.model"))
     assert evaluate(argv + ["--tokenizer", str(copy)]) == 0
     assert json.loads(capsys.readouterr().out)["total"] == 1
+
+
+def test_decoding_stays_within_the_trained_context(mcore, tmp_path, capsys, caplog):
+    """Before: 512 new tokens after the prompt of a 384-token model, without a word (exit 0)."""
+    from megaloop.data import load_tokenizer
+
+    run_tokenizer, argv = _run_with_tokenizer(tmp_path)
+    evaluate = load_tool("eval_gsm8k").main
+    assert evaluate(argv) == 2  # the default 512 new tokens
+    assert capsys.readouterr().err == (
+        f"error: --max-new-tokens 512: leaves no room for a prompt in the model's 128-token "
+        f"context (model.seq_length of {Path(argv[0]) / 'iter_0000000'}); pass a smaller "
+        "--max-new-tokens\n")
+    prompt = len(load_tokenizer("SentencePieceTokenizer", run_tokenizer).encode_batch(
+        [gsm8k.PROMPT.format(question="1+1?")])[0])
+    assert evaluate(argv + ["--max-new-tokens", "120", "--uncached"]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "megaloop.gsm8k"] == [
+        f"1 of 1 questions: the prompt (up to {prompt} tokens) and max_new_tokens=120 run past "
+        "the model's 128-token context (model.seq_length); they generate only up to it (summary "
+        "cut_at_context)"]
+    assert json.loads(capsys.readouterr().out)["cut_at_context"] == 1
+    row = json.loads((tmp_path / "p.jsonl").read_text())
+    assert row["stopped_at_context"] and row["new_tokens"] == 128 - prompt
+    assert evaluate(argv + ["--max-new-tokens", "3", "--uncached"]) == 0
+    assert json.loads(capsys.readouterr().out)["cut_at_context"] == 0
+    assert not json.loads((tmp_path / "p.jsonl").read_text())["stopped_at_context"]
 
 
 def test_a_reference_without_its_final_number_is_an_error_before_decoding():
@@ -236,7 +270,8 @@ def test_a_legacy_tokenizer_run_is_fine_tuned_and_evaluated_with_its_eod(mcore, 
 
     monkeypatch.setattr(gsm8k, "evaluate", record_tokenizer)
     (tmp_path / "t.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
-    assert load_tool("eval_gsm8k").main([str(base), "--test", str(tmp_path / "t.jsonl")]) == 2
+    assert load_tool("eval_gsm8k").main([str(base), "--test", str(tmp_path / "t.jsonl"),
+                                         "--max-new-tokens", "8"]) == 2
     assert "stopped before decoding" in capsys.readouterr().err
     assert isinstance(used[0], LegacySentencePieceTokenizer) and used[0].eod == 32002
 

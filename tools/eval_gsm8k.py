@@ -15,7 +15,10 @@ with). A ``--tokenizer`` given while the run's is still there must encode probe 
 past the model's ``vocab_size`` embedding rows. Decoding runs in this one process, one question at a time, with the checkpoint's weights in
 megaloop's reference (Hugging Face) model and its KV cache; ``--uncached`` recomputes the
 canonical model's full forward at every step instead (the same tokens, much slower;
-megaloop.generation). Answer rules are in megaloop.gsm8k.
+megaloop.generation). Decoding stays within the model's context (``model.seq_length``):
+``--max-new-tokens`` must leave room for a prompt in it (as tools/evaluate.py requires of lm-eval's
+``--max-gen-toks``), and a question whose prompt and new tokens run past it generates only up to it
+(one warning line; ``cut_at_context`` in the summary). Answer rules are in megaloop.gsm8k.
 Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
 """
 
@@ -90,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             problem = model_cfg.depth_refusal(args.num_iterations)
             if problem:
                 raise ConfigError(f"--num-iterations {args.num_iterations}: {path}: {problem}")
+        if args.max_new_tokens >= model_cfg.seq_length:
+            raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a "
+                              f"prompt in the model's {model_cfg.seq_length}-token context "
+                              f"(model.seq_length of {path}); pass a smaller --max-new-tokens")
         data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
