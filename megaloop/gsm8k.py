@@ -145,6 +145,42 @@ def finetune_settings(checkpoint: str, data_files: Sequence[str], out_dir: str
             "train.out_dir": out_dir}
 
 
+def resumed_config(cfg: RunConfig, base_checkpoint: str | os.PathLike) -> RunConfig:
+    """``cfg`` (``finetune_config``) as the run resumes it, once its checkpoint directory holds
+    its checkpoints; a CheckpointError or ConfigError in one line where the trainer's resume
+    would refuse it, so that the caller writes nothing for a config the run does not accept.
+
+    ``--base`` naming a base run's directory resolves to its latest checkpoint, which moves on as
+    that run trains (and its ``keep_last`` may delete the one this run started from): the run's
+    own checkpoints record the base checkpoint it started from, and the resume keeps that
+    ``checkpoint.load`` (a resume continues its own checkpoints; it cannot take other weights).
+    ``--base`` naming a checkpoint itself is taken as given."""
+    from megaloop.training import checkpoint as ckpt
+    from megaloop.training.resume import check_changed_settings
+
+    own_dir = Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+    complete = ckpt.complete_checkpoints(own_dir)
+    if not (cfg.checkpoint.resume and complete):
+        return cfg
+    own = ckpt.latest_checkpoint(own_dir) or complete[-1]
+    started = (ckpt.saved_config(own).get("checkpoint") or {}).get("load")
+    now = Path(cfg.checkpoint.load)
+    if started and Path(base_checkpoint).resolve() != now.resolve() and \
+            Path(started).parent.resolve() == now.parent.resolve():
+        cfg = with_settings(cfg, {"checkpoint.load": started})
+    # The trainer's checks of a resume (Trainer._set_up), here before anything is written. The
+    # changes they accept are logged by the trainer once it resumes, not twice.
+    ckpt.check_compatible(own, cfg)
+    ckpt.check_optimizer_state(own, cfg)
+    changes = logging.getLogger("megaloop.train")
+    was_disabled, changes.disabled = changes.disabled, True
+    try:
+        check_changed_settings(own, cfg)
+    finally:
+        changes.disabled = was_disabled
+    return cfg
+
+
 def steps_for_epochs(cfg: RunConfig, epochs: float) -> tuple[int, int]:
     """(optimizer steps for ``epochs`` passes over the training records that fit
     ``model.seq_length``, rounded up; that record count)."""

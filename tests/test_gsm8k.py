@@ -46,7 +46,8 @@ def test_reference_and_equality():
     assert not gsm8k.same_number(None, "18")
 
 
-def _save_tiny(directory: Path, data: dict | None = None, **fields) -> None:
+def _save_tiny(directory: Path, data: dict | None = None, step: int = 0, **fields) -> None:
+    """A tiny model's checkpoint at ``step`` in ``directory`` (keep_last=1: the one before goes)."""
     import megaloop.api as ml
     from megaloop.config import DataConfig, RunConfig
     from megaloop.training.checkpoint import save_checkpoint
@@ -54,7 +55,7 @@ def _save_tiny(directory: Path, data: dict | None = None, **fields) -> None:
     model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, **fields)
     base = RunConfig(model=model.cfg, data=DataConfig(
         path=["x"], **(data or {"tokenizer_model": "tok.model"})))
-    save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
+    save_checkpoint(directory, step, {"model": model.sharded_state_dict()}, base, 1)
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +283,43 @@ def gsm8k_files():
         if not path.is_file():
             pytest.skip(f"{path} not available")
     return GSM8K_TRAIN, GSM8K_TEST, SP_MODEL
+
+
+def test_a_rerun_resumes_from_the_base_checkpoint_it_started_from(mcore, gsm8k_files, tmp_path,
+                                                                 capsys):
+    """Before: once the base run had moved on (iter_1 saved, iter_0 the fine-tune started from
+    pruned), the same command re-resolved --base to iter_1 and exited 2, having overwritten
+    finetune.yaml with a config that no longer matched the run."""
+    import yaml
+
+    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, vocab_size=512)
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(gsm8k_files[0].read_text().splitlines()[:12]) + "\n")
+    run = tmp_path / "ft"
+    options = ["--data", str(train), "--out", str(run), "train.train_steps=1",
+               "train.global_batch_size=4", "train.micro_batch_size=4", "data.split=10,2,0",
+               "train.eval_iters=1", "train.tensorboard=false"]
+    finetune = load_tool("finetune_gsm8k").main
+    assert finetune(["--base", str(base)] + options) == 0
+    written = (run / "finetune.yaml").read_text()
+    assert yaml.safe_load(written)["checkpoint"]["load"] == str(base / "iter_0000000")
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, step=1, vocab_size=512)
+    assert not (base / "iter_0000000").exists()
+    capsys.readouterr()
+    assert finetune(["--base", str(base)] + options) == 0  # at its step 1 already: done
+    assert (run / "finetune.yaml").read_text() == written
+    # --base naming another checkpoint itself: a new start, which a resume cannot take.
+    assert finetune(["--base", str(base / "iter_0000001")] + options) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"error: checkpoint.load={str(base / 'iter_0000001')!r}: differs from "
+        f"{str(base / 'iter_0000000')!r} in {run / 'checkpoints' / 'iter_0000001' / 'config.yaml'}"
+        f", and a resume cannot apply it ({run / 'checkpoints'} holds this run's own checkpoints, "
+        "which a resume continues; to start from another checkpoint use another checkpoint.dir); "
+        "set it back, or start a new run")
+    assert (run / "finetune.yaml").read_text() == written  # before the fix: load iter_1
 
 
 def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys,
