@@ -104,6 +104,19 @@ def set_by(settings: dict[str, object], options: tuple[str, ...], otherwise: str
             for key, value in settings.items()}
 
 
+def parsed_preset(parser: argparse.ArgumentParser, name: str, **overrides):
+    """``megaloop.presets.preset(name, **overrides)`` for a command whose options give them, or
+    argparse's one-line error (exit 2) naming the preset, field or value: an unknown ``--preset``
+    or ``--arch`` is the user's input, not a traceback."""
+    from megaloop.config import ConfigError
+    from megaloop.presets import preset
+
+    try:
+        return preset(name, **overrides)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
 def train_config_args(preset: str | None, config: str | None) -> list[str]:
     """megaloop-train's ``--preset`` / ``--config`` arguments (for megaloop.train.build_config) of
     a tool that takes the same two options."""

@@ -13,6 +13,15 @@ cached backend must reproduce (the tests hold the two to equal tokens). ``Cached
 megaloop's reference model (megaloop.models.export.to_reference; the Hugging Face model) and its
 ``LoopedCache``: Local KV per iteration and layer, Global KV per decoder layer, so each new token
 costs one token's forward. Prompts are decoded one at a time, without padding.
+
+A decoding stays within the context the model was trained on (``model.seq_length``, a backend's
+``context``): ``greedy_generate`` refuses a prompt and ``max_new_tokens`` that together run past it,
+since positions beyond it were never trained and the tokens there are extrapolation, which a user
+choosing a token budget should not get without a word (megaloop.gsm8k caps each question's budget
+at the context and says so, as megaloop.hf.evaluate counts and reports the lm-eval requests cut to
+it). The model's own forward (``megaloop.api``'s model call) takes longer
+sequences and is left to: its positions are RoPE, computed for any length, with no learned
+position table to run out of, so the numbers past the context are well defined, if untrained.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import torch
 
 
 class DecodeBackend(Protocol):
+    context: int  # the longest sequence (prompt and generated tokens) to decode: model.seq_length
+
     def prefill(self, prompt: Sequence[int]) -> torch.Tensor:
         """Starts a sequence; returns the logits [V] for the token after ``prompt``."""
 
@@ -37,6 +48,7 @@ class FullForward:
 
     def __init__(self, model: torch.nn.Module, num_iterations: int | None = None):
         self.model, self.num_iterations = model, num_iterations
+        self.context = model.cfg.seq_length
         self.device = next(model.parameters()).device
         self.tokens: list[int] = []
 
@@ -62,6 +74,7 @@ class Cached:
 
     def __init__(self, reference: torch.nn.Module, num_iterations: int | None = None):
         self.model, self.num_iterations = reference.eval(), num_iterations
+        self.context = reference.config.max_position_embeddings  # megaloop's seq_length
         self.device = next(reference.parameters()).device
         self.cache = None
 
@@ -92,9 +105,15 @@ def greedy_generate(backend: DecodeBackend, prompt: Sequence[int], max_new_token
                     eos_id: int | None, vocab_size: int | None = None) -> Generation:
     """Argmax decoding until ``eos_id`` or ``max_new_tokens`` tokens. ``vocab_size``: the
     tokenizer's; the embedding's padding rows above it are never chosen (they decode to
-    nothing). Ties go to the lowest id, so decoding is deterministic."""
+    nothing). Ties go to the lowest id, so decoding is deterministic. A prompt and
+    ``max_new_tokens`` longer together than ``backend.context`` are a ValueError (see above)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if len(prompt) + max_new_tokens > backend.context:
+        raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
+                         f"run past the model's {backend.context}-token context (model.seq_length, "
+                         "the length it was trained on); generate at most "
+                         f"{max(backend.context - len(prompt), 0)} tokens")
     generated: list[int] = []
     if max_new_tokens == 0:
         return Generation(generated, False)

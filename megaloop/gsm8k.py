@@ -12,6 +12,10 @@ and clipping keep megaloop's defaults. Every field can be overridden.
 
 Evaluation (``evaluate``): greedy decoding without demonstrations, up to 512 new tokens, the prompt
 the model was fine-tuned with, exact match of the normalised final number against the reference.
+A question whose prompt and new tokens would run past the model's context (``model.seq_length``)
+generates only up to it (the prompt is kept whole: cutting the question would change it), is
+counted in ``cut_at_context`` and marked ``stopped_at_context``; one warning gives the numbers
+before decoding starts. A prompt that fills the context alone is an error naming its record.
 Decoding uses the reference model's KV cache by default (megaloop.generation.Cached, which needs
 transformers: the ``hf`` extra); ``cached=False`` recomputes the canonical model's full forward at
 every step, the reference the cached decoder is tested against.
@@ -141,6 +145,42 @@ def finetune_settings(checkpoint: str, data_files: Sequence[str], out_dir: str
             "train.out_dir": out_dir}
 
 
+def resumed_config(cfg: RunConfig, base_checkpoint: str | os.PathLike) -> RunConfig:
+    """``cfg`` (``finetune_config``) as the run resumes it, once its checkpoint directory holds
+    its checkpoints; a CheckpointError or ConfigError in one line where the trainer's resume
+    would refuse it, so that the caller writes nothing for a config the run does not accept.
+
+    ``--base`` naming a base run's directory resolves to its latest checkpoint, which moves on as
+    that run trains (and its ``keep_last`` may delete the one this run started from): the run's
+    own checkpoints record the base checkpoint it started from, and the resume keeps that
+    ``checkpoint.load`` (a resume continues its own checkpoints; it cannot take other weights).
+    ``--base`` naming a checkpoint itself is taken as given."""
+    from megaloop.training import checkpoint as ckpt
+    from megaloop.training.resume import check_changed_settings
+
+    own_dir = Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+    complete = ckpt.complete_checkpoints(own_dir)
+    if not (cfg.checkpoint.resume and complete):
+        return cfg
+    own = ckpt.latest_checkpoint(own_dir) or complete[-1]
+    started = (ckpt.saved_config(own).get("checkpoint") or {}).get("load")
+    now = Path(cfg.checkpoint.load)
+    if started and Path(base_checkpoint).resolve() != now.resolve() and \
+            Path(started).parent.resolve() == now.parent.resolve():
+        cfg = with_settings(cfg, {"checkpoint.load": started})
+    # The trainer's checks of a resume (Trainer._set_up), here before anything is written. The
+    # changes they accept are logged by the trainer once it resumes, not twice.
+    ckpt.check_compatible(own, cfg)
+    ckpt.check_optimizer_state(own, cfg)
+    changes = logging.getLogger("megaloop.train")
+    was_disabled, changes.disabled = changes.disabled, True
+    try:
+        check_changed_settings(own, cfg)
+    finally:
+        changes.disabled = was_disabled
+    return cfg
+
+
 def steps_for_epochs(cfg: RunConfig, epochs: float) -> tuple[int, int]:
     """(optimizer steps for ``epochs`` passes over the training records that fit
     ``model.seq_length``, rounded up; that record count)."""
@@ -183,16 +223,19 @@ def evaluate(model, tokenizer, records: list[dict[str, str]], *, prompt: str = P
         backend = Cached(to_reference(model).to(next(model.parameters()).device), num_iterations)
     else:
         backend = FullForward(model, num_iterations)
+    budgets = _budgets(prompts, max_new_tokens, backend.context, source)
     predictions, start = [], time.perf_counter()
-    for index, (record, ids, reference) in enumerate(zip(records, prompts, references)):
-        out = greedy_generate(backend, ids, max_new_tokens, tokenizer.eod, tokenizer.vocab_size)
+    for index, (record, ids, reference, budget) in enumerate(zip(records, prompts, references,
+                                                                 budgets)):
+        out = greedy_generate(backend, ids, budget, tokenizer.eod, tokenizer.vocab_size)
         text = tokenizer.decode(out.tokens)
         answer, rule = extract_answer(text)
         predictions.append({
             "index": index, "question": record["question"], "reference": reference,
             "generation": text, "prediction": answer, "rule": rule,
             "correct": same_number(answer, reference), "new_tokens": len(out.tokens),
-            "stopped_at_eos": out.stopped_at_eos})
+            "stopped_at_eos": out.stopped_at_eos,
+            "stopped_at_context": not out.stopped_at_eos and budget < max_new_tokens})
         if (index + 1) % 50 == 0:
             log.info("%d/%d questions, %.1f s", index + 1, len(records),
                      time.perf_counter() - start)
@@ -201,10 +244,30 @@ def evaluate(model, tokenizer, records: list[dict[str, str]], *, prompt: str = P
     total = len(predictions)
     summary = {"accuracy": correct / total, "strict_accuracy": strict / total,
                "correct": correct, "total": total, "max_new_tokens": max_new_tokens,
+               "cut_at_context": sum(b < max_new_tokens for b in budgets),
                "num_iterations": num_iterations or model.cfg.num_iterations,
                "decoder": "cached" if cached else "uncached",
                "seconds": round(time.perf_counter() - start, 2)}
     return summary, predictions
+
+
+def _budgets(prompts: list[list[int]], max_new_tokens: int, context: int, source: str
+             ) -> list[int]:
+    """The new tokens each prompt may generate: ``max_new_tokens`` within ``context``. A prompt
+    leaving no room is a DataError naming its record; prompts cut short are one warning."""
+    full = [i for i, ids in enumerate(prompts) if len(ids) >= context]
+    if full:
+        raise DataError(f"{source}: record {full[0] + 1}: its prompt of {len(prompts[full[0]])} "
+                        f"tokens leaves no room to generate in the model's {context}-token "
+                        "context (model.seq_length)")
+    budgets = [min(max_new_tokens, context - len(ids)) for ids in prompts]
+    cut = [len(ids) for ids, budget in zip(prompts, budgets) if budget < max_new_tokens]
+    if cut:
+        log.warning("%d of %d questions: the prompt (up to %d tokens) and max_new_tokens=%d run "
+                    "past the model's %d-token context (model.seq_length); they generate only "
+                    "up to it (summary cut_at_context)", len(cut), len(prompts), max(cut),
+                    max_new_tokens, context)
+    return budgets
 
 
 def write_predictions(path: str | os.PathLike, predictions: list[dict]) -> None:

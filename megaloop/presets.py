@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megaloop.config import ConfigError, ModelConfig, check_field_names
+from megaloop.config import ConfigError, ModelConfig, from_dict
 
 PAPER_VOCAB = 32128  # T5 SentencePiece, 32000 padded to a multiple of 128
 PAPER_SEQ = 1024
@@ -89,11 +89,13 @@ ARCH_BOUND = tuple(name for name in PRESETS if name.split("-")[0] in ("moe", "la
 
 def preset(name: str, **overrides) -> ModelConfig:
     """A resolved copy of preset ``name`` with field overrides, e.g. ``arch="fullloop"``; the
-    iteration count defaults per architecture (config.DEFAULT_ITERATIONS)."""
+    iteration count defaults per architecture (config.DEFAULT_ITERATIONS). An unknown field or a
+    value of the wrong type or choice (``arch="asym"``) is a one-line ConfigError naming it, as in
+    a YAML config: the overrides are read as one would be (``dataclasses.replace`` checks
+    nothing, and an unknown arch surfaced as a bare KeyError of the iteration defaults)."""
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
-    check_field_names(ModelConfig, overrides, "model")
-    cfg = dataclasses.replace(PRESETS[name], **overrides)
+    cfg = from_dict(ModelConfig, {**dataclasses.asdict(PRESETS[name]), **overrides}, "model")
     cfg.validate()
     return cfg
 

@@ -64,6 +64,7 @@ def test_padding_rows_above_the_tokenizer_vocabulary_are_never_chosen(model):
 
 class Scripted:
     """A backend that replays fixed logits: the interface a cached backend implements."""
+    context = 100
 
     def __init__(self, rows):
         self.rows, self.calls = [torch.tensor(r, dtype=torch.float) for r in rows], []
@@ -84,6 +85,30 @@ def test_backend_protocol_and_ties_go_to_the_lowest_id():
     assert backend.calls == [("prefill", [7, 7]), ("extend", 1), ("extend", 0)]
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
         greedy_generate(backend, [7], -1, eos_id=None)
+
+
+def test_decoding_past_the_trained_context_is_refused(model):
+    """Before: any length was decoded, past the model's seq_length=32 without a word."""
+    from megaloop.models.export import to_reference
+
+    for backend in (FullForward(model), Cached(to_reference(model))):
+        assert backend.context == 32
+        assert len(greedy_generate(backend, PROMPT, 32 - len(PROMPT), eos_id=None).tokens) == 26
+        with pytest.raises(ValueError) as error:
+            greedy_generate(backend, PROMPT, 27, eos_id=None)
+        assert str(error.value) == (
+            "a prompt of 6 tokens and max_new_tokens=27 run past the model's 32-token context "
+            "(model.seq_length, the length it was trained on); generate at most 26 tokens")
+
+
+def test_the_model_call_takes_positions_past_its_context(model):
+    """Its positions are RoPE, computed for any length (no position table to run out of): the
+    model call is not refused past seq_length, and a causal prefix's logits do not change."""
+    tokens = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        longer, prefix = model(tokens), model(tokens[:, :32])
+    assert longer.shape == (1, 40, 128) and bool(torch.isfinite(longer).all())
+    torch.testing.assert_close(longer[:, :32], prefix)
 
 
 def test_empty_prompt_is_refused(model):

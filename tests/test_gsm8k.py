@@ -9,7 +9,7 @@ import pytest
 
 from megaloop import gsm8k
 from megaloop.data import DataError
-from tests.data.conftest import SHARED_DATA, SP_MODEL
+from tests.data.conftest import HF_TOKENIZER, SHARED_DATA, SP_MODEL
 from tests.tool_scripts import load_tool
 
 GSM8K_TRAIN = SHARED_DATA / "gsm8k_train.jsonl"
@@ -46,7 +46,8 @@ def test_reference_and_equality():
     assert not gsm8k.same_number(None, "18")
 
 
-def _save_tiny(directory: Path, data: dict | None = None, **fields) -> None:
+def _save_tiny(directory: Path, data: dict | None = None, step: int = 0, **fields) -> None:
+    """A tiny model's checkpoint at ``step`` in ``directory`` (keep_last=1: the one before goes)."""
     import megaloop.api as ml
     from megaloop.config import DataConfig, RunConfig
     from megaloop.training.checkpoint import save_checkpoint
@@ -54,7 +55,7 @@ def _save_tiny(directory: Path, data: dict | None = None, **fields) -> None:
     model = ml.build("tiny", hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, **fields)
     base = RunConfig(model=model.cfg, data=DataConfig(
         path=["x"], **(data or {"tokenizer_model": "tok.model"})))
-    save_checkpoint(directory, 0, {"model": model.sharded_state_dict()}, base, 1)
+    save_checkpoint(directory, step, {"model": model.sharded_state_dict()}, base, 1)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +130,8 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
          "error: override 'train.out_dir=/elsewhere': set by --out\n"),
         (finetune, common + ["--epochs", "0", "data.tokenizer_model=null"],
          "data.tokenizer_model=None: must be given for data.format='sft'"),
-        (evaluate, [str(base_checkpoint), "--test", "t.jsonl"], "tok.model: tokenizer file not "
-                                                                "found"),
+        (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--max-new-tokens", "8"],
+         "tok.model: tokenizer file not found"),
         (evaluate, [str(tmp_path / "none"), "--test", "t.jsonl"], "none: no checkpoint there"),
         # Before the fix: a traceback after decoding every question.
         (evaluate, [str(base_checkpoint), "--test", "t.jsonl", "--predictions",
@@ -150,7 +151,8 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
                                        "arch=dense has no depth to vary (it would loop its layers; "
                                        "arch=fullloop is the looped stack)\n")
     # Its own depth 1 passes the depth check (and fails later, at the missing tokenizer).
-    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "1"]) == 2
+    assert evaluate([str(dense), "--test", "t.jsonl", "--num-iterations", "1",
+                     "--max-new-tokens", "8"]) == 2
     assert "tok.model: tokenizer file not found" in capsys.readouterr().err
     # Before the fix a LatentLoop model failed at its first forward, after the tokenizer, the
     # test file and the model were read (here the missing tokenizer came first).
@@ -164,6 +166,80 @@ def test_tools_refuse_bad_input_in_one_line(base_checkpoint, tmp_path, capsys):
         evaluate([str(base_checkpoint), "--test", "t.jsonl", "--limit", "0"])
     assert exit_.value.code == 2
     assert not list(tmp_path.iterdir())  # nothing written by a refused run
+
+
+def _sentencepiece(path: Path, words: tuple[str, ...]) -> Path:
+    from megaloop.data.tokenizer_training import train_sentencepiece
+
+    train_sentencepiece([f"the {w} sat on {n} mats, said {w.upper()}!\n" for w in words
+                         for n in range(40)], path, vocab_size=400, hard_vocab_limit=False)
+    return path
+
+
+def _run_with_tokenizer(tmp_path: Path) -> tuple[Path, list[str]]:
+    """(the run's tokenizer, eval_gsm8k's arguments for one question) of a tiny model (vocab_size
+    512, seq_length 128) whose run names a SentencePiece model trained here."""
+    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, vocab_size=512)
+    test_file = tmp_path / "t.jsonl"
+    test_file.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    return run_tokenizer, [str(base), "--test", str(test_file), "--predictions",
+                           str(tmp_path / "p.jsonl")]
+
+
+def test_a_tokenizer_other_than_the_runs_is_refused_before_decoding(mcore, tmp_path, capsys):
+    """Before: another SentencePiece model gave an accuracy from ids the model never learned
+    (exit 0), a larger vocabulary an IndexError at the embedding."""
+    import shutil
+
+    run_tokenizer, argv = _run_with_tokenizer(tmp_path)
+    argv += ["--max-new-tokens", "2"]
+    other = _sentencepiece(tmp_path / "other.model", ("quokka", "narwhal", "axolotl"))
+    evaluate = load_tool("eval_gsm8k").main
+    assert evaluate(argv + ["--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer {other}: ") and err.count("\n") == 1
+    assert f"the run's data.tokenizer_model {run_tokenizer}" in err
+    assert err.endswith("(not the tokenizer this model was trained with)\n")
+    if HF_TOKENIZER.is_file():  # 50257 ids for a model of 512 rows; the run's tokenizer gone
+        run_tokenizer.unlink()
+        assert evaluate(argv + ["--tokenizer", str(HF_TOKENIZER), "--tokenizer-type",
+                                "HuggingFaceTokenizer"]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --tokenizer {HF_TOKENIZER}: ids up to 50256, past the model's vocab_size=512 "
+            "(not the tokenizer this model was trained with)\n")
+        _sentencepiece(run_tokenizer, ("cat", "dog", "emu"))
+    # A copy of the run's tokenizer encodes as it does: the evaluation runs.
+    copy = Path(shutil.copy(run_tokenizer, tmp_path / "copy.model"))
+    assert evaluate(argv + ["--tokenizer", str(copy)]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 1
+
+
+def test_decoding_stays_within_the_trained_context(mcore, tmp_path, capsys, caplog):
+    """Before: 512 new tokens after the prompt of a 384-token model, without a word (exit 0)."""
+    from megaloop.data import load_tokenizer
+
+    run_tokenizer, argv = _run_with_tokenizer(tmp_path)
+    evaluate = load_tool("eval_gsm8k").main
+    assert evaluate(argv) == 2  # the default 512 new tokens
+    assert capsys.readouterr().err == (
+        f"error: --max-new-tokens 512: leaves no room for a prompt in the model's 128-token "
+        f"context (model.seq_length of {Path(argv[0]) / 'iter_0000000'}); pass a smaller "
+        "--max-new-tokens\n")
+    prompt = len(load_tokenizer("SentencePieceTokenizer", run_tokenizer).encode_batch(
+        [gsm8k.PROMPT.format(question="1+1?")])[0])
+    assert evaluate(argv + ["--max-new-tokens", "120", "--uncached"]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "megaloop.gsm8k"] == [
+        f"1 of 1 questions: the prompt (up to {prompt} tokens) and max_new_tokens=120 run past "
+        "the model's 128-token context (model.seq_length); they generate only up to it (summary "
+        "cut_at_context)"]
+    assert json.loads(capsys.readouterr().out)["cut_at_context"] == 1
+    row = json.loads((tmp_path / "p.jsonl").read_text())
+    assert row["stopped_at_context"] and row["new_tokens"] == 128 - prompt
+    assert evaluate(argv + ["--max-new-tokens", "3", "--uncached"]) == 0
+    assert json.loads(capsys.readouterr().out)["cut_at_context"] == 0
+    assert not json.loads((tmp_path / "p.jsonl").read_text())["stopped_at_context"]
 
 
 def test_a_reference_without_its_final_number_is_an_error_before_decoding():
@@ -195,7 +271,8 @@ def test_a_legacy_tokenizer_run_is_fine_tuned_and_evaluated_with_its_eod(mcore, 
 
     monkeypatch.setattr(gsm8k, "evaluate", record_tokenizer)
     (tmp_path / "t.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
-    assert load_tool("eval_gsm8k").main([str(base), "--test", str(tmp_path / "t.jsonl")]) == 2
+    assert load_tool("eval_gsm8k").main([str(base), "--test", str(tmp_path / "t.jsonl"),
+                                         "--max-new-tokens", "8"]) == 2
     assert "stopped before decoding" in capsys.readouterr().err
     assert isinstance(used[0], LegacySentencePieceTokenizer) and used[0].eod == 32002
 
@@ -206,6 +283,43 @@ def gsm8k_files():
         if not path.is_file():
             pytest.skip(f"{path} not available")
     return GSM8K_TRAIN, GSM8K_TEST, SP_MODEL
+
+
+def test_a_rerun_resumes_from_the_base_checkpoint_it_started_from(mcore, gsm8k_files, tmp_path,
+                                                                 capsys):
+    """Before: once the base run had moved on (iter_1 saved, iter_0 the fine-tune started from
+    pruned), the same command re-resolved --base to iter_1 and exited 2, having overwritten
+    finetune.yaml with a config that no longer matched the run."""
+    import yaml
+
+    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, vocab_size=512)
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(gsm8k_files[0].read_text().splitlines()[:12]) + "\n")
+    run = tmp_path / "ft"
+    options = ["--data", str(train), "--out", str(run), "train.train_steps=1",
+               "train.global_batch_size=4", "train.micro_batch_size=4", "data.split=10,2,0",
+               "train.eval_iters=1", "train.tensorboard=false"]
+    finetune = load_tool("finetune_gsm8k").main
+    assert finetune(["--base", str(base)] + options) == 0
+    written = (run / "finetune.yaml").read_text()
+    assert yaml.safe_load(written)["checkpoint"]["load"] == str(base / "iter_0000000")
+    _save_tiny(base, data={"tokenizer_model": str(run_tokenizer)}, step=1, vocab_size=512)
+    assert not (base / "iter_0000000").exists()
+    capsys.readouterr()
+    assert finetune(["--base", str(base)] + options) == 0  # at its step 1 already: done
+    assert (run / "finetune.yaml").read_text() == written
+    # --base naming another checkpoint itself: a new start, which a resume cannot take.
+    assert finetune(["--base", str(base / "iter_0000001")] + options) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"error: checkpoint.load={str(base / 'iter_0000001')!r}: differs from "
+        f"{str(base / 'iter_0000000')!r} in {run / 'checkpoints' / 'iter_0000001' / 'config.yaml'}"
+        f", and a resume cannot apply it ({run / 'checkpoints'} holds this run's own checkpoints, "
+        "which a resume continues; to start from another checkpoint use another checkpoint.dir); "
+        "set it back, or start a new run")
+    assert (run / "finetune.yaml").read_text() == written  # before the fix: load iter_1
 
 
 def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path, capsys,

@@ -40,6 +40,19 @@ def test_unknown_preset_is_a_clear_error():
         preset("2B")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # Before: a bare KeyError('asym') from the iteration defaults.
+    ({"arch": "asym"}, "model.arch='asym': must be one of 'dense', 'fullloop', 'asymloop', "
+                       "'latentloop'"),
+    ({"hidden_size": "wide"}, "model.hidden_size='wide': must be of type int"),
+    ({"hiden_size": 64}, "unknown field model.hiden_size (did you mean hidden_size?)"),
+])
+def test_bad_overrides_are_one_line_errors_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        preset("tiny", **overrides)
+    assert str(error.value) == message
+
+
 def test_no_global_kv_wide_matches_parameters_within_a_percent():
     asym = preset("135M", arch="asymloop")
     wide = no_global_kv_wide(asym)

@@ -10,10 +10,15 @@ JSON line per question (reference, generation, extracted prediction, rule, corre
 (``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
 ``data.tokenizer_model`` unless ``--tokenizer`` is given, encoding as its
 ``data.legacy_tokenizer`` says (a legacy SentencePiece run stops at the ``<EOD>`` id it was trained
-with). Decoding runs in this one process, one question at a time, with the checkpoint's weights in
+with). A ``--tokenizer`` given while the run's is still there must encode probe texts as it does
+(the check ``tools/convert_checkpoint.py to-hf --tokenizer`` makes), and no tokenizer may have ids
+past the model's ``vocab_size`` embedding rows. Decoding runs in this one process, one question at a time, with the checkpoint's weights in
 megaloop's reference (Hugging Face) model and its KV cache; ``--uncached`` recomputes the
 canonical model's full forward at every step instead (the same tokens, much slower;
-megaloop.generation). Answer rules are in megaloop.gsm8k.
+megaloop.generation). Decoding stays within the model's context (``model.seq_length``):
+``--max-new-tokens`` must leave room for a prompt in it (as tools/evaluate.py requires of lm-eval's
+``--max-gen-toks``), and a question whose prompt and new tokens run past it generates only up to it
+(one warning line; ``cut_at_context`` in the summary). Answer rules are in megaloop.gsm8k.
 Exit codes: 0 done, 2 a bad checkpoint, tokenizer, test file or argument.
 """
 
@@ -24,6 +29,29 @@ import json
 import sys
 
 from megaloop.cli import int_at_least, quiet_third_party_warnings, unwritable
+
+
+def check_tokenizer(tokenizer, given: str | None, tokenizer_type: str | None, data: dict,
+                    vocab_size: int) -> None:
+    """Refuses, before the weights are read, a tokenizer that is not the run's: ``given``
+    (``--tokenizer``) in place of a run's ``data.tokenizer_model`` that is still there must encode
+    as it does (ConversionError, megaloop.hf.tokenizer.check_encodes_like), and ``tokenizer``'s
+    ids must all be rows of the model's embedding (ConfigError): either way the accuracy would be
+    computed from ids the model never learned, or fail at the embedding."""
+    from pathlib import Path
+
+    from megaloop.config import ConfigError
+    from megaloop.hf.tokenizer import check_encodes_like
+
+    run_tokenizer = data.get("tokenizer_model")
+    if given is not None and run_tokenizer is not None and Path(run_tokenizer).exists() and \
+            Path(given).resolve() != Path(run_tokenizer).resolve():
+        check_encodes_like(given, run_tokenizer, tokenizer_type, bool(data.get("legacy_tokenizer")))
+    if tokenizer.vocab_size > vocab_size:
+        source = f"--tokenizer {given}" if given else f"data.tokenizer_model {run_tokenizer}"
+        raise ConfigError(f"{source}: ids up to {tokenizer.vocab_size - 1}, past the model's "
+                          f"vocab_size={vocab_size} (not the tokenizer this model was trained "
+                          "with)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.config import ConfigError, ModelConfig, template_fields
     from megaloop.data import DataError, TokenizerError, load_tokenizer
     from megaloop.data.sft import read_records
+    from megaloop.hf.common import ConversionError
     from megaloop.training import checkpoint as ckpt
 
     try:
@@ -59,19 +88,24 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
         saved = ckpt.saved_config(path)
+        model_cfg = ckpt.saved_section(path, ModelConfig, "model")
         if args.num_iterations is not None:
-            problem = ckpt.saved_section(path, ModelConfig, "model").depth_refusal(
-                args.num_iterations)
+            problem = model_cfg.depth_refusal(args.num_iterations)
             if problem:
                 raise ConfigError(f"--num-iterations {args.num_iterations}: {path}: {problem}")
+        if args.max_new_tokens >= model_cfg.seq_length:
+            raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a "
+                              f"prompt in the model's {model_cfg.seq_length}-token context "
+                              f"(model.seq_length of {path}); pass a smaller --max-new-tokens")
         data = saved.get("data", {})
         prompt = data.get("sft_prompt") if data.get("format") == "sft" else gsm8k.PROMPT
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
         if tokenizer_model is None:
             raise ConfigError(f"{path}: its config names no tokenizer; give --tokenizer")
-        tokenizer = load_tokenizer(args.tokenizer_type or data.get("tokenizer_type")
-                                   or "SentencePieceTokenizer", tokenizer_model,
+        tokenizer_type = args.tokenizer_type or data.get("tokenizer_type")
+        tokenizer = load_tokenizer(tokenizer_type or "SentencePieceTokenizer", tokenizer_model,
                                    legacy=bool(data.get("legacy_tokenizer")))
+        check_tokenizer(tokenizer, args.tokenizer, tokenizer_type, data, model_cfg.vocab_size)
         fields = tuple(dict.fromkeys(("question", "answer") + template_fields(prompt)))
         records = read_records(args.test, fields)[:args.limit]
         model = ml.load(path)
@@ -79,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, records, prompt=prompt, max_new_tokens=args.max_new_tokens,
             num_iterations=args.num_iterations, source=", ".join(args.test),
             cached=not args.uncached)
-    except (ConfigError, DataError, TokenizerError, ckpt.CheckpointError) as e:
+    except (ConfigError, ConversionError, DataError, TokenizerError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -10,9 +10,12 @@ batch 32, context 1024, 6,973 train / 500 development records, loss on solution 
 the dotted overrides apply (not to what --base, --data and --out set: checkpoint.load, data.path
 and train.out_dir). ``train.train_steps`` is ``--epochs`` (default 3) passes over the
 training records that fit the context, rounded up, unless given as an override (not both). The
-resolved config goes to ``<out>/finetune.yaml`` and the run is ``megaloop-train --config`` on it:
-the same checkpoints, metrics and exit codes (0 done, 2 bad config/data/checkpoint, 3 aborted, 75
-preempted); running the command again resumes from ``<out>/checkpoints``.
+resolved config goes to ``<out>/finetune.yaml`` (atomically, once it is accepted) and the run is
+``megaloop-train --config`` on it: the same checkpoints, metrics and exit codes (0 done, 2 bad
+config/data/checkpoint, 3 aborted, 75 preempted); running the command again resumes from
+``<out>/checkpoints``, from the base checkpoint the run started from even where ``--base`` (a run's
+directory) has a newer one by then (megaloop.gsm8k.resumed_config). A rerun the resume would
+refuse is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
                 print(f"{epochs:g} epochs of {records} training records at batch "
                       f"{cfg.train.global_batch_size}: {cfg.train.train_steps} steps",
                       file=sys.stderr)
+        cfg = gsm8k.resumed_config(cfg, args.base)
         config_file = Path(args.out) / "finetune.yaml"
         config_file.parent.mkdir(parents=True, exist_ok=True)
         save_yaml(cfg, config_file)

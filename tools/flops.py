@@ -4,6 +4,7 @@
                                           # and the LatentLoop family (MoE base / Loop / LatentLoop)
     python tools/flops.py --json          # the same as JSON
     python tools/flops.py --measure       # cross-check against torch's FlopCounterMode on CPU
+    python tools/flops.py --measure --json  # its counts as JSON
 
 The tables use the paper's method (Appendix D: matmul FLOPs, full N x N attention) with each
 preset's own sequence length N and vocabulary V (the He et al. sizes have the paper's N = 1024,
@@ -88,6 +89,17 @@ def print_latentloop_table(rows: list[dict]) -> None:
               f"{r['compression_saving_pct']:>27.2f}%")
 
 
+def print_measured_table(results: list[dict]) -> None:
+    header = (f"{'model':>12} {'phase':>8} {'recompute':>9} | {'counted':>11} {'analytical':>11} | "
+              f"{'difference':>10}")
+    print(header)
+    print("-" * len(header))
+    for result in results:
+        for r in result["measured"]:
+            print(f"{result['model']:>12} {r['phase']:>8} {str(r['recompute']):>9} | "
+                  f"{r['counted']:>11.4g} {r['analytical']:>11.4g} | {r['rel_diff_pct']:>+9.2f}%")
+
+
 def measure(cfg: ModelConfig, batch: int = 2) -> list[dict]:
     """Counts FLOPs of forward, backward and full recomputation with FlopCounterMode on CPU and
     compares each with the analytical count; returns one dict per (phase, recompute) pair."""
@@ -132,7 +144,8 @@ def _worst_difference(result: dict) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON instead of a table (with --measure too)")
     parser.add_argument("--iterations", type=int, default=3, help="AsymLoop K (odd; default 3)")
     parser.add_argument("--measure", action="store_true",
                         help="cross-check against FlopCounterMode on a small AsymLoop config")
@@ -151,7 +164,11 @@ def main(argv=None) -> int:
             }
             results = [{"model": name, "config": dataclasses.asdict(cfg), "measured": measure(cfg)}
                        for name, cfg in configs.items()]
-            print(json.dumps(results, indent=2))
+            if args.json:
+                print(json.dumps(results, indent=2))
+            else:
+                print_measured_table(results)
+                print("\nFLOPs per token, counted by FlopCounterMode on CPU (seq_length 64).")
             worst = max(results, key=_worst_difference)
             if _worst_difference(worst) >= MEASURE_TOLERANCE_PCT:
                 row = max(worst["measured"], key=lambda r: abs(r["rel_diff_pct"]))

@@ -10,15 +10,15 @@ megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 whe
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
 earlier comparison, an override of a setting the tool makes itself: the parallel section, the
 run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a pipelined layout
-cannot take or no layout pipelines). A --config's parallel section is replaced by each layout's,
-which a note names; its ``pipeline_split`` is kept for the layouts of as many stages.
+cannot take or no layout pipelines). What a --config sets that the tool replaces (its parallel
+section by each layout's, its train.train_steps by --steps, its checkpoint settings by the seed
+checkpoint's) is named in a note; its ``pipeline_split`` is kept for the layouts of as many stages.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -48,14 +48,41 @@ def set_by_the_tool() -> dict[str, str | None]:
                      "the tool for every layout (all start from one seed checkpoint)")}
 
 
-def replaced_parallel_fields(cfg) -> list[str]:
-    """``parallel.name=value`` of what a config sets that the layouts replace."""
-    from megaloop.config import ParallelConfig
+def layout_configs(cfg, layouts: list, steps: int, out: Path) -> list:
+    """The config each layout runs: ``cfg`` with ``run_settings``, the layout's parallel section
+    and ``seed_settings`` (the seed checkpoint in ``out``/seed)."""
+    from megaloop.scale.loss_compare import seeded_config
 
-    default = ParallelConfig()
-    return [f"parallel.{f.name}={getattr(cfg.parallel, f.name)!r}"
-            for f in dataclasses.fields(default) if f.name != "pipeline_split"
-            and getattr(cfg.parallel, f.name) != getattr(default, f.name)]
+    cfg = with_settings(cfg, run_settings(steps))
+    seed = str(out / "seed" / "checkpoints")
+    return [seeded_config(cfg, layout, seed, str(run_dir(out, layout))) for layout in layouts]
+
+
+def run_dir(out: Path, layout) -> Path:
+    """Where ``layout``'s run writes in ``out``."""
+    return out / layout.name.replace(",", "_")
+
+
+def replaced_settings(given, configs: list) -> str | None:
+    """What ``given`` (the config as --preset, --config and the overrides make it) sets away from
+    its default that the tool replaces in a layout's config (``configs``), grouped by what
+    replaces it (``set_by_the_tool``): ``train.train_steps=50 replaced by --steps; ...``; None
+    when nothing is. Derived from the configs the layouts run, so no replaced field goes unsaid."""
+    from megaloop.config import RunConfig, to_dict
+
+    def flat(cfg) -> dict:
+        return {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
+                for name, value in fields.items()}
+
+    default, ours, runs = flat(RunConfig()), flat(given), [flat(cfg) for cfg in configs]
+    setters = set_by_the_tool()
+    by: dict[str, list[str]] = {}
+    for key, value in ours.items():
+        setter = setters[key] if key in setters else setters.get(f"{key.partition('.')[0]}.*")
+        if setter is not None and value != default[key] and any(r[key] != value for r in runs):
+            by.setdefault(setter, []).append(f"{key}={value!r}")
+    return "; ".join(f"{', '.join(keys)} replaced by {setter}" for setter, keys in by.items()
+                     ) or None
 
 
 def check_pipeline_split(cfg, texts: list[str], layouts: list) -> None:
@@ -113,42 +140,43 @@ def main(argv=None) -> int:
 
     from megaloop.config import ConfigError, save_yaml
     from megaloop.scale.layout import parse_layout
-    from megaloop.scale.loss_compare import compare_curves, read_curve, seeded_config
+    from megaloop.scale.loss_compare import compare_curves, read_curve
     from megaloop.train import build_config
 
     quiet_third_party_warnings()
     try:
         refuse_overrides_of(args.overrides, set_by_the_tool())
         layouts = [parse_layout(text) for text in args.layouts]
-        cfg, _ = build_config(train_config_args(args.preset, args.config) + args.overrides)
-        cfg = with_settings(cfg, run_settings(args.steps))
+        given, _ = build_config(train_config_args(args.preset, args.config) + args.overrides)
+        cfg = with_settings(given, run_settings(args.steps))
         check_pipeline_split(cfg, args.layouts, layouts)
-        for layout in layouts:
-            layout.apply(cfg).validate()
-        check_layouts_and_out(args.layouts, layouts, Path(args.out))
+        out = Path(args.out)
+        configs = layout_configs(given, layouts, args.steps, out)
+        for layout_cfg in configs:
+            layout_cfg.validate()
+        check_layouts_and_out(args.layouts, layouts, out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     note = default_model_note(args.preset, args.config, cfg.model)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    replaced = replaced_parallel_fields(cfg)
+    replaced = replaced_settings(given, configs)
     if replaced:
-        print(f"note: {args.config}: {', '.join(replaced)} replaced by each layout's",
-              file=sys.stderr)
+        print(f"note: {args.config}: {replaced}", file=sys.stderr)
 
     from megaloop.scale.loss_compare import save_seed_checkpoint
 
-    out = Path(args.out)
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only
         seed = save_seed_checkpoint(cfg, str(out / "seed"))
+    assert Path(seed) == out / "seed" / "checkpoints"  # where layout_configs load it from
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     curves = {}
-    for text, layout in zip(args.layouts, layouts):
-        run_dir = out / layout.name.replace(",", "_")
-        run_dir.mkdir(parents=True)
-        config_path = run_dir / "layout.yaml"
-        save_yaml(seeded_config(cfg, layout, seed, str(run_dir)), config_path)
+    for text, layout, layout_cfg in zip(args.layouts, layouts, configs):
+        directory = run_dir(out, layout)
+        directory.mkdir(parents=True)
+        config_path = directory / "layout.yaml"
+        save_yaml(layout_cfg, config_path)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
                    "--config", str(config_path)]
@@ -158,7 +186,7 @@ def main(argv=None) -> int:
             print(f"error: layout {text!r} failed (exit {done.returncode}):\n{tail}",
                   file=sys.stderr)
             return 1
-        curves[text] = read_curve(run_dir)
+        curves[text] = read_curve(directory)
     problems = compare_curves(curves)
     print(json.dumps({"layouts": args.layouts, "steps": args.steps, "curves": curves,
                       "agree": not problems, "problems": problems}, indent=2))

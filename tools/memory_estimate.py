@@ -8,7 +8,8 @@ Parameters, gradients, optimizer states (with or without the distributed optimiz
 memory, per pipeline stage, in GiB; the model and rules are megaloop.scale.memory's. ``--device
 cpu`` estimates a CPU run (local spec, fp32 by default). A global batch that does not split into
 micro-batches on this layout is noted (a launch refuses it), and the layouts listed as fitting are
-ones a launch accepts.
+ones a launch accepts. The data section plays no part in an estimate: a ``data.*`` override is
+noted as ignored.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def main(argv=None) -> int:
     note = default_model_note(args.preset, args.config, cfg.model)
     if note:
         print(f"note: {note}", file=sys.stderr)
+    ignored = [item for item in args.overrides if item.partition("=")[0].split(".")[0] == "data"]
+    if ignored:
+        print(f"note: {', '.join(ignored)}: the data section plays no part in a memory estimate "
+              "(ignored)", file=sys.stderr)
     try:  # the memory does not depend on it, but the launch would be refused
         micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
     except ConfigError as e:

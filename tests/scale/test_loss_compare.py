@@ -132,15 +132,35 @@ def test_loss_compare_refuses_overrides_of_what_it_sets(tmp_path, capsys, overri
     assert not (tmp_path / "out").exists()
 
 
-def test_loss_compare_names_the_parallel_settings_of_a_config_that_the_layouts_replace(tmp_path):
+def test_loss_compare_names_every_setting_of_a_config_that_it_replaces(tmp_path):
+    """Before: only the parallel fields were named; a config's train_steps=50 ran --steps' 10 and
+    its checkpoint settings were replaced without a word."""
+    from pathlib import Path
+
     from megaloop.config import RunConfig, run_config_from
+    from megaloop.scale.layout import parse_layout
     from tools import loss_compare
 
-    cfg = run_config_from({"parallel": {"tensor": 2, "sequence_parallel": True,
-                                        "pipeline_split": [2]}})
-    assert loss_compare.replaced_parallel_fields(cfg) == ["parallel.tensor=2",
-                                                          "parallel.sequence_parallel=True"]
-    assert loss_compare.replaced_parallel_fields(RunConfig()) == []
+    layouts = [parse_layout(t) for t in ("single", "tp2,sp")]
+    out = Path("out")
+    cfg = run_config_from({
+        "parallel": {"tensor": 2, "sequence_parallel": True, "pipeline_split": [2]},
+        "train": {"train_steps": 50, "eval_iters": 1, "lr": 1e-3},
+        "checkpoint": {"save_interval": 100, "resume": False, "keep_last": 3}})
+    assert loss_compare.replaced_settings(cfg, loss_compare.layout_configs(cfg, layouts, 10, out)
+                                          ) == (
+        "parallel.tensor=2, parallel.sequence_parallel=True replaced by --layouts (e.g. tp2,sp "
+        "or dp2,recompute); train.train_steps=50 replaced by --steps; checkpoint.save_interval=100"
+        " replaced by the tool for every layout (all start from one seed checkpoint)")
+    # The tool's own values (eval_iters=1, resume=false), what it keeps (lr, keep_last) and the
+    # defaults are not named.
+    assert loss_compare.replaced_settings(
+        cfg, loss_compare.layout_configs(cfg, layouts, 50, out)).startswith(
+        "parallel.tensor=2, parallel.sequence_parallel=True replaced by --layouts")
+    assert "train_steps" not in loss_compare.replaced_settings(
+        cfg, loss_compare.layout_configs(cfg, layouts, 50, out))
+    assert loss_compare.replaced_settings(
+        RunConfig(), loss_compare.layout_configs(RunConfig(), layouts, 10, out)) is None
 
 
 @pytest.mark.parametrize("layouts, message", [

@@ -175,3 +175,13 @@ def test_memory_tool_names_the_default_model_it_estimates_without_preset_or_conf
     assert json.loads(captured.out)["layout"] == "dp2"
     assert memory_estimate.main(["--preset", "tiny", "--world-size", "1"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_memory_tool_says_that_data_overrides_play_no_part(capsys):
+    """Before: a placeholder data section replaced them without a word."""
+    from tools import memory_estimate
+
+    assert memory_estimate.main(["--preset", "tiny", "--world-size", "1", "train.lr=1e-3",
+                                 "data.path=[corpus]", "data={format: sft}"]) == 0
+    assert capsys.readouterr().err == ("note: data.path=[corpus], data={format: sft}: the data "
+                                       "section plays no part in a memory estimate (ignored)\n")

@@ -39,3 +39,21 @@ def test_a_measured_count_off_the_analytical_one_names_it(load_tool, monkeypatch
                                        "1%)\n")
     measured = iter([0.2, -0.5, 0.0])
     assert tool.main(["--measure"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["model", "phase", "recompute", "|", "counted", "analytical", "|",
+                                "difference"]
+    assert table[3].split() == ["asymloop_moe", "backward", "True", "|", "99.5", "100", "|",
+                                "-0.50%"]
+
+
+def test_json_means_json_with_measure_too(load_tool, monkeypatch, capsys):
+    """Before: --measure printed JSON with or without --json (which did nothing)."""
+    import json
+
+    tool = load_tool("flops")
+    monkeypatch.setattr(tool, "measure", lambda cfg: [dict(
+        phase="forward", recompute=False, counted=100.0, analytical=100.0, rel_diff_pct=0.0)])
+    assert tool.main(["--measure", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["model"] for r in results] == ["asymloop", "asymloop_moe", "latentloop"]
+    assert results[0]["measured"][0]["counted"] == 100.0

@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megaloop.cli import quiet_third_party_warnings
-from megaloop.config import DEFAULT_ITERATIONS, ConfigError
+from megaloop.cli import parsed_preset, quiet_third_party_warnings
+from megaloop.config import DEFAULT_ITERATIONS
 from megaloop.presets import preset
 
 
@@ -97,10 +97,7 @@ def main(argv=None):
     parser.add_argument("--arch", default="asymloop", choices=sorted(DEFAULT_ITERATIONS))
     parser.add_argument("--measure", metavar="LAYOUT", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
-    try:
-        preset(args.preset, arch=args.arch)
-    except ConfigError as e:
-        parser.error(f"argument --preset: {e}")
+    parsed_preset(parser, args.preset, arch=args.arch)
     quiet_third_party_warnings()
     if args.measure:
         print(json.dumps(measure(args.preset, args.arch, args.measure)))

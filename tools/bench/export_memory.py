@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megaloop.cli import quiet_third_party_warnings
+from megaloop.cli import parsed_preset, quiet_third_party_warnings
 
 
 def _status_bytes(field: str) -> int:
@@ -98,12 +98,11 @@ def main(argv=None):
 
     from megaloop.config import DataConfig, RunConfig, apply_overrides
     from megaloop.hf.checkpoint import build_single_process_model, save_weights_checkpoint
-    from megaloop.presets import preset
 
     for item in args.set:
         if not item.startswith("model."):
             parser.error(f"--set {item}: only model fields (model.FIELD=VALUE) shape the bench")
-    cfg = apply_overrides(RunConfig(model=preset(args.preset, arch=args.arch)), args.set).model
+    cfg = apply_overrides(RunConfig(model=parsed_preset(parser, args.preset, arch=args.arch)), args.set).model
     cfg.validate()
     with tempfile.TemporaryDirectory(prefix="megaloop-export-memory-") as workdir:
         torch.manual_seed(0)

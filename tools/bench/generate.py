@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from megaloop.cli import int_at_least
+from megaloop.cli import int_at_least, parsed_preset
 
 
 @torch.no_grad()
@@ -64,12 +64,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from megaloop.models.export import reference_class, reference_config
-    from megaloop.presets import preset
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    looped_cfg = preset(args.preset, arch=args.arch, iterations=args.iterations)
-    dense_cfg = dataclasses.replace(preset(args.preset, arch="dense", iterations=1),
+    looped_cfg = parsed_preset(parser, args.preset, arch=args.arch, iterations=args.iterations)
+    dense_cfg = dataclasses.replace(parsed_preset(parser, args.preset, arch="dense", iterations=1),
                                     num_layers=looped_cfg.effective_depth)
     torch.manual_seed(0)
     models = {name: reference_class(cfg)(reference_config(cfg)).to(device, dtype).eval()

@@ -24,9 +24,8 @@ import time
 
 import torch
 
-from megaloop.cli import int_at_least
+from megaloop.cli import int_at_least, parsed_preset
 from megaloop.models.flops import forward_flops
-from megaloop.presets import preset
 
 
 def visit_flops(cfg, visit: int) -> float:
@@ -61,8 +60,8 @@ def main(argv=None):
 
     init_distributed()
     reductions = args.reductions.split(",")
-    configs = {reduction: preset(
-        "latentloop-tiny", hidden_size=args.hidden, num_attention_heads=args.heads,
+    configs = {reduction: parsed_preset(
+        parser, "latentloop-tiny", hidden_size=args.hidden, num_attention_heads=args.heads,
         num_layers=args.middle_layers + 2, num_experts=args.experts, moe_top_k=args.top_k,
         moe_ffn_hidden_size=args.expert_ffn, seq_length=args.seq, latent_reduction=reduction,
         **({"latent_stride": args.stride} if reduction == "sequence" else {}))

@@ -22,7 +22,7 @@ import time
 import torch
 
 from megaloop.models.flops import forward_flops, model_flops_per_token
-from megaloop.presets import preset
+from megaloop.cli import parsed_preset
 from megaloop.training.monitor import peak_tflops
 
 SIZE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length",
@@ -52,8 +52,8 @@ def main(argv=None):
     base = "tiny"
     if args.preset:
         base, size = args.preset, {}
-    configs = {"asymloop_k3": preset(base, arch="asymloop", iterations=3, **size),
-               "fullloop_r2": preset(base, arch="fullloop", iterations=2, **size)}
+    configs = {"asymloop_k3": parsed_preset(parser, base, arch="asymloop", iterations=3, **size),
+               "fullloop_r2": parsed_preset(parser, base, arch="fullloop", iterations=2, **size)}
     seq, vocab = configs["asymloop_k3"].seq_length, configs["asymloop_k3"].vocab_size
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA flash needs bf16/fp16
