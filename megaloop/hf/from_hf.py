@@ -41,7 +41,7 @@ def read_config(directory: Path):
     is missing, unreadable or describes no model megaloop computes."""
     import transformers
 
-    from megaloop.models.export import model_config, reference_class
+    from megaloop.models.export import reference_class
     from megaloop.reference.configuration_megaloop import LatentLoopConfig, MegaloopConfig
 
     config_file = directory / "config.json"
