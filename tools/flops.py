@@ -44,17 +44,23 @@ def matched_depth_rows(name: str, asym_iterations: int = 3) -> dict:
     return row
 
 
+def print_rows(header: str, lines) -> None:
+    """A table: ``header``, a rule as wide as it, then ``lines``."""
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
+
+
 def print_table(rows: list[dict]) -> None:
     header = (f"{'preset':>6} {'J':>3} | {'params dense':>13} {'full loop':>11} {'asymloop':>11} | "
               f"{'GFLOP/token dense':>17} {'full loop':>9} {'asymloop':>9} | {'asym vs full':>12}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['preset']:>6} {r['effective_depth']:>3} | {r['dense_params'] / 1e6:>12.1f}M "
-              f"{r['fullloop_params'] / 1e6:>10.1f}M {r['asymloop_params'] / 1e6:>10.1f}M | "
-              f"{r['dense_gflops_per_token']:>17.3f} {r['fullloop_gflops_per_token']:>9.3f} "
-              f"{r['asymloop_gflops_per_token']:>9.3f} | "
-              f"{r['asymloop_overhead_vs_fullloop_pct']:>+11.2f}%")
+    print_rows(header, (
+        f"{r['preset']:>6} {r['effective_depth']:>3} | {r['dense_params'] / 1e6:>12.1f}M "
+        f"{r['fullloop_params'] / 1e6:>10.1f}M {r['asymloop_params'] / 1e6:>10.1f}M | "
+        f"{r['dense_gflops_per_token']:>17.3f} {r['fullloop_gflops_per_token']:>9.3f} "
+        f"{r['asymloop_gflops_per_token']:>9.3f} | "
+        f"{r['asymloop_overhead_vs_fullloop_pct']:>+11.2f}%" for r in rows))
 
 
 def latentloop_rows(tier: str) -> list[dict]:
@@ -81,23 +87,19 @@ def latentloop_rows(tier: str) -> list[dict]:
 def print_latentloop_table(rows: list[dict]) -> None:
     header = (f"{'preset':>16} | {'params':>8} {'active':>8} | {'KV/token':>9} | "
               f"{'GFLOP/token':>11} | {'saved by compressing visit 1':>28}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['preset']:>16} | {r['params'] / 1e9:>7.3f}B {r['active_params'] / 1e9:>7.3f}B | "
-              f"{r['kv_cache_per_token']:>9.0f} | {r['gflops_per_token']:>11.3f} | "
-              f"{r['compression_saving_pct']:>27.2f}%")
+    print_rows(header, (
+        f"{r['preset']:>16} | {r['params'] / 1e9:>7.3f}B {r['active_params'] / 1e9:>7.3f}B | "
+        f"{r['kv_cache_per_token']:>9.0f} | {r['gflops_per_token']:>11.3f} | "
+        f"{r['compression_saving_pct']:>27.2f}%" for r in rows))
 
 
 def print_measured_table(results: list[dict]) -> None:
     header = (f"{'model':>12} {'phase':>8} {'recompute':>9} | {'counted':>11} {'analytical':>11} | "
               f"{'difference':>10}")
-    print(header)
-    print("-" * len(header))
-    for result in results:
-        for r in result["measured"]:
-            print(f"{result['model']:>12} {r['phase']:>8} {str(r['recompute']):>9} | "
-                  f"{r['counted']:>11.4g} {r['analytical']:>11.4g} | {r['rel_diff_pct']:>+9.2f}%")
+    print_rows(header, (
+        f"{result['model']:>12} {r['phase']:>8} {str(r['recompute']):>9} | "
+        f"{r['counted']:>11.4g} {r['analytical']:>11.4g} | {r['rel_diff_pct']:>+9.2f}%"
+        for result in results for r in result["measured"]))
 
 
 def measure(cfg: ModelConfig, batch: int = 2) -> list[dict]:
