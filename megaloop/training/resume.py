@@ -126,15 +126,6 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
     alrs_on = cfg.train.use_alrs and before["train.use_alrs"]
     if not alrs_on:  # the alrs section is read only while ALRS runs
         changed = {k: v for k, v in changed.items() if not k.startswith("alrs.")}
-    # A finished run relaunched (not so one continuing another run's checkpoint at
-    # train.train_steps, which evaluates and saves it as its own).
-    if own and cfg.train.train_steps == step:
-        unused = [k for k in changed if k not in LOCATIONS]
-        unused = f"; changed settings not applied: {', '.join(unused)}" if unused else ""
-        log.log(logging.WARNING if unused else logging.INFO,
-                "%s: the run is complete at step %d (train.train_steps=%d): nothing to train "
-                "(raise train.train_steps to continue it)%s", path, step, step, unused)
-        return True
     # Options for another mode than the run's (which a resume cannot change): no effect either way.
     unread = {f"alrs.{name}" for name in ALLOCATION_OPTIONS + BOOST_OPTIONS
               if name not in cfg.alrs.read_options()}
@@ -174,6 +165,16 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
             raise ConfigError(f"{name}={new!r}: differs from {old!r} in {path / 'config.yaml'}, "
                               f"and a resume cannot apply it ({reason}); set it back, or start "
                               "a new run")
+    # A finished run relaunched (not so one continuing another run's checkpoint at
+    # train.train_steps, which evaluates and saves it as its own). After the refusals: a setting
+    # no resume can apply is refused even here, since the relaunch would not be the run asked for.
+    if own and cfg.train.train_steps == step:
+        unused = [k for k in changed if k not in LOCATIONS]
+        unused = f"; changed settings not applied: {', '.join(unused)}" if unused else ""
+        log.log(logging.WARNING if unused else logging.INFO,
+                "%s: the run is complete at step %d (train.train_steps=%d): nothing to train "
+                "(raise train.train_steps to continue it)%s", path, step, step, unused)
+        return True
     for name, (old, new) in changed.items():
         if name in REPORTED_BY_TRAINER:
             continue

@@ -304,19 +304,23 @@ def test_fewer_steps_than_the_checkpoint_has_taken_are_refused(tmp_path, caplog)
 
 def test_a_finished_run_relaunched_is_complete_and_names_what_it_did_not_apply(tmp_path,
                                                                               caplog):
+    from megaloop.config import ConfigError
     from megaloop.training.resume import check_changed_settings
 
     path, cfg = _checkpoint(tmp_path, train={"train_steps": 4})
     done = f"{path}: the run is complete at step 4 (train.train_steps=4): nothing to train"
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
         assert check_changed_settings(path, cfg) is True
-        # A change not even a resume could apply is reported, not refused: nothing runs.
-        assert check_changed_settings(path, _changed(cfg, "model", init_std=0.5)) is True
+        # A change a resume would apply is named as not applied: nothing runs.
+        assert check_changed_settings(path, _changed(cfg, "model", rotary_base=5e5)) is True
         assert check_changed_settings(path, _changed(cfg, "train", train_steps=5)) is False
+        # One no resume could apply is refused even here: the relaunch is not the run asked for.
+        with pytest.raises(ConfigError, match="model.init_std=0.5: differs"):
+            check_changed_settings(path, _changed(cfg, "model", init_std=0.5))
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, f"{done} (raise train.train_steps to continue it)"),
         (logging.WARNING, f"{done} (raise train.train_steps to continue it); changed settings "
-                          "not applied: model.init_std")]  # train_steps: resume_schedule's
+                          "not applied: model.rotary_base")]  # train_steps: resume_schedule's
     # Another run's checkpoint, continued with its optimizer, is copied as this run's step 4.
     elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path))
     assert check_changed_settings(path, elsewhere) is False
