@@ -22,6 +22,7 @@ line naming the file instead of megatron-core's multi-rank traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -61,6 +62,9 @@ ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "ffn_hidden_size",
 RESUMABLE_MODEL_FIELDS = ("iterations", "joint_attention", "seq_length", "rotary_base",
                           "norm_eps", "init_std", "residual_scale_init", "moe_top_k",
                           "moe_aux_loss_coeff", "moe_z_loss_coeff")
+# Architecture fields whose default (None, ModelConfig.resolve) follows a resumable field: changed
+# through it, the refusal names the field the user changed ({field: (source, rule)}).
+DERIVED_FROM_RESUMABLE = {"moe_ffn_hidden_size": ("moe_top_k", "ffn_hidden_size // moe_top_k")}
 
 
 class CheckpointError(RuntimeError):
@@ -92,12 +96,31 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     pointer = directory / LATEST
     if not pointer.exists():
         return None
-    name = pointer.read_text().strip()
-    path = directory / name
-    if not _NAME.match(name) or not (path / "config.yaml").is_file():
-        raise CheckpointError(f"{pointer}: names {name!r}, which is not a complete checkpoint "
-                              f"directory in {directory}")
+    path = directory / pointed_name(pointer)
+    if not (path / "config.yaml").is_file():
+        raise CheckpointError(f"{pointer}: names {path.name!r}, which is not a complete "
+                              f"checkpoint directory in {directory}")
     return path
+
+
+def pointed_name(pointer: Path) -> str:
+    """The ``iter_N`` name a ``latest`` file holds; a CheckpointError in one line naming the file
+    when it is unreadable, not UTF-8 text, empty or holds anything else (every reader of
+    ``latest`` goes through here: resume, ``checkpoint.load``, api.load, export, evaluation)."""
+    expected = "it should hold the name of a checkpoint directory, e.g. iter_0000100"
+    try:
+        text = pointer.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer}: not UTF-8 text ({expected})") from None
+    except OSError as e:  # a directory named latest, no permission...
+        raise CheckpointError(f"{pointer}: unreadable ({e.strerror or e})") from None
+    name = text.strip()
+    if not name:
+        raise CheckpointError(f"{pointer}: empty ({expected})")
+    if not _NAME.match(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise CheckpointError(f"{pointer}: holds {shown!r}, not a checkpoint name ({expected})")
+    return name
 
 
 def complete_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -257,12 +280,23 @@ def check_optimizer_state(path: Path, cfg: RunConfig) -> None:
 
 def check_compatible(path: Path, cfg: RunConfig) -> None:
     """Refuses, in one line, to resume a checkpoint of a different architecture."""
-    saved = saved_config(path)["model"]
-    current = dict(vars(cfg.model.resolve()))
     # A field newer than the checkpoint had its default value when the checkpoint was written.
-    saved = {k: saved.get(k, getattr(ModelConfig(), k)) for k in ARCHITECTURE_FIELDS}
-    differences = [f"model.{k}={saved[k]!r} in the checkpoint, {current[k]!r} now"
-                   for k in ARCHITECTURE_FIELDS if saved[k] != current[k]]
+    saved = {**vars(ModelConfig()), **saved_config(path)["model"]}
+    current = dict(vars(cfg.model.resolve()))
+    by_default = vars(dataclasses.replace(
+        cfg.model, **dict.fromkeys(DERIVED_FROM_RESUMABLE)).resolve())
+    differences = []
+    for k in ARCHITECTURE_FIELDS:
+        if saved[k] == current[k]:
+            continue
+        source, rule = DERIVED_FROM_RESUMABLE.get(k, (None, None))
+        if source and saved[source] != current[source] and current[k] == by_default[k]:
+            differences.append(f"model.{source}={current[source]!r} ({saved[source]!r} in the "
+                               f"checkpoint) changes model.{k} from {saved[k]!r} to "
+                               f"{current[k]!r} (when unset it is {rule}; set it to {saved[k]!r} "
+                               "to keep the checkpoint's)")
+        else:
+            differences.append(f"model.{k}={saved[k]!r} in the checkpoint, {current[k]!r} now")
     if differences:
         raise CheckpointError(f"{path} was saved by a different architecture: "
                               + "; ".join(differences))
@@ -516,13 +550,15 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bool) -> Path:
     pointer = directory / LATEST
     if pointer.exists():
-        name = pointer.read_text().strip()
-        named = directory / name
-        if not _NAME.match(name) or not named.is_dir():
-            candidate, problem = None, f"{pointer}: names {name!r}, which is not a checkpoint " \
-                                       f"directory in {directory}"
+        try:
+            named = directory / pointed_name(pointer)
+        except CheckpointError as e:
+            candidate, problem = None, str(e)
         else:
             candidate, problem = named, None
+            if not named.is_dir():
+                candidate, problem = None, f"{pointer}: names {named.name!r}, which is not a " \
+                                           f"checkpoint directory in {directory}"
     else:
         candidate, problem = complete[-1], None
         log.warning("%s: no 'latest' pointer; resuming from the newest complete checkpoint %s",

@@ -374,6 +374,38 @@ def test_a_runs_out_dir_without_a_checkpoint_is_no_checkpoint(tmp_path):
     assert ckpt.named_checkpoint(damaged) == damaged
 
 
+
+@pytest.mark.parametrize("content, reason", [
+    (b"\xff\xfeiter\n", "not UTF-8 text"), (b" \n", "empty"),
+    (b"iter_0000001\ngarbage\n", "holds 'iter_0000001\\ngarbage', not a checkpoint name"),
+    (b"x" * 500, "holds 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...', not a checkpoint name"),
+])
+def test_an_unreadable_latest_is_one_line_naming_it_for_every_reader(tmp_path, content, reason):
+    """Before: a UnicodeDecodeError traceback from each reader of a non-UTF-8 ``latest``."""
+    from megaloop.config import CheckpointConfig, TrainConfig
+
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    (checkpoints / "iter_0000001").mkdir(parents=True)
+    save_yaml(RunConfig(train=TrainConfig(out_dir=str(out))), out / "config.yaml")
+    save_yaml(RunConfig(), checkpoints / "iter_0000001" / "config.yaml")
+    pointer = checkpoints / "latest"
+    pointer.write_bytes(content)
+    elsewhere = RunConfig(train=TrainConfig(out_dir=str(tmp_path / "new")),
+                          checkpoint=CheckpointConfig(load=str(checkpoints)))
+    readers = {  # api.load, export and evaluation find their checkpoint as find_checkpoint does
+        "find_checkpoint": lambda: ckpt.find_checkpoint(checkpoints),
+        "find_checkpoint of out_dir": lambda: ckpt.find_checkpoint(out),
+        "resume": lambda: ckpt.resume_source(RunConfig(train=TrainConfig(out_dir=str(out))),
+                                             checkpoints),
+        "checkpoint.load": lambda: ckpt.resume_source(elsewhere, tmp_path / "new" / "ckpts"),
+    }
+    for reader, read in readers.items():
+        with pytest.raises(ckpt.CheckpointError) as error:
+            read()
+        assert _one_line(error).startswith(f"{pointer}: {reason}"), reader
+
+
 # ----------------------------------------------------------------------- permissions
 
 def test_latest_and_config_are_readable_by_others_like_the_shards(saved_run, pattern_data,
@@ -449,6 +481,27 @@ def test_resumable_model_fields_may_change(saved_config, field, value):
 
     cfg = RunConfig(model=dataclasses.replace(ckpt_model(saved_config), **{field: value}))
     ckpt.check_compatible(saved_config, cfg)
+
+
+
+def test_a_resumable_change_that_moves_a_derived_width_names_the_field_changed(tmp_path):
+    """Before: moe_top_k 2 -> 4 with moe_ffn_hidden_size unset was refused naming only
+    moe_ffn_hidden_size, a field the user never set."""
+    import dataclasses
+
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    moe = ModelConfig(arch="asymloop", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                      num_attention_heads=4, vocab_size=128, num_experts=4)
+    save_yaml(RunConfig(model=dataclasses.replace(moe).resolve()), path / "config.yaml")
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.check_compatible(path, RunConfig(model=dataclasses.replace(moe, moe_top_k=4)))
+    assert _one_line(error) == (
+        f"{path} was saved by a different architecture: model.moe_top_k=4 (2 in the checkpoint) "
+        "changes model.moe_ffn_hidden_size from 32 to 16 (when unset it is ffn_hidden_size // "
+        "moe_top_k; set it to 32 to keep the checkpoint's)")
+    ckpt.check_compatible(path, RunConfig(model=dataclasses.replace(moe, moe_top_k=4,
+                                                                    moe_ffn_hidden_size=32)))
 
 
 def ckpt_model(path) -> ModelConfig:
