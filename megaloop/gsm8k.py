@@ -156,7 +156,7 @@ def resumed_config(cfg: RunConfig, base_checkpoint: str | os.PathLike) -> RunCon
     ``checkpoint.load`` (a resume continues its own checkpoints; it cannot take other weights).
     ``--base`` naming a checkpoint itself is taken as given."""
     from megaloop.training import checkpoint as ckpt
-    from megaloop.training.resume import check_changed_settings
+    from megaloop.training.resume import check_resume
 
     own_dir = Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
     complete = ckpt.complete_checkpoints(own_dir)
@@ -168,16 +168,9 @@ def resumed_config(cfg: RunConfig, base_checkpoint: str | os.PathLike) -> RunCon
     if started and Path(base_checkpoint).resolve() != now.resolve() and \
             Path(started).parent.resolve() == now.parent.resolve():
         cfg = with_settings(cfg, {"checkpoint.load": started})
-    # The trainer's checks of a resume (Trainer._set_up), here before anything is written. The
-    # changes they accept are logged by the trainer once it resumes, not twice.
-    ckpt.check_compatible(own, cfg)
-    ckpt.check_optimizer_state(own, cfg)
-    changes = logging.getLogger("megaloop.train")
-    was_disabled, changes.disabled = changes.disabled, True
-    try:
-        check_changed_settings(own, cfg)
-    finally:
-        changes.disabled = was_disabled
+    # The trainer's checks of a resume, here before anything is written. The changes they
+    # accept are logged by the trainer once it resumes, not twice.
+    check_resume(own, cfg, report=False)
     return cfg
 
 

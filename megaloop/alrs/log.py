@@ -30,6 +30,7 @@ import numpy as np
 from megaloop.alrs.schedule import config_error
 
 FORMAT = "megaloop.alrs.log/1"
+RUN_LOG = "alrs.zarr"  # a training run's log: <train.out_dir>/alrs.zarr
 _STAT_FIELDS = ("alpha", "multiplier", "stable_rank", "norm_stable_rank")
 _ROWS_PER_CHUNK = 256
 
@@ -180,6 +181,15 @@ class ALRSLog:
         if arr.shape[0] < end:
             arr.resize((end, *arr.shape[1:]))
         arr[row:end] = values
+
+
+def stores_eigenvalues(path: str | os.PathLike) -> bool | None:
+    """Whether the ALRS log at ``path`` stores eigenvalues (``log_eigenvalues``, fixed for the
+    life of a log); None where there is no complete log to append to."""
+    if not os.path.exists(os.path.join(os.fspath(path), "zarr.json")):
+        return None
+    attrs = require_zarr().open_group(os.fspath(path), mode="r").attrs
+    return bool(attrs["log_eigenvalues"]) if attrs.get("format") == FORMAT else None
 
 
 def read_log(path: str | os.PathLike) -> ALRSLogData:

@@ -148,20 +148,24 @@ class ALRSConfig:
 
 class MultiplierSchedule:
     """Per-name multipliers as piecewise-linear ramps between allocations; the first allocation
-    holds at once."""
+    holds at once. ``transition``: the length of the ramps that the next allocations start;
+    ``ramp_length``: that of the last ramp started, which a resume with another
+    ``alrs.transition`` keeps (the new one takes effect at the next allocation, as the other
+    allocation options do, rather than bending or reopening a ramp)."""
 
     def __init__(self, initial: dict[str, float], transition: int):
         self.transition = transition
+        self.ramp_length = transition
         self.start = dict(initial)
         self.target = dict(initial)
         self.ramp_step = 0
         self.allocated = False
 
     def at(self, step: int) -> dict[str, float]:
-        """Multipliers in effect at ``step`` (m(a) = start, m(a + transition) = target)."""
-        if self.transition == 0 or step >= self.ramp_step + self.transition:
+        """Multipliers in effect at ``step`` (m(a) = start, m(a + ramp_length) = target)."""
+        if self.ramp_length == 0 or step >= self.ramp_step + self.ramp_length:
             return dict(self.target)
-        frac = max(0, step - self.ramp_step) / self.transition
+        frac = max(0, step - self.ramp_step) / self.ramp_length
         return {k: self.start[k] + (self.target[k] - self.start[k]) * frac for k in self.target}
 
     def retarget(self, step: int, targets: dict[str, float]) -> None:
@@ -172,18 +176,21 @@ class MultiplierSchedule:
         self.start = self.at(step) if self.allocated else dict(targets)
         self.target = dict(targets)
         self.ramp_step = step
+        self.ramp_length = self.transition
         self.allocated = True
 
     def state_dict(self) -> dict:
         return {"start": dict(self.start), "target": dict(self.target), "ramp_step": self.ramp_step,
-                "allocated": self.allocated}
+                "ramp_length": self.ramp_length, "allocated": self.allocated}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the ramp in progress with its own length (checkpoints written before
+        "ramp_length" existed: give it, the saved config's alrs.transition, in ``state``)."""
         if set(state["target"]) != set(self.target):
             raise ValueError("ALRS checkpoint names different matrices than this model")
         self.start = dict(state["start"])
         self.target = dict(state["target"])
         self.ramp_step = int(state["ramp_step"])
-        # The transition stays the configured one (alrs.transition): a resume may change it.
+        self.ramp_length = int(state["ramp_length"])
         # Checkpoints written before "allocated" existed had allocated iff a ramp had started.
         self.allocated = bool(state.get("allocated", self.ramp_step > 0))

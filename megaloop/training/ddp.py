@@ -1,4 +1,5 @@
-"""megatron-core's DistributedDataParallel, made collectable.
+"""A model chunk wrapped for training (``wrap_for_training``): per-token loss scaling, bf16, and
+megatron-core's DistributedDataParallel, made collectable.
 
 megatron-core keeps each parameter's gradient accumulator (an autograd node) in ``grad_accs`` and
 hangs a hook on it that closes over the DDP wrapper. The garbage collector cannot see through the
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import weakref
 
-from megatron.core.distributed import DistributedDataParallel
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
 
 
 class CollectableDDP(DistributedDataParallel):
@@ -21,3 +24,32 @@ class CollectableDDP(DistributedDataParallel):
 
     def _make_backward_post_hook(self, param):
         return DistributedDataParallel._make_backward_post_hook(weakref.proxy(self), param)
+
+
+def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype,
+                      distributed_optimizer: bool) -> CollectableDDP:
+    """``model`` (a chunk whose parameters are in ``dtype``) on the GPU when there is one, with
+    per-token loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32)."""
+    if torch.cuda.is_available():
+        model.cuda()
+    use_per_token_loss(model)
+    wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
+    return CollectableDDP(
+        model.config,
+        DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                      grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        wrapped)
+
+
+def use_per_token_loss(model: torch.nn.Module) -> None:
+    """Switches megatron-core to per-token loss scaling: the loss function returns token sums and
+    counts, schedules stop dividing by micro-batch count, DDP sums over data-parallel ranks and
+    finalize_model_grads divides by the global batch's token count. Set on every block's config
+    (DDP and the schedules read the model's; MoE routers copy theirs at construction, so their
+    copies are set too) here rather than in the model, where plain DDP users expect averaging."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(config, "calculate_per_token_loss"):
+            config.calculate_per_token_loss = True
+        if hasattr(module, "calculate_per_token_loss"):
+            module.calculate_per_token_loss = True

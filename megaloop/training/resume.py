@@ -5,9 +5,10 @@ a new field has to be placed):
 
 - the architecture (``checkpoint.ARCHITECTURE_FIELDS``): refused by ``check_compatible``;
 - the LR schedule: applied by ``resume_schedule`` unless ``checkpoint.keep_schedule``, each
-  change one warning line; what decides the sample order: reported by ``Trainer._load``;
+  change one warning line; what decides the sample order: ``report_sample_order``;
 - ``APPLIED``: in effect from the next step, each change one warning line;
-- ``BOOKKEEPING`` (logging, evaluation, saving): in effect, each change one info line. A
+- ``BOOKKEEPING`` (logging, evaluation, saving): in effect, each change one info line
+  (``alrs.log_eigenvalues`` refused while the run's ALRS log was written otherwise). A
   ``checkpoint.dir`` changed so that the run finds nothing there to resume, while the config the
   last run saved in ``train.out_dir`` names a directory holding checkpoints, is refused before
   this (``checkpoint.resume_source``): it would start that run over, metrics included (not so
@@ -97,15 +98,29 @@ def next_allocation(step: int, cfg: RunConfig) -> int | None:
     return candidate if alrs.allocates_at(candidate, total) else None
 
 
-def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
-    """Refuses, in one ConfigError line, a changed setting that a resume from ``path`` cannot
-    apply; logs each other change in one line. Call after the architecture check. True when
+def check_resume(path: Path, cfg: RunConfig, report: bool = True) -> bool:
+    """The checks of a run starting from checkpoint ``path`` (``Trainer._set_up``, and
+    megaloop.gsm8k before it writes anything), in one CheckpointError or ConfigError line: the
+    architecture (``check_compatible``), the optimizer state (``check_optimizer_state``), then
+    each changed setting, by the rules above. ``report``: log each change accepted in one line
+    (False: refuse only, for a caller whose trainer logs them when it resumes). True when
     ``path`` is the run's own checkpoint at ``train.train_steps`` already (a finished run
     relaunched): then nothing is left to train, evaluate or save, which is logged in one line
     naming any changed setting instead."""
+    ckpt.check_compatible(path, cfg)
+    ckpt.check_optimizer_state(path, cfg)
+    complete, lines = _changed_settings(path, cfg)
+    if report:
+        for level, line in lines:
+            log.log(level, "%s", line)
+    return complete
+
+
+def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int, str]]]:
+    """(complete, the log lines of the accepted changes); a ConfigError for one refused."""
     own = ckpt.is_own_checkpoint(path, cfg)
     if not own and not cfg.checkpoint.load_optimizer or not ckpt.holds_training_state(path):
-        return False  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
+        return False, []  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
     saved = ckpt.saved_config(path)
     defaults, now = to_dict(RunConfig()), to_dict(cfg)
     before, after = {}, {}
@@ -142,6 +157,8 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
                       "multipliers saved in the checkpoint hold")
         elif name in AT_START and cfg.alrs.mode == "decoder_boost":
             reason = "the multipliers saved in the checkpoint hold"
+        elif name == "alrs.log_eigenvalues":
+            reason = _eigenvalue_log_refusal(cfg)
         elif name == "model.iterations":  # the saved weights are those of a model with ``old``
             reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
         elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":
@@ -171,23 +188,50 @@ def check_changed_settings(path: Path, cfg: RunConfig) -> bool:
     if own and cfg.train.train_steps == step:
         unused = [k for k in changed if k not in LOCATIONS]
         unused = f"; changed settings not applied: {', '.join(unused)}" if unused else ""
-        log.log(logging.WARNING if unused else logging.INFO,
-                "%s: the run is complete at step %d (train.train_steps=%d): nothing to train "
-                "(raise train.train_steps to continue it)%s", path, step, step, unused)
-        return True
+        return True, [(logging.WARNING if unused else logging.INFO,
+                       f"{path}: the run is complete at step {step} (train.train_steps={step}): "
+                       f"nothing to train (raise train.train_steps to continue it){unused}")]
+    lines = []
     for name, (old, new) in changed.items():
         if name in REPORTED_BY_TRAINER:
             continue
         if name in unread:
-            log.info("%s: %s changed from %r to %r; alrs.mode=%r does not read it (no effect on "
-                     "this run)", where, name, old, new, cfg.alrs.mode)
+            lines.append((logging.INFO, f"{where}: {name} changed from {old!r} to {new!r}; "
+                          f"alrs.mode={cfg.alrs.mode!r} does not read it (no effect on this run)"))
             continue
         when = f"from step {step + 1}"
         if name in AT_NEXT_ALLOCATION or (name == "train.use_alrs" and cfg.alrs.mode == "alrs"):
             when = f"from ALRS's next allocation, at step {first}"
-        level = logging.INFO if name in BOOKKEEPING else logging.WARNING
-        log.log(level, "%s: %s changed from %r to %r; in effect %s", where, name, old, new, when)
-    return False
+        lines.append((logging.INFO if name in BOOKKEEPING else logging.WARNING,
+                      f"{where}: {name} changed from {old!r} to {new!r}; in effect {when}"))
+    return False, lines
+
+
+def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
+    """Why ``alrs.log_eigenvalues`` cannot change: the run's ALRS log holds eigenvalues for
+    every analysis or for none. None where no log is there yet (a new ``train.out_dir``)."""
+    from megaloop.alrs.log import RUN_LOG, stores_eigenvalues
+
+    path = Path(cfg.train.out_dir) / RUN_LOG
+    stored = stores_eigenvalues(path)
+    if stored is None or stored == cfg.alrs.log_eigenvalues:
+        return None
+    return (f"the ALRS log {path} holds eigenvalues for {'every' if stored else 'no'} analysis, "
+            "which cannot change within it; another train.out_dir starts a new log")
+
+
+def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> None:
+    """Warns, in one line, of the settings that decide which samples the steps after ``step``
+    read and that differ from those of ``saved``, the config of checkpoint ``path``."""
+    sample_order = {
+        "train.seed": (saved["train"].get("seed"), cfg.train.seed),
+        "model.seq_length": (saved["model"].get("seq_length"), cfg.model.seq_length),
+        **{f"data.{k}": (saved.get("data", {}).get(k), getattr(cfg.data, k))
+           for k in ("path", "split", "eod_mask_loss")}}
+    changed = [name for name, (before, now) in sample_order.items() if before != now]
+    if changed:
+        log.warning("resume: %s differ from %s's: the sample order from step %d on is not the "
+                    "one the saved run would have seen", ", ".join(changed), path, step)
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,

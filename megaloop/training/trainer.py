@@ -2,9 +2,9 @@
 
 Order of set-up (cheap checks first, so that a mistake costs seconds, not a model build):
 config validation and the logging packages it asks for -> stop-signal handlers -> process groups
--> run directories (probe writes, run lock) -> datasets (bad files and token ids beyond the
-vocabulary fail here) -> resume source (verified) and its architecture check -> model -> DDP ->
-optimizer -> checkpoint load.
+-> run directories (probe writes, run lock) -> resume source (verified) and the checks of a resume
+(megaloop.training.resume: a finished run relaunched ends here) -> datasets (bad files and token
+ids beyond the vocabulary fail here) -> model -> DDP -> optimizer -> checkpoint load.
 
 One optimizer step (1-based ``step``): micro-batches run through ``get_forward_backward_func``
 (gradient accumulation, pipeline schedule), ``finalize_model_grads`` reduces gradients, a non-finite
@@ -30,11 +30,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megaloop.alrs.schedule import ALRSConfig
 from megaloop.config import ConfigError, RunConfig, micro_batches_per_step, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
-from megaloop.training.resume import check_changed_settings, resume_schedule
+from megaloop.training.resume import check_resume, report_sample_order, resume_schedule
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
@@ -92,20 +93,6 @@ def _check_logging_packages(train) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _use_per_token_loss(model: torch.nn.Module) -> None:
-    """Switches megatron-core to per-token loss scaling: the loss function returns token sums and
-    counts, schedules stop dividing by micro-batch count, DDP sums over data-parallel ranks and
-    finalize_model_grads divides by the global batch's token count. Set on every block's config
-    (DDP and the schedules read the model's; MoE routers copy theirs at construction, so their
-    copies are set too) here rather than in the model, where plain DDP users expect averaging."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if hasattr(config, "calculate_per_token_loss"):
-            config.calculate_per_token_loss = True
-        if hasattr(module, "calculate_per_token_loss"):
-            module.calculate_per_token_loss = True
-
-
 def _chunk_key(chunk: int) -> str:
     """Checkpoint section of model chunk ``chunk`` (its entries' keys are global: any chunk
     layout reads them)."""
@@ -122,8 +109,8 @@ class Trainer:
     it closes. A stop signal during set-up ends it early: the Trainer is then closed,
     ``stopped_during_set_up`` is True and ``train()`` only returns the stop. Finding the run
     finished (its own latest checkpoint at ``train.train_steps``) ends set-up early too:
-    ``complete`` is then True, no model is built, and ``train()`` (or ``close()``) evaluates,
-    saves and logs nothing.
+    ``complete`` is then True, no dataset nor model is built, and ``train()`` (or ``close()``)
+    evaluates, saves and logs nothing.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
@@ -167,17 +154,15 @@ class Trainer:
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
         self._run_dirs = RunDirs(self.out_dir, self.checkpoint_dir, cfg.data.cache_dir)
         self._run_dirs.prepare()
-        self.train_data, self.valid_data = build_datasets(cfg)
-        self._stop_point("building the datasets")
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         if self.resume_path is not None:
-            ckpt.check_compatible(self.resume_path, cfg)
-            ckpt.check_optimizer_state(self.resume_path, cfg)
-            self.complete = check_changed_settings(self.resume_path, cfg)
+            self.complete = check_resume(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
-            if self.complete:
+            if self.complete:  # before the datasets, whose indexes may take minutes to build
                 self.step = ckpt.step_of(self.resume_path)
                 return
+        self.train_data, self.valid_data = build_datasets(cfg)
+        self._stop_point("building the datasets")
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval
 
@@ -224,14 +209,12 @@ class Trainer:
     def _build_model(self) -> None:
         """The model chunks of this rank (one per virtual pipeline stage; one without the
         interleaved schedule), their tied decoder copies made equal, each chunk in megatron-core
-        DDP."""
+        DDP (``ddp.wrap_for_training``)."""
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.transformer.module import Float16Module
 
         from megaloop.models.model import model_class
         from megaloop.models.pipeline import describe_split, stage_counts
-        from megaloop.training.ddp import CollectableDDP
+        from megaloop.training.ddp import wrap_for_training
         from megaloop.training.tied import TiedCopies
 
         cfg, par = self.cfg, self.cfg.parallel
@@ -252,20 +235,8 @@ class Trainer:
             self.tied = TiedCopies(self.models, par.pipeline,
                                    ps.get_pipeline_model_parallel_group())
             self.tied.sync_weights()
-        self.ddps = []
-        for model in self.models:
-            if torch.cuda.is_available():
-                model.cuda()
-            _use_per_token_loss(model)
-            wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
-            self.ddps.append(CollectableDDP(
-                model.config,
-                DistributedDataParallelConfig(
-                    use_distributed_optimizer=cfg.train.distributed_optimizer,
-                    grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                ),
-                wrapped,
-            ))
+        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer)
+                     for model in self.models]
         self.ddp = self.ddps[0]
         # The schedules read these from the first chunk's config.
         config = self.model.config
@@ -288,8 +259,9 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         from megaloop.alrs import ALRS
+        from megaloop.alrs.log import RUN_LOG
 
-        log_path = self.out_dir / "alrs.zarr"
+        log_path = self.out_dir / RUN_LOG
         if is_rank0() and not log_path.exists():  # new: a set-up refused later removes it
             self._run_dirs.created(log_path)
         return ALRS(self.models, total_steps=self.cfg.train.train_steps, config=self.cfg.alrs,
@@ -578,20 +550,13 @@ class Trainer:
                         self.step)
         if own:
             self._last_saved_step = self.step  # this very checkpoint: no need to write it again
-        cfg = self.cfg
-        sample_order = {  # what decides which samples the following steps read
-            "train.seed": (saved["train"].get("seed"), cfg.train.seed),
-            "model.seq_length": (saved["model"].get("seq_length"), cfg.model.seq_length),
-            **{f"data.{k}": (saved.get("data", {}).get(k), getattr(cfg.data, k))
-               for k in ("path", "split", "eod_mask_loss")}}
-        changed = [name for name, (before, now) in sample_order.items() if before != now]
-        if changed:
-            log.warning("resume: %s differ from %s's: the sample order from step %d on is not "
-                        "the one the saved run would have seen", ", ".join(changed), path,
-                        self.step)
+        report_sample_order(saved, self.cfg, path, self.step)
         self.skipped_steps = trainer["skipped_steps"]
         self.lr_multipliers.load_state_dict(state["lr_multipliers"])
         if self.alrs is not None and state["alrs"]:
+            # Saved before the schedule kept its ramp's length: the ramp ran with the config's.
+            state["alrs"]["schedule"].setdefault(
+                "ramp_length", (saved.get("alrs") or {}).get("transition", ALRSConfig.transition))
             self.alrs.load_state_dict(state["alrs"])
         if same_layout:
             ckpt.set_rng_state(state["rng_state"])

@@ -139,11 +139,15 @@ def test_resume_from_state_dict_is_exact():
         assert second.step(t) == first.step(t)
 
 
-def test_a_resume_ramps_with_the_configured_transition_not_the_saved_one():
-    saved = MultiplierSchedule({"a": 1.0}, transition=2)
+def test_a_resume_keeps_the_ramp_in_progress_and_ramps_next_with_the_configured_transition():
+    """alrs.transition changed on resume is in effect from the next allocation, as the resume
+    logs it. Before: the ramp in progress took the new length at once, its multipliers jumping
+    back (and a finished ramp reopened)."""
+    saved = MultiplierSchedule({"a": 1.0}, transition=4)
     saved.retarget(1, {"a": 1.0})
-    saved.retarget(10, {"a": 3.0})  # a ramp from step 10 to step 12
+    saved.retarget(10, {"a": 3.0})  # a ramp from step 10 to step 14, resumed at step 12
     resumed = MultiplierSchedule({"a": 1.0}, transition=20)
     resumed.load_state_dict(saved.state_dict())
-    assert resumed.transition == 20  # was 2: alrs.transition was silently the checkpoint's
-    assert resumed.at(20) == {"a": 2.0}  # halfway along the 20-step ramp
+    assert [resumed.at(t)["a"] for t in (12, 13, 14, 30)] == [2.0, 2.5, 3.0, 3.0]
+    resumed.retarget(40, {"a": 1.0})  # the next allocation ramps over the new 20 steps
+    assert resumed.at(50) == {"a": 2.0}

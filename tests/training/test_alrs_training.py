@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megaloop.alrs import ALRSConfig, read_log
 from megaloop.config import ConfigError, save_yaml
@@ -68,6 +69,11 @@ def test_resume_with_alrs_is_exact(mcore, pattern_data, tmp_path):
     shutil.copytree(straight / "checkpoints" / "iter_0000004",
                     resumed / "checkpoints" / "iter_0000004")
     (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
+    # As saved before the schedule kept the length of its ramp (in progress: steps 4 to 6).
+    common = resumed / "checkpoints" / "iter_0000004" / "common.pt"
+    state = torch.load(common, weights_only=True)
+    assert state["alrs"]["schedule"].pop("ramp_length") == 2
+    torch.save(state, common)
     Trainer(_run(pattern_data, resumed)).train()
     a, b = train_losses(straight), train_losses(resumed)
     assert [a[s] for s in (5, 6, 7, 8)] == [b[s] for s in (5, 6, 7, 8)]

@@ -105,7 +105,8 @@ def test_an_unchanged_config_resumes_without_a_word(run_stopped_at_step_4, patte
 def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, pattern_data,
                                                             tmp_path, caplog, monkeypatch):
     """Before the fix: exit 0 with no word, after a new validation and a duplicate eval row of
-    step 4 in metrics.jsonl (and TensorBoard)."""
+    step 4 in metrics.jsonl (and TensorBoard); then after building the datasets, whose index
+    files (cache_dir) take minutes at scale."""
     import megaloop.models.model as model_module
 
     def no_model(*a, **k):
@@ -116,6 +117,7 @@ def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, patte
                 if p.is_file() and not p.name.endswith(".lock")}
 
     out = _copy(run_at_step_4, tmp_path)
+    shutil.rmtree(out / "cache")  # the dataset indexes: building the datasets writes them again
     before = files()
     monkeypatch.setattr(model_module, "LoopedLM", no_model)
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
@@ -225,11 +227,11 @@ def _changed(cfg, section, **values):
 
 
 def _check(path, cfg, caplog):
-    from megaloop.training.resume import check_changed_settings
+    from megaloop.training.resume import check_resume
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
-        check_changed_settings(path, cfg)
+        check_resume(path, cfg)
     return [(r.levelno, r.getMessage()) for r in caplog.records]
 
 
@@ -249,6 +251,20 @@ def test_a_change_a_resume_applies_is_one_line(tmp_path, caplog, section, field,
     assert _check(path, _changed(cfg, section, **{field: value}), caplog) == [
         (level, f"resume from {path}: {section}.{field} changed from {before!r} to {value!r}; "
                 "in effect from step 5")]
+
+
+def test_check_resume_without_report_refuses_alike_and_logs_nothing(tmp_path, caplog):
+    """megaloop.gsm8k checks a rerun before writing anything; its trainer logs the changes. Before:
+    it silenced the megaloop.train logger around the trainer's checks, repeated there."""
+    from megaloop.config import ConfigError
+    from megaloop.training.resume import check_resume
+
+    path, cfg = _checkpoint(tmp_path)
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        assert check_resume(path, _changed(cfg, "train", clip_grad=0.5), report=False) is False
+        with pytest.raises(ConfigError, match="^model.init_std=0.5: differs"):
+            check_resume(path, _changed(cfg, "model", init_std=0.5), report=False)
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("sections, section, values, named", [
@@ -278,6 +294,29 @@ def test_a_change_a_resume_cannot_apply_is_refused_in_one_line(tmp_path, caplog,
     assert not caplog.records  # nothing logged as if applied before the refusal
 
 
+def test_log_eigenvalues_is_refused_up_front_while_the_runs_alrs_log_was_written_otherwise(
+        tmp_path, caplog):
+    """Before: logged as in effect, then refused by the ALRS log after the model build."""
+    from megaloop.alrs.log import RUN_LOG, ALRSLog
+    from megaloop.config import ConfigError
+
+    path, cfg = _checkpoint(tmp_path, train={"use_alrs": True, "train_steps": 1000})
+    on = _changed(cfg, "alrs", log_eigenvalues=True)
+    applied = [(logging.INFO, f"resume from {path}: alrs.log_eigenvalues changed from False to "
+                              "True; in effect from step 5")]
+    assert _check(path, on, caplog) == applied  # no log yet: the run's first one stores them
+    ALRSLog(tmp_path / RUN_LOG, ["w"], [(2, 2)], ["w"], log_eigenvalues=False)
+    with pytest.raises(ConfigError) as error:
+        _check(path, on, caplog)
+    assert str(error.value) == (
+        f"alrs.log_eigenvalues=True: differs from False in {path / 'config.yaml'}, and a resume "
+        f"cannot apply it (the ALRS log {tmp_path / RUN_LOG} holds eigenvalues for no analysis, "
+        "which cannot change within it; another train.out_dir starts a new log); set it back, "
+        "or start a new run")
+    moved = _changed(on, "train", out_dir=str(tmp_path / "new"))  # a new log there
+    assert [line for _, line in _check(path, moved, caplog)][-1] == applied[0][1]
+
+
 def test_a_resume_may_move_legacy_data_from_its_eod_id_to_the_legacy_tokenizer(tmp_path, caplog):
     """data.legacy_tokenizer changes the EOD id, as data.eod_id does: the data checks compare it
     with the data on every start, so a resume applies it (one line per change) and does not pin
@@ -305,25 +344,25 @@ def test_fewer_steps_than_the_checkpoint_has_taken_are_refused(tmp_path, caplog)
 def test_a_finished_run_relaunched_is_complete_and_names_what_it_did_not_apply(tmp_path,
                                                                               caplog):
     from megaloop.config import ConfigError
-    from megaloop.training.resume import check_changed_settings
+    from megaloop.training.resume import check_resume
 
     path, cfg = _checkpoint(tmp_path, train={"train_steps": 4})
     done = f"{path}: the run is complete at step 4 (train.train_steps=4): nothing to train"
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
-        assert check_changed_settings(path, cfg) is True
+        assert check_resume(path, cfg) is True
         # A change a resume would apply is named as not applied: nothing runs.
-        assert check_changed_settings(path, _changed(cfg, "model", rotary_base=5e5)) is True
-        assert check_changed_settings(path, _changed(cfg, "train", train_steps=5)) is False
+        assert check_resume(path, _changed(cfg, "model", rotary_base=5e5)) is True
+        assert check_resume(path, _changed(cfg, "train", train_steps=5)) is False
         # One no resume could apply is refused even here: the relaunch is not the run asked for.
         with pytest.raises(ConfigError, match="model.init_std=0.5: differs"):
-            check_changed_settings(path, _changed(cfg, "model", init_std=0.5))
+            check_resume(path, _changed(cfg, "model", init_std=0.5))
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, f"{done} (raise train.train_steps to continue it)"),
         (logging.WARNING, f"{done} (raise train.train_steps to continue it); changed settings "
                           "not applied: model.rotary_base")]  # train_steps: resume_schedule's
     # Another run's checkpoint, continued with its optimizer, is copied as this run's step 4.
     elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path))
-    assert check_changed_settings(path, elsewhere) is False
+    assert check_resume(path, elsewhere) is False
 
 
 def test_alrs_options_apply_at_the_next_allocation_while_alrs_allocates(tmp_path, caplog):
