@@ -52,3 +52,27 @@ def test_megaloops_warnings_reach_stderr_as_the_trainers_do(mcore, tmp_path, cap
     monkeypatch.setattr(logging.root, "level", logging.root.level)  # restored afterwards
     assert load_tool("eval_gsm8k").main(argv + ["--max-new-tokens", "12"]) == 0
     assert " megaloop.gsm8k: 1 of 1 questions: the prompt (up to " in capsys.readouterr().err
+
+
+def test_a_tokenizer_ending_documents_otherwise_or_a_test_file_as_output_is_refused(
+        mcore, tmp_path, capsys):
+    """Before: a run on pre-tokenized data (data.eod_id 5) was decoded with a --tokenizer ending
+    documents at another id (never stopping where the model learned to), and --predictions naming
+    the --test file replaced it with the predictions; both exit 0."""
+    tokenizer = _sentencepiece(tmp_path / "tok.model", ("cat", "dog", "emu"))
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"eod_id": 5}, vocab_size=512)
+    test_file = tmp_path / "t.jsonl"
+    test_file.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    argv = [str(base), "--test", str(test_file), "--tokenizer", str(tokenizer),
+            "--max-new-tokens", "2"]
+    evaluate = load_tool("eval_gsm8k").main
+    assert evaluate(argv + ["--predictions", str(tmp_path / "p.jsonl")]) == 2
+    eod = load_tokenizer("SentencePieceTokenizer", tokenizer).eod
+    assert capsys.readouterr().err == (
+        f"error: --tokenizer {tokenizer}: ends documents with id {eod}, the run's data.eod_id is "
+        "5 (not the tokenizer this model was trained with)\n")
+    assert evaluate(argv + ["--predictions", str(test_file)]) == 2
+    assert capsys.readouterr().err == (f"error: --predictions {test_file}: cannot be written (it "
+                                       "is a --test file, which the predictions would replace)\n")
+    assert not (tmp_path / "p.jsonl").exists() and "#### 2" in test_file.read_text()
