@@ -22,6 +22,12 @@ def quiet_third_party_warnings() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-parameter INFO lists
 
 
+def log_to_stderr() -> None:
+    """megaloop's log lines (warnings, and the notes at INFO) on stderr, each naming its logger,
+    as megaloop-train writes them; a process that set up logging already keeps its own."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
 def int_at_least(minimum: int):
     """An argparse ``type``: an integer >= ``minimum``; argparse reports any other value in one
     line naming the flag (``argument --limit: 0: must be >= 1``)."""

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import signal
 import sys
 from typing import NoReturn
 
-from megaloop.cli import int_at_least, quiet_third_party_warnings
+from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun continues the run
@@ -87,7 +86,7 @@ def cli() -> NoReturn:
 
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     quiet_third_party_warnings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log_to_stderr()
     from megaloop.config import ConfigError
 
     try:

@@ -421,6 +421,37 @@ def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("yaml_text, override, message", [
+    # Before the fix: qk_norm silently false, and a prompt or a path 'n' taken as written.
+    ("model: {qk_norm: no}", "model.qk_norm=no", "model.qk_norm=no: YAML 1.1 reads this as "
+     "false, YAML 1.2 as the text 'no'; write false for the boolean, or quote the text"),
+    ("data: {sft_prompt: n}", "data.sft_prompt=n", "data.sft_prompt=n: YAML 1.1 reads this as "
+     "false, YAML 1.2 as the text 'n'; write false for the boolean, or quote the text"),
+    ("data: {path: [a, ON]}", "data.path=[a, ON]", "data.path[1]=ON: YAML 1.1 reads this as true,"
+     " YAML 1.2 as the text 'ON'; write true for the boolean, or quote the text"),
+    ("train: {seed: Y}", "train.seed=Y", "train.seed=Y: YAML 1.1 reads this as true, YAML 1.2 as "
+     "the text 'Y'; write true for the boolean, or quote the text"),
+])
+def test_booleans_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_fix(
+        tmp_path, yaml_text, override, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(path)
+    assert str(err.value) == f"config file {path}: {message}"
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), [override])
+    assert str(err.value) == message
+
+
+def test_true_false_and_quoted_yes_no_are_read_as_written(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {qk_norm: False}\ndata: {sft_prompt: 'yes', path: ['n', \"off\"]}\n")
+    cfg = load_yaml(path)
+    assert (cfg.model.qk_norm, cfg.data.sft_prompt, cfg.data.path) == (False, "yes", ["n", "off"])
+    assert apply_overrides(cfg, ["model.qk_norm=TRUE"]).model.qk_norm is True
+
+
 def test_numbers_where_text_is_expected_are_read_as_their_text(tmp_path):
     path = tmp_path / "run.yaml"
     # Before the fix: data.split=100: must be of type str.

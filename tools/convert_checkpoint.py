@@ -56,10 +56,11 @@ def main(argv=None) -> int:
     from megaloop.config import ConfigError, load_yaml
     from megaloop.data.tokenizer import TokenizerError
     from megaloop.hf.common import ConversionError, ProbeMismatch, quiet_transformers
-    from megaloop.cli import quiet_third_party_warnings
+    from megaloop.cli import log_to_stderr, quiet_third_party_warnings
     from megaloop.training.checkpoint import CheckpointError
 
     quiet_third_party_warnings()
+    log_to_stderr()
     quiet_transformers()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only

@@ -10,12 +10,14 @@ JSON line per question (reference, generation, extracted prediction, rule, corre
 (``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
 ``data.tokenizer_model`` unless ``--tokenizer`` is given, encoding as its
 ``data.legacy_tokenizer`` says (a legacy SentencePiece run stops at the ``<EOD>`` id it was trained
-with). A ``--tokenizer`` given while the run's is still there must encode probe texts as it does
-(the check ``tools/convert_checkpoint.py to-hf --tokenizer`` makes), and no tokenizer may have ids
-past the model's ``vocab_size`` embedding rows. Decoding runs in this one process, one question at a time, with the checkpoint's weights in
-megaloop's reference (Hugging Face) model and its KV cache; ``--uncached`` recomputes the
-canonical model's full forward at every step instead (the same tokens, much slower;
-megaloop.generation). Decoding stays within the model's context (``model.seq_length``):
+with). A ``--tokenizer`` or ``--tokenizer-type`` given while the run's tokenizer is still there
+must encode probe texts as the run's file read as its ``data.tokenizer_type`` does (the check
+``tools/convert_checkpoint.py to-hf --tokenizer`` makes), one in place of a run's ``data.eod_id``
+must end documents with it, and no tokenizer may have ids past the model's ``vocab_size``
+embedding rows. ``--predictions`` may not name a ``--test`` file. Decoding runs in this one process, one question at a time,
+with the checkpoint's weights in megaloop's reference (Hugging Face) model and its KV cache;
+``--uncached`` recomputes the canonical model's full forward at every step instead (the same
+tokens, much slower; megaloop.generation). Decoding stays within the model's context (``model.seq_length``):
 ``--max-new-tokens`` must leave room for a prompt in it (as tools/evaluate.py requires of lm-eval's
 ``--max-gen-toks``), and a question whose prompt and new tokens run past it generates only up to it
 (one warning line; ``cut_at_context`` in the summary). Answer rules are in megaloop.gsm8k.
@@ -27,31 +29,45 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from megaloop.cli import int_at_least, quiet_third_party_warnings, unwritable
+from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings, unwritable
 
 
-def check_tokenizer(tokenizer, given: str | None, tokenizer_type: str | None, data: dict,
+def check_tokenizer(tokenizer, given: str | None, tokenizer_type: str, data: dict,
                     vocab_size: int) -> None:
     """Refuses, before the weights are read, a tokenizer that is not the run's: ``given``
-    (``--tokenizer``) in place of a run's ``data.tokenizer_model`` that is still there must encode
-    as it does (ConversionError, megaloop.hf.tokenizer.check_encodes_like), and ``tokenizer``'s
-    ids must all be rows of the model's embedding (ConfigError): either way the accuracy would be
-    computed from ids the model never learned, or fail at the embedding."""
-    from pathlib import Path
-
+    (``--tokenizer``, else the run's own file) read as ``tokenizer_type`` in place of a run's
+    ``data.tokenizer_model`` that is still there, read as its ``data.tokenizer_type``, must encode
+    as it does (ConversionError, megaloop.hf.tokenizer.check_encodes_like); in place of a run's
+    ``data.eod_id`` it must end documents with that id; and ``tokenizer``'s ids must all be rows
+    of the model's embedding (ConfigError): else the accuracy would be computed from ids the model
+    never learned, or fail at the embedding."""
     from megaloop.config import ConfigError
     from megaloop.hf.tokenizer import check_encodes_like
 
-    run_tokenizer = data.get("tokenizer_model")
-    if given is not None and run_tokenizer is not None and Path(run_tokenizer).exists() and \
-            Path(given).resolve() != Path(run_tokenizer).resolve():
-        check_encodes_like(given, run_tokenizer, tokenizer_type, bool(data.get("legacy_tokenizer")))
+    run_tokenizer, eod_id = data.get("tokenizer_model"), data.get("eod_id")
+    if run_tokenizer is not None and Path(run_tokenizer).exists():
+        check_encodes_like(given or run_tokenizer, run_tokenizer, tokenizer_type=tokenizer_type,
+                           original_type=run_tokenizer_type(data),
+                           legacy=bool(data.get("legacy_tokenizer")))
+    if run_tokenizer is None and eod_id is not None and tokenizer.eod != eod_id:
+        # A run on pre-tokenized data names only its EOD: decoding would not stop at it.
+        raise ConfigError(f"--tokenizer {given}: ends documents with id {tokenizer.eod}, the "
+                          f"run's data.eod_id is {eod_id} (not the tokenizer this model was "
+                          "trained with)")
     if tokenizer.vocab_size > vocab_size:
         source = f"--tokenizer {given}" if given else f"data.tokenizer_model {run_tokenizer}"
         raise ConfigError(f"{source}: ids up to {tokenizer.vocab_size - 1}, past the model's "
                           f"vocab_size={vocab_size} (not the tokenizer this model was trained "
                           "with)")
+
+
+def run_tokenizer_type(data: dict) -> str:
+    """The data.tokenizer_type the run trained with (its default where its config has none)."""
+    from megaloop.config import DataConfig
+
+    return data.get("tokenizer_type") or DataConfig.tokenizer_type
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="output JSON lines (default: %(default)s)")
     args = parser.parse_args(argv)
 
-
     quiet_third_party_warnings()
+    log_to_stderr()
     import megaloop.api as ml
     from megaloop import gsm8k
     from megaloop.config import ConfigError, ModelConfig, template_fields
@@ -84,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         problem = unwritable(args.predictions)
+        if problem is None and any(Path(args.predictions).resolve() == Path(test).resolve()
+                                   for test in args.test):
+            problem = "it is a --test file, which the predictions would replace"
         if problem is not None:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
         path = ckpt.find_checkpoint(args.checkpoint)
@@ -102,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_model = args.tokenizer or data.get("tokenizer_model")
         if tokenizer_model is None:
             raise ConfigError(f"{path}: its config names no tokenizer; give --tokenizer")
-        tokenizer_type = args.tokenizer_type or data.get("tokenizer_type")
-        tokenizer = load_tokenizer(tokenizer_type or "SentencePieceTokenizer", tokenizer_model,
+        tokenizer_type = args.tokenizer_type or run_tokenizer_type(data)
+        tokenizer = load_tokenizer(tokenizer_type, tokenizer_model,
                                    legacy=bool(data.get("legacy_tokenizer")))
         check_tokenizer(tokenizer, args.tokenizer, tokenizer_type, data, model_cfg.vocab_size)
         fields = tuple(dict.fromkeys(("question", "answer") + template_fields(prompt)))

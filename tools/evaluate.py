@@ -28,7 +28,7 @@ import contextlib
 import sys
 import tempfile
 
-from megaloop.cli import int_at_least, quiet_third_party_warnings
+from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     quiet_third_party_warnings()
+    log_to_stderr()
     from megaloop.config import ConfigError
     from megaloop.data.tokenizer import TokenizerError
     from megaloop.hf import evaluate as ev

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output per key")
     g.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
     g.add_argument("--min-score", type=float, help="FineWeb-Edu: keep records with score >= this")
-    g.add_argument("--max-docs", type=int, help="stop after this many documents (in input order)")
+    g.add_argument("--max-docs", type=int_at_least(1), help="stop after this many documents (in input order)")
     g.add_argument("--strict", action="store_true", help="abort on the first bad record instead of skipping it")
     g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--keep-newlines", action="store_true",
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, required=True, help="tokenizer processes (per MPI rank)")
+    g.add_argument("--workers", type=int_at_least(1), required=True, help="tokenizer processes (per MPI rank)")
     g.add_argument("--partitions", type=int, default=1, help="accepted for compatibility; streaming makes it unnecessary")
     g.add_argument("--log-interval", type=int_at_least(1), default=1000,
                    help="documents between log lines when not on a terminal")
@@ -91,10 +91,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.split_sentences:
         parser.error("--split-sentences is not supported: megaloop trains on whole documents")
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
-    if args.max_docs is not None and args.max_docs < 1:
-        parser.error("--max-docs must be at least 1")
     if refusal := json_keys_refusal(args.json_keys):
         parser.error(refusal)
     return args

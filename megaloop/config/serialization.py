@@ -42,11 +42,28 @@ class _Yaml11Int(str):
                 f"1.2 as decimal ({int(self.replace('_', ''), 10)}); write the number without it")
 
 
+class _Yaml11Bool(str):
+    """A plain yes/no/on/off/y/n as written, with its YAML 1.1 ``value``: YAML 1.2 (and so
+    another tool reading the same file) takes it as text, so every field refuses it whatever its
+    type; true and false are booleans in both and stay so."""
+
+    def __new__(cls, text: str, value: bool):
+        self = super().__new__(cls, text)
+        self.value = value
+        return self
+
+    def refusal(self, where: str) -> str:
+        meaning = str(self.value).lower()
+        return (f"{where}={self}: YAML 1.1 reads this as {meaning}, YAML 1.2 as the text "
+                f"{str(self)!r}; write {meaning} for the boolean, or quote the text")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load's loader that refuses a key given twice in one mapping, which PyYAML resolves
     silently by keeping the last (``arch: dense`` then ``arch: fullloop`` would train fullloop).
     Keys brought in by a ``<<`` merge may still be overridden: that is what a merge is for.
-    Integers that only YAML 1.1 reads as numbers come back as ``_Yaml11Int``."""
+    Integers that only YAML 1.1 reads as numbers come back as ``_Yaml11Int``, booleans that only
+    YAML 1.1 reads as booleans as ``_Yaml11Bool``."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -70,8 +87,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             return _Yaml11Int(text, value)
         return value  # 0, 07: the same number either way
 
+    def construct_yaml_bool(self, node):
+        """true or false, or one of YAML 1.1's other booleans as a _Yaml11Bool."""
+        text = self.construct_scalar(node)
+        if text.lower() in ("true", "false"):
+            return super().construct_yaml_bool(node)
+        return _Yaml11Bool(text, text.lower() in ("y", "yes", "on"))
+
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
+# YAML 1.1's y/Y/n/N booleans, which PyYAML reads as text: refused as the other ones are.
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), "yYnN")
 
 
 def _yaml_load(stream):
@@ -86,6 +113,8 @@ def to_dict(cfg) -> dict:
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Checks ``value`` against a field's type hint, converting ints to floats where declared."""
+    if isinstance(value, _Yaml11Bool):
+        raise ConfigError(value.refusal(where))
     origin = get_origin(hint)
     if origin is Literal:
         if value not in get_args(hint):

@@ -204,10 +204,9 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
                               "--tokenizer PATH, or --no-tokenizer")
     from megaloop.hf.tokenizer import check_encodes_like, write_tokenizer
 
-    if data.tokenizer_model is not None and Path(data.tokenizer_model).exists() and \
-            Path(tokenizer).resolve() != Path(data.tokenizer_model).resolve():
-        check_encodes_like(tokenizer, data.tokenizer_model, data.tokenizer_type,
-                           data.legacy_tokenizer)
+    if data.tokenizer_model is not None and Path(data.tokenizer_model).exists():
+        check_encodes_like(tokenizer, data.tokenizer_model, tokenizer_type=data.tokenizer_type,
+                           original_type=data.tokenizer_type, legacy=data.legacy_tokenizer)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     special_tokens = write_tokenizer(tokenizer, staging, vocab_size, data.tokenizer_type,
                                      data.legacy_tokenizer)

@@ -113,21 +113,29 @@ def _megaloop_tokenizer(path: Path, tokenizer_type: str | None = None, legacy: b
         raise ConversionError(f"tokenizer: {e}") from None
 
 
-def check_encodes_like(path: str | Path, original: str | Path, tokenizer_type: str | None = None,
-                       legacy: bool = False) -> None:
-    """The tokenizer at ``path``, given in place of a run's ``original`` one, encodes the probe
-    texts as it does (both as the run's ``tokenizer_type`` and ``legacy`` say) and ends documents
-    with the same id; else a ConversionError naming both (a copy or a conversion of the run's
-    tokenizer passes, another model's does not)."""
+def check_encodes_like(path: str | Path, original: str | Path, *, tokenizer_type: str | None,
+                       original_type: str | None, legacy: bool) -> None:
+    """The tokenizer at ``path`` encoding as ``tokenizer_type`` says, given in place of a run's
+    ``original`` one encoding as the run did (``original_type``, its data.tokenizer_type; both as
+    ``legacy``, its data.legacy_tokenizer), encodes the probe texts as the run's does and ends
+    documents with the same id; else a ConversionError naming both (a copy or a conversion of the
+    run's tokenizer passes, another model's does not, nor the run's own file read as another type
+    would: a legacy Llama2Tokenizer adds a bos, a legacy SentencePieceTokenizer another EOD)."""
+    same_file = Path(path).resolve() == Path(original).resolve()
+    if same_file and tokenizer_type == original_type:
+        return
     given, _ = _megaloop_tokenizer(Path(path), tokenizer_type, legacy)
-    theirs, _ = _megaloop_tokenizer(Path(original), tokenizer_type, legacy)
+    theirs, _ = _megaloop_tokenizer(Path(original), original_type, legacy)
+    name = " ".join(([] if same_file else [f"--tokenizer {path}"]) + (
+        [] if tokenizer_type == original_type else [f"--tokenizer-type {tokenizer_type}"]))
+    run = f"the run's data.tokenizer_model {original}" + (
+        "" if tokenizer_type == original_type else f" (data.tokenizer_type {original_type})")
     if given.eod != theirs.eod:
-        raise ConversionError(f"--tokenizer {path}: ends documents with id {given.eod}, the run's "
-                              f"data.tokenizer_model {original} with {theirs.eod} (not the "
-                              "tokenizer this model was trained with)")
+        raise ConversionError(f"{name}: ends documents with id {given.eod}, {run} with "
+                              f"{theirs.eod} (not the tokenizer this model was trained with)")
     texts = list(PROBE_TEXTS)
     for text, ours, expected in zip(texts, given.encode_batch(texts), theirs.encode_batch(texts)):
         if ours != expected:
-            raise ConversionError(f"--tokenizer {path}: encodes {text!r} as {ours[:8]}..., the "
-                                  f"run's data.tokenizer_model {original} as {expected[:8]}... "
-                                  "(not the tokenizer this model was trained with)")
+            raise ConversionError(f"{name}: encodes {text!r} as {ours[:8]}..., {run} as "
+                                  f"{expected[:8]}... (not the tokenizer this model was trained "
+                                  "with)")

@@ -22,7 +22,7 @@ import time
 import torch
 
 from megaloop.models.flops import forward_flops, model_flops_per_token
-from megaloop.cli import parsed_preset
+from megaloop.cli import int_at_least, parsed_preset
 from megaloop.training.monitor import peak_tflops
 
 SIZE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length",
@@ -31,14 +31,14 @@ SIZE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_lay
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--ffn", type=int, default=688)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int_at_least(1), default=256)
+    parser.add_argument("--ffn", type=int_at_least(1), default=688)
+    parser.add_argument("--heads", type=int_at_least(1), default=4)
+    parser.add_argument("--layers", type=int_at_least(1), default=4)
+    parser.add_argument("--seq", type=int_at_least(1), default=1024)
+    parser.add_argument("--vocab", type=int_at_least(1), default=8192)
+    parser.add_argument("--batch", type=int_at_least(1), default=1)
+    parser.add_argument("--repeats", type=int_at_least(1), default=5)
     parser.add_argument("--preset", help="take the size (hidden, FFN, heads, layers, sequence, "
                                          "vocabulary) from this preset instead")
     args = parser.parse_args(argv)

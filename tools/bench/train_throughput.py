@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megaloop.cli import int_at_least
+
 
 def write_dataset(prefix: Path, vocab: int, documents: int = 2000) -> str:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -216,14 +218,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="+", choices=("dense", "looped"),
                         default=["dense", "looped"])
-    parser.add_argument("--looped-steps", type=int, default=8, help="steps per looped launch")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=6, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating blocks per loop")
+    parser.add_argument("--looped-steps", type=int_at_least(1), default=8,
+                        help="steps per looped launch")
+    parser.add_argument("--hidden", type=int_at_least(1), default=256)
+    parser.add_argument("--layers", type=int_at_least(1), default=4)
+    parser.add_argument("--heads", type=int_at_least(1), default=4)
+    parser.add_argument("--seq", type=int_at_least(1), default=256)
+    parser.add_argument("--vocab", type=int_at_least(1), default=4096)
+    parser.add_argument("--steps", type=int_at_least(1), default=6, help="steps per block")
+    parser.add_argument("--rounds", type=int_at_least(1), default=3,
+                        help="alternating blocks per loop")
     args = parser.parse_args(argv)
 
     from megaloop.cli import quiet_third_party_warnings
