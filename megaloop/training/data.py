@@ -75,20 +75,23 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
 
-    def check() -> None:
-        summaries = {prefix: validate_indexed(prefix) for prefix in prefixes}  # one read each
+    def check() -> dict[str, IndexedSummary]:
+        # One read of each .idx per start-up: build_gpt_datasets takes these summaries (on every
+        # rank) rather than validating again, which costs seconds per 10M sequences.
+        summaries = {prefix: validate_indexed(prefix, tokenizer.vocab_size) for prefix in prefixes}
         check_sidecars(summaries, cfg.data, tokenizer.eod, text.path if text else None)
         check_token_ids(summaries, cfg.model.vocab_size, cache_dir)
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
+        return summaries
 
     # Before the datasets: data made with another tokenizer is refused before megatron-core
     # spends minutes building its indices, and leaves none in the cache.
-    rank0_decides(check, (DataError,))
+    summaries = rank0_decides(check, (DataError,))
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
-        eod_mask_loss=cfg.data.eod_mask_loss,
+        eod_mask_loss=cfg.data.eod_mask_loss, summaries=summaries,
     )
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")

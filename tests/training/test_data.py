@@ -277,3 +277,21 @@ def test_without_a_writable_cache_the_two_id_checks_share_one_scan(tmp_path, sp_
     check_tokenizer_ids(summaries, DataConfig(path=[prefix], tokenizer_model=str(sp_model),
                                               legacy_tokenizer=True), 32003, cache_dir=unwritable)
     assert scans == [f"{prefix}.bin"]  # before: scanned once per check
+
+
+def test_each_prefix_is_validated_once_per_start_up(tmp_path, pattern_data, monkeypatch):
+    from megaloop.data import datasets
+    from megaloop.training import data
+    from tests.training.conftest import tiny_run
+
+    validated = []
+
+    def counted(prefix, *args, **kwargs):
+        validated.append(prefix)
+        return validate_indexed(prefix, *args, **kwargs)
+
+    monkeypatch.setattr(data, "validate_indexed", counted)
+    monkeypatch.setattr(datasets, "validate_indexed", counted)
+    train, valid = data.build_datasets(tiny_run(pattern_data, tmp_path / "run"))
+    assert train is not None and valid is not None
+    assert validated == [pattern_data]  # before: the start-up checks, then build_gpt_datasets
