@@ -20,7 +20,7 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
-from megaloop.data.indexed import IndexedSummary
+from megaloop.data.indexed import IndexedSummary, document_last_tokens
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import rank0_decides
@@ -83,6 +83,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         check_token_ids(summaries, cfg.model.vocab_size, cache_dir)
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
+            check_document_ends(summaries, cfg.data, tokenizer.eod)
         return summaries
 
     # Before the datasets: data made with another tokenizer is refused before megatron-core
@@ -116,7 +117,7 @@ def check_sidecars(summaries: dict[str, IndexedSummary], data: DataConfig, eod: 
     says its ids were made otherwise than the run reads them: another tokenizer type or model file,
     the other ``--legacy-tokenizer`` mode, another EOD id (``eod``: the run's). Also one that
     describes other documents or tokens than the files hold (files replaced after it was written).
-    Data without a sidecar (Megatron-LM's) is left to the id checks. ``summaries``: each
+    Data without a sidecar (Megatron-LM's) is left to the id and document-end checks. ``summaries``: each
     prefix's ``validate_indexed``, as for the id checks."""
     sidecars = [(prefix, saved) for prefix in summaries if (saved := read_sidecar(prefix))]
     if not sidecars:
@@ -177,6 +178,29 @@ def check_tokenizer_ids(summaries: dict[str, IndexedSummary], data: DataConfig,
         raise DataError(f"{prefix}.bin: token id {top} is past the {tokenizer_size} ids of "
                         f"data.tokenizer_model={data.tokenizer_model!r}: the data was tokenized "
                         f"otherwise{_legacy_hint(data, top)}")
+
+
+def check_document_ends(summaries: dict[str, IndexedSummary], data: DataConfig, eod: int) -> None:
+    """Refuses SentencePieceTokenizer data whose documents all end with the EOD id of the other
+    ``data.legacy_tokenizer`` mode than the run's (``eod``): Megatron-LM ends documents with the
+    model's eos id, but with --legacy-tokenizer with an ``<EOD>`` id, the model's own piece when it
+    has one. Such an id is within the vocabulary, so the id checks pass, and without a sidecar
+    (Megatron-LM writes none) training would go on with document ends it does not see. Only that
+    id is looked for: documents made without --append-eod may all end alike (with a newline)."""
+    if data.tokenizer_type != "SentencePieceTokenizer":  # the one type whose modes differ in EOD
+        return
+    other = load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                           legacy=not data.legacy_tokenizer).eod
+    if other == eod:
+        return
+    for prefix, summary in summaries.items():
+        ends = document_last_tokens(summary)
+        if len(ends) and (ends == other).all():
+            raise DataError(f"{prefix}: its documents end with id {other}, the EOD id of "
+                            f"data.tokenizer_model={data.tokenizer_model!r} with "
+                            f"data.legacy_tokenizer={json.dumps(not data.legacy_tokenizer)}, but "
+                            f"the run's is {eod}; set data.legacy_tokenizer="
+                            f"{json.dumps(not data.legacy_tokenizer)}")
 
 
 def _legacy_hint(data: DataConfig, top: int) -> str:
