@@ -44,6 +44,9 @@ def dataset_tokenizer(cfg: RunConfig, text=None) -> DatasetTokenizer:
     data, model = cfg.data, cfg.model
     if data.tokenizer_model is not None:
         tokenizer = DatasetTokenizer.from_text_tokenizer(text or text_tokenizer(cfg))
+    elif not 0 <= data.eod_id < model.vocab_size:  # no token could be it: masks and resets unused
+        raise ConfigError(f"data.eod_id={data.eod_id}: must be a token id, from 0 to "
+                          f"model.vocab_size - 1 = {model.vocab_size - 1}")
     else:
         tokenizer = DatasetTokenizer(model.vocab_size, data.eod_id, name=f"eod{data.eod_id}")
     if tokenizer.vocab_size > model.vocab_size:

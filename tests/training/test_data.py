@@ -336,3 +336,20 @@ def test_data_ending_documents_with_the_other_legacy_modes_eod_is_refused(tmp_pa
             f"{prefix}: its documents end with id {eods[made]}, the EOD id of data.tokenizer_model="
             f"{model!r} with data.legacy_tokenizer={setting}, but the run's is {eods[not made]}; "
             f"set data.legacy_tokenizer={setting}")
+
+
+@pytest.mark.parametrize("eod_id", [-1, 128])
+def test_an_eod_id_no_token_can_have_is_refused(tmp_path, eod_id):
+    """Before: accepted, and no document end was ever found (eod_mask_loss masked nothing)."""
+    from megaloop.config import ConfigError
+    from megaloop.training.data import dataset_tokenizer
+    from tests.training.conftest import tiny_run
+
+    cfg = tiny_run("unused", tmp_path)
+    cfg.data.eod_id = eod_id
+    with pytest.raises(ConfigError) as error:
+        dataset_tokenizer(cfg)
+    assert str(error.value) == (f"data.eod_id={eod_id}: must be a token id, from 0 to "
+                                "model.vocab_size - 1 = 127")
+    cfg.data.eod_id = 127
+    assert dataset_tokenizer(cfg).eod == 127
