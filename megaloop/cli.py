@@ -110,6 +110,28 @@ def set_by(settings: dict[str, object], options: tuple[str, ...], otherwise: str
             for key, value in settings.items()}
 
 
+def replaced_settings(given, configs: list, setters: dict[str, str | None]) -> str | None:
+    """What ``given`` (a RunConfig as the user's --config and overrides make it) sets away from its
+    default that a command replaces in a config it runs (``configs``), grouped by what replaces it:
+    ``train.train_steps=50 replaced by --steps; ...``; None when nothing is. ``setters`` maps keys
+    and ``section.*`` as for ``refuse_overrides_of``. Derived from the configs that run, so no
+    replaced field goes unsaid."""
+    from megaloop.config import RunConfig, to_dict
+
+    def flat(cfg) -> dict:
+        return {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
+                for name, value in fields.items()}
+
+    default, ours, runs = flat(RunConfig()), flat(given), [flat(cfg) for cfg in configs]
+    by: dict[str, list[str]] = {}
+    for key, value in ours.items():
+        setter = setters[key] if key in setters else setters.get(f"{key.partition('.')[0]}.*")
+        if setter is not None and value != default[key] and any(r[key] != value for r in runs):
+            by.setdefault(setter, []).append(f"{key}={value!r}")
+    return "; ".join(f"{', '.join(keys)} replaced by {setter}" for setter, keys in by.items()
+                     ) or None
+
+
 def parsed_preset(parser: argparse.ArgumentParser, name: str, **overrides):
     """``megaloop.presets.preset(name, **overrides)`` for a command whose options give them, or
     argparse's one-line error (exit 2) naming the preset, field or value: an unknown ``--preset``

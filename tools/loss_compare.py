@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from megaloop.cli import (default_model_note, int_at_least, quiet_third_party_warnings,
-                          refuse_overrides_of, set_by, train_config_args, with_settings)
+                          refuse_overrides_of, replaced_settings, set_by, train_config_args,
+                          with_settings)
 
 
 def run_settings(steps) -> dict[str, object]:
@@ -61,28 +62,6 @@ def layout_configs(cfg, layouts: list, steps: int, out: Path) -> list:
 def run_dir(out: Path, layout) -> Path:
     """Where ``layout``'s run writes in ``out``."""
     return out / layout.name.replace(",", "_")
-
-
-def replaced_settings(given, configs: list) -> str | None:
-    """What ``given`` (the config as --preset, --config and the overrides make it) sets away from
-    its default that the tool replaces in a layout's config (``configs``), grouped by what
-    replaces it (``set_by_the_tool``): ``train.train_steps=50 replaced by --steps; ...``; None
-    when nothing is. Derived from the configs the layouts run, so no replaced field goes unsaid."""
-    from megaloop.config import RunConfig, to_dict
-
-    def flat(cfg) -> dict:
-        return {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
-                for name, value in fields.items()}
-
-    default, ours, runs = flat(RunConfig()), flat(given), [flat(cfg) for cfg in configs]
-    setters = set_by_the_tool()
-    by: dict[str, list[str]] = {}
-    for key, value in ours.items():
-        setter = setters[key] if key in setters else setters.get(f"{key.partition('.')[0]}.*")
-        if setter is not None and value != default[key] and any(r[key] != value for r in runs):
-            by.setdefault(setter, []).append(f"{key}={value!r}")
-    return "; ".join(f"{', '.join(keys)} replaced by {setter}" for setter, keys in by.items()
-                     ) or None
 
 
 def check_pipeline_split(cfg, texts: list[str], layouts: list) -> None:
@@ -161,7 +140,7 @@ def main(argv=None) -> int:
     note = default_model_note(args.preset, args.config, cfg.model)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    replaced = replaced_settings(given, configs)
+    replaced = replaced_settings(given, configs, set_by_the_tool())
     if replaced:
         print(f"note: {args.config}: {replaced}", file=sys.stderr)
 

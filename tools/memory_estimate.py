@@ -8,8 +8,8 @@ Parameters, gradients, optimizer states (with or without the distributed optimiz
 memory, per pipeline stage, in GiB; the model and rules are megaloop.scale.memory's. ``--device
 cpu`` estimates a CPU run (local spec, fp32 by default). A global batch that does not split into
 micro-batches on this layout is noted (a launch refuses it), and the layouts listed as fitting are
-ones a launch accepts. The data section plays no part in an estimate: a ``data.*`` override is
-noted as ignored.
+ones a launch accepts. The data section plays no part in an estimate: a placeholder replaces it,
+and the fields a --config sets there and ``data.*`` overrides are noted as replaced and ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ import dataclasses
 import json
 import sys
 
-from megaloop.cli import default_model_note, float_above, int_at_least, train_config_args
+from megaloop.cli import (default_model_note, float_above, int_at_least, replaced_settings,
+                          train_config_args)
+
+# What replaces the data section, for the notes (the section plays no part in an estimate).
+NO_DATA = "a placeholder (the data section plays no part in a memory estimate)"
 
 
 def main(argv=None) -> int:
@@ -32,7 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
     args = parser.parse_intermixed_args(argv)
 
-    from megaloop.config import ConfigError, micro_batches_per_step
+    from megaloop.config import ConfigError, load_yaml, micro_batches_per_step
     from megaloop.scale.layout import layout_of
     from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, \
         fitting_layouts
@@ -51,10 +55,13 @@ def main(argv=None) -> int:
     note = default_model_note(args.preset, args.config, cfg.model)
     if note:
         print(f"note: {note}", file=sys.stderr)
+    # Read already by build_config: it cannot fail here.
+    replaced = args.config and replaced_settings(load_yaml(args.config), [cfg], {"data.*": NO_DATA})
+    if replaced:
+        print(f"note: {args.config}: {replaced}", file=sys.stderr)
     ignored = [item for item in args.overrides if item.partition("=")[0].split(".")[0] == "data"]
     if ignored:
-        print(f"note: {', '.join(ignored)}: the data section plays no part in a memory estimate "
-              "(ignored)", file=sys.stderr)
+        print(f"note: {', '.join(ignored)}: ignored, replaced by {NO_DATA}", file=sys.stderr)
     try:  # the memory does not depend on it, but the launch would be refused
         micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
     except ConfigError as e:

@@ -4,8 +4,9 @@
 (splits, weighted blends, seeded shuffling, EOD-aware masks) and adds what they leave to the
 caller:
 
-- every prefix is validated first (``indexed.validate_indexed``), so a truncated or mismatched
-  .bin/.idx fails with one error naming the file rather than deep inside a sampler;
+- every prefix is validated first (``indexed.validate_indexed``, here or by the caller), so a
+  truncated or mismatched .bin/.idx fails with one error naming the file rather than deep inside
+  a sampler;
 - a split that would get no tokens is refused: megatron-core's ``_get_num_epochs`` loops forever
   on it;
 - the cache of shuffle/sample indices is safe to share between jobs (``index_cache``): writes are
@@ -22,11 +23,11 @@ import os
 import re
 import warnings
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from megaloop.data.index_cache import (atomic_npy_writes, before_building, exclusive_build,
                                        sequence_lengths_md5)
-from megaloop.data.indexed import sequence_lengths, validate_indexed
+from megaloop.data.indexed import IndexedSummary, sequence_lengths, validate_indexed
 from megaloop.data.readers import DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -91,6 +92,7 @@ def build_gpt_datasets(
     create_attention_mask: bool = False,
     check_token_ids: bool = False,
     is_built_on_rank: Callable[[], bool] = lambda: True,
+    summaries: Mapping[str, IndexedSummary] | None = None,
 ) -> list:
     """Build ``[train, valid, test]`` datasets (an entry is None for an empty split).
 
@@ -101,6 +103,9 @@ def build_gpt_datasets(
     (and ``attention_mask`` when asked), each ``seq_length`` long. ``cache_dir`` (default:
     ``cache/`` beside the first prefix) holds the shuffle indices, keyed by every setting here.
     Blends of several datasets need torch.distributed initialised (a world of 1 is fine).
+    ``summaries``: each prefix's ``validate_indexed(prefix, tokenizer.vocab_size)`` when the
+    caller has made it already (the trainer's start-up checks), so the files are not read twice;
+    a prefix missing from it is validated here.
     """
     import torch
 
@@ -112,7 +117,11 @@ def build_gpt_datasets(
     if per_split_data_paths is not None:
         blend_per_split = [parse_blend(p) if p else None for p in per_split_data_paths]
     prefixes = blend[0] if blend else [p for b in blend_per_split if b for p in b[0]]
-    summaries = {p: validate_indexed(p, tokenizer.vocab_size, check_token_ids) for p in prefixes}
+    if summaries and check_token_ids:
+        raise ValueError("check_token_ids scans the files while validating them: give it or summaries")
+    known = summaries or {}
+    summaries = {p: known[p] if p in known else
+                 validate_indexed(p, tokenizer.vocab_size, check_token_ids) for p in prefixes}
     weighted = [b for b in ([blend] if blend else blend_per_split) if b and b[1] is not None]
     if weighted and any(n is None for n in num_samples):
         # megatron-core only asserts this deep inside its builder.

@@ -157,6 +157,26 @@ def sequence_lengths(summary: IndexedSummary) -> numpy.ndarray:
     return numpy.frombuffer(index, numpy.int32, summary.num_sequences, _PREAMBLE)
 
 
+def document_last_tokens(summary: IndexedSummary, count: int = 1000) -> numpy.ndarray:
+    """The last token of up to ``count`` non-empty documents spread evenly over a validated dataset:
+    its EOD id wherever the data was made with one (--append-eod). A few pages of each file read."""
+    if summary.num_tokens == 0:  # nothing to read (numpy cannot map an empty .bin)
+        return numpy.empty(0, summary.dtype)
+    index = numpy.memmap(idx_path(summary.prefix), mode="r")
+    n = summary.num_sequences
+    lengths = numpy.frombuffer(index, numpy.int32, n, _PREAMBLE)
+    pointers = numpy.frombuffer(index, numpy.int64, n, _PREAMBLE + 4 * n)
+    bounds = numpy.frombuffer(index, numpy.int64, summary.num_documents + 1, _PREAMBLE + 12 * n)
+    picked = numpy.unique(numpy.linspace(0, summary.num_documents - 1, count).astype(numpy.int64))
+    first, last = bounds[picked], bounds[picked + 1] - 1  # each document's sequences
+    itemsize = numpy.dtype(summary.dtype).itemsize
+    nonempty = last >= first
+    begin = pointers[first[nonempty]] // itemsize
+    end = pointers[last[nonempty]] // itemsize + lengths[last[nonempty]]
+    tokens = numpy.memmap(bin_path(summary.prefix), dtype=summary.dtype, mode="r")
+    return numpy.array(tokens[(end - 1)[end > begin]])
+
+
 def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bool = False) -> IndexedSummary:
     """Check a .bin/.idx pair is whole and consistent; raise DataError naming the bad file.
 

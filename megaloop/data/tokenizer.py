@@ -160,7 +160,6 @@ class HuggingFaceTextTokenizer:
         self._add_special_tokens = add_special_tokens
 
     def _find_eod(self, directory: Path) -> int | None:
-        names = list(_EOD_TOKEN_NAMES)
         config = directory / "tokenizer_config.json"
         if config.is_file():
             try:
@@ -170,8 +169,12 @@ class HuggingFaceTextTokenizer:
             if isinstance(eos, dict):  # AddedToken serialized as a dict
                 eos = eos.get("content")
             if isinstance(eos, str):
-                names.insert(0, eos)
-        for name in names:
+                # Not another end-of-text name instead: the config's eos is what Megatron-LM uses.
+                token_id = self._tok.token_to_id(eos)
+                if token_id is None:
+                    raise TokenizerError(f"{config}: eos_token {eos!r} is not a token of {self.path}")
+                return token_id
+        for name in _EOD_TOKEN_NAMES:
             token_id = self._tok.token_to_id(name)
             if token_id is not None:
                 return token_id

@@ -43,16 +43,18 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
            gpu_memory_gib: float = 80.0) -> str:
     """The dry-run text for ``cfg`` launched on ``world_size`` processes. Raises ConfigError for
     what the run would refuse at start-up without reading the data: a layout the world cannot
-    hold, a global batch that does not split into its micro-batches, a tokenizer larger than ``model.vocab_size`` or that cannot be loaded. A tokenizer file
-    absent here (a cluster recipe sized on another machine) is noted, not refused."""
+    hold, a global batch that does not split into its micro-batches, a tokenizer larger than
+    ``model.vocab_size`` or that cannot be loaded, a ``data.eod_id`` no token can have. A
+    tokenizer file absent here (a cluster recipe sized on another machine) is noted, not
+    refused."""
     from megaloop.training.data import dataset_tokenizer
 
     layout = layout_of(cfg.parallel, world_size)
     tokenizer = cfg.data.tokenizer_model
     tokenizer_note = []
-    if tokenizer is not None and os.path.exists(tokenizer):
-        dataset_tokenizer(cfg)
-    elif tokenizer is not None:
+    if tokenizer is None or os.path.exists(tokenizer):
+        dataset_tokenizer(cfg)  # or, without a tokenizer, the data.eod_id check
+    else:
         tokenizer_note = [f"# note: data.tokenizer_model {tokenizer} is not on this machine; "
                           "model.vocab_size is checked against it at start-up"]
     micro = micro_batches_per_step(cfg.train, cfg.parallel, layout.data)

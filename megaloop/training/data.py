@@ -20,7 +20,7 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
-from megaloop.data.indexed import IndexedSummary
+from megaloop.data.indexed import IndexedSummary, document_last_tokens
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import rank0_decides
@@ -44,6 +44,9 @@ def dataset_tokenizer(cfg: RunConfig, text=None) -> DatasetTokenizer:
     data, model = cfg.data, cfg.model
     if data.tokenizer_model is not None:
         tokenizer = DatasetTokenizer.from_text_tokenizer(text or text_tokenizer(cfg))
+    elif not 0 <= data.eod_id < model.vocab_size:  # no token could be it: masks and resets unused
+        raise ConfigError(f"data.eod_id={data.eod_id}: must be a token id, from 0 to "
+                          f"model.vocab_size - 1 = {model.vocab_size - 1}")
     else:
         tokenizer = DatasetTokenizer(model.vocab_size, data.eod_id, name=f"eod{data.eod_id}")
     if tokenizer.vocab_size > model.vocab_size:
@@ -75,20 +78,24 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
 
-    def check() -> None:
-        summaries = {prefix: validate_indexed(prefix) for prefix in prefixes}  # one read each
+    def check() -> dict[str, IndexedSummary]:
+        # One read of each .idx per start-up: build_gpt_datasets takes these summaries (on every
+        # rank) rather than validating again, which costs seconds per 10M sequences.
+        summaries = {prefix: validate_indexed(prefix, tokenizer.vocab_size) for prefix in prefixes}
         check_sidecars(summaries, cfg.data, tokenizer.eod, text.path if text else None)
         check_token_ids(summaries, cfg.model.vocab_size, cache_dir)
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
+            check_document_ends(summaries, cfg.data, tokenizer.eod)
+        return summaries
 
     # Before the datasets: data made with another tokenizer is refused before megatron-core
     # spends minutes building its indices, and leaves none in the cache.
-    rank0_decides(check, (DataError,))
+    summaries = rank0_decides(check, (DataError,))
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
-        eod_mask_loss=cfg.data.eod_mask_loss,
+        eod_mask_loss=cfg.data.eod_mask_loss, summaries=summaries,
     )
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
@@ -113,7 +120,7 @@ def check_sidecars(summaries: dict[str, IndexedSummary], data: DataConfig, eod: 
     says its ids were made otherwise than the run reads them: another tokenizer type or model file,
     the other ``--legacy-tokenizer`` mode, another EOD id (``eod``: the run's). Also one that
     describes other documents or tokens than the files hold (files replaced after it was written).
-    Data without a sidecar (Megatron-LM's) is left to the id checks. ``summaries``: each
+    Data without a sidecar (Megatron-LM's) is left to the id and document-end checks. ``summaries``: each
     prefix's ``validate_indexed``, as for the id checks."""
     sidecars = [(prefix, saved) for prefix in summaries if (saved := read_sidecar(prefix))]
     if not sidecars:
@@ -174,6 +181,29 @@ def check_tokenizer_ids(summaries: dict[str, IndexedSummary], data: DataConfig,
         raise DataError(f"{prefix}.bin: token id {top} is past the {tokenizer_size} ids of "
                         f"data.tokenizer_model={data.tokenizer_model!r}: the data was tokenized "
                         f"otherwise{_legacy_hint(data, top)}")
+
+
+def check_document_ends(summaries: dict[str, IndexedSummary], data: DataConfig, eod: int) -> None:
+    """Refuses SentencePieceTokenizer data whose documents all end with the EOD id of the other
+    ``data.legacy_tokenizer`` mode than the run's (``eod``): Megatron-LM ends documents with the
+    model's eos id, but with --legacy-tokenizer with an ``<EOD>`` id, the model's own piece when it
+    has one. Such an id is within the vocabulary, so the id checks pass, and without a sidecar
+    (Megatron-LM writes none) training would go on with document ends it does not see. Only that
+    id is looked for: documents made without --append-eod may all end alike (with a newline)."""
+    if data.tokenizer_type != "SentencePieceTokenizer":  # the one type whose modes differ in EOD
+        return
+    other = load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                           legacy=not data.legacy_tokenizer).eod
+    if other == eod:
+        return
+    for prefix, summary in summaries.items():
+        ends = document_last_tokens(summary)
+        if len(ends) and (ends == other).all():
+            raise DataError(f"{prefix}: its documents end with id {other}, the EOD id of "
+                            f"data.tokenizer_model={data.tokenizer_model!r} with "
+                            f"data.legacy_tokenizer={json.dumps(not data.legacy_tokenizer)}, but "
+                            f"the run's is {eod}; set data.legacy_tokenizer="
+                            f"{json.dumps(not data.legacy_tokenizer)}")
 
 
 def _legacy_hint(data: DataConfig, top: int) -> str:

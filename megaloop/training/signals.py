@@ -46,10 +46,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import psutil
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_STOP_WAIT_S = 1.0  # the most the exit at once waits for descendants to stop before killing them
 _STOP_WATCHING = 0  # a byte no signal writes to the wakeup fd
 _installed: list[StopSignals] = []  # innermost last
 
@@ -147,14 +149,29 @@ def _say(line: str) -> None:
 def _kill_descendants() -> None:
     """SIGKILLs every process below this one. Each is stopped first, and the tree read again until
     it holds none that is not stopped: a process killed while its children run would orphan them
-    (they would leave the tree before being found), and one still running could start another."""
+    (they would leave the tree before being found), and one still running could start another.
+    Before each re-read, waits until the processes just signalled have stopped, not only been
+    sent SIGSTOP (Linux already refuses a fork once the SIGSTOP is pending; the wait does not
+    rely on it), up to ``_STOP_WAIT_S`` in all: one in uninterruptible sleep (a hung filesystem)
+    stops only when it leaves it."""
     stopped = {}
+    deadline = time.monotonic() + _STOP_WAIT_S
     while found := [p for p in psutil.Process().children(recursive=True) if p.pid not in stopped]:
         for process in found:
             stopped[process.pid] = process
             _signal(process, signal.SIGSTOP)
+        while time.monotonic() < deadline and not all(map(_has_stopped, found)):
+            time.sleep(0.001)
     for process in stopped.values():
         _signal(process, signal.SIGKILL)
+
+
+def _has_stopped(process: psutil.Process) -> bool:
+    try:
+        return process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP,
+                                    psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _signal(process: psutil.Process, signum: int) -> None:

@@ -104,6 +104,14 @@ def test_malformed_tokenizer_config_names_the_file(tmp_path, hf_tokenizer):
     config.write_text('{"eos_token": ')
     with pytest.raises(TokenizerError, match=f"{config}: unreadable tokenizer config"):
         load_tokenizer("HuggingFaceTokenizer", tmp_path)
+    # Before: an eos_token the tokenizer lacks fell back to <|endoftext|> without a word.
+    config.write_text('{"eos_token": {"content": "<|im_end|>"}}')
+    with pytest.raises(TokenizerError) as error:
+        load_tokenizer("HuggingFaceTokenizer", tmp_path)
+    assert str(error.value) == (f"{config}: eos_token '<|im_end|>' is not a token of "
+                                f"{tmp_path / 'tokenizer.json'}")
+    config.write_text('{"eos_token": "<|endoftext|>"}')
+    assert load_tokenizer("HuggingFaceTokenizer", tmp_path).eod == 50256
 
 
 def test_unknown_tokenizer_type():

@@ -23,6 +23,13 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
     assert "fits" in report(cfg, world_size=1)
 
 
+def test_an_eod_id_past_the_vocabulary_is_refused():
+    with pytest.raises(ConfigError, match=r"^data.eod_id=4096: must be a token id, from 0 to "
+                                          r"model.vocab_size - 1 = 4095$"):
+        report(_run(eod_id=4096), world_size=1)
+    assert "fits" in report(_run(eod_id=4095), world_size=1)
+
+
 def test_an_unloadable_tokenizer_is_refused_and_an_absent_one_noted(tmp_path):
     broken = tmp_path / "broken.model"
     broken.write_bytes(b"not a sentencepiece model")

@@ -147,20 +147,22 @@ def test_loss_compare_names_every_setting_of_a_config_that_it_replaces(tmp_path)
         "parallel": {"tensor": 2, "sequence_parallel": True, "pipeline_split": [2]},
         "train": {"train_steps": 50, "eval_iters": 1, "lr": 1e-3},
         "checkpoint": {"save_interval": 100, "resume": False, "keep_last": 3}})
-    assert loss_compare.replaced_settings(cfg, loss_compare.layout_configs(cfg, layouts, 10, out)
-                                          ) == (
+
+    def replaced(given, steps):
+        return loss_compare.replaced_settings(
+            given, loss_compare.layout_configs(given, layouts, steps, out),
+            loss_compare.set_by_the_tool())
+
+    assert replaced(cfg, 10) == (
         "parallel.tensor=2, parallel.sequence_parallel=True replaced by --layouts (e.g. tp2,sp "
         "or dp2,recompute); train.train_steps=50 replaced by --steps; checkpoint.save_interval=100"
         " replaced by the tool for every layout (all start from one seed checkpoint)")
     # The tool's own values (eval_iters=1, resume=false), what it keeps (lr, keep_last) and the
     # defaults are not named.
-    assert loss_compare.replaced_settings(
-        cfg, loss_compare.layout_configs(cfg, layouts, 50, out)).startswith(
+    assert replaced(cfg, 50).startswith(
         "parallel.tensor=2, parallel.sequence_parallel=True replaced by --layouts")
-    assert "train_steps" not in loss_compare.replaced_settings(
-        cfg, loss_compare.layout_configs(cfg, layouts, 50, out))
-    assert loss_compare.replaced_settings(
-        RunConfig(), loss_compare.layout_configs(RunConfig(), layouts, 10, out)) is None
+    assert "train_steps" not in replaced(cfg, 50)
+    assert replaced(RunConfig(), 10) is None
 
 
 @pytest.mark.parametrize("layouts, message", [

@@ -158,7 +158,13 @@ def test_memory_tool_estimates_a_fine_tuning_config(tmp_path, capsys):
               tmp_path / "finetune.yaml")
     assert memory_estimate.main(["--preset", "tiny", "--config", str(tmp_path / "finetune.yaml"),
                                  "--world-size", "1", "--device", "cpu"]) == 0
-    assert json.loads(capsys.readouterr().out)["layout"] == "single"
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["layout"] == "single"
+    # Before: the config's data section was replaced without a word (overrides only were noted).
+    assert captured.err == (
+        f"note: {tmp_path / 'finetune.yaml'}: data.path=['gsm8k.jsonl'], data.split='9,1,0', "
+        "data.tokenizer_model='tok.model', data.format='sft', data.sft_prompt='Q: {question}' "
+        "replaced by a placeholder (the data section plays no part in a memory estimate)\n")
 
 
 def test_memory_tool_names_the_default_model_it_estimates_without_preset_or_config(capsys):
@@ -183,5 +189,6 @@ def test_memory_tool_says_that_data_overrides_play_no_part(capsys):
 
     assert memory_estimate.main(["--preset", "tiny", "--world-size", "1", "train.lr=1e-3",
                                  "data.path=[corpus]", "data={format: sft}"]) == 0
-    assert capsys.readouterr().err == ("note: data.path=[corpus], data={format: sft}: the data "
-                                       "section plays no part in a memory estimate (ignored)\n")
+    assert capsys.readouterr().err == ("note: data.path=[corpus], data={format: sft}: ignored, "
+                                       "replaced by a placeholder (the data section plays no "
+                                       "part in a memory estimate)\n")

@@ -133,14 +133,15 @@ def test_the_trainer_refuses_legacy_data_with_the_tokenizer_and_takes_it_with_it
 
 # ------------------------------------------------ the sidecar tools/preprocess_data.py writes
 
-def _preprocess(tmp_path, sp_model, legacy, copies=1):
-    """Two documents, ``copies`` times, through megaloop's preprocessing (sidecar included)."""
+def _preprocess(tmp_path, sp_model, legacy, copies=1,
+                texts=("The cat sat on the mat.", "A second <SEP> document.")):
+    """``texts``, ``copies`` times, through megaloop's preprocessing (sidecar included)."""
     import json
 
     from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
 
     source = tmp_path / "docs.jsonl"
-    texts = ["The cat sat on the mat.", "A second <SEP> document."] * copies
+    texts = list(texts) * copies
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prefix = str(tmp_path / ("legacy" if legacy else "plain"))
     options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True,
@@ -277,3 +278,78 @@ def test_without_a_writable_cache_the_two_id_checks_share_one_scan(tmp_path, sp_
     check_tokenizer_ids(summaries, DataConfig(path=[prefix], tokenizer_model=str(sp_model),
                                               legacy_tokenizer=True), 32003, cache_dir=unwritable)
     assert scans == [f"{prefix}.bin"]  # before: scanned once per check
+
+
+def test_each_prefix_is_validated_once_per_start_up(tmp_path, pattern_data, monkeypatch):
+    from megaloop.data import datasets
+    from megaloop.training import data
+    from tests.training.conftest import tiny_run
+
+    validated = []
+
+    def counted(prefix, *args, **kwargs):
+        validated.append(prefix)
+        return validate_indexed(prefix, *args, **kwargs)
+
+    monkeypatch.setattr(data, "validate_indexed", counted)
+    monkeypatch.setattr(datasets, "validate_indexed", counted)
+    train, valid = data.build_datasets(tiny_run(pattern_data, tmp_path / "run"))
+    assert train is not None and valid is not None
+    assert validated == [pattern_data]  # before: the start-up checks, then build_gpt_datasets
+
+
+def test_data_ending_documents_with_the_other_legacy_modes_eod_is_refused(tmp_path):
+    """A model with its own <EOD> piece: --legacy-tokenizer ends documents with it, the default
+    with eos, both within the vocabulary. Without a sidecar (Megatron-LM's data) only the document
+    ends tell them apart."""
+    from megaloop.config import DataConfig
+    from megaloop.data import load_tokenizer
+    from megaloop.data.tokenizer_training import train_sentencepiece
+    from megaloop.training.data import build_datasets, check_document_ends
+    from tests.data.conftest import SHARED_DATA
+    from tests.training.conftest import tiny_run
+
+    corpus = SHARED_DATA / "tinyshakespeare.txt"
+    if not corpus.is_file():
+        pytest.skip(f"{corpus} not available")
+    model = str(tmp_path / "eod.model")
+    lines = [line for line in corpus.read_text().splitlines() if line.strip()][:2000]
+    train_sentencepiece(lines, model, vocab_size=400, special_tokens=["<EOD>"],
+                        hard_vocab_limit=False, threads=1)
+    eods = {legacy: load_tokenizer("SentencePieceTokenizer", model, legacy=legacy).eod
+            for legacy in (False, True)}
+    assert eods == {False: 2, True: 3}
+    for made in (False, True):
+        # No special-token string in the text: its legacy id would be past the model's pieces,
+        # which the id checks refuse already.
+        prefix = _preprocess(tmp_path, model, legacy=made, copies=3, texts=lines[:2])
+        os.remove(f"{prefix}.tokenizer.json")
+        check_document_ends(_indexed(prefix), DataConfig(path=[prefix], tokenizer_model=model,
+                                                         legacy_tokenizer=made), eods[made])
+        cfg = tiny_run(prefix, tmp_path / "run", model={"vocab_size": 512})
+        cfg.data.eod_id, cfg.data.tokenizer_model = None, model
+        cfg.data.legacy_tokenizer = not made
+        with pytest.raises(DataError) as error:
+            build_datasets(cfg)  # before: trained with an EOD id the data does not hold
+        setting = "true" if made else "false"
+        assert str(error.value) == (
+            f"{prefix}: its documents end with id {eods[made]}, the EOD id of data.tokenizer_model="
+            f"{model!r} with data.legacy_tokenizer={setting}, but the run's is {eods[not made]}; "
+            f"set data.legacy_tokenizer={setting}")
+
+
+@pytest.mark.parametrize("eod_id", [-1, 128])
+def test_an_eod_id_no_token_can_have_is_refused(tmp_path, eod_id):
+    """Before: accepted, and no document end was ever found (eod_mask_loss masked nothing)."""
+    from megaloop.config import ConfigError
+    from megaloop.training.data import dataset_tokenizer
+    from tests.training.conftest import tiny_run
+
+    cfg = tiny_run("unused", tmp_path)
+    cfg.data.eod_id = eod_id
+    with pytest.raises(ConfigError) as error:
+        dataset_tokenizer(cfg)
+    assert str(error.value) == (f"data.eod_id={eod_id}: must be a token id, from 0 to "
+                                "model.vocab_size - 1 = 127")
+    cfg.data.eod_id = 127
+    assert dataset_tokenizer(cfg).eod == 127
