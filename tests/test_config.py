@@ -14,6 +14,11 @@ def test_yaml_round_trip_preserves_every_field(tmp_path):
     save_yaml(cfg, path)
     assert load_yaml(path) == cfg
     assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"], "no temporary file left behind"
+    # Text the loader refuses unquoted (YAML 1.1 booleans and integers) is written quoted.
+    for text in ("n", "Y", "yes", "off", "0123", "1_000"):
+        cfg.train.wandb_project = text
+        save_yaml(cfg, path)
+        assert load_yaml(path).train.wandb_project == text  # before: 'n' came back refused
 
 
 def test_dotted_overrides_are_typed():

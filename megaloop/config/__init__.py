@@ -17,8 +17,9 @@ from megaloop.config.model import (DEFAULT_ITERATIONS, FLASH_HEAD_DIM_MULTIPLE, 
 from megaloop.config.run import (CheckpointConfig, DataConfig, DownstreamEvalConfig, Fp8Recipe,
                                  ParallelConfig, RunConfig, TrainConfig, micro_batches_per_step,
                                  split_weights, template_fields)
-from megaloop.config.serialization import (apply_overrides, check_field_names, from_dict,
-                                           load_yaml, run_config_from, save_yaml, to_dict)
+from megaloop.config.serialization import (apply_overrides, check_field_names, dump_yaml,
+                                           from_dict, load_yaml, run_config_from, save_yaml,
+                                           to_dict)
 
 __all__ = [
     "ConfigError",
@@ -26,6 +27,6 @@ __all__ = [
     "Injection", "JointImpl", "LatentReduction", "MoELayers", "ModelConfig", "ResidualScale",
     "CheckpointConfig", "DataConfig", "DownstreamEvalConfig", "Fp8Recipe", "ParallelConfig",
     "RunConfig", "TrainConfig", "micro_batches_per_step", "split_weights", "template_fields",
-    "apply_overrides", "check_field_names", "from_dict", "load_yaml", "run_config_from",
+    "apply_overrides", "check_field_names", "dump_yaml", "from_dict", "load_yaml", "run_config_from",
     "save_yaml", "to_dict",
 ]

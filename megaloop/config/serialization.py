@@ -101,6 +101,19 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.cons
 _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), "yYnN")
 
 
+class _QuotingDumper(yaml.SafeDumper):
+    """safe_dump's dumper, but quoting y/Y/n/N as well, which the loader above refuses plain:
+    a config megaloop writes must load back."""
+
+
+_QuotingDumper.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), "yYnN")
+
+
+def dump_yaml(data) -> str:
+    """YAML text of plain data (``to_dict`` of a config) that ``load_yaml`` reads back as it was."""
+    return yaml.dump(data, Dumper=_QuotingDumper, sort_keys=False)
+
+
 def _yaml_load(stream):
     return yaml.load(stream, Loader=_UniqueKeyLoader)  # a SafeLoader: safe_load's semantics
 
@@ -254,4 +267,4 @@ def run_config_from(data: dict, base: RunConfig | None = None) -> RunConfig:
 
 def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> None:
     """Writes atomically (``megaloop.platform.files.write_text_atomic``)."""
-    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomic(path, dump_yaml(to_dict(cfg)))

@@ -574,6 +574,10 @@ def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bo
         hint = (f"; checkpoint.fallback_to_previous=true resumes from {earlier[-1].name}"
                 if earlier else "")
         raise CheckpointError(problem + hint)
+    if pointer.is_dir():  # the pointer cannot be rewritten over it, and it is not ours to remove
+        raise CheckpointError(f"{pointer}: a directory where the 'latest' pointer file belongs; "
+                              "move it aside, and checkpoint.fallback_to_previous resumes from "
+                              "the newest complete checkpoint")
     for older in reversed(earlier):
         try:
             verify_checkpoint(older)

@@ -77,6 +77,9 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     tokenizer = dataset_tokenizer(cfg, text)
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
+    # Loaded here, not inside check(): a TokenizerError raised there on rank 0 alone would leave
+    # the other ranks waiting for its decision.
+    other_eod = other_legacy_mode_eod(cfg.data)
 
     def check() -> dict[str, IndexedSummary]:
         # One read of each .idx per start-up: build_gpt_datasets takes these summaries (on every
@@ -86,7 +89,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         check_token_ids(summaries, cfg.model.vocab_size, cache_dir)
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
-            check_document_ends(summaries, cfg.data, tokenizer.eod)
+            check_document_ends(summaries, cfg.data, tokenizer.eod, other_eod)
         return summaries
 
     # Before the datasets: data made with another tokenizer is refused before megatron-core
@@ -183,20 +186,31 @@ def check_tokenizer_ids(summaries: dict[str, IndexedSummary], data: DataConfig,
                         f"otherwise{_legacy_hint(data, top)}")
 
 
-def check_document_ends(summaries: dict[str, IndexedSummary], data: DataConfig, eod: int) -> None:
-    """Refuses SentencePieceTokenizer data whose documents all end with the EOD id of the other
-    ``data.legacy_tokenizer`` mode than the run's (``eod``): Megatron-LM ends documents with the
-    model's eos id, but with --legacy-tokenizer with an ``<EOD>`` id, the model's own piece when it
-    has one. Such an id is within the vocabulary, so the id checks pass, and without a sidecar
-    (Megatron-LM writes none) training would go on with document ends it does not see. Only that
-    id is looked for: documents made without --append-eod may all end alike (with a newline)."""
-    if data.tokenizer_type != "SentencePieceTokenizer":  # the one type whose modes differ in EOD
-        return
-    other = load_tokenizer(data.tokenizer_type, data.tokenizer_model,
-                           legacy=not data.legacy_tokenizer).eod
-    if other == eod:
+def other_legacy_mode_eod(data: DataConfig) -> int | None:
+    """The EOD id of the other ``data.legacy_tokenizer`` mode than the run's, or None where the
+    modes cannot differ (no tokenizer file, or a type other than SentencePieceTokenizer)."""
+    if data.tokenizer_model is None or data.tokenizer_type != "SentencePieceTokenizer":
+        return None
+    return load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                          legacy=not data.legacy_tokenizer).eod
+
+
+def check_document_ends(summaries: dict[str, IndexedSummary], data: DataConfig, eod: int,
+                        other: int | None) -> None:
+    """Refuses SentencePieceTokenizer data without a sidecar whose documents all end with
+    ``other``, the EOD id of the other ``data.legacy_tokenizer`` mode than the run's (``eod``):
+    Megatron-LM ends documents with the model's eos id, but with --legacy-tokenizer with an
+    ``<EOD>`` id, the model's own piece when it has one. Such an id is within the vocabulary, so
+    the id checks pass, and without a sidecar (Megatron-LM writes none) training would go on with
+    document ends it does not see. Only that id is looked for: documents made without
+    --append-eod may all end alike (with a newline). Data with a sidecar is left to
+    check_sidecars, which reads the mode it was made with: its documents may end with text that
+    encodes to the other mode's EOD (a literal "<EOD>" or "</s>") without --append-eod."""
+    if other is None or other == eod:
         return
     for prefix, summary in summaries.items():
+        if read_sidecar(prefix) is not None:
+            continue
         ends = document_last_tokens(summary)
         if len(ends) and (ends == other).all():
             raise DataError(f"{prefix}: its documents end with id {other}, the EOD id of "

@@ -228,6 +228,21 @@ def test_fallback_resumes_from_the_previous_complete_checkpoint(saved_run, patte
     assert [got[s] for s in (3, 4)] == [expected[s] for s in (3, 4)]
 
 
+def test_a_directory_named_latest_is_one_line_with_fallback_too(saved_run, pattern_data,
+                                                                 tmp_path):
+    """Before: fallback_to_previous wrote the pointer over it, an IsADirectoryError traceback."""
+    out = _copy(saved_run, tmp_path)
+    pointer = out / "checkpoints" / "latest"
+    pointer.unlink()
+    (pointer / "notes").mkdir(parents=True)
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.resume_source(_cfg(pattern_data, out, fallback_to_previous=True),
+                           out / "checkpoints")
+    assert _one_line(error).startswith(f"{pointer}: a directory where the 'latest' pointer file "
+                                       "belongs")
+    assert (pointer / "notes").is_dir() and (out / "checkpoints" / "iter_0000004").is_dir()
+
+
 # ----------------------------------------------------------------------- lost `latest`
 
 def test_a_lost_latest_resumes_from_the_newest_complete_checkpoint(saved_run, pattern_data,
@@ -372,7 +387,6 @@ def test_a_runs_out_dir_without_a_checkpoint_is_no_checkpoint(tmp_path):
     damaged.mkdir(parents=True)
     save_yaml(RunConfig(), damaged / "config.yaml")
     assert ckpt.named_checkpoint(damaged) == damaged
-
 
 
 @pytest.mark.parametrize("content, reason", [

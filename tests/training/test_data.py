@@ -134,7 +134,7 @@ def test_the_trainer_refuses_legacy_data_with_the_tokenizer_and_takes_it_with_it
 # ------------------------------------------------ the sidecar tools/preprocess_data.py writes
 
 def _preprocess(tmp_path, sp_model, legacy, copies=1,
-                texts=("The cat sat on the mat.", "A second <SEP> document.")):
+                texts=("The cat sat on the mat.", "A second <SEP> document."), append_eod=True):
     """``texts``, ``copies`` times, through megaloop's preprocessing (sidecar included)."""
     import json
 
@@ -144,7 +144,7 @@ def _preprocess(tmp_path, sp_model, legacy, copies=1,
     texts = list(texts) * copies
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prefix = str(tmp_path / ("legacy" if legacy else "plain"))
-    options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=True,
+    options = PreprocessOptions("SentencePieceTokenizer", str(sp_model), append_eod=append_eod,
                                 workers=0, legacy_tokenizer=legacy)
     preprocess(whole_files([str(source)]), prefix, options)
     return output_prefix(prefix, "text")
@@ -305,6 +305,7 @@ def test_data_ending_documents_with_the_other_legacy_modes_eod_is_refused(tmp_pa
     from megaloop.config import DataConfig
     from megaloop.data import load_tokenizer
     from megaloop.data.tokenizer_training import train_sentencepiece
+    from megaloop.data.indexed import document_last_tokens
     from megaloop.training.data import build_datasets, check_document_ends
     from tests.data.conftest import SHARED_DATA
     from tests.training.conftest import tiny_run
@@ -325,7 +326,8 @@ def test_data_ending_documents_with_the_other_legacy_modes_eod_is_refused(tmp_pa
         prefix = _preprocess(tmp_path, model, legacy=made, copies=3, texts=lines[:2])
         os.remove(f"{prefix}.tokenizer.json")
         check_document_ends(_indexed(prefix), DataConfig(path=[prefix], tokenizer_model=model,
-                                                         legacy_tokenizer=made), eods[made])
+                                                         legacy_tokenizer=made), eods[made],
+                            eods[not made])
         cfg = tiny_run(prefix, tmp_path / "run", model={"vocab_size": 512})
         cfg.data.eod_id, cfg.data.tokenizer_model = None, model
         cfg.data.legacy_tokenizer = not made
@@ -353,3 +355,14 @@ def test_an_eod_id_no_token_can_have_is_refused(tmp_path, eod_id):
                                 "model.vocab_size - 1 = 127")
     cfg.data.eod_id = 127
     assert dataset_tokenizer(cfg).eod == 127
+    # Data with its sidecar is judged by the mode the sidecar records: documents made without
+    # --append-eod whose text ends in a literal "<EOD>" end with the legacy EOD id, and that is
+    # no reason to refuse the default mode they were made in (before: refused in either mode).
+    prefix = _preprocess(tmp_path / "text", model, legacy=False, copies=3, append_eod=False,
+                         texts=[line + " <EOD>" for line in lines[:2]])
+    assert (document_last_tokens(_indexed(prefix)[prefix]) == eods[True]).all()
+    plain = DataConfig(path=[prefix], tokenizer_model=model, legacy_tokenizer=False)
+    check_document_ends(_indexed(prefix), plain, eods[False], eods[True])
+    os.remove(f"{prefix}.tokenizer.json")
+    with pytest.raises(DataError):  # the same documents, as Megatron-LM's data, cannot be told
+        check_document_ends(_indexed(prefix), plain, eods[False], eods[True])
