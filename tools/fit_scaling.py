@@ -184,7 +184,8 @@ def label_and_directory(run: str) -> tuple[str, str]:
     if path and Path(path).is_dir():
         return label, path
     if path == run:
-        raise ConfigError(f"{run}: {'not a directory' if Path(run).exists() else 'does not exist'}")
+        problem = "not a directory" if Path(run).exists() else "does not exist"
+        raise ConfigError(f"{run}: {problem}")
     raise ConfigError(f"{run}: not a directory, nor is {path!r} after the label {label!r}")
 
 
