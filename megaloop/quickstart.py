@@ -61,9 +61,9 @@ def check_corpus(inputs: list[str]) -> None:
     """Refuses (DataError, naming the file) an ``--input`` whose files the quickstart cannot read
     documents from, by each file's first record as the readers take it (a JSON line with a text
     field, a parquet text column, UTF-8 text), and notes the files a directory holds of other
-    types. Before anything is built: a directory holding a preprocessed dataset (its .bin/.idx
-    skipped, its .tokenizer.json sidecars read as JSON lines) trained for minutes on what its
-    .json and .txt files held."""
+    types. Before anything is built: given a directory holding a preprocessed dataset, the
+    quickstart would otherwise skip its .bin/.idx and train for minutes on whatever its .json
+    and .txt files (sidecars, dataset cache descriptions) hold."""
     from megaloop.data import DataError
     from megaloop.data.readers import (RecordFilter, describe_skipped, expand_inputs, iter_chunks,
                                        parse_chunk)

@@ -10,9 +10,10 @@ megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 whe
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
 earlier comparison, an override of a setting the tool makes itself: the parallel section, the
 run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a pipelined layout
-cannot take or no layout pipelines). What a --config sets that the tool replaces (its parallel
-section by each layout's, its train.train_steps by --steps, its checkpoint settings by the seed
-checkpoint's) is named in a note; its ``pipeline_split`` is kept for the layouts of as many stages.
+cannot take or no layout pipelines; what megaloop-train refuses at start-up, such as a vocabulary
+smaller than the tokenizer's or data it cannot split, found before any layout runs). What a
+--config sets that the tool replaces (its parallel section by each layout's, its
+train.train_steps by --steps, its checkpoint settings by the seed checkpoint's) is named in a note; its ``pipeline_split`` is kept for the layouts of as many stages.
 """
 
 from __future__ import annotations
