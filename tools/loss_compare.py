@@ -13,7 +13,8 @@ run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a 
 cannot take or no layout pipelines; what megaloop-train refuses at start-up, such as a vocabulary
 smaller than the tokenizer's or data it cannot split, found before any layout runs). What a
 --config sets that the tool replaces (its parallel section by each layout's, its
-train.train_steps by --steps, its checkpoint settings by the seed checkpoint's) is named in a note; its ``pipeline_split`` is kept for the layouts of as many stages.
+train.train_steps by --steps, its checkpoint settings by the seed checkpoint's) is named in a
+note; its ``pipeline_split`` is kept for the layouts of as many stages.
 """
 
 from __future__ import annotations
