@@ -52,6 +52,32 @@ RUNS = {
 MATCHED = {"dense8": "compute", "dense4": "params", "fullloop": "both", "asymloop": "both"}
 
 
+TEXT_FIELDS = ("text",)  # what a corpus record is read from (a .jsonl field, a parquet column)
+INPUT_KINDS = ("--input takes .jsonl records and .parquet rows with a 'text' field, or UTF-8 "
+               "plain text (.txt)")
+
+
+def check_corpus(inputs: list[str]) -> None:
+    """Refuses (DataError, naming the file) an ``--input`` whose files the quickstart cannot read
+    documents from, by each file's first record as the readers take it (a JSON line with a text
+    field, a parquet text column, UTF-8 text), and notes the files a directory holds of other
+    types. Before anything is built: given a directory holding a preprocessed dataset, the
+    quickstart would otherwise skip its .bin/.idx and train for minutes on whatever its .json
+    and .txt files (sidecars, dataset cache descriptions) hold."""
+    from megaloop.data import DataError
+    from megaloop.data.readers import (RecordFilter, describe_skipped, expand_inputs, iter_chunks,
+                                       parse_chunk)
+
+    record_filter, skipped = RecordFilter(TEXT_FIELDS), []
+    for path in expand_inputs(inputs, skipped):
+        for chunk in iter_chunks([(path, 0, 1)], record_filter.columns(), max_records=1):
+            bad = parse_chunk(chunk, record_filter).bad
+            if bad.total:
+                raise DataError(f"{bad.examples[0]}; {INPUT_KINDS}")
+    if skipped:
+        print(f"note: --input: {describe_skipped(skipped)}", file=sys.stderr)
+
+
 def prepare_data(inputs: list[str], data_dir: Path, pieces: list[str]) -> tuple[str, Path]:
     """Trains the tokenizer (``pieces``: user-defined pieces it must keep whole) and writes the
     indexed dataset; returns (dataset prefix, tokenizer model path)."""
@@ -59,7 +85,7 @@ def prepare_data(inputs: list[str], data_dir: Path, pieces: list[str]) -> tuple[
     from megaloop.data.readers import BadRecords, RecordFilter
     from megaloop.data.tokenizer_training import document_lines, train_sentencepiece
 
-    record_filter = RecordFilter(("text",))
+    record_filter = RecordFilter(TEXT_FIELDS)
     tokenizer = data_dir / "tokenizer.model"
     train_sentencepiece(document_lines(inputs, record_filter, None, BadRecords()), tokenizer,
                         vocab_size=VOCAB, hard_vocab_limit=False, special_tokens=pieces)
@@ -210,11 +236,12 @@ class StagedOutput:
         reads an index cache made for another corpus."""
         import yaml
 
+        from megaloop.config import dump_yaml
         from megaloop.platform.files import write_text_atomic
 
         for config in sorted(self.path.rglob("config.yaml")):
             saved = relocated(yaml.safe_load(config.read_text()), self.path, self.out)
-            write_text_atomic(config, yaml.safe_dump(saved, sort_keys=False))
+            write_text_atomic(config, dump_yaml(saved))
         _remove(self.path / "data" / "cache")
         replaced = self.out / REPLACED
         replaced.mkdir()
@@ -326,12 +353,11 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_third_party_warnings()
     from megaloop.data import DataError
-    from megaloop.data.readers import expand_inputs
 
     out = Path(args.out)
     if args.input:  # checked first: nothing in --out is touched for a mistyped name
         try:
-            expand_inputs(args.input)
+            check_corpus(args.input)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

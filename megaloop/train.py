@@ -66,6 +66,17 @@ def build_config(argv: list[str] | None = None):
     return cfg.validate(), args
 
 
+def bad_input_errors() -> tuple[type[Exception], ...]:
+    """What megaloop-train reports as one ``error:`` line with exit 2: a configuration (storage
+    problems are ConfigErrors naming the path), data or checkpoint problem. Imported when called,
+    so that ``except bad_input_errors()`` loads torch only once an exception is being matched."""
+    from megaloop.config import ConfigError
+    from megaloop.data import DataError
+    from megaloop.training.checkpoint import CheckpointError
+
+    return ConfigError, DataError, CheckpointError
+
+
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
     """megaloop-train in this process: the exit status, with the previous signal handlers back.
     ``then_exit``: the caller exits with that status at once (a command line). Stop signals then
@@ -87,8 +98,6 @@ def cli() -> NoReturn:
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     quiet_third_party_warnings()
     log_to_stderr()
-    from megaloop.config import ConfigError
-
     try:
         cfg, args = build_config(argv)
         if args.dry_run:
@@ -97,16 +106,14 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
 
             print(report(cfg, args.world_size or detect_launch_env().world_size))
             return 0
-        from megaloop.data import DataError
-        from megaloop.training.checkpoint import CheckpointError
         from megaloop.training.trainer import Trainer, TrainingAborted
 
         try:
             result = Trainer(cfg, stop_signals).train()
-        except (DataError, CheckpointError, TrainingAborted) as e:
+        except TrainingAborted as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2 if not isinstance(e, TrainingAborted) else 3
-    except ConfigError as e:
+            return 3
+    except bad_input_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # A relaunched finished run (result["complete"]) exits 0 as well, as Megatron-LM and

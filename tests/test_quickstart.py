@@ -339,3 +339,35 @@ def test_missing_input_file_is_one_line(mcore, tmp_path, capsys):
     assert main(["--input", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "absent.jsonl" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("make, message", [
+    # Before: "no text to train the tokenizer on", naming no file; with the dataset cache's .txt
+    # descriptions beside them, minutes of training on those.
+    ({"data.bin": b"\x00\x01\xff" * 50, "data.idx": b"MMIDIDX\x00\x00",
+      "data.tokenizer.json": b'{\n "eod_id": 2\n}\n'},
+     "data.tokenizer.json:1: malformed JSON (Expecting property name"),
+    ({"notes.txt": b"\x89PNG\r\n\x1a\n\x00\xff"}, "notes.txt:paragraph 1: invalid UTF-8"),
+    ({"records.jsonl": b'{"body": "no text field"}\n'}, "records.jsonl:1: missing key ('text')"),
+])
+def test_input_the_quickstart_cannot_read_is_one_line_naming_the_file(tmp_path, capsys, make,
+                                                                     message):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, content in make.items():
+        (corpus / name).write_bytes(content)
+    assert main(["--input", str(corpus), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {corpus}/{message}") and err.count("\n") == 1, err
+    assert "--input takes .jsonl records and .parquet rows with a 'text' field" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_files_of_other_types_in_an_input_directory_are_noted(tmp_path, capsys):
+    from megaloop.quickstart import check_corpus
+
+    (tmp_path / "own.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "own.bin").write_bytes(b"\x00\x01")
+    check_corpus([str(tmp_path)])
+    assert capsys.readouterr().err == (f"note: --input: skipped 1 files of unsupported types "
+                                       f"(1 .bin): {tmp_path}/own.bin\n")

@@ -174,14 +174,27 @@ def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
     return best
 
 
+def label_and_directory(run: str) -> tuple[str, str]:
+    """(label, or "" to take the architecture's; run directory) of a ``[LABEL=]RUN_DIR``
+    argument. A sweep's directory may hold "=" (runs/lr=3e-4): an argument that is a directory is
+    all path, and a label is split off only when the argument holds "=". A ConfigError names the
+    argument when no directory is found: an empty path would read the current directory's run."""
+    split = "=" in run and not Path(run).is_dir()
+    label, _, path = run.partition("=") if split else ("", "", run)
+    if path and Path(path).is_dir():
+        return label, path
+    if path == run:
+        problem = "not a directory" if Path(run).exists() else "does not exist"
+        raise ConfigError(f"{run}: {problem}")
+    raise ConfigError(f"{run}: not a directory, nor is {path!r} after the label {label!r}")
+
+
 def analyse(runs: list[str], target: float | None, baseline: str | None,
             all_evals: bool) -> dict:
     points: dict[str, list[tuple[float, float]]] = {}
     notes, seen = [], set()
     for run in runs:
-        # A sweep's directory may hold "=" (runs/lr=3e-4): a label is what precedes the first
-        # "=" of an argument that is not itself a directory.
-        label, _, path = ("", "", run) if Path(run).is_dir() else run.partition("=")
+        label, path = label_and_directory(run)
         if Path(path).resolve() in seen:  # a glob overlapping another: its points twice
             raise ConfigError(f"{path}: given twice")
         seen.add(Path(path).resolve())

@@ -10,9 +10,11 @@ megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 whe
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
 earlier comparison, an override of a setting the tool makes itself: the parallel section, the
 run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a pipelined layout
-cannot take or no layout pipelines). What a --config sets that the tool replaces (its parallel
-section by each layout's, its train.train_steps by --steps, its checkpoint settings by the seed
-checkpoint's) is named in a note; its ``pipeline_split`` is kept for the layouts of as many stages.
+cannot take or no layout pipelines; what megaloop-train refuses at start-up, such as a vocabulary
+smaller than the tokenizer's or data it cannot split, found before any layout runs). What a
+--config sets that the tool replaces (its parallel section by each layout's, its
+train.train_steps by --steps, its checkpoint settings by the seed checkpoint's) is named in a
+note; its ``pipeline_split`` is kept for the layouts of as many stages.
 """
 
 from __future__ import annotations
@@ -117,10 +119,10 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value, as megaloop-train")
     args = parser.parse_intermixed_args(argv)  # overrides before or after options
 
-    from megaloop.config import ConfigError, save_yaml
+    from megaloop.config import save_yaml
     from megaloop.scale.layout import parse_layout
-    from megaloop.scale.loss_compare import compare_curves, read_curve
-    from megaloop.train import build_config
+    from megaloop.scale.loss_compare import compare_curves, read_curve, save_seed_checkpoint
+    from megaloop.train import bad_input_errors, build_config
 
     quiet_third_party_warnings()
     try:
@@ -134,20 +136,22 @@ def main(argv=None) -> int:
         for layout_cfg in configs:
             layout_cfg.validate()
         check_layouts_and_out(args.layouts, layouts, out)
-    except ConfigError as e:
+        from megaloop.training.data import dataset_tokenizer
+
+        dataset_tokenizer(cfg)  # as the dry run does: a vocabulary too small for it, at once
+        note = default_model_note(args.preset, args.config, cfg.model)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+        replaced = replaced_settings(given, configs, set_by_the_tool())
+        if replaced:
+            print(f"note: {args.config}: {replaced}", file=sys.stderr)
+        # The seed checkpoint is the trainer's start-up on this one process: its checks of the
+        # data come before any layout's torchrun, refused in one line as megaloop-train does.
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only
+            seed = save_seed_checkpoint(cfg, str(out / "seed"))
+    except bad_input_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    note = default_model_note(args.preset, args.config, cfg.model)
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    replaced = replaced_settings(given, configs, set_by_the_tool())
-    if replaced:
-        print(f"note: {args.config}: {replaced}", file=sys.stderr)
-
-    from megaloop.scale.loss_compare import save_seed_checkpoint
-
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON report only
-        seed = save_seed_checkpoint(cfg, str(out / "seed"))
     assert Path(seed) == out / "seed" / "checkpoints"  # where layout_configs load it from
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     curves = {}

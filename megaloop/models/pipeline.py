@@ -299,8 +299,10 @@ def describe_split(model: ModelConfig, counts: list[int], pipeline: int, micro_b
     lines = [f"pipeline split {list(counts)} ({origin}): slowest stage {found.slowest:.2f} x "
              f"ideal, bubble {found.bubble:.0%} at {micro_batches} micro-batches per step"]
     for stage, relative in zip(plan_stages(model, counts), found.relative):
-        rank = f"rank {stage.index % pipeline}" + (f" chunk {stage.index // pipeline}"
-                                                   if len(counts) > pipeline else "")
+        # "pipeline rank": beside the dry run's table of global ranks, a bare "rank" misleads
+        # under tensor or data parallelism (stage 1 of tp2,pp2 is ranks 2 and 3).
+        rank = f"pipeline rank {stage.index % pipeline}" + (
+            f" chunk {stage.index // pipeline}" if len(counts) > pipeline else "")
         lines.append(f"stage {stage.index} ({rank}, {relative:.2f} x ideal): {stage.describe()}")
     return lines
 

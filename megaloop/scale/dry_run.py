@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 
-import yaml
-
-from megaloop.config import RunConfig, micro_batches_per_step, to_dict
+from megaloop.config import DataConfig, RunConfig, dump_yaml, micro_batches_per_step, to_dict
 from megaloop.models.pipeline import describe_split, stage_counts
 from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
 from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
@@ -39,31 +37,46 @@ def rank_table(layout: Layout, gpus_per_node: int) -> list[str]:
     return lines
 
 
+def data_files(data: DataConfig) -> list[str]:
+    """The files ``data.path`` names: each prefix's .bin and .idx (blend weights left out), or the
+    record files of ``data.format=sft``."""
+    from megaloop.data import parse_blend
+
+    if data.format == "sft":
+        return list(data.path)
+    return [f"{prefix}{suffix}" for prefix in parse_blend(data.path)[0]
+            for suffix in (".bin", ".idx")]
+
+
 def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
            gpu_memory_gib: float = 80.0) -> str:
     """The dry-run text for ``cfg`` launched on ``world_size`` processes. Raises ConfigError for
     what the run would refuse at start-up without reading the data: a layout the world cannot
     hold, a global batch that does not split into its micro-batches, a tokenizer larger than
-    ``model.vocab_size`` or that cannot be loaded, a ``data.eod_id`` no token can have. A
-    tokenizer file absent here (a cluster recipe sized on another machine) is noted, not
-    refused."""
+    ``model.vocab_size`` or that cannot be loaded, a ``data.eod_id`` no token can have, a
+    malformed ``data.path`` blend. A tokenizer or data file absent here (a cluster recipe sized
+    on another machine) is noted, not refused."""
     from megaloop.training.data import dataset_tokenizer
 
     layout = layout_of(cfg.parallel, world_size)
     tokenizer = cfg.data.tokenizer_model
-    tokenizer_note = []
+    notes = []
     if tokenizer is None or os.path.exists(tokenizer):
         dataset_tokenizer(cfg)  # or, without a tokenizer, the data.eod_id check
     else:
-        tokenizer_note = [f"# note: data.tokenizer_model {tokenizer} is not on this machine; "
-                          "model.vocab_size is checked against it at start-up"]
+        notes.append(f"# note: data.tokenizer_model {tokenizer} is not on this machine; "
+                     "model.vocab_size is checked against it at start-up")
+    absent = [path for path in data_files(cfg.data) if not os.path.exists(path)]
+    if absent:
+        notes.append(f"# note: data.path {', '.join(absent)} {'is' if len(absent) == 1 else 'are'}"
+                     " not on this machine; the data are checked at start-up")
     micro = micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
-    lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "",
+    lines = ["# resolved config", dump_yaml(to_dict(cfg)).rstrip(), "",
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "
              f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
              f"{cfg.parallel.recompute}; {micro} micro-batches of {cfg.train.micro_batch_size} "
-             "per step and data-parallel rank"] + tokenizer_note
+             "per step and data-parallel rank"] + notes
     if layout.pipeline > 1:
         lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),
                                 layout.pipeline, micro, not cfg.parallel.pipeline_split,

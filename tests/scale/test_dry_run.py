@@ -11,7 +11,7 @@ from tests.data.conftest import SP_MODEL
 
 
 def _run(**data):
-    return RunConfig(model=preset("tiny"), data=DataConfig(path=["x"], **data))
+    return RunConfig(model=preset("tiny"), data=DataConfig(**{"path": ["x"], **data}))
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
@@ -65,3 +65,19 @@ def test_a_global_batch_that_does_not_split_is_refused(train, parallel, world, m
     fine = dataclasses.replace(cfg, train=TrainConfig(global_batch_size=16 * world,
                                                       micro_batch_size=4))
     assert "fits" in report(fine, world_size=world)
+
+
+def test_data_files_absent_here_are_noted(tmp_path):
+    # Before: a tokenizer absent here was noted, a data.path absent here passed without a word.
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"here{suffix}").touch()
+    (tmp_path / "half.bin").touch()
+    blend = ["0.3", str(tmp_path / "here"), "0.5", "/cluster/b", "0.2", str(tmp_path / "half")]
+    lines = report(_run(eod_id=0, path=blend), world_size=1).splitlines()
+    assert [line for line in lines if line.startswith("# note:")] == [
+        f"# note: data.path /cluster/b.bin, /cluster/b.idx, {tmp_path}/half.idx are not on this "
+        "machine; the data are checked at start-up"]
+    assert "# note:" not in report(_run(eod_id=0, path=[str(tmp_path / "here")]), world_size=1)
+    sft = _run(format="sft", path=["/cluster/gsm8k.jsonl"], tokenizer_model="/cluster/tok.model")
+    assert ("# note: data.path /cluster/gsm8k.jsonl is not on this machine; the data are checked "
+            "at start-up") in report(sft, world_size=1).splitlines()

@@ -123,9 +123,9 @@ def test_dry_run_prints_config_rank_layout_and_memory(capsys):
     assert ("16 ranks = tensor 2 x pipeline 2 x data 4 (expert 1 within data); sequence "
             "parallel on, recompute none; 4 micro-batches of 4") in out
     assert ("pipeline split [26, 22] (balanced by the layout chooser): slowest stage 1.04 x ideal, "
-            "bubble 23% at 4 micro-batches per step\nstage 0 (rank 0, 1.04 x ideal): embedding, "
-            "encoder layers 1-12, Global KV of 12 layers, decoder layers 1-12 (iteration 1), "
-            "decoder layers 1-2 (iteration 2)\n") in out
+            "bubble 23% at 4 micro-batches per step\nstage 0 (pipeline rank 0, 1.04 x ideal): "
+            "embedding, encoder layers 1-12, Global KV of 12 layers, decoder layers 1-12 "
+            "(iteration 1), decoder layers 1-2 (iteration 2)\n") in out
     # megatron-core's order: tensor ranks adjacent, then data, then pipeline stages.
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert rows["5"] == ["5", "0", "5", "1/2", "0", "2/4", "0/1"]

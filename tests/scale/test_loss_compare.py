@@ -5,6 +5,7 @@ losses; and the comparison itself catches what it must."""
 import pytest
 
 from megaloop.scale.loss_compare import compare_curves
+from tests.data.conftest import SP_MODEL
 from tests.scale.layouts import layout_curves
 from tests.training.conftest import tiny_run, write_pattern_dataset
 
@@ -129,6 +130,25 @@ def test_loss_compare_refuses_overrides_of_what_it_sets(tmp_path, capsys, overri
             "data.path=[unused]", "data.eod_id=0", override]
     assert loss_compare.main(argv) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("settings, message", [
+    # Before: a traceback from the seed checkpoint's Trainer, exit 1 (after ~40 s under the tool).
+    ([f"data.tokenizer_model={SP_MODEL}"], "model.vocab_size=4096: smaller than the tokenizer's "
+                                           "32000 tokens"),
+    (["data.eod_id=0", "data.split=969,30,1"], "split '969,30,1' gives the test split"),
+])
+def test_loss_compare_refuses_in_one_line_what_the_trainer_refuses(mcore, tmp_path, capsys,
+                                                                  settings, message):
+    from tools import loss_compare
+
+    data = write_pattern_dataset(tmp_path / "pattern")
+    argv = ["--preset", "tiny", "--layouts", "single", "dp2", "--out", str(tmp_path / "out"),
+            f"data.path=[{data}]", *settings]
+    assert loss_compare.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
 
 

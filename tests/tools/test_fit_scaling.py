@@ -101,7 +101,12 @@ def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["{missing}"], "no config.yaml (not a megaloop run directory)"),
+    # Before: a path without "=" was split into the label "{missing}" and the path "" (the
+    # current directory, whose run was read instead).
+    (["{missing}"], "{missing}: does not exist"),
+    (["x={missing}"], "x={missing}: not a directory, nor is '{missing}' after the label 'x'"),
+    (["{config}"], "{config}: not a directory"),
+    (["{empty}"], "{empty}: no config.yaml (not a megaloop run directory)"),
     (["{one}"], "label 'latentloop': 1 distinct compute values"),
     (["{runs}", "--target", "2", "--baseline", "moe"], "--baseline='moe': no such label"),
     (["{runs}", "--baseline", "moe_base"], "--baseline needs --target"),
@@ -110,15 +115,18 @@ def test_runs_are_labelled_by_architecture_and_first_visit_reduction(load_tool):
      "--plot /dev/null/x.png: cannot be written (/dev/null is not a writable directory)"),
     (["{runs}", "{one}"], "_2560: given twice"),
 ])
-def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, args, message):
+def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, monkeypatch, args,
+                                       message):
     tool = load_tool("fit_scaling")
-    values = {"missing": str(tmp_path / "nope"), "one": runs[-1]}
+    values = {"missing": str(tmp_path / "nope"), "one": runs[-1],
+              "config": f"{runs[-1]}/config.yaml", "empty": str(tmp_path)}
+    monkeypatch.chdir(runs[0])  # a run directory: one an empty path would read
     argv = []
     for arg in args:
         argv += runs if arg == "{runs}" else [arg.format(**values)]
     assert tool.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err
+    assert message.format(**values) in err and "\n" not in err
 
 
 def test_a_diverged_run_is_named_instead_of_fitting_nan(load_tool, runs, capsys):

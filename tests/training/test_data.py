@@ -338,6 +338,18 @@ def test_data_ending_documents_with_the_other_legacy_modes_eod_is_refused(tmp_pa
             f"{prefix}: its documents end with id {eods[made]}, the EOD id of data.tokenizer_model="
             f"{model!r} with data.legacy_tokenizer={setting}, but the run's is {eods[not made]}; "
             f"set data.legacy_tokenizer={setting}")
+    # Data with its sidecar is judged by the mode the sidecar records: documents made without
+    # --append-eod whose text ends in a literal "<EOD>" end with the legacy EOD id, and that is
+    # no reason to refuse the default mode they were made in (before: refused in either mode).
+    (tmp_path / "text").mkdir()
+    prefix = _preprocess(tmp_path / "text", model, legacy=False, copies=3, append_eod=False,
+                         texts=[line + " <EOD>" for line in lines[:2]])
+    assert (document_last_tokens(_indexed(prefix)[prefix]) == eods[True]).all()
+    plain = DataConfig(path=[prefix], tokenizer_model=model, legacy_tokenizer=False)
+    check_document_ends(_indexed(prefix), plain, eods[False], eods[True])
+    os.remove(f"{prefix}.tokenizer.json")
+    with pytest.raises(DataError):  # the same documents, as Megatron-LM's data, cannot be told
+        check_document_ends(_indexed(prefix), plain, eods[False], eods[True])
 
 
 @pytest.mark.parametrize("eod_id", [-1, 128])
@@ -355,14 +367,3 @@ def test_an_eod_id_no_token_can_have_is_refused(tmp_path, eod_id):
                                 "model.vocab_size - 1 = 127")
     cfg.data.eod_id = 127
     assert dataset_tokenizer(cfg).eod == 127
-    # Data with its sidecar is judged by the mode the sidecar records: documents made without
-    # --append-eod whose text ends in a literal "<EOD>" end with the legacy EOD id, and that is
-    # no reason to refuse the default mode they were made in (before: refused in either mode).
-    prefix = _preprocess(tmp_path / "text", model, legacy=False, copies=3, append_eod=False,
-                         texts=[line + " <EOD>" for line in lines[:2]])
-    assert (document_last_tokens(_indexed(prefix)[prefix]) == eods[True]).all()
-    plain = DataConfig(path=[prefix], tokenizer_model=model, legacy_tokenizer=False)
-    check_document_ends(_indexed(prefix), plain, eods[False], eods[True])
-    os.remove(f"{prefix}.tokenizer.json")
-    with pytest.raises(DataError):  # the same documents, as Megatron-LM's data, cannot be told
-        check_document_ends(_indexed(prefix), plain, eods[False], eods[True])
