@@ -413,20 +413,6 @@ def test_duplicate_yaml_keys_are_refused_naming_file_key_and_lines(tmp_path):
      "without it"),
     ("train: {seed: 1:30}", "train.seed=1:30", "train.seed=1:30: YAML 1.1 reads this as base 60 "
      "(90), YAML 1.2 as text; write the number"),
-])
-def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_value(
-        tmp_path, yaml_text, override, message):
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml_text + "\n")
-    with pytest.raises(ConfigError) as err:
-        load_yaml(path)
-    assert str(err.value) == f"config file {path}: {message}"
-    with pytest.raises(ConfigError) as err:
-        apply_overrides(RunConfig(), [override])
-    assert str(err.value) == message
-
-
-@pytest.mark.parametrize("yaml_text, override, message", [
     # Before the fix: qk_norm silently false, and a prompt or a path 'n' taken as written.
     ("model: {qk_norm: no}", "model.qk_norm=no", "model.qk_norm=no: YAML 1.1 reads this as "
      "false, YAML 1.2 as the text 'no'; write false for the boolean, or quote the text"),
@@ -437,7 +423,7 @@ def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_
     ("train: {seed: Y}", "train.seed=Y", "train.seed=Y: YAML 1.1 reads this as true, YAML 1.2 as "
      "the text 'Y'; write true for the boolean, or quote the text"),
 ])
-def test_booleans_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_fix(
+def test_values_yaml_1_1_and_1_2_read_differently_are_refused_naming_field_and_fix(
         tmp_path, yaml_text, override, message):
     path = tmp_path / "run.yaml"
     path.write_text(yaml_text + "\n")
