@@ -56,7 +56,7 @@ def test_compare_curves_catches_a_difference():
             f"single: step 1 loss {loss!r}: a skipped (NaN/Inf) step, nothing to compare"]
 
 
-def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
+def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path, capsys):
     import json
     import subprocess
     import sys
@@ -96,12 +96,15 @@ def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
     for key in changed:
         with pytest.raises(ConfigError, match=rf"^override '{key}=1': set by "):
             refuse_overrides_of([f"{key}=1"], loss_compare.set_by_the_tool())
-    bad = subprocess.run(tool + ["--layouts", "single", "tp2,sp,pp8"], capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert bad.stderr.startswith("error: parallel.pipeline=8: must be such that pipeline x "
-                                 "virtual_pipeline = 8 stages get at least one of the model's 6 "
-                                 "layer applications each")
+    # The refusals come before any process starts, so they run in this one (each subprocess
+    # would import torch and megatron-core again).
+    arguments = tool[2:]
+    assert loss_compare.main(arguments + ["--layouts", "single", "tp2,sp,pp8"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert error.startswith("error: parallel.pipeline=8: must be such that pipeline x "
+                            "virtual_pipeline = 8 stages get at least one of the model's 6 "
+                            "layer applications each")
     # Before the fixes: a rerun into the same --out was a traceback (its seed checkpoint is
     # refused), one layout "agreed" with nothing, a layout twice was compared with itself.
     for layouts, message in ((["single", "pp2"], f"--out {tmp_path / 'out'}: holds an earlier "
@@ -110,9 +113,9 @@ def test_loss_compare_tool_runs_each_layout_under_torchrun(tmp_path):
                              (["single"], "--layouts single: give at least two"),
                              (["tp2,sp", "sp,tp2"], "--layouts: 'tp2,sp' and 'sp,tp2' are the "
                                                     "same layout")):
-        bad = subprocess.run(tool + ["--layouts", *layouts], capture_output=True, text=True)
-        assert (bad.returncode, bad.stderr.count("\n")) == (2, 1), bad.stderr
-        assert bad.stderr.startswith(f"error: {message}"), bad.stderr
+        assert loss_compare.main(arguments + ["--layouts", *layouts]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and error.startswith(f"error: {message}"), error
 
 
 @pytest.mark.parametrize("override, message", [
