@@ -151,10 +151,24 @@ class IndexedSummary:
     num_tokens: int
 
 
+def _index_arrays(ipath: str, num_seq: int, num_doc: int):
+    """(sequence lengths, sequence pointers in bytes, the ``num_doc`` document boundaries) of an
+    .idx, memory-mapped: the one reading of the layout after its preamble."""
+    index = numpy.memmap(ipath, mode="r")
+    return (numpy.frombuffer(index, numpy.int32, num_seq, _PREAMBLE),
+            numpy.frombuffer(index, numpy.int64, num_seq, _PREAMBLE + 4 * num_seq),
+            numpy.frombuffer(index, numpy.int64, num_doc, _PREAMBLE + 12 * num_seq))
+
+
+def _summary_arrays(summary: IndexedSummary):
+    """``_index_arrays`` of a validated dataset (its boundaries: num_documents + 1)."""
+    return _index_arrays(idx_path(summary.prefix), summary.num_sequences,
+                         summary.num_documents + 1)
+
+
 def sequence_lengths(summary: IndexedSummary) -> numpy.ndarray:
     """Tokens per sequence of a validated dataset, memory-mapped from its .idx."""
-    index = numpy.memmap(idx_path(summary.prefix), mode="r")
-    return numpy.frombuffer(index, numpy.int32, summary.num_sequences, _PREAMBLE)
+    return _summary_arrays(summary)[0]
 
 
 def document_last_tokens(summary: IndexedSummary, count: int = 1000) -> numpy.ndarray:
@@ -162,11 +176,7 @@ def document_last_tokens(summary: IndexedSummary, count: int = 1000) -> numpy.nd
     its EOD id wherever the data was made with one (--append-eod). A few pages of each file read."""
     if summary.num_tokens == 0:  # nothing to read (numpy cannot map an empty .bin)
         return numpy.empty(0, summary.dtype)
-    index = numpy.memmap(idx_path(summary.prefix), mode="r")
-    n = summary.num_sequences
-    lengths = numpy.frombuffer(index, numpy.int32, n, _PREAMBLE)
-    pointers = numpy.frombuffer(index, numpy.int64, n, _PREAMBLE + 4 * n)
-    bounds = numpy.frombuffer(index, numpy.int64, summary.num_documents + 1, _PREAMBLE + 12 * n)
+    lengths, pointers, bounds = _summary_arrays(summary)
     picked = numpy.unique(numpy.linspace(0, summary.num_documents - 1, count).astype(numpy.int64))
     first, last = bounds[picked], bounds[picked + 1] - 1  # each document's sequences
     itemsize = numpy.dtype(summary.dtype).itemsize
@@ -206,10 +216,7 @@ def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bo
             f"{ipath}: size {idx_size} bytes does not match the {num_seq} sequences and "
             f"{num_doc} document boundaries it declares ({expected} bytes): truncated or corrupt"
         )
-    index = numpy.memmap(ipath, mode="r")
-    lengths = numpy.frombuffer(index, numpy.int32, num_seq, _PREAMBLE)
-    pointers = numpy.frombuffer(index, numpy.int64, num_seq, _PREAMBLE + 4 * num_seq)
-    documents = numpy.frombuffer(index, numpy.int64, num_doc, _PREAMBLE + 12 * num_seq)
+    lengths, pointers, documents = _index_arrays(ipath, num_seq, num_doc)
     if num_doc < 1 or documents[0] != 0 or documents[-1] != num_seq or numpy.any(numpy.diff(documents) < 0):
         raise DataError(f"{ipath}: corrupt document boundaries (must rise from 0 to {num_seq})")
     if numpy.any(lengths < 0):
@@ -228,7 +235,6 @@ def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bo
         )
     if vocab_size is not None:
         _check_vocab(bpath, dtype, vocab_size, num_tokens, scan_tokens)
-    del index
     return IndexedSummary(prefix, dtype, num_seq, num_doc - 1, num_tokens)
 
 
