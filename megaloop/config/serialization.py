@@ -25,14 +25,17 @@ from megaloop.platform.files import write_text_atomic
 _YAML11_ONLY_INT = re.compile(r"[-+]?0[0-7_]+|[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
 
 
-class _Yaml11Int(str):
-    """Such an integer as written, with its YAML 1.1 ``value``: the text is kept for a text
-    field, a number field refuses it."""
+class _Yaml11Scalar(str):
+    """A plain scalar as written that YAML 1.1 reads as ``value`` and YAML 1.2 otherwise."""
 
-    def __new__(cls, text: str, value: int):
+    def __new__(cls, text: str, value):
         self = super().__new__(cls, text)
         self.value = value
         return self
+
+
+class _Yaml11Int(_Yaml11Scalar):
+    """Such an integer: the text is kept for a text field, a number field refuses it."""
 
     def refusal(self, where: str) -> str:
         if ":" in self:
@@ -42,15 +45,10 @@ class _Yaml11Int(str):
                 f"1.2 as decimal ({int(self.replace('_', ''), 10)}); write the number without it")
 
 
-class _Yaml11Bool(str):
-    """A plain yes/no/on/off/y/n as written, with its YAML 1.1 ``value``: YAML 1.2 (and so
-    another tool reading the same file) takes it as text, so every field refuses it whatever its
-    type; true and false are booleans in both and stay so."""
-
-    def __new__(cls, text: str, value: bool):
-        self = super().__new__(cls, text)
-        self.value = value
-        return self
+class _Yaml11Bool(_Yaml11Scalar):
+    """A plain yes/no/on/off/y/n: YAML 1.2 (and so another tool reading the same file) takes it
+    as text, so every field refuses it whatever its type; true and false are booleans in both and
+    stay so."""
 
     def refusal(self, where: str) -> str:
         meaning = str(self.value).lower()
@@ -98,7 +96,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:bool", _UniqueKeyLoader.construct_yaml_bool)
 # YAML 1.1's y/Y/n/N booleans, which PyYAML reads as text: refused as the other ones are.
-_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), "yYnN")
+_YAML11_LETTER_BOOL = re.compile(r"^[yYnN]$")
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:bool", _YAML11_LETTER_BOOL, "yYnN")
 
 
 class _QuotingDumper(yaml.SafeDumper):
@@ -106,7 +105,7 @@ class _QuotingDumper(yaml.SafeDumper):
     a config megaloop writes must load back."""
 
 
-_QuotingDumper.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), "yYnN")
+_QuotingDumper.add_implicit_resolver("tag:yaml.org,2002:bool", _YAML11_LETTER_BOOL, "yYnN")
 
 
 def dump_yaml(data) -> str:
