@@ -41,9 +41,11 @@ log = logging.getLogger("megaloop.train")
 SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weight_decay",
                    "adam_beta1", "adam_beta2")
 
+# What decides which samples the steps after a resume read (``report_sample_order``).
+SAMPLE_ORDER = ("train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
+
 REPORTED_BY_TRAINER = (
-    *(f"train.{name}" for name in SCHEDULE_FIELDS), "checkpoint.keep_schedule",
-    "train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
+    *(f"train.{name}" for name in SCHEDULE_FIELDS), "checkpoint.keep_schedule", *SAMPLE_ORDER)
 APPLIED = (
     "model.joint_attention", "model.rotary_base", "model.norm_eps",
     "model.moe_top_k", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
@@ -223,12 +225,11 @@ def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
 def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> None:
     """Warns, in one line, of the settings that decide which samples the steps after ``step``
     read and that differ from those of ``saved``, the config of checkpoint ``path``."""
-    sample_order = {
-        "train.seed": (saved["train"].get("seed"), cfg.train.seed),
-        "model.seq_length": (saved["model"].get("seq_length"), cfg.model.seq_length),
-        **{f"data.{k}": (saved.get("data", {}).get(k), getattr(cfg.data, k))
-           for k in ("path", "split", "eod_mask_loss")}}
-    changed = [name for name, (before, now) in sample_order.items() if before != now]
+    changed = []
+    for name in SAMPLE_ORDER:
+        section, field = name.split(".")
+        if saved.get(section, {}).get(field) != getattr(getattr(cfg, section), field):
+            changed.append(name)
     if changed:
         log.warning("resume: %s differ from %s's: the sample order from step %d on is not the "
                     "one the saved run would have seen", ", ".join(changed), path, step)
