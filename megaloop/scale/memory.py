@@ -167,9 +167,13 @@ def estimate(cfg: RunConfig, layout: Layout, *, device: str = "gpu",
     stages = stage_layout(cfg.model, cfg.parallel if cfg.parallel.pipeline == layout.pipeline
                           and cfg.parallel.virtual_pipeline == layout.virtual
                           else layout.parallel_config())
-    if stage is None:
-        return max((estimate(cfg, layout, device=device, stage=s)
-                    for s in range(layout.pipeline)), key=lambda e: e.total)
+    busiest = range(layout.pipeline) if stage is None else [stage]
+    return max((_stage_estimate(cfg, layout, stages, device, s) for s in busiest),
+               key=lambda e: e.total)
+
+
+def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device: str,
+                    stage: int) -> MemoryEstimate:
     model = dataclasses.replace(cfg.model).resolve()
     precision = cfg.train.precision
     if precision == "auto":
