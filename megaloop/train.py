@@ -69,12 +69,14 @@ def build_config(argv: list[str] | None = None):
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """What megaloop-train reports as one ``error:`` line with exit 2: a configuration (storage
     problems are ConfigErrors naming the path), data or checkpoint problem. Imported when called,
-    so that ``except bad_input_errors()`` loads torch only once an exception is being matched."""
+    so that ``except bad_input_errors()`` loads nothing heavy: a CheckpointError can only come
+    from megaloop.training.checkpoint once it is loaded, and loading it (torch and megatron-core,
+    about 4 s) only to report a typo in an override would keep the user waiting."""
     from megaloop.config import ConfigError
     from megaloop.data import DataError
-    from megaloop.training.checkpoint import CheckpointError
 
-    return ConfigError, DataError, CheckpointError
+    checkpoint = sys.modules.get("megaloop.training.checkpoint")
+    return (ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
 
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:

@@ -132,3 +132,23 @@ def test_a_stop_signal_on_the_way_out_keeps_the_exit_status():
     result = subprocess.run([sys.executable, "-c", SIGNALLED_ON_THE_WAY_OUT], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 75, result.stderr[-2000:]
+
+
+# A typo in an override is answered before torch or megatron-core load (about 4 s of imports):
+# the config, its errors and the list of bad-input errors import neither.
+REPORTS_A_TYPO = """
+import sys
+from megaloop.train import main
+code = main(["--preset", "tiny", "train.lr=1e-3", "trian.lr=1e-3"])
+print(code, sorted(name for name in ("torch", "megatron.core") if name in sys.modules))
+"""
+
+
+def test_a_config_mistake_is_reported_without_loading_torch():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", REPORTS_A_TYPO], capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout == "2 []\n", result.stderr[-2000:]
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1

@@ -14,17 +14,33 @@ Training-loop use::
 ``alrs.state_dict()`` / ``load_state_dict`` make a resume exact.
 """
 
-from megaloop.alrs.allocator import allocate, initial_multipliers, linear_map
-from megaloop.alrs.blocks import RowSplit, WeightBlock, fused_layouts, weight_blocks
-from megaloop.alrs.estimator import (SpectralStats, eigenvalues, median_hill_alpha, spectral_stats,
-                                     stable_ranks)
-from megaloop.alrs.log import ALRSLog, ALRSLogData, read_log, require_zarr
-from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule
-from megaloop.alrs.sharded import ALRS, BASE_GROUP, balance_by_cost
+# Each name is imported from its module on first use (PEP 562): megaloop.config imports
+# ALRSConfig from megaloop.alrs.schedule, and importing that module runs this package first; eager
+# imports here would load torch and megatron-core (about 4 s) before a config typo could be
+# reported.
+_SOURCES = {
+    "allocator": ("allocate", "initial_multipliers", "linear_map"),
+    "blocks": ("RowSplit", "WeightBlock", "fused_layouts", "weight_blocks"),
+    "estimator": ("SpectralStats", "eigenvalues", "median_hill_alpha", "spectral_stats",
+                  "stable_ranks"),
+    "log": ("ALRSLog", "ALRSLogData", "read_log", "require_zarr"),
+    "schedule": ("ALRSConfig", "MultiplierSchedule"),
+    "sharded": ("ALRS", "BASE_GROUP", "balance_by_cost"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
-__all__ = [
-    "ALRS", "ALRSConfig", "ALRSLog", "ALRSLogData", "BASE_GROUP", "MultiplierSchedule", "RowSplit",
-    "SpectralStats", "WeightBlock", "allocate", "balance_by_cost", "eigenvalues", "fused_layouts",
-    "initial_multipliers", "linear_map", "median_hill_alpha", "read_log", "require_zarr",
-    "spectral_stats", "stable_ranks", "weight_blocks",
-]
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -13,10 +13,11 @@ from typing import Literal
 
 import torch
 
+from megaloop.alrs.schedule import EIGEN_METHODS
+
 logger = logging.getLogger("megaloop.alrs")
 
 EigenMethod = Literal["gram64", "svd32"]
-EIGEN_METHODS = ("gram64", "svd32")
 
 # A tail whose largest eigenvalue exceeds xmin by less than this relative amount is flat up to
 # rounding (e.g. an orthogonal matrix): its α would exceed 1e6 and only measure rounding noise.

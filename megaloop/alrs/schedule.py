@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megaloop.alrs.estimator import EIGEN_METHODS
+EIGEN_METHODS = ("gram64", "svd32")  # megaloop.alrs.estimator implements each
 
 MODES = ("alrs", "uniform", "decoder_boost")
 # The options only one mode reads: the allocation from spectra (mode alrs) and the constant boost.
