@@ -34,6 +34,7 @@ from pathlib import Path
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
+from megaloop.training.collective import rank0_decides
 
 log = logging.getLogger("megaloop.train")
 
@@ -108,7 +109,17 @@ def check_resume(path: Path, cfg: RunConfig, report: bool = True) -> bool:
     (False: refuse only, for a caller whose trainer logs them when it resumes). True when
     ``path`` is the run's own checkpoint at ``train.train_steps`` already (a finished run
     relaunched): then nothing is left to train, evaluate or save, which is logged in one line
-    naming any changed setting instead."""
+    naming any changed setting instead.
+
+    Decided on rank 0 and shared (``rank0_decides``), as the other start-up checks: these read
+    files (the checkpoint's, the ALRS log in ``train.out_dir``) that a rank without a shared
+    filesystem may see otherwise, and a refusal on some ranks only would leave the others waiting
+    in the next collective."""
+    return rank0_decides(lambda: _check_resume(path, cfg, report),
+                         (ckpt.CheckpointError, ConfigError))
+
+
+def _check_resume(path: Path, cfg: RunConfig, report: bool) -> bool:
     ckpt.check_compatible(path, cfg)
     ckpt.check_optimizer_state(path, cfg)
     complete, lines = _changed_settings(path, cfg)
