@@ -194,6 +194,10 @@ def test_split_strings(split, weights):
      "exactly model.iterations iterations)"),
     (["alrs.s2=3"], "train.use_alrs=False: must be true when alrs.s2=3.0 is set (the alrs "
                     "section is read only with ALRS on)"),
+    # Before: accepted here (and by --dry-run), refused only once the run had started.
+    (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' is not a finite "
+                             "non-negative number"),
+    (["data.path=[0, /x]"], "data.path=['0', '/x']: data blend: weights sum to zero"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])

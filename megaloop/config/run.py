@@ -12,7 +12,9 @@ from typing import Literal
 from megaloop.alrs.schedule import ALRSConfig
 from megaloop.config.errors import ConfigError, divisors_text, require, require_finite
 from megaloop.config.model import ModelConfig
-from megaloop.data.datasets import SPLIT_RULE, split_weights  # split_weights re-exported
+from megaloop.data.datasets import (SPLIT_RULE, parse_blend,  # split_weights re-exported
+                                    split_weights)
+from megaloop.data.readers import DataError
 
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
 # "delayed" (amax history) and "mxfp8" (block scaling, Blackwell GPUs).
@@ -243,6 +245,10 @@ class DataConfig:
         require(bool(self.path), prefix, "path", self.path,
                 "a non-empty list of dataset prefixes (optionally weighted)"
                 if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
+        try:  # a bad weight, refused here, not once the run has started
+            parse_blend(self.path)
+        except DataError as e:
+            raise ConfigError(f"{prefix}.path={self.path!r}: {e}") from None
         if self.format == "sft":
             self._validate_sft(prefix)
         else:  # the SFT templates would be silently ignored
