@@ -223,14 +223,13 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
 def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
     """Why ``alrs.log_eigenvalues`` cannot change: the run's ALRS log holds eigenvalues for
     every analysis or for none. None where no log is there yet (a new ``train.out_dir``)."""
-    from megaloop.alrs.log import RUN_LOG, stores_eigenvalues
+    from megaloop.alrs.log import RUN_LOG, eigenvalue_setting_fixed, stores_eigenvalues
 
     path = Path(cfg.train.out_dir) / RUN_LOG
     stored = stores_eigenvalues(path)
     if stored is None or stored == cfg.alrs.log_eigenvalues:
         return None
-    return (f"the ALRS log {path} holds eigenvalues for {'every' if stored else 'no'} analysis, "
-            "which cannot change within it; another train.out_dir starts a new log")
+    return f"{eigenvalue_setting_fixed(path, stored)}; another train.out_dir starts a new log"
 
 
 def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> None:
