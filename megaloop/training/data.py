@@ -57,11 +57,15 @@ def dataset_tokenizer(cfg: RunConfig, text=None) -> DatasetTokenizer:
     return tokenizer
 
 
-def build_datasets(cfg: RunConfig):
-    """(train, valid) datasets sized for the whole run; valid is None when ``data.split`` gives
-    it no data and no evaluation is asked for. Raises DataError on bad files."""
-    samples = (cfg.train.train_steps * cfg.train.global_batch_size,
-               cfg.train.eval_iters * cfg.train.global_batch_size, 0)
+def build_datasets(cfg: RunConfig, step: int = 0, consumed_samples: int = 0):
+    """(train, valid) datasets sized for the whole run, resumed at ``step`` with
+    ``consumed_samples`` read (``resume.resumed_progress``); valid is None when ``data.split``
+    gives it no data and no evaluation is asked for. Raises DataError on bad files."""
+    gbs, steps = cfg.train.global_batch_size, cfg.train.train_steps
+    # More than train_steps x global_batch_size where a resume shrank the global batch: the
+    # steps before it read more samples each.
+    samples = (max(steps * gbs, consumed_samples + (steps - step) * gbs),
+               cfg.train.eval_iters * gbs, 0)
     build = _build_sft_datasets if cfg.data.format == "sft" else _build_indexed_datasets
     train, valid = build(cfg, samples)
     interval, depths = cfg.train.eval_interval, cfg.train.eval_depths

@@ -31,6 +31,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
@@ -218,6 +220,16 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
         lines.append((logging.INFO if name in BOOKKEEPING else logging.WARNING,
                       f"{where}: {name} changed from {old!r} to {new!r}; in effect {when}"))
     return False, lines
+
+
+def resumed_progress(path: Path, cfg: RunConfig) -> tuple[int, int]:
+    """(step, consumed samples) at which a run starting from checkpoint ``path`` goes on; (0, 0)
+    for one that takes only its weights (or lacks the progress, which ``Trainer._load``
+    refuses)."""
+    if not ckpt.is_own_checkpoint(path, cfg) and not cfg.checkpoint.load_optimizer:
+        return 0, 0
+    trainer = torch.load(path / "common.pt", map_location="cpu", weights_only=True).get("trainer")
+    return (trainer["step"], trainer["consumed_samples"]) if trainer else (0, 0)
 
 
 def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
