@@ -198,6 +198,9 @@ def test_split_strings(split, weights):
     (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' is not a finite "
                              "non-negative number"),
     (["data.path=[0, /x]"], "data.path=['0', '/x']: data blend: weights sum to zero"),
+    (["data.path=[1, a.jsonl]", "data.format=sft", "data.eod_id=null", "data.tokenizer_model=t"],
+     "data.path=['1', 'a.jsonl']: must be a list of .jsonl/.parquet files, used whole "
+     "(data.format='sft' takes no blend weights)"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])

@@ -246,10 +246,12 @@ class DataConfig:
                 "a non-empty list of dataset prefixes (optionally weighted)"
                 if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
         try:  # a bad weight, refused here, not once the run has started
-            parse_blend(self.path)
+            weights = parse_blend(self.path)[1]
         except DataError as e:
             raise ConfigError(f"{prefix}.path={self.path!r}: {e}") from None
         if self.format == "sft":
+            require(weights is None, prefix, "path", self.path, "a list of .jsonl/.parquet "
+                    "files, used whole (data.format='sft' takes no blend weights)")
             self._validate_sft(prefix)
         else:  # the SFT templates would be silently ignored
             for name in ("sft_prompt", "sft_solution"):
