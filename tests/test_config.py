@@ -198,6 +198,9 @@ def test_split_strings(split, weights):
     (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' is not a finite "
                              "non-negative number"),
     (["data.path=[0, /x]"], "data.path=['0', '/x']: data blend: weights sum to zero"),
+    # Before: a ValueError traceback from the monitor once the model was built.
+    (["train.peak_tflops=0"], "train.peak_tflops=0.0: must be > 0, or null (a known GPU's own "
+                              "peak; no MFU on CPU)"),
     (["data.path=[1, a.jsonl]", "data.format=sft", "data.eod_id=null", "data.tokenizer_model=t"],
      "data.path=['1', 'a.jsonl']: must be a list of .jsonl/.parquet files, used whole "
      "(data.format='sft' takes no blend weights)"),

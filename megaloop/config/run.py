@@ -181,6 +181,8 @@ class TrainConfig:
         require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
                 "in [0, 1)")
         require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
+        require(self.peak_tflops is None or self.peak_tflops > 0, prefix, "peak_tflops",
+                self.peak_tflops, "> 0, or null (a known GPU's own peak; no MFU on CPU)")
         require(all(k >= 1 for k in self.eval_depths), prefix, "eval_depths", self.eval_depths,
                 "a list of iteration counts >= 1")
         require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
