@@ -162,7 +162,7 @@ def resumed_config(cfg: RunConfig, base_checkpoint: str | os.PathLike) -> RunCon
     complete = ckpt.complete_checkpoints(own_dir)
     if not (cfg.checkpoint.resume and complete):
         return cfg
-    own = ckpt.latest_checkpoint(own_dir) or complete[-1]
+    own = ckpt.choose_own_checkpoint(own_dir, complete, cfg.checkpoint.fallback_to_previous)[0]
     started = (ckpt.saved_config(own).get("checkpoint") or {}).get("load")
     now = Path(cfg.checkpoint.load)
     if started and Path(base_checkpoint).resolve() != now.resolve() and \

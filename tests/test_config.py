@@ -194,6 +194,16 @@ def test_split_strings(split, weights):
      "exactly model.iterations iterations)"),
     (["alrs.s2=3"], "train.use_alrs=False: must be true when alrs.s2=3.0 is set (the alrs "
                     "section is read only with ALRS on)"),
+    # Before: accepted here (and by --dry-run), refused only once the run had started.
+    (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' is not a finite "
+                             "non-negative number"),
+    (["data.path=[0, /x]"], "data.path=['0', '/x']: data blend: weights sum to zero"),
+    # Before: a ValueError traceback from the monitor once the model was built.
+    (["train.peak_tflops=0"], "train.peak_tflops=0.0: must be > 0, or null (a known GPU's own "
+                              "peak; no MFU on CPU)"),
+    (["data.path=[1, a.jsonl]", "data.format=sft", "data.eod_id=null", "data.tokenizer_model=t"],
+     "data.path=['1', 'a.jsonl']: must be a list of .jsonl/.parquet files, used whole "
+     "(data.format='sft' takes no blend weights)"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])

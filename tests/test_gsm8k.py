@@ -188,6 +188,28 @@ def _run_with_tokenizer(tmp_path: Path) -> tuple[Path, list[str]]:
                            str(tmp_path / "p.jsonl")]
 
 
+def test_a_rerun_with_a_bad_latest_pointer_falls_back_as_the_trainer_would(base_checkpoint,
+                                                                           tmp_path):
+    """Before: the rerun's check read ``latest`` itself and refused a pointer to nothing even with
+    checkpoint.fallback_to_previous=true, with which the trainer resumes from the previous
+    checkpoint. The check decides alone: the trainer sets the damaged one aside."""
+    import shutil
+
+    from megaloop.training.checkpoint import CheckpointError
+
+    own = tmp_path / "out" / "checkpoints"
+    for step in (1, 2):
+        shutil.copytree(base_checkpoint / "iter_0000000", own / f"iter_000000{step}")
+    (own / "latest").write_text("iter_0000003\n")
+    cfg = gsm8k.finetune_config(base_checkpoint, ["train.jsonl"], str(tmp_path / "out"))
+    with pytest.raises(CheckpointError, match="fallback_to_previous=true resumes from iter_0000002"):
+        gsm8k.resumed_config(cfg, base_checkpoint)
+    cfg.checkpoint.fallback_to_previous = True
+    assert gsm8k.resumed_config(cfg, base_checkpoint) is cfg
+    assert (own / "latest").read_text() == "iter_0000003\n"
+    assert sorted(p.name for p in own.iterdir()) == ["iter_0000001", "iter_0000002", "latest"]
+
+
 def test_a_tokenizer_other_than_the_runs_is_refused_before_decoding(mcore, tmp_path, capsys):
     """Before: another SentencePiece model gave an accuracy from ids the model never learned
     (exit 0), a larger vocabulary an IndexError at the embedding."""

@@ -124,9 +124,9 @@ class ALRSLog:
                                "(another model, alrs.granularity or alrs.exclude): use another "
                                "train.out_dir")
         if bool(attrs["log_eigenvalues"]) != bool(log_eigenvalues):
-            raise config_error(f"ALRS log {self.path} was written with alrs.log_eigenvalues="
-                               f"{bool(attrs['log_eigenvalues'])}, which cannot change within "
-                               "it: set it back, or use another train.out_dir")
+            raise config_error(f"alrs.log_eigenvalues={bool(log_eigenvalues)}: "
+                               f"{eigenvalue_setting_fixed(self.path, attrs['log_eigenvalues'])}"
+                               "; set it back, or use another train.out_dir (a new log)")
 
     def append_spectra(self, step: int, allocated: bool, stats: Mapping[str, Sequence[float]],
                        eigenvalues: Mapping[str, np.ndarray] | None = None) -> None:
@@ -181,6 +181,13 @@ class ALRSLog:
         if arr.shape[0] < end:
             arr.resize((end, *arr.shape[1:]))
         arr[row:end] = values
+
+
+def eigenvalue_setting_fixed(path: str | os.PathLike, stored: bool) -> str:
+    """Why ``alrs.log_eigenvalues`` cannot change for the log at ``path`` (``stored``: its
+    setting), in the words of both refusals: the log's own and the trainer's resume check."""
+    return (f"the ALRS log {path} holds eigenvalues for {'every' if stored else 'no'} analysis, "
+            "which cannot change within it")
 
 
 def stores_eigenvalues(path: str | os.PathLike) -> bool | None:

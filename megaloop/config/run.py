@@ -12,7 +12,9 @@ from typing import Literal
 from megaloop.alrs.schedule import ALRSConfig
 from megaloop.config.errors import ConfigError, divisors_text, require, require_finite
 from megaloop.config.model import ModelConfig
-from megaloop.data.datasets import SPLIT_RULE, split_weights  # split_weights re-exported
+from megaloop.data.datasets import (SPLIT_RULE, parse_blend,  # split_weights re-exported
+                                    split_weights)
+from megaloop.data.readers import DataError
 
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),
 # "delayed" (amax history) and "mxfp8" (block scaling, Blackwell GPUs).
@@ -179,6 +181,8 @@ class TrainConfig:
         require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
                 "in [0, 1)")
         require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
+        require(self.peak_tflops is None or self.peak_tflops > 0, prefix, "peak_tflops",
+                self.peak_tflops, "> 0, or null (a known GPU's own peak; no MFU on CPU)")
         require(all(k >= 1 for k in self.eval_depths), prefix, "eval_depths", self.eval_depths,
                 "a list of iteration counts >= 1")
         require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
@@ -243,7 +247,13 @@ class DataConfig:
         require(bool(self.path), prefix, "path", self.path,
                 "a non-empty list of dataset prefixes (optionally weighted)"
                 if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
+        try:  # a bad weight, refused here, not once the run has started
+            weights = parse_blend(self.path)[1]
+        except DataError as e:
+            raise ConfigError(f"{prefix}.path={self.path!r}: {e}") from None
         if self.format == "sft":
+            require(weights is None, prefix, "path", self.path, "a list of .jsonl/.parquet "
+                    "files, used whole (data.format='sft' takes no blend weights)")
             self._validate_sft(prefix)
         else:  # the SFT templates would be silently ignored
             for name in ("sft_prompt", "sft_solution"):

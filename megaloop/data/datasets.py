@@ -61,8 +61,8 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None
         return items, None
     weights, prefixes = items[0::2], items[1::2]
     for w in weights:
-        if not _is_number(w) or float(w) < 0:
-            raise DataError(f"data blend: weight {w!r} is not a non-negative number")
+        if not _is_number(w) or not 0 <= float(w) < math.inf:  # nan fails both
+            raise DataError(f"data blend: weight {w!r} is not a finite non-negative number")
     if sum(map(float, weights)) <= 0:
         raise DataError("data blend: weights sum to zero")
     return prefixes, [float(w) for w in weights]

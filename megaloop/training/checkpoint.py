@@ -30,6 +30,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -547,26 +548,31 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     return found
 
 
-def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bool) -> Path:
+def choose_own_checkpoint(directory: Path, complete: list[Path], fallback: bool,
+                          warn: Callable[[str], None] = lambda line: None
+                          ) -> tuple[Path, Path | None, str | None]:
+    """(the checkpoint of ``directory`` that a resume continues, verified; the one ``latest``
+    names where ``fallback`` (checkpoint.fallback_to_previous) goes past it to the newest earlier
+    one that verifies, and why) from its ``complete_checkpoints``; a CheckpointError otherwise.
+    Decides only, moving nothing (megaloop.gsm8k checks a rerun with it); ``warn`` is given the
+    lines worth a warning (no pointer, an earlier checkpoint that does not verify either)."""
     pointer = directory / LATEST
     if pointer.exists():
         try:
-            named = directory / pointed_name(pointer)
+            candidate, problem = directory / pointed_name(pointer), None
+            if not candidate.is_dir():
+                raise CheckpointError(f"{pointer}: names {candidate.name!r}, which is not a "
+                                      f"checkpoint directory in {directory}")
         except CheckpointError as e:
             candidate, problem = None, str(e)
-        else:
-            candidate, problem = named, None
-            if not named.is_dir():
-                candidate, problem = None, f"{pointer}: names {named.name!r}, which is not a " \
-                                           f"checkpoint directory in {directory}"
     else:
         candidate, problem = complete[-1], None
-        log.warning("%s: no 'latest' pointer; resuming from the newest complete checkpoint %s",
-                    directory, candidate.name)
+        warn(f"{directory}: no 'latest' pointer; resuming from the newest complete checkpoint "
+             f"{candidate.name}")
     if candidate is not None:
         try:
             verify_checkpoint(candidate)
-            return candidate
+            return candidate, None, None
         except CheckpointError as e:
             problem = str(e)
     earlier = [p for p in complete if candidate is None or step_of(p) < step_of(candidate)]
@@ -582,15 +588,24 @@ def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bo
         try:
             verify_checkpoint(older)
         except CheckpointError as e:
-            log.warning("%s", e)
+            warn(str(e))
             continue
-        if candidate is not None:
-            damaged = candidate.with_name(f"{candidate.name}.damaged-{int(time.time())}")
-            os.replace(candidate, damaged)
-            problem += f" (set aside as {damaged.name})"
-        write_text_atomic(pointer, older.name + "\n")
-        log.warning("%s; resuming from %s instead (checkpoint.fallback_to_previous)", problem,
-                    older.name)
-        return older
+        return older, candidate, problem
     raise CheckpointError(f"{problem}; no earlier complete checkpoint in {directory} to fall "
                           "back to")
+
+
+def _verified_own_checkpoint(directory: Path, complete: list[Path], fallback: bool) -> Path:
+    """``choose_own_checkpoint``, done: a damaged checkpoint set aside, ``latest`` repointed."""
+    path, damaged, problem = choose_own_checkpoint(directory, complete, fallback,
+                                                   lambda line: log.warning("%s", line))
+    if problem is None:
+        return path
+    if damaged is not None:
+        aside = damaged.with_name(f"{damaged.name}.damaged-{int(time.time())}")
+        os.replace(damaged, aside)
+        problem += f" (set aside as {aside.name})"
+    write_text_atomic(directory / LATEST, path.name + "\n")
+    log.warning("%s; resuming from %s instead (checkpoint.fallback_to_previous)", problem,
+                path.name)
+    return path

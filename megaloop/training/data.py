@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import rank0_decides
 
+log = logging.getLogger("megaloop.train")
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
 
 
@@ -55,11 +57,15 @@ def dataset_tokenizer(cfg: RunConfig, text=None) -> DatasetTokenizer:
     return tokenizer
 
 
-def build_datasets(cfg: RunConfig):
-    """(train, valid) datasets sized for the whole run; valid is None when ``data.split`` gives
-    it no data and no evaluation is asked for. Raises DataError on bad files."""
-    samples = (cfg.train.train_steps * cfg.train.global_batch_size,
-               cfg.train.eval_iters * cfg.train.global_batch_size, 0)
+def build_datasets(cfg: RunConfig, step: int = 0, consumed_samples: int = 0):
+    """(train, valid) datasets sized for the whole run, resumed at ``step`` with
+    ``consumed_samples`` read (``resume.resumed_progress``); valid is None when ``data.split``
+    gives it no data and no evaluation is asked for. Raises DataError on bad files."""
+    gbs, steps = cfg.train.global_batch_size, cfg.train.train_steps
+    # More than train_steps x global_batch_size where a resume shrank the global batch: the
+    # steps before it read more samples each.
+    samples = (max(steps * gbs, consumed_samples + (steps - step) * gbs),
+               cfg.train.eval_iters * gbs, 0)
     build = _build_sft_datasets if cfg.data.format == "sft" else _build_indexed_datasets
     train, valid = build(cfg, samples)
     interval, depths = cfg.train.eval_interval, cfg.train.eval_depths
@@ -156,6 +162,24 @@ def check_sidecars(summaries: dict[str, IndexedSummary], data: DataConfig, eod: 
                    "train with the tokenizer it was made with, or preprocess it again")
             raise DataError(f"{where}: {prefix} was tokenized with {made}, but the run has {run}; "
                             f"{fix}")
+    if data.eod_mask_loss:  # it masks the EOD closing each document: none where none was added
+        _check_eods_to_mask(summaries, [prefix for prefix, saved in sidecars
+                                        if saved.get("append_eod") is False])
+
+
+def _check_eods_to_mask(summaries: dict[str, IndexedSummary], without: list[str]) -> None:
+    """Refuses ``data.eod_mask_loss`` where every prefix was preprocessed without --append-eod
+    (``without``, by their sidecars), and notes those where only some were."""
+    if without and len(without) == len(summaries):
+        raise DataError(f"data.eod_mask_loss=true: {', '.join(without)} "
+                        f"{'holds' if len(without) == 1 else 'hold'} no EOD to mask (preprocessed "
+                        f"without --append-eod, says {sidecar_path(without[0])}); preprocess "
+                        f"{'it' if len(without) == 1 else 'them'} with --append-eod, or set "
+                        "data.eod_mask_loss=false")
+    for prefix in without:
+        log.warning("data.eod_mask_loss=true masks nothing in %s: preprocessed without "
+                    "--append-eod (says %s), its documents hold no EOD", prefix,
+                    sidecar_path(prefix))
 
 
 def check_token_ids(summaries: dict[str, IndexedSummary], vocab_size: int,

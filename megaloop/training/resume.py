@@ -31,9 +31,12 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.config import ConfigError, RunConfig, to_dict
 from megaloop.training import checkpoint as ckpt
+from megaloop.training.collective import rank0_decides
 
 log = logging.getLogger("megaloop.train")
 
@@ -108,7 +111,17 @@ def check_resume(path: Path, cfg: RunConfig, report: bool = True) -> bool:
     (False: refuse only, for a caller whose trainer logs them when it resumes). True when
     ``path`` is the run's own checkpoint at ``train.train_steps`` already (a finished run
     relaunched): then nothing is left to train, evaluate or save, which is logged in one line
-    naming any changed setting instead."""
+    naming any changed setting instead.
+
+    Decided on rank 0 and shared (``rank0_decides``), as the other start-up checks: these read
+    files (the checkpoint's, the ALRS log in ``train.out_dir``) that a rank without a shared
+    filesystem may see otherwise, and a refusal on some ranks only would leave the others waiting
+    in the next collective."""
+    return rank0_decides(lambda: _check_resume(path, cfg, report),
+                         (ckpt.CheckpointError, ConfigError))
+
+
+def _check_resume(path: Path, cfg: RunConfig, report: bool) -> bool:
     ckpt.check_compatible(path, cfg)
     ckpt.check_optimizer_state(path, cfg)
     complete, lines = _changed_settings(path, cfg)
@@ -209,17 +222,26 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
     return False, lines
 
 
+def resumed_progress(path: Path, cfg: RunConfig) -> tuple[int, int]:
+    """(step, consumed samples) at which a run starting from checkpoint ``path`` goes on; (0, 0)
+    for one that takes only its weights (or lacks the progress, which ``Trainer._load``
+    refuses)."""
+    if not ckpt.is_own_checkpoint(path, cfg) and not cfg.checkpoint.load_optimizer:
+        return 0, 0
+    trainer = torch.load(path / "common.pt", map_location="cpu", weights_only=True).get("trainer")
+    return (trainer["step"], trainer["consumed_samples"]) if trainer else (0, 0)
+
+
 def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
     """Why ``alrs.log_eigenvalues`` cannot change: the run's ALRS log holds eigenvalues for
     every analysis or for none. None where no log is there yet (a new ``train.out_dir``)."""
-    from megaloop.alrs.log import RUN_LOG, stores_eigenvalues
+    from megaloop.alrs.log import RUN_LOG, eigenvalue_setting_fixed, stores_eigenvalues
 
     path = Path(cfg.train.out_dir) / RUN_LOG
     stored = stores_eigenvalues(path)
     if stored is None or stored == cfg.alrs.log_eigenvalues:
         return None
-    return (f"the ALRS log {path} holds eigenvalues for {'every' if stored else 'no'} analysis, "
-            "which cannot change within it; another train.out_dir starts a new log")
+    return f"{eigenvalue_setting_fixed(path, stored)}; another train.out_dir starts a new log"
 
 
 def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> None:

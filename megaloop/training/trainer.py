@@ -35,7 +35,8 @@ from megaloop.config import ConfigError, RunConfig, micro_batches_per_step, save
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
-from megaloop.training.resume import check_resume, report_sample_order, resume_schedule
+from megaloop.training.resume import (check_resume, report_sample_order, resume_schedule,
+                                      resumed_progress)
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
@@ -155,13 +156,15 @@ class Trainer:
         self._run_dirs = RunDirs(self.out_dir, self.checkpoint_dir, cfg.data.cache_dir)
         self._run_dirs.prepare()
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
+        progress = (0, 0)
         if self.resume_path is not None:
             self.complete = check_resume(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
             if self.complete:  # before the datasets, whose indexes may take minutes to build
                 self.step = ckpt.step_of(self.resume_path)
                 return
-        self.train_data, self.valid_data = build_datasets(cfg)
+            progress = resumed_progress(self.resume_path, cfg)
+        self.train_data, self.valid_data = build_datasets(cfg, *progress)
         self._stop_point("building the datasets")
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval

@@ -107,6 +107,7 @@ def test_reopening_with_the_other_eigenvalue_setting_is_refused_in_one_line(tmp_
     # Before the fix the store's setting silently won (no eigenvalues, or eigenvalues anyway).
     with pytest.raises(ValueError) as error:
         ALRSLog(tmp_path / "r.zarr", NAMES, SHAPES, GROUPS, log_eigenvalues=not first)
-    assert str(error.value) == (
-        f"ALRS log {tmp_path / 'r.zarr'} was written with alrs.log_eigenvalues={first}, which "
-        f"cannot change within it: set it back, or use another train.out_dir")
+    assert str(error.value) == (  # worded as the resume check's refusal (training.resume)
+        f"alrs.log_eigenvalues={not first}: the ALRS log {tmp_path / 'r.zarr'} holds eigenvalues "
+        f"for {'every' if first else 'no'} analysis, which cannot change within it; set it back, "
+        "or use another train.out_dir (a new log)")

@@ -96,6 +96,7 @@ def test_weighted_blend_needs_every_split_size(tokenized_articles):
 def test_blend_parsing():
     assert parse_blend(["a", "b"]) == (["a", "b"], None)
     assert parse_blend(["30", "a", "70", "b"]) == (["a", "b"], [30.0, 70.0])
-    with pytest.raises(DataError, match="weight '-1' is not a non-negative number"):
-        parse_blend(["-1", "a", "2", "b"])
+    for weight in ("-1", "nan", "inf"):  # before: nan and inf were taken as weights
+        with pytest.raises(DataError, match=f"weight '{weight}' is not a finite non-negative"):
+            parse_blend([weight, "a", "2", "b"])
 

@@ -367,3 +367,33 @@ def test_an_eod_id_no_token_can_have_is_refused(tmp_path, eod_id):
                                 "model.vocab_size - 1 = 127")
     cfg.data.eod_id = 127
     assert dataset_tokenizer(cfg).eod == 127
+
+
+def test_eod_mask_loss_on_data_preprocessed_without_eods_is_refused_or_noted(tmp_path, sp_model,
+                                                                            caplog):
+    """Before: data.eod_mask_loss=true on data whose sidecar says it was preprocessed without
+    --append-eod masked nothing, without a word."""
+    import logging
+
+    from megaloop.config import DataConfig
+    from megaloop.training.data import check_sidecars
+
+    plain = _preprocess(tmp_path, sp_model, legacy=False, append_eod=False)
+    (tmp_path / "eods").mkdir()
+    ended = _preprocess(tmp_path / "eods", sp_model, legacy=False)
+    data = DataConfig(path=[plain], tokenizer_model=str(sp_model), eod_mask_loss=True)
+    with pytest.raises(DataError) as error:
+        check_sidecars(_indexed(plain), data, 2, str(sp_model))
+    assert str(error.value) == (
+        f"data.eod_mask_loss=true: {plain} holds no EOD to mask (preprocessed without "
+        f"--append-eod, says {plain}.tokenizer.json); preprocess it with --append-eod, or set "
+        "data.eod_mask_loss=false")
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        check_sidecars({**_indexed(plain), **_indexed(ended)}, data, 2, str(sp_model))
+        assert caplog.messages == [
+            f"data.eod_mask_loss=true masks nothing in {plain}: preprocessed without "
+            f"--append-eod (says {plain}.tokenizer.json), its documents hold no EOD"]
+        caplog.clear()
+        check_sidecars(_indexed(plain), DataConfig(path=[plain], tokenizer_model=str(sp_model)),
+                       2, str(sp_model))
+    assert not caplog.messages

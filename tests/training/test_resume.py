@@ -455,3 +455,30 @@ def test_a_changed_setting_is_checked_before_the_model_is_built(run_stopped_at_s
         "to 0.5; in effect from step 5"]
     with pytest.raises(ConfigError, match=r"^model.init_std=0.5: differs from 0.02 in "):
         Trainer(tiny_run(pattern_data, out, model={"init_std": 0.5}))
+
+
+def _check_where_rank0_sees_another_checkpoint(rank, world_size, root):
+    """Each rank's own copy of the 'same' run, as without a shared filesystem: rank 0's config
+    differs in a setting no resume applies."""
+    from pathlib import Path
+
+    from megaloop.config import ConfigError
+    from megaloop.training.resume import check_resume
+
+    path, cfg = _checkpoint(Path(root) / f"rank{rank}", model={"init_std": 0.5 if rank else 0.02})
+    cfg.model.init_std = 0.5
+    try:
+        return check_resume(path, cfg)
+    except ConfigError as e:
+        return str(e)
+
+
+def test_every_rank_takes_rank_zeros_verdict_on_a_resume(tmp_path):
+    """Before: each rank decided alone, and rank 0 raised while rank 1 went on into the next
+    collective, where it waited for rank 0 until the process-group timeout."""
+    from tests.distributed import run_distributed
+
+    verdicts = run_distributed(_check_where_rank0_sees_another_checkpoint, world_size=2,
+                               root=str(tmp_path))
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0].startswith(f"model.init_std=0.5: differs from 0.02 in {tmp_path / 'rank0'}")

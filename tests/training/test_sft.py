@@ -101,3 +101,15 @@ def test_finetuning_from_loaded_weights_resumes_bit_for_bit(mcore, sft_files, tm
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(b) == [3, 4]
     assert [a[s] for s in b] == [b[s] for s in b]
+
+
+def test_a_resume_with_a_smaller_global_batch_reads_on_to_its_last_step(mcore, sft_files,
+                                                                         tmp_path):
+    """Before: the data was sized train_steps x the new global batch, which the samples the
+    checkpoint had read already at the old one used up: StopIteration, a traceback, at the first
+    step after the resume."""
+    Trainer(sft_run(sft_files, tmp_path, train={"global_batch_size": 8, "train_steps": 2})).train()
+    with Trainer(sft_run(sft_files, tmp_path, train={"train_steps": 4})) as resumed:
+        assert len(resumed.train_data) == 2 * 8 + 2 * 4
+        assert resumed.train()["step"] == 4
+    assert sorted(train_losses(tmp_path)) == [1, 2, 3, 4]
