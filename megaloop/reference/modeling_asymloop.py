@@ -256,15 +256,16 @@ class MegaloopPreTrainedModel(PreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
                 num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None,
-                inputs_embeds=None, **old_transformers):
+                inputs_embeds=None, **generate_extras):
         """Logits [B, N, V] of ``input_ids`` after the cached tokens, the cache (with ``use_cache``)
         and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy.
         ``num_iterations`` overrides the configured iterations for this call.
         transformers before 5.24 passes the cache as ``past_key_values``, ``inputs_embeds=None``
         and the new tokens' positions as ``cache_position`` (the cache knows them: not needed).
         That one is taken unnamed: generate() of 5.24 warns about remote code whose forward names
-        it (and makes it, for nothing)."""
-        unexpected = sorted(set(old_transformers) - {"cache_position"})
+        it (and makes it, for nothing). generate() also passes on its ``tokenizer`` (given for
+        ``stop_strings``), which only its stopping criteria use."""
+        unexpected = sorted(set(generate_extras) - {"cache_position", "tokenizer"})
         if unexpected:
             raise TypeError(f"forward() got an unexpected keyword argument {unexpected[0]!r}")
         if inputs_embeds is not None:

@@ -211,3 +211,31 @@ def test_forward_takes_old_transformers_cache_position_and_refuses_other_names()
                                    model(x).logits)
         with pytest.raises(TypeError, match="unexpected keyword argument 'position_ids'"):
             model(x, position_ids=torch.arange(4)[None])
+
+
+def _char_tokenizer(vocab: int):
+    """A Hugging Face tokenizer whose ids are single characters (a..z first), decoded by joining
+    them: what stop_strings needs to match decoded text."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import TokenizersBackend
+
+    chars = list(string.ascii_lowercase) + [chr(0x100 + i) for i in range(vocab - 26)]
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return TokenizersBackend(tokenizer_object=tokenizer), chars
+
+
+def test_generate_stops_at_stop_strings_given_with_their_tokenizer():
+    """generate(stop_strings=..., tokenizer=...) passes the tokenizer on to forward (before: a
+    TypeError naming it, so stop strings could not be used)."""
+    model = reference_model("asymloop")
+    prompt = tokens(batch=1, length=5)
+    tokenizer, chars = _char_tokenizer(128)
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    new = [chars[int(t)] for t in greedy[0, 5:]]
+    stop = new[2]
+    stopped = model.generate(prompt, max_new_tokens=6, do_sample=False, stop_strings=[stop],
+                             tokenizer=tokenizer)
+    assert torch.equal(stopped, greedy[:, :5 + new.index(stop) + 1])
