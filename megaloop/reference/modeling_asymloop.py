@@ -115,6 +115,23 @@ class LoopedCache(DynamicCache):
         super().reorder_cache(beam_idx)
         self.state = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.state.items()}
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens (transformers passes a negative count):
+        assisted decoding and prompt lookup drop the draft tokens the model rejected. A LatentLoop
+        cache with compressed visits holds latents of k tokens and their pending inputs, which do
+        not drop tokens: a ValueError saying so (the slots and ``seen`` would disagree)."""
+        if tokens_to_remove == 0:
+            return
+        latent = sorted(name for name in self.state if name != "valid")
+        if latent:
+            raise ValueError(f"this cache cannot drop tokens: it holds LatentLoop state ({latent[0]}"
+                             ", latents of k tokens); decode without assisted decoding or prompt "
+                             "lookup")
+        super().crop(tokens_to_remove)
+        self.seen = max(self.seen - abs(tokens_to_remove), 0)
+        if "valid" in self.state:
+            self.state["valid"] = self.state["valid"][:, :self.seen]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: MegaloopConfig, global_kv: bool, local_kv: bool):

@@ -239,3 +239,29 @@ def test_generate_stops_at_stop_strings_given_with_their_tokenizer():
     stopped = model.generate(prompt, max_new_tokens=6, do_sample=False, stop_strings=[stop],
                              tokenizer=tokenizer)
     assert torch.equal(stopped, greedy[:, :5 + new.index(stop) + 1])
+
+
+def test_assisted_decoding_drops_rejected_draft_tokens_from_the_cache(monkeypatch):
+    """Assisted decoding (a 1-iteration draft of the same weights) and prompt lookup crop the
+    rejected draft tokens from the cache: the tokens are greedy decoding's (before: the cache kept
+    counting them, a size mismatch at the next forward). A LatentLoop cache with compressed
+    visits cannot drop tokens: one ValueError saying so."""
+    from megaloop.reference.modeling_asymloop import LoopedCache
+
+    dropped = []
+    crop = LoopedCache.crop
+    monkeypatch.setattr(LoopedCache, "crop", lambda self, n: (dropped.append(-n), crop(self, n)))
+    model, draft = reference_model("asymloop"), reference_model("asymloop", iterations=1)
+    prompt = torch.cat([tokens(batch=1, length=4)] * 2, dim=1)  # repeats: lookup candidates
+    greedy = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=3)):
+        dropped.clear()
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False,
+                             **{CACHE_ARGUMENT: model.new_cache()}, **kwargs)
+        assert torch.equal(out, greedy), kwargs
+        assert max(dropped) > 0, kwargs  # some draft token was rejected
+    latent = reference_model("latentloop")
+    cache = latent.new_cache()
+    latent(tokens(batch=1, length=5), cache=cache)
+    with pytest.raises(ValueError, match="cannot drop tokens: it holds LatentLoop state"):
+        cache.crop(-1)
