@@ -62,6 +62,23 @@ def test_export_writes_a_tokenizer_that_encodes_as_megaloop(exports, tmp_path, m
     assert (tmp_path / "out" / "tokenizer.model").exists() == sentencepiece
 
 
+def test_an_exported_tokenizer_json_does_not_truncate_where_training_did_not(exports, tmp_path):
+    """A tokenizer.json carrying truncation (GPT-2's at 1024 tokens; here 8) is exported without
+    it, as megaloop's tokenizer encodes: read by the tokenizers library (as servers read it) the
+    export encodes a long text whole (before: cut to 8 tokens)."""
+    from tokenizers import Tokenizer
+
+    source = _json_tokenizer(tmp_path)
+    truncating = Tokenizer.from_file(str(source))
+    truncating.enable_truncation(8)
+    truncating.save(str(source))
+    export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out")
+    text = " ".join(LINES[:3])
+    exported = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).encode(text).ids
+    assert exported == load_tokenizer("HuggingFaceTokenizer", source).encode_batch([text])[0]
+    assert len(exported) > 8
+
+
 def test_refuses_a_tokenizer_larger_than_the_model_vocabulary(exports, tmp_path):
     source = _sentencepiece(tmp_path, byte_fallback=True)  # 256 byte pieces; the model has 128 rows
     with pytest.raises(ConversionError, match=r"tok.model: \d+ tokens, more than the model's "
