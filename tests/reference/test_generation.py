@@ -265,3 +265,18 @@ def test_assisted_decoding_drops_rejected_draft_tokens_from_the_cache(monkeypatc
     latent(tokens(batch=1, length=5), cache=cache)
     with pytest.raises(ValueError, match="cannot drop tokens: it holds LatentLoop state"):
         cache.crop(-1)
+
+
+def test_latentloop_refuses_another_number_of_visits_at_load_time(tmp_path):
+    """from_pretrained(dir, iterations=N) sets a looped model's depth; a LatentLoop runs exactly
+    its own visits. The MoE Loop's fixed scales are not in its weights, so nothing else noticed
+    (before: 3 visits of a 2-visit model, without a word)."""
+    model = reference_model("moe_loop")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^iterations=3: arch=latentloop runs exactly its "
+                                         r"iterations=2 visits"):
+        type(model).from_pretrained(tmp_path, iterations=3)
+    x = tokens(batch=1, length=5)
+    with torch.no_grad():
+        torch.testing.assert_close(type(model).from_pretrained(tmp_path, iterations=2)(x).logits,
+                                   model(x).logits)
