@@ -116,10 +116,11 @@ class LoopedCache(DynamicCache):
         self.state = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.state.items()}
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drops the last ``-tokens_to_remove`` tokens (transformers passes a negative count):
-        assisted decoding and prompt lookup drop the draft tokens the model rejected. A LatentLoop
-        cache with compressed visits holds latents of k tokens and their pending inputs, which do
-        not drop tokens: a ValueError saying so (the slots and ``seen`` would disagree)."""
+        """Drops the last ``-tokens_to_remove`` tokens (as transformers 5.24 passes it; before, a
+        positive value is the number of tokens to keep): assisted decoding and prompt lookup drop
+        the draft tokens the model rejected. A LatentLoop cache with compressed visits holds
+        latents of k tokens and their pending inputs, which do not drop tokens: a ValueError saying
+        so (the slots and ``seen`` would disagree)."""
         if tokens_to_remove == 0:
             return
         latent = sorted(name for name in self.state if name != "valid")
@@ -128,7 +129,8 @@ class LoopedCache(DynamicCache):
                              ", latents of k tokens); decode without assisted decoding or prompt "
                              "lookup")
         super().crop(tokens_to_remove)
-        self.seen = max(self.seen - abs(tokens_to_remove), 0)
+        self.seen = tokens_to_remove if tokens_to_remove > 0 else \
+            max(self.seen + tokens_to_remove, 0)
         if "valid" in self.state:
             self.state["valid"] = self.state["valid"][:, :self.seen]
 

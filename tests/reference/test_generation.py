@@ -280,3 +280,27 @@ def test_latentloop_refuses_another_number_of_visits_at_load_time(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(type(model).from_pretrained(tmp_path, iterations=2)(x).logits,
                                    model(x).logits)
+
+
+def test_crop_takes_the_tokens_to_drop_or_before_transformers_5_24_the_tokens_to_keep(
+        monkeypatch):
+    """transformers 5.24 crops by minus the tokens to drop; earlier ones by the length to keep
+    (their layers cut to it, as here). Either way the cache continues as if the dropped tokens
+    had never been fed."""
+    from transformers.cache_utils import DynamicLayer
+
+    def cut_to(layer, length):  # what a layer of transformers before 5.24 does with length > 0
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+    model, x = reference_model("asymloop"), tokens(batch=1, length=9)
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        for crop in (-3, 6):
+            if crop > 0:
+                monkeypatch.setattr(DynamicLayer, "crop", cut_to)
+            cache = model.new_cache()
+            model(x, cache=cache)
+            cache.crop(crop)
+            assert cache.get_seq_length() == 6
+            torch.testing.assert_close(model(x[:, 6:], cache=cache).logits, full[:, 6:],
+                                       atol=2e-6, rtol=1e-5)
