@@ -275,10 +275,12 @@ class MegaloopPreTrainedModel(PreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
                 num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None,
-                inputs_embeds=None, **generate_extras):
+                inputs_embeds=None, num_items_in_batch=None, **generate_extras):
         """Logits [B, N, V] of ``input_ids`` after the cached tokens, the cache (with ``use_cache``)
-        and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy.
-        ``num_iterations`` overrides the configured iterations for this call.
+        and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy: the mean over
+        the predicted tokens, or their sum over ``num_items_in_batch`` (the predicted tokens of all
+        the micro-batches of a step, which transformers' Trainer passes under gradient
+        accumulation). ``num_iterations`` overrides the configured iterations for this call.
         transformers before 5.24 passes the cache as ``past_key_values``, ``inputs_embeds=None``
         and the new tokens' positions as ``cache_position`` (the cache knows them: not needed).
         That one is taken unnamed: generate() of 5.24 warns about remote code whose forward names
@@ -316,7 +318,10 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+                                   ignore_index=-100,
+                                   reduction="mean" if num_items_in_batch is None else "sum")
+            if num_items_in_batch is not None:
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache})
         return out if return_dict is not False else out.to_tuple()
 

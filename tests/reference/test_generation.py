@@ -304,3 +304,37 @@ def test_crop_takes_the_tokens_to_drop_or_before_transformers_5_24_the_tokens_to
             assert cache.get_seq_length() == 6
             torch.testing.assert_close(model(x[:, 6:], cache=cache).logits, full[:, 6:],
                                        atol=2e-6, rtol=1e-5)
+
+
+def test_loss_is_normalised_by_num_items_in_batch_as_transformers_trainer_passes_it(tmp_path):
+    """transformers' Trainer passes num_items_in_batch (forward takes **kwargs) and expects the
+    summed loss over it; before, forward refused it, so Trainer fine-tuning failed at step 1."""
+    pytest.importorskip("accelerate")
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = reference_model("asymloop")
+    x = tokens(length=8)
+    labels = x.clone()
+    labels[0, :3] = -100
+    predicted = int((labels[:, 1:] != -100).sum())
+    with torch.no_grad():
+        mean = model(x, labels=labels).loss
+        torch.testing.assert_close(model(x, labels=labels, num_items_in_batch=predicted).loss, mean)
+        torch.testing.assert_close(
+            model(x, labels=labels, num_items_in_batch=torch.tensor(2 * predicted)).loss, mean / 2)
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"input_ids": x[i % 2], "labels": labels[i % 2]}
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model.train(), args=args, train_dataset=Rows())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
