@@ -129,7 +129,7 @@ class LoopedCache(DynamicCache):
                              ", latents of k tokens); decode without assisted decoding or prompt "
                              "lookup")
         super().crop(tokens_to_remove)
-        self.seen = tokens_to_remove if tokens_to_remove > 0 else \
+        self.seen = min(tokens_to_remove, self.seen) if tokens_to_remove > 0 else \
             max(self.seen + tokens_to_remove, 0)
         if "valid" in self.state:
             self.state["valid"] = self.state["valid"][:, :self.seen]

@@ -302,6 +302,8 @@ def test_crop_takes_the_tokens_to_drop_or_before_transformers_5_24_the_tokens_to
             model(x, cache=cache)
             cache.crop(crop)
             assert cache.get_seq_length() == 6
+            cache.crop(7 if crop > 0 else 0)  # a length it does not exceed, nothing: no change
+            assert cache.get_seq_length() == 6
             torch.testing.assert_close(model(x[:, 6:], cache=cache).logits, full[:, 6:],
                                        atol=2e-6, rtol=1e-5)
 
