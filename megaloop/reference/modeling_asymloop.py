@@ -305,6 +305,8 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             if not isinstance(cache, LoopedCache):
                 raise ValueError(f"cache is a {type(cache).__name__}: pass None or "
                                  "model.new_cache() (a looped model has one slot per iteration)")
+            if cache.seen == 0:  # an empty cache (model.new_cache()) holds no depth yet
+                cache.iterations = steps
             if cache.iterations != steps:
                 raise ValueError(f"the cache was filled with {cache.iterations} iterations; this "
                                  f"call runs {steps} (start a new cache for another depth)")

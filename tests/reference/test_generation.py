@@ -85,6 +85,12 @@ def test_depth_set_at_load_time_or_per_call():
     default(x, cache=cache)
     with pytest.raises(ValueError, match="filled with 3 iterations; this call runs 5"):
         default(x[:, :1], cache=cache, num_iterations=5)
+    # An empty cache takes the call's depth (before: "filled with 3 iterations ... start a new
+    # cache", of the new cache that the documented chunked prefill passes).
+    assert torch.equal(default.generate(x, max_new_tokens=4, do_sample=False, num_iterations=5,
+                                        prefill_chunk_size=2,
+                                        **{CACHE_ARGUMENT: default.new_cache()}),
+                       deep.generate(x, max_new_tokens=4, do_sample=False))
 
 
 def test_left_padding_gives_each_row_its_unpadded_logits():
