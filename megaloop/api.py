@@ -46,9 +46,10 @@ def load(checkpoint: str | os.PathLike, **overrides):
     ``checkpoint``: an ``iter_N`` directory, or a run's checkpoint directory (its ``latest`` is
     taken); any tensor/pipeline layout it was saved in is resharded to this process. ``overrides``
     may set the ModelConfig fields a loaded checkpoint lets change
-    (``checkpoint.RESUMABLE_MODEL_FIELDS``: ``iterations`` for test-time depth, the attention
-    kernel, ...). Raises CheckpointError naming the path or file when the checkpoint is missing
-    or incomplete, ConfigError for an override of a field the weights fix.
+    (``checkpoint.RESUMABLE_MODEL_FIELDS``: ``iterations`` for test-time depth, which Dense and
+    LatentLoop refuse as ``ModelConfig.depth_refusal`` says, the attention kernel, ...). Raises
+    CheckpointError naming the path or file when the checkpoint is missing or incomplete,
+    ConfigError for an override of a field the weights fix or a depth the model cannot run.
     On a GPU the model is moved to the current device.
     """
     return load_with(_build_on_device, checkpoint, **overrides)
@@ -79,6 +80,10 @@ def load_with(build, checkpoint: str | os.PathLike, **overrides):
         raise ConfigError(f"model.{fixed[0]}: fixed by the checkpoint {path}; a loaded model may "
                           f"change only {', '.join(ckpt.RESUMABLE_MODEL_FIELDS)}")
     cfg = ckpt.saved_section(path, ModelConfig, "model")
+    depth = overrides.get("iterations")
+    problem = None if depth is None else cfg.depth_refusal(depth)
+    if problem:  # a MoE Loop's fixed scales are no weights: nothing else would notice
+        raise ConfigError(f"model.iterations={depth}: {path}: {problem}")
     model = build(dataclasses.replace(cfg, **overrides))
     mark_unloaded(model)
     state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})

@@ -174,3 +174,19 @@ def test_load_refuses_a_model_tensor_the_checkpoint_does_not_fill(mcore, tmp_pat
     # Not asked of the checkpoint at all.
     with pytest.raises(CheckpointError, match=rf"^{path}: holds no value for the model's {name}$"):
         ml.load_with(build(lambda entry, own: None), path)
+
+
+def test_load_refuses_a_depth_a_latentloop_cannot_run(mcore, tmp_path):
+    """iterations= sets a looped model's test-time depth; a MoE Loop (LatentLoop) runs exactly
+    its visits. Its fixed residual scales are no weights, so nothing else noticed (before: a
+    3-visit model of 2-visit weights, without a word)."""
+    from megaloop.config import RunConfig
+    from megaloop.training.checkpoint import save_checkpoint
+
+    model = ml.build("tiny", seed=3, **_small("moe_loop"))
+    save_checkpoint(tmp_path, 1, {"model": model.sharded_state_dict()}, RunConfig(model=model.cfg),
+                    keep_last=1)
+    with pytest.raises(ConfigError, match=r"^model.iterations=3: .*iter_0000001: arch=latentloop "
+                                          r"runs exactly its iterations=2 visits"):
+        ml.load(tmp_path, iterations=3)
+    assert ml.load(tmp_path, iterations=model.cfg.num_iterations).cfg == model.cfg

@@ -7,7 +7,8 @@
 
 to-hf: CHECKPOINT is a checkpoint (iter_N) of any TP/PP/EP layout, or a checkpoint directory with a
 ``latest`` pointer (or that pointer). OUT gets safetensors, config.json, generation_config.json and
-the run's tokenizer (data.tokenizer_model, or --tokenizer); a Dense model loads as a native
+the run's tokenizer (data.tokenizer_model, or --tokenizer; --no-tokenizer writes none, and
+config.json's eos_token_id is still the run's end-of-document id); a Dense model loads as a native
 transformers class where one fits, every other one as remote code:
 ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config (its model section):
 refuses a checkpoint of another architecture than that run config's, naming each field; its

@@ -350,9 +350,14 @@ def _export(checkpoint: Path, out: Path, tokenizer: str | None, info: dict) -> P
     from megaloop.training.checkpoint import saved_config
 
     path = checkpoint_path(checkpoint)
-    if tokenizer is None and saved_config(path).get("data", {}).get("tokenizer_model") is None:
+    run_tokenizer = saved_config(path).get("data", {}).get("tokenizer_model")
+    if tokenizer is None and run_tokenizer is None:
         raise EvaluationError(f"{path}: its run names no tokenizer (data.tokenizer_model); "
                               "pass --tokenizer")
+    if not Path(tokenizer or run_tokenizer).exists():  # the export would advise --no-tokenizer
+        source = "--tokenizer" if tokenizer else "the run's data.tokenizer_model"
+        raise EvaluationError(f"{tokenizer or run_tokenizer}: tokenizer file not found ({source});"
+                              " pass --tokenizer PATH")
     report = export_checkpoint(path, out, tokenizer=tokenizer)
     info.update(checkpoint=report["checkpoint"], probe_max_abs_difference=report[
         "probe_max_abs_difference"])

@@ -195,7 +195,7 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
 
     data = saved_section(path, DataConfig, "data")
     if not with_tokenizer or (tokenizer is None and data.tokenizer_model is None):
-        return None, {"bos_token_id": None, "eos_token_id": data.eod_id}
+        return None, {"bos_token_id": None, "eos_token_id": _trained_eod(data)}
     tokenizer = tokenizer or data.tokenizer_model
     if not Path(tokenizer).exists():
         source = "--tokenizer" if tokenizer != data.tokenizer_model else \
@@ -216,6 +216,19 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
                               f"data.eod_id is {data.eod_id} (not the tokenizer this model was "
                               "trained with)")
     return tokenizer, special_tokens
+
+
+def _trained_eod(data) -> int | None:
+    """The end-of-document id run data section ``data`` trained with: data.eod_id, else its
+    tokenizer's where the file is still there (an export without tokenizer files still stops
+    generate() there), else None."""
+    if data.eod_id is not None or data.tokenizer_model is None or \
+            not Path(data.tokenizer_model).exists():
+        return data.eod_id
+    from megaloop.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                          legacy=data.legacy_tokenizer).eod
 
 
 def _round_weights(model, dtype: torch.dtype):

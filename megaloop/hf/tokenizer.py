@@ -2,9 +2,10 @@
 
 A SentencePiece ``.model`` is converted by transformers (``TokenizersBackend`` builds a ``tokenizers``
 pipeline from the model's own normaliser settings) into tokenizer.json / tokenizer_config.json, and
-also kept as tokenizer.model. A ``tokenizer.json`` is taken as it is. Either way the result must
-encode a set of probe texts to the ids megaloop's tokenizer gives (no BOS added: megaloop's
-documents have none, only the end-of-document id between them), or the conversion fails.
+also kept as tokenizer.model. A ``tokenizer.json`` is taken as it is, less any truncation (megaloop
+encodes without). Either way the result must encode a set of probe texts to the ids megaloop's
+tokenizer gives (no BOS added: megaloop's documents have none, only the end-of-document id between
+them), or the conversion fails.
 """
 
 from __future__ import annotations
@@ -46,8 +47,15 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int,
             tokenizer.add_bos_token = True
             tokenizer.update_post_processor()
     else:
+        from tokenizers import Tokenizer
+
         json_file = path / "tokenizer.json" if path.is_dir() else path
-        tokenizer = TokenizersBackend(tokenizer_file=str(json_file))
+        # Without the file's truncation (GPT-2's at 1024 tokens), which megaloop's tokenizer turns
+        # off: the export's tokenizer.json would cut every longer text where the tokenizers library
+        # reads it (transformers resets it per call; servers and Rust readers apply it).
+        backend = Tokenizer.from_file(str(json_file))
+        backend.no_truncation()
+        tokenizer = TokenizersBackend(tokenizer_object=backend)
     if eod is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eod)
     tokenizer.save_pretrained(out)

@@ -8,7 +8,7 @@ RoPE itself has no limit) and ``initializer_range`` are the Hugging Face names.
 
 ``iterations`` is K (AsymLoop), R (Full Loop) or the number of visits (LatentLoop). Set it at load
 time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
-call with ``num_iterations=`` (forward and generate).
+call with ``num_iterations=`` (forward and generate); LatentLoop runs only its own.
 """
 
 from __future__ import annotations
@@ -84,3 +84,15 @@ class LatentLoopConfig(MegaloopConfig):
 
     def __init__(self, arch="latentloop", **kwargs):
         super().__init__(arch=arch, **kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """As PretrainedConfig.from_dict, refusing ``iterations`` other than the saved one (e.g.
+        ``from_pretrained(dir, iterations=3)``): each visit has its own residual scale, so the
+        model runs exactly the visits it was trained with (as megaloop refuses other depths). A
+        MoE Loop, whose fixed scales the safetensors do not hold, would run them without a word."""
+        saved = config_dict.get("iterations")
+        if saved is not None and kwargs.get("iterations", saved) != saved:
+            raise ValueError(f"iterations={kwargs['iterations']}: arch=latentloop runs exactly its "
+                             f"iterations={saved} visits (each has its own scales)")
+        return super().from_dict(config_dict, **kwargs)

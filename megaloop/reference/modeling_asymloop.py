@@ -115,6 +115,25 @@ class LoopedCache(DynamicCache):
         super().reorder_cache(beam_idx)
         self.state = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.state.items()}
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens (as transformers 5.24 passes it; before, a
+        positive value is the number of tokens to keep): assisted decoding and prompt lookup drop
+        the draft tokens the model rejected. A LatentLoop cache with compressed visits holds
+        latents of k tokens and their pending inputs, which do not drop tokens: a ValueError saying
+        so (the slots and ``seen`` would disagree)."""
+        if tokens_to_remove == 0:
+            return
+        latent = sorted(name for name in self.state if name != "valid")
+        if latent:
+            raise ValueError(f"this cache cannot drop tokens: it holds LatentLoop state ({latent[0]}"
+                             ", latents of k tokens); decode without assisted decoding or prompt "
+                             "lookup")
+        super().crop(tokens_to_remove)
+        self.seen = min(tokens_to_remove, self.seen) if tokens_to_remove > 0 else \
+            max(self.seen + tokens_to_remove, 0)
+        if "valid" in self.state:
+            self.state["valid"] = self.state["valid"][:, :self.seen]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: MegaloopConfig, global_kv: bool, local_kv: bool):
@@ -256,15 +275,18 @@ class MegaloopPreTrainedModel(PreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
                 num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None,
-                inputs_embeds=None, **old_transformers):
+                inputs_embeds=None, num_items_in_batch=None, **generate_extras):
         """Logits [B, N, V] of ``input_ids`` after the cached tokens, the cache (with ``use_cache``)
-        and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy.
-        ``num_iterations`` overrides the configured iterations for this call.
+        and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy: the mean over
+        the predicted tokens, or their sum over ``num_items_in_batch`` (the predicted tokens of all
+        the micro-batches of a step, which transformers' Trainer passes under gradient
+        accumulation). ``num_iterations`` overrides the configured iterations for this call.
         transformers before 5.24 passes the cache as ``past_key_values``, ``inputs_embeds=None``
         and the new tokens' positions as ``cache_position`` (the cache knows them: not needed).
         That one is taken unnamed: generate() of 5.24 warns about remote code whose forward names
-        it (and makes it, for nothing)."""
-        unexpected = sorted(set(old_transformers) - {"cache_position"})
+        it (and makes it, for nothing). generate() also passes on its ``tokenizer`` (given for
+        ``stop_strings``), which only its stopping criteria use."""
+        unexpected = sorted(set(generate_extras) - {"cache_position", "tokenizer"})
         if unexpected:
             raise TypeError(f"forward() got an unexpected keyword argument {unexpected[0]!r}")
         if inputs_embeds is not None:
@@ -283,6 +305,8 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             if not isinstance(cache, LoopedCache):
                 raise ValueError(f"cache is a {type(cache).__name__}: pass None or "
                                  "model.new_cache() (a looped model has one slot per iteration)")
+            if cache.seen == 0:  # an empty cache (model.new_cache()) holds no depth yet
+                cache.iterations = steps
             if cache.iterations != steps:
                 raise ValueError(f"the cache was filled with {cache.iterations} iterations; this "
                                  f"call runs {steps} (start a new cache for another depth)")
@@ -296,7 +320,10 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+                                   ignore_index=-100,
+                                   reduction="mean" if num_items_in_batch is None else "sum")
+            if num_items_in_batch is not None:
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache})
         return out if return_dict is not False else out.to_tuple()
 

@@ -308,6 +308,10 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
     shutil.copytree(harness["asymloop"].checkpoint, untokenized)
     config = untokenized / "config.yaml"
     config.write_text(config.read_text().replace(str(SP_MODEL), "null"))
+    moved = tmp_path / "moved"  # its run's tokenizer file is gone
+    shutil.copytree(harness["asymloop"].checkpoint, moved)
+    config = moved / "config.yaml"
+    config.write_text(config.read_text().replace(str(SP_MODEL), str(tmp_path / "gone.model")))
     cases = [
         ([hf, "--data-dir", data, "--tasks", "piqa", "nope"], "task 'nope': not in the task "
                                                               "directory (tasks: arc_challenge"),
@@ -317,6 +321,11 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
         ([hf, "--data-dir", str(broken), "--tasks", "piqa"],
          "piqa_valid.jsonl:2: not a JSON record"),
         ([str(untokenized), "--data-dir", data], "its run names no tokenizer"),
+        # Before: "...; pass --tokenizer PATH, or --no-tokenizer", a flag of the export only.
+        ([str(moved), "--data-dir", data], "gone.model: tokenizer file not found (the run's "
+                                           "data.tokenizer_model); pass --tokenizer PATH"),
+        ([str(moved), "--data-dir", data, "--tokenizer", "nope.model"],
+         "nope.model: tokenizer file not found (--tokenizer); pass --tokenizer PATH"),
         ([hf, "--data-dir", data, "--tokenizer", str(SP_MODEL)], "only for a megaloop "
                                                                  "checkpoint"),
         ([str(tmp_path / "missing"), "--data-dir", data], "missing: no such checkpoint"),
@@ -331,6 +340,7 @@ def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
                         ) == 2, message
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (message, err)
+        assert "--no-tokenizer" not in err[0]  # the export's flag, not this tool's
     for flag in ("--limit", "--batch-size"):
         with pytest.raises(SystemExit) as exit_:
             evaluate([hf, "--data-dir", data, flag, "0"])

@@ -62,6 +62,36 @@ def test_export_writes_a_tokenizer_that_encodes_as_megaloop(exports, tmp_path, m
     assert (tmp_path / "out" / "tokenizer.model").exists() == sentencepiece
 
 
+def test_an_exported_tokenizer_json_does_not_truncate_where_training_did_not(exports, tmp_path):
+    """A tokenizer.json carrying truncation (GPT-2's at 1024 tokens; here 8) is exported without
+    it, as megaloop's tokenizer encodes: read by the tokenizers library (as servers read it) the
+    export encodes a long text whole (before: cut to 8 tokens)."""
+    from tokenizers import Tokenizer
+
+    source = _json_tokenizer(tmp_path)
+    truncating = Tokenizer.from_file(str(source))
+    truncating.enable_truncation(8)
+    truncating.save(str(source))
+    export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out")
+    text = " ".join(LINES[:3])
+    exported = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).encode(text).ids
+    assert exported == load_tokenizer("HuggingFaceTokenizer", source).encode_batch([text])[0]
+    assert len(exported) > 8
+
+
+def test_an_export_without_tokenizer_files_keeps_the_eod_the_run_trained_with(exports, tmp_path):
+    """--no-tokenizer writes no tokenizer files, but the run's tokenizer (still there) ended its
+    documents with an id: config.json and generation_config.json keep it as eos, so generate()
+    stops where the model learned to (before: none, generating to max_new_tokens)."""
+    source = _sentencepiece(tmp_path)
+    export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out",
+                      with_tokenizer=False)
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    eod = load_tokenizer("SentencePieceTokenizer", source).eod
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "out" / name).read_text())["eos_token_id"] == eod
+
+
 def test_refuses_a_tokenizer_larger_than_the_model_vocabulary(exports, tmp_path):
     source = _sentencepiece(tmp_path, byte_fallback=True)  # 256 byte pieces; the model has 128 rows
     with pytest.raises(ConversionError, match=r"tok.model: \d+ tokens, more than the model's "

@@ -85,6 +85,12 @@ def test_depth_set_at_load_time_or_per_call():
     default(x, cache=cache)
     with pytest.raises(ValueError, match="filled with 3 iterations; this call runs 5"):
         default(x[:, :1], cache=cache, num_iterations=5)
+    # An empty cache takes the call's depth (before: "filled with 3 iterations ... start a new
+    # cache", of the new cache that the documented chunked prefill passes).
+    assert torch.equal(default.generate(x, max_new_tokens=4, do_sample=False, num_iterations=5,
+                                        prefill_chunk_size=2,
+                                        **{CACHE_ARGUMENT: default.new_cache()}),
+                       deep.generate(x, max_new_tokens=4, do_sample=False))
 
 
 def test_left_padding_gives_each_row_its_unpadded_logits():
@@ -211,3 +217,132 @@ def test_forward_takes_old_transformers_cache_position_and_refuses_other_names()
                                    model(x).logits)
         with pytest.raises(TypeError, match="unexpected keyword argument 'position_ids'"):
             model(x, position_ids=torch.arange(4)[None])
+
+
+def _char_tokenizer(vocab: int):
+    """A Hugging Face tokenizer whose ids are single characters (a..z first), decoded by joining
+    them: what stop_strings needs to match decoded text."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import TokenizersBackend
+
+    chars = list(string.ascii_lowercase) + [chr(0x100 + i) for i in range(vocab - 26)]
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return TokenizersBackend(tokenizer_object=tokenizer), chars
+
+
+def test_generate_stops_at_stop_strings_given_with_their_tokenizer():
+    """generate(stop_strings=..., tokenizer=...) passes the tokenizer on to forward (before: a
+    TypeError naming it, so stop strings could not be used)."""
+    model = reference_model("asymloop")
+    prompt = tokens(batch=1, length=5)
+    tokenizer, chars = _char_tokenizer(128)
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    new = [chars[int(t)] for t in greedy[0, 5:]]
+    stop = new[2]
+    stopped = model.generate(prompt, max_new_tokens=6, do_sample=False, stop_strings=[stop],
+                             tokenizer=tokenizer)
+    assert torch.equal(stopped, greedy[:, :5 + new.index(stop) + 1])
+
+
+def test_assisted_decoding_drops_rejected_draft_tokens_from_the_cache(monkeypatch):
+    """Assisted decoding (a 1-iteration draft of the same weights) and prompt lookup crop the
+    rejected draft tokens from the cache: the tokens are greedy decoding's (before: the cache kept
+    counting them, a size mismatch at the next forward). A LatentLoop cache with compressed
+    visits cannot drop tokens: one ValueError saying so."""
+    from megaloop.reference.modeling_asymloop import LoopedCache
+
+    dropped = []
+    crop = LoopedCache.crop
+    monkeypatch.setattr(LoopedCache, "crop", lambda self, n: (dropped.append(-n), crop(self, n)))
+    model, draft = reference_model("asymloop"), reference_model("asymloop", iterations=1)
+    prompt = torch.cat([tokens(batch=1, length=4)] * 2, dim=1)  # repeats: lookup candidates
+    greedy = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=3)):
+        dropped.clear()
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False,
+                             **{CACHE_ARGUMENT: model.new_cache()}, **kwargs)
+        assert torch.equal(out, greedy), kwargs
+        assert max(dropped) > 0, kwargs  # some draft token was rejected
+    latent = reference_model("latentloop")
+    cache = latent.new_cache()
+    latent(tokens(batch=1, length=5), cache=cache)
+    with pytest.raises(ValueError, match="cannot drop tokens: it holds LatentLoop state"):
+        cache.crop(-1)
+
+
+def test_latentloop_refuses_another_number_of_visits_at_load_time(tmp_path):
+    """from_pretrained(dir, iterations=N) sets a looped model's depth; a LatentLoop runs exactly
+    its own visits. The MoE Loop's fixed scales are not in its weights, so nothing else noticed
+    (before: 3 visits of a 2-visit model, without a word)."""
+    model = reference_model("moe_loop")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^iterations=3: arch=latentloop runs exactly its "
+                                         r"iterations=2 visits"):
+        type(model).from_pretrained(tmp_path, iterations=3)
+    x = tokens(batch=1, length=5)
+    with torch.no_grad():
+        torch.testing.assert_close(type(model).from_pretrained(tmp_path, iterations=2)(x).logits,
+                                   model(x).logits)
+
+
+def test_crop_takes_the_tokens_to_drop_or_before_transformers_5_24_the_tokens_to_keep(
+        monkeypatch):
+    """transformers 5.24 crops by minus the tokens to drop; earlier ones by the length to keep
+    (their layers cut to it, as here). Either way the cache continues as if the dropped tokens
+    had never been fed."""
+    from transformers.cache_utils import DynamicLayer
+
+    def cut_to(layer, length):  # what a layer of transformers before 5.24 does with length > 0
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+    model, x = reference_model("asymloop"), tokens(batch=1, length=9)
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        for crop in (-3, 6):
+            if crop > 0:
+                monkeypatch.setattr(DynamicLayer, "crop", cut_to)
+            cache = model.new_cache()
+            model(x, cache=cache)
+            cache.crop(crop)
+            assert cache.get_seq_length() == 6
+            cache.crop(7 if crop > 0 else 0)  # a length it does not exceed, nothing: no change
+            assert cache.get_seq_length() == 6
+            torch.testing.assert_close(model(x[:, 6:], cache=cache).logits, full[:, 6:],
+                                       atol=2e-6, rtol=1e-5)
+
+
+def test_loss_is_normalised_by_num_items_in_batch_as_transformers_trainer_passes_it(tmp_path):
+    """transformers' Trainer passes num_items_in_batch (forward takes **kwargs) and expects the
+    summed loss over it; before, forward refused it, so Trainer fine-tuning failed at step 1."""
+    pytest.importorskip("accelerate")
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = reference_model("asymloop")
+    x = tokens(length=8)
+    labels = x.clone()
+    labels[0, :3] = -100
+    predicted = int((labels[:, 1:] != -100).sum())
+    with torch.no_grad():
+        mean = model(x, labels=labels).loss
+        torch.testing.assert_close(model(x, labels=labels, num_items_in_batch=predicted).loss, mean)
+        torch.testing.assert_close(
+            model(x, labels=labels, num_items_in_batch=torch.tensor(2 * predicted)).loss, mean / 2)
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"input_ids": x[i % 2], "labels": labels[i % 2]}
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model.train(), args=args, train_dataset=Rows())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
