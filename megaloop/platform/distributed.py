@@ -138,6 +138,11 @@ def init_distributed(
         )
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
+    from megaloop.training.collective import same_on_every_rank
+
+    same_on_every_rank({"parallel.tensor": tensor_parallel, "parallel.pipeline": pipeline_parallel,
+                        "parallel.expert": expert_parallel,
+                        "parallel.virtual_pipeline": virtual_pipeline, "train.seed": seed})
     check_world_size(ParallelConfig(tensor=tensor_parallel, pipeline=pipeline_parallel,
                                     expert=expert_parallel), dist.get_world_size())
 

@@ -69,6 +69,27 @@ def test_model_parallel_groups_on_gloo():
     assert run_distributed(_ranks_and_groups, world_size=2) == [(0, 3.0), (1, 3.0)]
 
 
+def _init_with(rank, world_size, settings):
+    from megaloop.platform.distributed import init_distributed
+
+    try:
+        init_distributed(**settings[rank])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("settings, message", [
+    # Another seed built every group and trained diverging replicas, without a word.
+    ([{"seed": 1}, {"seed": 2}], "train.seed=2 on rank 1 but 1 on rank 0"),
+    # Other sizes built other groups: rank 0 waited for ever in megatron-core's group set-up.
+    ([{"tensor_parallel": 2}, {"pipeline_parallel": 2}], "parallel.tensor=1 on rank 1 but 2 on rank 0"),
+])
+def test_ranks_launched_with_other_settings_are_refused_on_every_rank(settings, message):
+    expected = f"{message}: every rank must be launched with the same settings"
+    assert run_distributed(_init_with, world_size=2, settings=settings) == [expected, expected]
+
+
 MPI_PROGRAM = """
 import torch, torch.distributed as dist
 from megaloop.platform.distributed import init_distributed
