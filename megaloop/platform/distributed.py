@@ -37,19 +37,23 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Expands a SLURM hostlist such as ``gpu[01-03,07],login5`` into host names.
 
     SLURM's own ``scontrol show hostnames`` is not available inside every container, so the
-    bracket grammar (comma-separated ranges with zero padding) is expanded here.
+    bracket grammar (comma-separated ranges with zero padding, text after a bracket, several
+    brackets in a name: ``rack[1-2]-gpu[01-08]-ib``) is expanded here.
     """
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}")
+    return [host for entry in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist)
+            for host in _expand_host(entry)]
+
+
+def _expand_host(entry: str) -> list[str]:
+    match = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", entry)
+    if match is None:
+        return [entry]
+    prefix, ranges, rest = match.groups()
+    hosts = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for i in range(int(lo), int(hi or lo) + 1):
+            hosts += [f"{prefix}{i:0{len(lo)}d}{tail}" for tail in _expand_host(rest)]
     return hosts
 
 
@@ -72,8 +76,11 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     # Only srun sets SLURM_STEP_NUM_TASKS: a plain `python` in an sbatch script (or a notebook in
     # an allocation) also sees SLURM_PROCID/SLURM_NTASKS, and must not wait for absent peers.
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
-            addr = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])[0]
+        # Rank 0 runs on the step's first node, which is the job's only when the step spans the
+        # allocation (not under `srun -w`, `--relative` or `-N` below the job's node count).
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if "MASTER_ADDR" not in env and nodelist:
+            addr = expand_slurm_nodelist(nodelist)[0]
         # A job-derived port keeps concurrent jobs sharing a node from colliding.
         default_port = 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000
         return LaunchEnv(

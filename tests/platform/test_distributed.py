@@ -14,6 +14,9 @@ from tests.distributed import run_distributed
     ("gpu01", ["gpu01"]),
     ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
     ("a[8-10],login5", ["a8", "a9", "a10", "login5"]),
+    # Text after a bracket was a host of its own ("-ib"), and a second bracket was not expanded.
+    ("gpu[01-02]-ib,cpu5", ["gpu01-ib", "gpu02-ib", "cpu5"]),
+    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
 ])
 def test_expand_slurm_nodelist(nodelist, hosts):
     assert expand_slurm_nodelist(nodelist) == hosts
@@ -32,6 +35,15 @@ def test_slurm_environment_uses_first_node_and_job_port():
                              "SLURM_JOB_NODELIST": "h100-[004-005]", "SLURM_JOB_ID": "123"})
     assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("slurm", 9, 16, 1)
     assert env.master_addr == "h100-004" and env.master_port == 20123
+
+
+def test_slurm_step_on_part_of_the_allocation_meets_on_its_own_first_node():
+    """Before the fix the ranks of `srun -w n3,n4` met on n1, where no rank runs, and
+    waited for its store until the 30-minute timeout."""
+    env = detect_launch_env({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+                             "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_STEP_NODELIST": "n[3-4]",
+                             "SLURM_JOB_ID": "7"})
+    assert env.master_addr == "n3"
 
 
 @pytest.mark.parametrize("keys", [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
