@@ -4,8 +4,8 @@
 #   IMAGE           container image for srun --container-image (pyxis/enroot); unset: no container
 #                   (training and conversion; preprocess.sh runs mpiexec and refuses it)
 #   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre
-#   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size (default 8); a job's own come from
-#                   sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
+#   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size and rank table (default 8); a job's
+#                   own come from sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g. `DRY_RUN=1 NODES=16 bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it)
@@ -47,7 +47,8 @@ megaloop_no_dry_run() {
 megaloop_train() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
     local nodes="${SLURM_NNODES:-${NODES:-1}}"
-    python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@"
+    LOCAL_WORLD_SIZE="$GPUS_PER_NODE" \
+      python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@"
     return
   fi
   if [ -z "${SLURM_JOB_NODELIST:-}" ]; then

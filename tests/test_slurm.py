@@ -65,10 +65,12 @@ def test_paper_runs_fit_one_node_of_80_gb_gpus(preset):
 @pytest.mark.parametrize("arch", ["dense", "fullloop"])
 def test_every_architecture_the_paper_loop_submits_dry_runs_and_writes_nothing(arch, tmp_path):
     """The header's loop submits dense too, which has no test-time depth to evaluate; a dry run
-    creates no run directory."""
-    result = _dry_run("train_paper.sh", "60M", arch, RUN_DIR=str(tmp_path / "run"))
+    creates no run directory. GPUS_PER_NODE places the ranks on nodes (before: 8 a node always)."""
+    result = _dry_run("train_paper.sh", "60M", arch, nodes=2, RUN_DIR=str(tmp_path / "run"),
+                      GPUS_PER_NODE="4")
     assert result.returncode == 0, result.stderr
     assert "-> fits" in result.stdout, result.stdout[-400:]
+    assert "\n4     1     0    0/1   0      4/8 " in result.stdout
     assert not (tmp_path / "run").exists()
 
 
