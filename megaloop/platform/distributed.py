@@ -88,16 +88,23 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             int(env.get("SLURM_LOCALID", 0)),
             addr, port or default_port, "slurm",
         )
-    for rank_key, size_key, local_key in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    for rank_key, size_key, local_key, local_size_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ):
         if rank_key in env and size_key in env:
-            if int(env[size_key]) > 1 and not port:
+            size = int(env[size_key])
+            # Ranks on another node than rank 0 would look for it at their own 127.0.0.1 and wait
+            # there until the store's timeout.
+            across_nodes = int(env.get(local_size_key, size)) < size
+            if size > 1 and (not port or (across_nodes and "MASTER_ADDR" not in env)):
                 raise ConfigError(
-                    "MPI launch: set MASTER_ADDR and MASTER_PORT (e.g. `mpiexec -genv MASTER_PORT "
-                    "29500 ...`) so that every rank rendezvous at the same address"
+                    f"MPI launch of {size} ranks{' over several nodes' if across_nodes else ''}: "
+                    "set MASTER_ADDR (rank 0's host) and MASTER_PORT (e.g. `mpiexec -genv "
+                    "MASTER_ADDR node01 -genv MASTER_PORT 29500 ...`) so that every rank "
+                    "rendezvous at the same address"
                 )
             return LaunchEnv(
                 int(env[rank_key]), int(env[size_key]), int(env.get(local_key, 0)),

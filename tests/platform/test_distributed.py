@@ -51,8 +51,22 @@ def test_slurm_step_on_part_of_the_allocation_meets_on_its_own_first_node():
 def test_mpi_environment(keys):
     env = detect_launch_env({keys[0]: "1", keys[1]: "2", "MASTER_PORT": "7000"})
     assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 2)
-    with pytest.raises(ConfigError, match="set MASTER_ADDR and MASTER_PORT"):
+    with pytest.raises(ConfigError, match=r"^MPI launch of 2 ranks: set MASTER_ADDR \(rank 0's "
+                                          r"host\) and MASTER_PORT"):
         detect_launch_env({keys[0]: "1", keys[1]: "2"})
+
+
+@pytest.mark.parametrize("prefix, local_size_key", [
+    ("OMPI_COMM_WORLD_", "OMPI_COMM_WORLD_LOCAL_SIZE"), ("PMI_", "MPI_LOCALNRANKS")])
+def test_mpi_launch_over_nodes_needs_rank_0s_address(prefix, local_size_key):
+    """Before: MASTER_PORT alone was taken, and the ranks of the second node looked for rank 0's
+    store at their own 127.0.0.1 until the timeout."""
+    env = {f"{prefix}RANK": "9", f"{prefix}SIZE": "16", local_size_key: "8", "MASTER_PORT": "7000"}
+    with pytest.raises(ConfigError, match=r"^MPI launch of 16 ranks over several nodes: set "
+                                          r"MASTER_ADDR \(rank 0's host\)"):
+        detect_launch_env(env)
+    assert detect_launch_env({**env, "MASTER_ADDR": "node01"}).master_addr == "node01"
+    assert detect_launch_env({**env, local_size_key: "16"}).master_addr == "127.0.0.1"
 
 
 def test_sbatch_batch_step_without_srun_is_a_single_process():
