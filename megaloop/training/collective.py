@@ -60,5 +60,5 @@ def same_on_every_rank(settings: dict[str, object]) -> None:
     for name, value in gathered[0].items():
         for rank, other in enumerate(gathered):
             if other.get(name) != value:
-                raise ConfigError(f"{name}={other.get(name)!r} on rank {rank} but {value!r} on rank "
-                                  "0: every rank must be launched with the same settings")
+                raise ConfigError(f"{name}={other.get(name)!r} on rank {rank} but {value!r} on "
+                                  "rank 0: every rank must be launched with the same settings")

@@ -109,7 +109,8 @@ def _init_with(rank, world_size, settings):
     # Another seed built every group and trained diverging replicas, without a word.
     ([{"seed": 1}, {"seed": 2}], "train.seed=2 on rank 1 but 1 on rank 0"),
     # Other sizes built other groups: rank 0 waited for ever in megatron-core's group set-up.
-    ([{"tensor_parallel": 2}, {"pipeline_parallel": 2}], "parallel.tensor=1 on rank 1 but 2 on rank 0"),
+    ([{"tensor_parallel": 2}, {"pipeline_parallel": 2}],
+     "parallel.tensor=1 on rank 1 but 2 on rank 0"),
 ])
 def test_ranks_launched_with_other_settings_are_refused_on_every_rank(settings, message):
     expected = f"{message}: every rank must be launched with the same settings"
