@@ -4,13 +4,19 @@
 #   IMAGE           container image for srun --container-image (pyxis/enroot); unset: no container
 #                   (training and conversion; preprocess.sh runs mpiexec and refuses it)
 #   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre
-#   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size (default 8); a job's own come from
-#                   sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
+#   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size and rank table (default 8); a job's
+#                   own come from sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g. `DRY_RUN=1 NODES=16 bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it)
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 
+# Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
+case "${DRY_RUN:-0}" in
+  0 | 1) ;;
+  *) echo "error: DRY_RUN=$DRY_RUN: set DRY_RUN=1 for a dry run, or 0 (or unset) for the job" >&2
+     exit 2 ;;
+esac
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MEGALOOP_ROOT="${MEGALOOP_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 cd "$MEGALOOP_ROOT" || exit 1
@@ -41,8 +47,14 @@ megaloop_no_dry_run() {
 megaloop_train() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
     local nodes="${SLURM_NNODES:-${NODES:-1}}"
-    python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@"
+    LOCAL_WORLD_SIZE="$GPUS_PER_NODE" \
+      python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@"
     return
+  fi
+  if [ -z "${SLURM_JOB_NODELIST:-}" ]; then
+    echo "error: not in a SLURM allocation (no SLURM_JOB_NODELIST): submit with sbatch, or set" \
+         "DRY_RUN=1 to print the dry run" >&2
+    exit 2
   fi
   MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
   export MASTER_ADDR

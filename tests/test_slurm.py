@@ -65,10 +65,12 @@ def test_paper_runs_fit_one_node_of_80_gb_gpus(preset):
 @pytest.mark.parametrize("arch", ["dense", "fullloop"])
 def test_every_architecture_the_paper_loop_submits_dry_runs_and_writes_nothing(arch, tmp_path):
     """The header's loop submits dense too, which has no test-time depth to evaluate; a dry run
-    creates no run directory."""
-    result = _dry_run("train_paper.sh", "60M", arch, RUN_DIR=str(tmp_path / "run"))
+    creates no run directory. GPUS_PER_NODE places the ranks on nodes (before: 8 a node always)."""
+    result = _dry_run("train_paper.sh", "60M", arch, nodes=2, RUN_DIR=str(tmp_path / "run"),
+                      GPUS_PER_NODE="4")
     assert result.returncode == 0, result.stderr
     assert "-> fits" in result.stdout, result.stdout[-400:]
+    assert "\n4     1     0    0/1   0      4/8 " in result.stdout
     assert not (tmp_path / "run").exists()
 
 
@@ -185,20 +187,34 @@ def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
     assert "requeue" not in log.read_text()
 
 
-@pytest.mark.parametrize("script, env", [
-    ("preprocess.sh", {"DRY_RUN": "1"}), ("convert.sh", {"DRY_RUN": "1"}),
-    ("preprocess.sh", {"IMAGE": "/images/megaloop.sqsh"}),
-])
-def test_settings_a_script_would_ignore_are_refused_in_one_line(script, env):
-    """Before the fix: DRY_RUN=1 started the real job; preprocess.sh ran outside IMAGE."""
+def _refusal(script, tmp_path, **env):
     variables = {"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
-                 "CHECKPOINT": "/runs/a/checkpoints", "OUT": "/hf/a", **env}
+                 "CHECKPOINT": "/runs/a/checkpoints", "OUT": "/hf/a", "DATA": "/data/fwe",
+                 "RUN_DIR": str(tmp_path / "run"), **env}
     result = subprocess.run(["bash", str(REPO / "slurm" / script)], cwd="/", text=True,
                             capture_output=True, env={**os.environ, **variables,
                                                       "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("script, env", [
+    ("preprocess.sh", {"DRY_RUN": "1"}), ("convert.sh", {"DRY_RUN": "1"}),
+    ("preprocess.sh", {"IMAGE": "/images/megaloop.sqsh"}),
+    ("asymloop_7b.sh", {"DRY_RUN": "true"}), ("convert.sh", {"DRY_RUN": "yes"}),
+])
+def test_settings_a_script_would_ignore_are_refused_in_one_line(script, env, tmp_path):
+    """Before the fix: DRY_RUN=1 started the real job; preprocess.sh ran outside IMAGE; DRY_RUN=true
+    or yes was "not 1", so the real job (training in an allocation, a conversion) started."""
     name = next(iter(env))
-    assert result.stderr.startswith(f"error: {name}="), result.stderr
+    assert _refusal(script, tmp_path, **env).startswith(f"error: {name}=")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_training_script_outside_an_allocation_says_so(tmp_path):
+    """Before: "common.sh: line 47: SLURM_JOB_NODELIST: unbound variable"."""
+    assert _refusal("asymloop_7b.sh", tmp_path).startswith(
+        "error: not in a SLURM allocation (no SLURM_JOB_NODELIST): submit with sbatch")
 
 
 def test_requeued_jobs_append_to_their_log():

@@ -291,6 +291,11 @@ def _mpi_comm():
             from mpi4py import MPI
 
             return MPI.COMM_WORLD
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if tasks.isdigit() and int(tasks) > 1:  # srun's tasks, not MPI ranks
+        raise DataError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) that are not MPI ranks: "
+                        "each would tokenize the whole input into the same output; run one task, "
+                        "or mpiexec -n N as slurm/preprocess.sh does")
     return None
 
 

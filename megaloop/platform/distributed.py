@@ -37,19 +37,23 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Expands a SLURM hostlist such as ``gpu[01-03,07],login5`` into host names.
 
     SLURM's own ``scontrol show hostnames`` is not available inside every container, so the
-    bracket grammar (comma-separated ranges with zero padding) is expanded here.
+    bracket grammar (comma-separated ranges with zero padding, text after a bracket, several
+    brackets in a name: ``rack[1-2]-gpu[01-08]-ib``) is expanded here.
     """
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}")
+    return [host for entry in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist)
+            for host in _expand_host(entry)]
+
+
+def _expand_host(entry: str) -> list[str]:
+    match = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", entry)
+    if match is None:
+        return [entry]
+    prefix, ranges, rest = match.groups()
+    hosts = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for i in range(int(lo), int(hi or lo) + 1):
+            hosts += [f"{prefix}{i:0{len(lo)}d}{tail}" for tail in _expand_host(rest)]
     return hosts
 
 
@@ -72,8 +76,11 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     # Only srun sets SLURM_STEP_NUM_TASKS: a plain `python` in an sbatch script (or a notebook in
     # an allocation) also sees SLURM_PROCID/SLURM_NTASKS, and must not wait for absent peers.
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
-            addr = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])[0]
+        # Rank 0 runs on the step's first node, which is the job's only when the step spans the
+        # allocation (not under `srun -w`, `--relative` or `-N` below the job's node count).
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if "MASTER_ADDR" not in env and nodelist:
+            addr = expand_slurm_nodelist(nodelist)[0]
         # A job-derived port keeps concurrent jobs sharing a node from colliding.
         default_port = 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000
         return LaunchEnv(
@@ -81,16 +88,23 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             int(env.get("SLURM_LOCALID", 0)),
             addr, port or default_port, "slurm",
         )
-    for rank_key, size_key, local_key in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+    for rank_key, size_key, local_key, local_size_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ):
         if rank_key in env and size_key in env:
-            if int(env[size_key]) > 1 and not port:
+            size = int(env[size_key])
+            # Ranks on another node than rank 0 would look for it at their own 127.0.0.1 and wait
+            # there until the store's timeout.
+            across_nodes = int(env.get(local_size_key, size)) < size
+            if size > 1 and (not port or (across_nodes and "MASTER_ADDR" not in env)):
                 raise ConfigError(
-                    "MPI launch: set MASTER_ADDR and MASTER_PORT (e.g. `mpiexec -genv MASTER_PORT "
-                    "29500 ...`) so that every rank rendezvous at the same address"
+                    f"MPI launch of {size} ranks{' over several nodes' if across_nodes else ''}: "
+                    "set MASTER_ADDR (rank 0's host) and MASTER_PORT (e.g. `mpiexec -genv "
+                    "MASTER_ADDR node01 -genv MASTER_PORT 29500 ...`) so that every rank "
+                    "rendezvous at the same address"
                 )
             return LaunchEnv(
                 int(env[rank_key]), int(env[size_key]), int(env.get(local_key, 0)),
@@ -138,6 +152,11 @@ def init_distributed(
         )
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
+    from megaloop.training.collective import same_on_every_rank
+
+    same_on_every_rank({"parallel.tensor": tensor_parallel, "parallel.pipeline": pipeline_parallel,
+                        "parallel.expert": expert_parallel,
+                        "parallel.virtual_pipeline": virtual_pipeline, "train.seed": seed})
     check_world_size(ParallelConfig(tensor=tensor_parallel, pipeline=pipeline_parallel,
                                     expert=expert_parallel), dist.get_world_size())
 

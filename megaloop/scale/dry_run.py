@@ -48,9 +48,22 @@ def data_files(data: DataConfig) -> list[str]:
             for suffix in (".bin", ".idx")]
 
 
-def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
+def processes_per_node(environ=None) -> int:
+    """The processes a node runs, for the rank table's node and GPU columns: ``LOCAL_WORLD_SIZE``
+    as torchrun sets it (slurm/common.sh sets it to GPUS_PER_NODE for its dry run), else 8."""
+    from megaloop.config import ConfigError
+
+    value = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "8")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={value!r}: must be the processes per node, an integer "
+                          ">= 1")
+    return int(value)
+
+
+def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
            gpu_memory_gib: float = 80.0) -> str:
-    """The dry-run text for ``cfg`` launched on ``world_size`` processes. Raises ConfigError for
+    """The dry-run text for ``cfg`` launched on ``world_size`` processes, ``gpus_per_node`` of them
+    on each node (default: ``processes_per_node()``). Raises ConfigError for
     what the run would refuse at start-up without reading the data: a layout the world cannot
     hold, a global batch that does not split into its micro-batches, a tokenizer larger than
     ``model.vocab_size`` or that cannot be loaded, a ``data.eod_id`` no token can have, a
@@ -58,6 +71,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
     on another machine) is noted, not refused."""
     from megaloop.training.data import dataset_tokenizer
 
+    gpus_per_node = gpus_per_node or processes_per_node()
     layout = layout_of(cfg.parallel, world_size)
     tokenizer = cfg.data.tokenizer_model
     notes = []
@@ -76,7 +90,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int = 8,
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "
              f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
              f"{cfg.parallel.recompute}; {micro} micro-batches of {cfg.train.micro_batch_size} "
-             "per step and data-parallel rank"] + notes
+             f"per step and data-parallel rank; {gpus_per_node} GPUs per node"] + notes
     if layout.pipeline > 1:
         lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),
                                 layout.pipeline, micro, not cfg.parallel.pipeline_split,

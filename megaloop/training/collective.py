@@ -45,3 +45,20 @@ def first_error(error: str | None) -> str | None:
     gathered: list[str | None] = [None] * _world()
     dist.all_gather_object(gathered, error)
     return next((e for e in gathered if e), None)
+
+
+def same_on_every_rank(settings: dict[str, object]) -> None:
+    """Collective: raises ConfigError on every rank, naming the first setting whose value differs
+    from rank 0's, with both values and ranks. A node launched with another config would otherwise
+    build other groups and wait in a collective its peers never join."""
+    from megaloop.config import ConfigError
+
+    if _world() == 1:
+        return
+    gathered: list[dict | None] = [None] * _world()
+    dist.all_gather_object(gathered, settings)
+    for name, value in gathered[0].items():
+        for rank, other in enumerate(gathered):
+            if other.get(name) != value:
+                raise ConfigError(f"{name}={other.get(name)!r} on rank {rank} but {value!r} on "
+                                  "rank 0: every rank must be launched with the same settings")

@@ -217,6 +217,17 @@ def test_a_json_key_given_twice_is_refused(tool, capsys):
     assert capsys.readouterr().err.endswith("error: --json-keys text title text: 'text' given twice\n")
 
 
+def test_srun_tasks_that_are_not_mpi_ranks_are_refused(tmp_path, run, monkeypatch):
+    # Before: each of `srun -n 4`'s tasks tokenized the whole input into the same output.
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    code, err = run("--input", "x", "--output-prefix", tmp_path / "o", "--workers", "1",
+                    "--tokenizer-type", "SentencePieceTokenizer")
+    assert (code, err) == (2, "error: srun started 4 tasks (SLURM_STEP_NUM_TASKS) that are not MPI "
+                              "ranks: each would tokenize the whole input into the same output; run "
+                              "one task, or mpiexec -n N as slurm/preprocess.sh does\n")
+    assert os.listdir(tmp_path) == []
+
+
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 

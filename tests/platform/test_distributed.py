@@ -14,6 +14,9 @@ from tests.distributed import run_distributed
     ("gpu01", ["gpu01"]),
     ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
     ("a[8-10],login5", ["a8", "a9", "a10", "login5"]),
+    # Text after a bracket was a host of its own ("-ib"), and a second bracket was not expanded.
+    ("gpu[01-02]-ib,cpu5", ["gpu01-ib", "gpu02-ib", "cpu5"]),
+    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
 ])
 def test_expand_slurm_nodelist(nodelist, hosts):
     assert expand_slurm_nodelist(nodelist) == hosts
@@ -34,13 +37,36 @@ def test_slurm_environment_uses_first_node_and_job_port():
     assert env.master_addr == "h100-004" and env.master_port == 20123
 
 
+def test_slurm_step_on_part_of_the_allocation_meets_on_its_own_first_node():
+    """Before the fix the ranks of `srun -w n3,n4` met on n1, where no rank runs, and
+    waited for its store until the 30-minute timeout."""
+    env = detect_launch_env({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+                             "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_STEP_NODELIST": "n[3-4]",
+                             "SLURM_JOB_ID": "7"})
+    assert env.master_addr == "n3"
+
+
 @pytest.mark.parametrize("keys", [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                                   ("PMI_RANK", "PMI_SIZE")])
 def test_mpi_environment(keys):
     env = detect_launch_env({keys[0]: "1", keys[1]: "2", "MASTER_PORT": "7000"})
     assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 2)
-    with pytest.raises(ConfigError, match="set MASTER_ADDR and MASTER_PORT"):
+    with pytest.raises(ConfigError, match=r"^MPI launch of 2 ranks: set MASTER_ADDR \(rank 0's "
+                                          r"host\) and MASTER_PORT"):
         detect_launch_env({keys[0]: "1", keys[1]: "2"})
+
+
+@pytest.mark.parametrize("prefix, local_size_key", [
+    ("OMPI_COMM_WORLD_", "OMPI_COMM_WORLD_LOCAL_SIZE"), ("PMI_", "MPI_LOCALNRANKS")])
+def test_mpi_launch_over_nodes_needs_rank_0s_address(prefix, local_size_key):
+    """Before: MASTER_PORT alone was taken, and the ranks of the second node looked for rank 0's
+    store at their own 127.0.0.1 until the timeout."""
+    env = {f"{prefix}RANK": "9", f"{prefix}SIZE": "16", local_size_key: "8", "MASTER_PORT": "7000"}
+    with pytest.raises(ConfigError, match=r"^MPI launch of 16 ranks over several nodes: set "
+                                          r"MASTER_ADDR \(rank 0's host\)"):
+        detect_launch_env(env)
+    assert detect_launch_env({**env, "MASTER_ADDR": "node01"}).master_addr == "node01"
+    assert detect_launch_env({**env, local_size_key: "16"}).master_addr == "127.0.0.1"
 
 
 def test_sbatch_batch_step_without_srun_is_a_single_process():
@@ -67,6 +93,28 @@ def _ranks_and_groups(rank, world_size):
 
 def test_model_parallel_groups_on_gloo():
     assert run_distributed(_ranks_and_groups, world_size=2) == [(0, 3.0), (1, 3.0)]
+
+
+def _init_with(rank, world_size, settings):
+    from megaloop.platform.distributed import init_distributed
+
+    try:
+        init_distributed(**settings[rank])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("settings, message", [
+    # Another seed built every group and trained diverging replicas, without a word.
+    ([{"seed": 1}, {"seed": 2}], "train.seed=2 on rank 1 but 1 on rank 0"),
+    # Other sizes built other groups: rank 0 waited for ever in megatron-core's group set-up.
+    ([{"tensor_parallel": 2}, {"pipeline_parallel": 2}],
+     "parallel.tensor=1 on rank 1 but 2 on rank 0"),
+])
+def test_ranks_launched_with_other_settings_are_refused_on_every_rank(settings, message):
+    expected = f"{message}: every rank must be launched with the same settings"
+    assert run_distributed(_init_with, world_size=2, settings=settings) == [expected, expected]
 
 
 MPI_PROGRAM = """

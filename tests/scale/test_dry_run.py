@@ -81,3 +81,18 @@ def test_data_files_absent_here_are_noted(tmp_path):
     sft = _run(format="sft", path=["/cluster/gsm8k.jsonl"], tokenizer_model="/cluster/tok.model")
     assert ("# note: data.path /cluster/gsm8k.jsonl is not on this machine; the data are checked "
             "at start-up") in report(sft, world_size=1).splitlines()
+
+
+def test_the_rank_table_places_ranks_on_nodes_of_the_launchers_size(monkeypatch):
+    """Before: 8 GPUs per node always, so on nodes of 4 a TP=8 group spanning two nodes was
+    shown inside one (ranks 0-7 on node 0)."""
+    cfg = dataclasses.replace(_run(eod_id=0), train=dataclasses.replace(
+        RunConfig().train, global_batch_size=8, micro_batch_size=1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    lines = report(cfg, world_size=8).splitlines()
+    assert lines[lines.index("rank  node  gpu  tp    stage  dp      ep") + 5].startswith(
+        "4     1     0 ")
+    assert "; 4 GPUs per node" in next(line for line in lines if line.startswith("# rank layout"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(ConfigError, match=r"^LOCAL_WORLD_SIZE='four': must be the processes per "):
+        report(cfg, world_size=8)

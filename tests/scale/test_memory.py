@@ -103,11 +103,21 @@ def test_the_7b_recipe_fits_80_gb_and_the_estimate_says_which_layouts_do():
 
 
 def _memory_tool(*args):
-    import subprocess
-    import sys
+    """tools/memory_estimate.py's (returncode, stdout, stderr), run in this process: a
+    subprocess per call spent ~2 s importing what this one has loaded."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
 
-    return subprocess.run([sys.executable, "tools/memory_estimate.py", *args],
-                          capture_output=True, text=True)
+    from tests.tool_scripts import load_tool
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = load_tool("memory_estimate").main(list(args))
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_memory_tool_prints_every_stage_and_refuses_a_layout_the_world_cannot_hold():
