@@ -123,6 +123,7 @@ class DownstreamEvalConfig:
     num_fewshot: int = 0
     every: int = 1  # evaluate every N-th periodic save (the final checkpoint always)
     batch_size: int = 8
+    max_gen_toks: int | None = None  # new tokens of the generation tasks; None: each task's own
 
     def validate(self, prefix: str = "train.downstream_eval") -> None:
         if not self.tasks:  # off: any other field set would be ignored
@@ -138,6 +139,8 @@ class DownstreamEvalConfig:
                 ">= 1 or null (all records)")
         for name, low in (("num_fewshot", 0), ("every", 1), ("batch_size", 1)):
             require(getattr(self, name) >= low, prefix, name, getattr(self, name), f">= {low}")
+        require(self.max_gen_toks is None or self.max_gen_toks >= 1, prefix, "max_gen_toks",
+                self.max_gen_toks, ">= 1 or null (each generation task's own)")
 
 
 @dataclass

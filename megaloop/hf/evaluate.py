@@ -39,6 +39,8 @@ from typing import Sequence
 
 TASK_DIR = Path(__file__).resolve().parents[2] / "examples" / "eval"
 TASK_PREFIX = "local_"
+# lm-eval HFLM's max_gen_toks: the new tokens of a generation task whose settings name none.
+DEFAULT_GEN_TOKS = 256
 
 
 class EvaluationError(ValueError):
@@ -172,6 +174,21 @@ def check_depths(source: str | Path, depths: Sequence[int]) -> None:
             raise EvaluationError(f"--depths {depth}: {name}: {problem}")
 
 
+def new_tokens(gen_kwargs: dict, task: str, context: int, default: int = DEFAULT_GEN_TOKS,
+               setting: str = "--max-gen-toks") -> int:
+    """The tokens generation settings ``gen_kwargs`` of ``task`` generate, at most (``default``
+    where they name none); an EvaluationError, naming ``setting`` as the way out, where they leave
+    no room for a prompt in a model's ``context``-token context."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    tokens = normalize_gen_kwargs(dict(gen_kwargs), default)["max_gen_toks"]
+    if tokens >= context:
+        raise EvaluationError(
+            f"max_gen_toks {tokens} (task {task.removeprefix(TASK_PREFIX)}): leaves no room for "
+            f"a prompt in the model's {context}-token context; set a smaller {setting}")
+    return tokens
+
+
 def harness_model(model, tokenizer, batch_size: int = 8):
     """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
     from lm_eval.models.huggingface import HFLM
@@ -209,17 +226,7 @@ def harness_model(model, tokenizer, batch_size: int = 8):
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
         def new_tokens(self, gen_kwargs: dict, task: str) -> int:
-            """The tokens generation settings ``gen_kwargs`` of ``task`` generate, at most; an
-            EvaluationError where they leave no room for a prompt in the model's context."""
-            from lm_eval.models.utils import normalize_gen_kwargs
-
-            new_tokens = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
-            if new_tokens >= self.max_length:
-                raise EvaluationError(
-                    f"max_gen_toks {new_tokens} (task {task.removeprefix(TASK_PREFIX)}): leaves "
-                    f"no room for a prompt in the model's {self.max_length}-token context; pass a "
-                    "smaller --max-gen-toks")
-            return new_tokens
+            return new_tokens(gen_kwargs, task, self.max_length, self.max_gen_toks)
 
         def generate_until(self, requests, *args, **kwargs):
             """HFLM only asserts (a bare AssertionError) when the new tokens leave no room for a

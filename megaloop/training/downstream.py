@@ -69,9 +69,15 @@ class DownstreamEval:
         except ImportError as e:
             raise ConfigError(f"train.downstream_eval: needs the hf and eval extras ({e})") from None
         try:
-            ev.quiet_harness()
-            ev.resolve_tasks(section.tasks, ev.task_manager(section.data_dir,
-                                                            section.task_dir or ev.TASK_DIR))
+            # Everything an evaluation could refuse, refused now rather than logged at every save
+            # while training goes on: task names and files, few-shot records, max_gen_toks
+            # without a generation task, and new tokens that leave no room for a prompt.
+            _, _, generation = ev.prepare_tasks(section.tasks, section.data_dir,
+                                                section.task_dir or ev.TASK_DIR,
+                                                (section.num_fewshot,), section.max_gen_toks)
+            for task, settings in generation.items():
+                ev.new_tokens(settings, task, cfg.model.seq_length,
+                              setting="train.downstream_eval.max_gen_toks")
             self._workdir = tempfile.TemporaryDirectory(prefix="megaloop-downstream-")
             write_tokenizer(cfg.data.tokenizer_model, Path(self._workdir.name),
                             cfg.model.vocab_size, cfg.data.tokenizer_type,
@@ -119,7 +125,7 @@ class DownstreamEval:
             return ev.evaluate(reference, self.tokenizer, section.tasks,
                                data_dir=section.data_dir, task_dir=section.task_dir or ev.TASK_DIR,
                                num_fewshot=(section.num_fewshot,), limit=section.limit,
-                               batch_size=section.batch_size)
+                               batch_size=section.batch_size, max_gen_toks=section.max_gen_toks)
 
     def close(self) -> None:
         if self._workdir is not None:

@@ -126,6 +126,7 @@ def test_generators_are_put_back():
      "train.downstream_eval.limit is"),
     (dict(every=0), "train.downstream_eval.every=0: must be >= 1"),
     (dict(limit=0), "train.downstream_eval.limit=0: must be >= 1 or null"),
+    (dict(max_gen_toks=0), "train.downstream_eval.max_gen_toks=0: must be >= 1 or null"),
 ])
 def test_bad_settings_are_refused_in_one_line(change, message):
     section = dataclasses.replace(DownstreamEvalConfig(tasks=TASKS, data_dir="d"), **change)
@@ -149,7 +150,15 @@ def test_run_level_requirements_fail_before_the_model_is_built(mcore, pattern_da
     monkeypatch.setattr(Trainer, "_build_model", lambda self: pytest.fail("model built"))
     for index, (change, message) in enumerate((
             (dict(tasks=["nope"]), "train.downstream_eval: task 'nope': not in "),
-            (dict(data_dir=str(tmp_path)), "piqa_valid.jsonl: no such file"))):
+            (dict(data_dir=str(tmp_path)), "piqa_valid.jsonl: no such file"),
+            # Before: accepted, then every evaluation failed and was logged while training went
+            # on (as gsm8k's own 256 new tokens did with a context of 256 or less).
+            (dict(tasks=["gsm8k"], max_gen_toks=512),
+             r"train.downstream_eval: max_gen_toks 512 \(task gsm8k\): leaves no room for a "
+             "prompt in the model's 512-token context; set a smaller "
+             "train.downstream_eval.max_gen_toks$"),
+            (dict(max_gen_toks=8), "max_gen_toks 8: none of the tasks generates text"),
+            (dict(num_fewshot=10_000), "num_fewshot 10000: task piqa draws its examples"))):
         cfg = _run(pattern_data, tmp_path / f"run{index}", tokenizer,
                    dataclasses.replace(section, **change))
         with pytest.raises(ConfigError, match=message):
