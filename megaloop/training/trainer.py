@@ -470,10 +470,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state(self, is_loading: bool = False, weights_only: bool = False,
-                       with_rng: bool = True) -> dict:
+                       with_rng: bool = True, optimizer_format: str | None = None) -> dict:
         """What a checkpoint holds: the model, then (unless ``weights_only``) the optimizer,
-        scheduler, progress, LR multipliers and ALRS state, then the RNG states, which are
-        per (pipeline, tensor) rank and so only reload into the same layout."""
+        in ``optimizer_format`` (default: checkpoint.optimizer_format), scheduler, progress, LR
+        multipliers and ALRS state, then the RNG states, which are per (pipeline, tensor) rank
+        and so only reload into the same layout."""
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -484,7 +485,8 @@ class Trainer:
         state.update(
             optimizer=self.optimizer.sharded_state_dict(
                 model_state, is_loading=is_loading,
-                metadata={"distrib_optim_sharding_type": self.cfg.checkpoint.optimizer_format}),
+                metadata={"distrib_optim_sharding_type":
+                          optimizer_format or self.cfg.checkpoint.optimizer_format}),
             scheduler=self.scheduler.state_dict(),
             trainer={"step": self.step, "consumed_samples": self.consumed_samples,
                      "skipped_steps": self.skipped_steps},
@@ -534,8 +536,12 @@ class Trainer:
         same_layout = ckpt.same_parallel_layout(saved, self.cfg)
         if not weights_only:
             materialise_optimizer_state(self.optimizer)
+        # Read in the format it was saved in: a changed checkpoint.optimizer_format is that of
+        # the saves from now on.
         state = ckpt.load_checkpoint(path, self._sharded_state(
-            is_loading=True, weights_only=weights_only, with_rng=same_layout))
+            is_loading=True, weights_only=weights_only, with_rng=same_layout,
+            optimizer_format=(saved.get("checkpoint") or {}).get("optimizer_format",
+                                                                 "dp_reshardable")))
         for chunk, model in enumerate(self.models):
             model.load_state_dict(state[_chunk_key(chunk)])
         if weights_only:  # a fresh run from these weights

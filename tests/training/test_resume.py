@@ -482,3 +482,23 @@ def test_every_rank_takes_rank_zeros_verdict_on_a_resume(tmp_path):
                                root=str(tmp_path))
     assert verdicts[0] == verdicts[1]
     assert verdicts[0].startswith(f"model.init_std=0.5: differs from 0.02 in {tmp_path / 'rank0'}")
+
+
+def test_a_changed_optimizer_format_reads_the_checkpoint_in_its_own(run_stopped_at_step_4,
+                                                                    pattern_data, tmp_path):
+    """checkpoint.optimizer_format is that of the saves from the resume on. Before: the resume
+    read the dp_reshardable checkpoint as fully_reshardable, a CheckpointError holding
+    megatron-core's list of every missing key."""
+    from megaloop.training.checkpoint import saved_config
+    from tests.training.conftest import train_losses
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    same, changed = _copy(run_stopped_at_step_4, tmp_path / "a"), _copy(run_stopped_at_step_4,
+                                                                        tmp_path / "b")
+    Trainer(tiny_run(pattern_data, same)).train()
+    Trainer(tiny_run(pattern_data, changed,
+                     checkpoint={"optimizer_format": "fully_reshardable"})).train()
+    assert train_losses(changed) == train_losses(same)
+    saved = saved_config(changed / "checkpoints" / "iter_0000008")
+    assert saved["checkpoint"]["optimizer_format"] == "fully_reshardable"
