@@ -225,11 +225,16 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
 def resumed_progress(path: Path, cfg: RunConfig) -> tuple[int, int]:
     """(step, consumed samples) at which a run starting from checkpoint ``path`` goes on; (0, 0)
     for one that takes only its weights (or lacks the progress, which ``Trainer._load``
-    refuses)."""
+    refuses). Read on rank 0 and shared, as ``check_resume``."""
     if not ckpt.is_own_checkpoint(path, cfg) and not cfg.checkpoint.load_optimizer:
         return 0, 0
-    trainer = torch.load(path / "common.pt", map_location="cpu", weights_only=True).get("trainer")
-    return (trainer["step"], trainer["consumed_samples"]) if trainer else (0, 0)
+
+    def read() -> tuple[int, int]:
+        common = torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+        trainer = common.get("trainer")
+        return (trainer["step"], trainer["consumed_samples"]) if trainer else (0, 0)
+
+    return rank0_decides(read, (ckpt.CheckpointError,))
 
 
 def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
