@@ -258,8 +258,9 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
         if saved.get(section, {}).get(field) != getattr(getattr(cfg, section), field):
             changed.append(name)
     if changed:
-        log.warning("resume: %s differ from %s's: the sample order from step %d on is not the "
-                    "one the saved run would have seen", ", ".join(changed), path, step)
+        log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
+                    "one the saved run would have seen", ", ".join(changed),
+                    "" if len(changed) > 1 else "s", path, step + 1)
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,
@@ -280,7 +281,7 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
         else:
             log.warning("resume: train.%s changed from %r to %r; the LR schedule follows the "
                         "config from step %d (checkpoint.keep_schedule=true keeps %s's)",
-                        name, before, now, step, path.name)
+                        name, before, now, step + 1, path.name)
     scheduler.use_checkpoint_opt_param_scheduler = keep
     scheduler.override_opt_param_scheduler = not keep
     if not keep:

@@ -66,6 +66,7 @@ def test_the_config_schedule_wins_on_resume_and_each_change_is_one_line(
         lines = [r.getMessage() for r in caplog.records
                  if f"train.{name} changed" in r.getMessage()]
         assert len(lines) == 1 and "\n" not in lines[0] and repr(value) in lines[0], (name, lines)
+        assert "follows the config from step 5 " in lines[0]  # before: step 4, the checkpoint's
     # Before the fix, extending train_steps pinned the LR at the old floor (0.1 x 3e-3).
     expected = cosine_lr(4, total=12, warmup=3, peak=2e-3, floor=1e-3)
     assert trainer.current_lr() == pytest.approx(expected, rel=1e-12)
@@ -142,6 +143,7 @@ def test_a_change_of_the_sample_order_is_warned(run_stopped_at_step_4, pattern_d
                          train=change.get("train"))).close()
     lines = [r.getMessage() for r in caplog.records if "sample order" in r.getMessage()]
     assert len(lines) == 1 and named in lines[0], caplog.text
+    assert f"{named} differs from " in lines[0] and "from step 5 on" in lines[0]  # before: 4
 
 
 def test_lr_multipliers_set_by_hand_survive_save_and_resume_group_by_group(
