@@ -198,6 +198,14 @@ def test_split_strings(split, weights):
     (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' is not a finite "
                              "non-negative number"),
     (["data.path=[0, /x]"], "data.path=['0', '/x']: data blend: weights sum to zero"),
+    # Before: tracebacks from torch or numpy once the model was built, NaN steps (rotary_base),
+    # or no clipping and growing weights without a word (negative clip_grad, weight_decay).
+    (["train.adam_beta2=1"], "train.adam_beta2=1.0: must be in [0, 1)"),
+    (["train.seed=-1"], "train.seed=-1: must be in [0, 2**32 - 1]"),
+    (["train.clip_grad=-1"], "train.clip_grad=-1.0: must be >= 0 (0: no clipping)"),
+    (["train.weight_decay=-0.1"], "train.weight_decay=-0.1: must be >= 0"),
+    (["model.init_std=-1"], "model.init_std=-1.0: must be > 0"),
+    (["model.rotary_base=0"], "model.rotary_base=0.0: must be > 0"),
     # Before: a ValueError traceback from the monitor once the model was built.
     (["train.peak_tflops=0"], "train.peak_tflops=0.0: must be > 0, or null (a known GPU's own "
                               "peak; no MFU on CPU)"),

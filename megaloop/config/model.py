@@ -227,6 +227,10 @@ class ModelConfig:
                      "num_query_groups", "vocab_size", "seq_length", "iterations",
                      "decoder_ffn_hidden_size"):
             require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        # Refused here, not as a traceback from torch at initialisation or NaN steps from RoPE.
+        for name, low in (("rotary_base", 0), ("init_std", 0)):
+            require(getattr(self, name) > low, prefix, name, getattr(self, name), f"> {low}")
+        require(self.norm_eps >= 0, prefix, "norm_eps", self.norm_eps, ">= 0")
         if self.head_dim is None:
             require(self.hidden_size % self.num_attention_heads == 0, prefix, "hidden_size",
                     self.hidden_size, f"a multiple of num_attention_heads="

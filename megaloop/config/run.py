@@ -183,6 +183,13 @@ class TrainConfig:
         require(0 <= self.min_lr_ratio <= 1, prefix, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
                 "in [0, 1)")
+        # torch's Adam and numpy's seeding would refuse these with a traceback once the model is
+        # built; a negative clip_grad or weight_decay would turn clipping off or grow the weights.
+        for name in ("adam_beta1", "adam_beta2"):
+            require(0 <= getattr(self, name) < 1, prefix, name, getattr(self, name), "in [0, 1)")
+        require(self.weight_decay >= 0, prefix, "weight_decay", self.weight_decay, ">= 0")
+        require(self.clip_grad >= 0, prefix, "clip_grad", self.clip_grad, ">= 0 (0: no clipping)")
+        require(0 <= self.seed < 2**32, prefix, "seed", self.seed, "in [0, 2**32 - 1]")
         require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
         require(self.peak_tflops is None or self.peak_tflops > 0, prefix, "peak_tflops",
                 self.peak_tflops, "> 0, or null (a known GPU's own peak; no MFU on CPU)")

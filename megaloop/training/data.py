@@ -96,6 +96,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
             check_document_ends(summaries, cfg.data, tokenizer.eod, other_eod)
+        _make_cache_dir(Path(cache_dir), cfg.data.cache_dir is not None)  # once all else passed
         return summaries
 
     # Before the datasets: data made with another tokenizer is refused before megatron-core
@@ -109,6 +110,18 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
     return train, valid
+
+
+def _make_cache_dir(cache_dir: Path, given: bool) -> None:
+    """Creates the index cache directory, or refuses it in one line (megatron-core would fail to
+    create it with a traceback, other ranks waiting at its barrier). Only created: a read-only
+    one may hold every index already."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        where = (f"data.cache_dir={str(cache_dir)!r}" if given else f"{cache_dir} (the index "
+                 "cache beside data.path's first prefix; data.cache_dir sets another)")
+        raise DataError(f"{where}: cannot be created ({e.strerror or e}: {e.filename})") from None
 
 
 def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):

@@ -52,8 +52,8 @@ class DownstreamEval:
     """Built by every rank (a collective); ``after_save`` is one too."""
 
     def __init__(self, cfg: RunConfig):
-        self.section = cfg.train.downstream_eval
-        self.saves, self.evaluated_step = 0, None
+        self.section, self.save_interval = cfg.train.downstream_eval, cfg.checkpoint.save_interval
+        self.evaluated_step = None
         self.tokenizer = None
         self._workdir = None
         rank0_decides(lambda: self._set_up(cfg), (ConfigError,))
@@ -90,12 +90,13 @@ class DownstreamEval:
 
     def after_save(self, model, step: int, monitor, final: bool = False) -> None:
         """Evaluates ``model`` (the megatron-core LoopedLM being trained) if this save is due:
-        every ``every``-th periodic one, and the final checkpoint unless its step was evaluated."""
+        every ``every``-th periodic one, and the final checkpoint unless its step was evaluated.
+        Periodic saves are counted by step, so that a resumed run evaluates at those an
+        uninterrupted one would."""
         if final:
             due = self.evaluated_step != step
         else:
-            self.saves += 1
-            due = self.saves % self.section.every == 0
+            due = (step // self.save_interval) % self.section.every == 0
         if not due:
             return
         self.evaluated_step = step

@@ -236,12 +236,28 @@ class LRMultipliers:
         self.multipliers = dict(state["multipliers"])
 
 
+# megatron-core 0.16.1 without Transformer Engine or Apex steps torch's Adam, whose per-parameter
+# "step" its fully_reshardable load expects in what it reads and does not find there.
+UNLOADABLE = ("which megatron-core cannot load with torch's Adam (Transformer Engine and Apex are "
+              "not installed here; KeyError 'step')")
+
+
+def fully_reshardable_loads() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return distrib_optimizer.HAVE_APEX_OR_TE
+
+
 def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunConfig):
     """Returns (optimizer, scheduler, LRMultipliers); every weight matrix gets its own group.
     ``model_chunks``: the DDP-wrapped chunks of ``models`` (this rank's pipeline stages)."""
     from megatron.core import parallel_state as ps
 
     train = cfg.train
+    if (train.distributed_optimizer and cfg.checkpoint.optimizer_format == "fully_reshardable"
+            and not fully_reshardable_loads()):  # every resume of the run would fail
+        raise ConfigError(f"checkpoint.optimizer_format='fully_reshardable': distributed-"
+                          f"optimizer state saved so, {UNLOADABLE}; use 'dp_reshardable' here")
     opt_config = OptimizerConfig(
         optimizer="adam", lr=train.lr, min_lr=train.lr * train.min_lr_ratio,
         weight_decay=train.weight_decay, adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2,

@@ -225,11 +225,16 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
 def resumed_progress(path: Path, cfg: RunConfig) -> tuple[int, int]:
     """(step, consumed samples) at which a run starting from checkpoint ``path`` goes on; (0, 0)
     for one that takes only its weights (or lacks the progress, which ``Trainer._load``
-    refuses)."""
+    refuses). Read on rank 0 and shared, as ``check_resume``."""
     if not ckpt.is_own_checkpoint(path, cfg) and not cfg.checkpoint.load_optimizer:
         return 0, 0
-    trainer = torch.load(path / "common.pt", map_location="cpu", weights_only=True).get("trainer")
-    return (trainer["step"], trainer["consumed_samples"]) if trainer else (0, 0)
+
+    def read() -> tuple[int, int]:
+        common = torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+        trainer = common.get("trainer")
+        return (trainer["step"], trainer["consumed_samples"]) if trainer else (0, 0)
+
+    return rank0_decides(read, (ckpt.CheckpointError,))
 
 
 def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
@@ -253,8 +258,9 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
         if saved.get(section, {}).get(field) != getattr(getattr(cfg, section), field):
             changed.append(name)
     if changed:
-        log.warning("resume: %s differ from %s's: the sample order from step %d on is not the "
-                    "one the saved run would have seen", ", ".join(changed), path, step)
+        log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
+                    "one the saved run would have seen", ", ".join(changed),
+                    "" if len(changed) > 1 else "s", path, step + 1)
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,
@@ -275,7 +281,7 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
         else:
             log.warning("resume: train.%s changed from %r to %r; the LR schedule follows the "
                         "config from step %d (checkpoint.keep_schedule=true keeps %s's)",
-                        name, before, now, step, path.name)
+                        name, before, now, step + 1, path.name)
     scheduler.use_checkpoint_opt_param_scheduler = keep
     scheduler.override_opt_param_scheduler = not keep
     if not keep:

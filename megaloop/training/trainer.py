@@ -375,6 +375,7 @@ class Trainer:
                 log.warning("stopped by signal %d before the first step; nothing to save",
                             self.stop_signals.received)
                 return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
+            first = self.step + 1
             while self.step < cfg.train_steps:
                 self.step += 1
                 start = time.perf_counter()
@@ -385,7 +386,10 @@ class Trainer:
                                       step_time_s=time.perf_counter() - start,
                                       skipped=outcome.skipped, loss_tokens=outcome.loss_tokens,
                                       extra=self._routing_metrics())
-                if self._consecutive_nonfinite >= cfg.max_nonfinite_steps:
+                # Also a run shorter than the limit whose every step was NaN/Inf: it would save
+                # untrained weights as trained to train_steps, and exit 0.
+                if self._consecutive_nonfinite >= min(cfg.max_nonfinite_steps,
+                                                      cfg.train_steps - first + 1):
                     latest = ckpt.latest_checkpoint(self.checkpoint_dir)
                     raise TrainingAborted(
                         f"loss was NaN/Inf for {self._consecutive_nonfinite} consecutive steps "
@@ -423,6 +427,13 @@ class Trainer:
         (encoder, iteration 1..K); a collective. None for a dense model."""
         stats = self.model.routing_stats
         return stats.report() if stats is not None else None
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight of every rank is finite (a collective)."""
+        finite = all(bool(torch.isfinite(p).all()) for m in self.models for p in m.parameters())
+        flag = torch.tensor([1.0 if finite else 0.0], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def current_lr(self) -> float:
         """The base LR (multiplier 1) the next optimizer step will use."""
@@ -470,10 +481,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state(self, is_loading: bool = False, weights_only: bool = False,
-                       with_rng: bool = True) -> dict:
+                       with_rng: bool = True, optimizer_format: str | None = None) -> dict:
         """What a checkpoint holds: the model, then (unless ``weights_only``) the optimizer,
-        scheduler, progress, LR multipliers and ALRS state, then the RNG states, which are
-        per (pipeline, tensor) rank and so only reload into the same layout."""
+        in ``optimizer_format`` (default: checkpoint.optimizer_format), scheduler, progress, LR
+        multipliers and ALRS state, then the RNG states, which are per (pipeline, tensor) rank
+        and so only reload into the same layout."""
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -484,7 +496,8 @@ class Trainer:
         state.update(
             optimizer=self.optimizer.sharded_state_dict(
                 model_state, is_loading=is_loading,
-                metadata={"distrib_optim_sharding_type": self.cfg.checkpoint.optimizer_format}),
+                metadata={"distrib_optim_sharding_type":
+                          optimizer_format or self.cfg.checkpoint.optimizer_format}),
             scheduler=self.scheduler.state_dict(),
             trainer={"step": self.step, "consumed_samples": self.consumed_samples,
                      "skipped_steps": self.skipped_steps},
@@ -509,6 +522,10 @@ class Trainer:
 
         if self._last_saved_step == self.step:
             return None
+        if not self._weights_finite():  # an update with a NaN/Inf gradient under a finite loss
+            raise TrainingAborted(
+                f"the weights are NaN/Inf after step {self.step}; nothing was saved; last good "
+                f"checkpoint: {ckpt.latest_checkpoint(self.checkpoint_dir) or 'none'}")
         materialise_optimizer_state(self.optimizer)
         self._note_left_behind(saving=self.step)
         path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
@@ -534,8 +551,12 @@ class Trainer:
         same_layout = ckpt.same_parallel_layout(saved, self.cfg)
         if not weights_only:
             materialise_optimizer_state(self.optimizer)
+        # Read in the format it was saved in: a changed checkpoint.optimizer_format is that of
+        # the saves from now on.
         state = ckpt.load_checkpoint(path, self._sharded_state(
-            is_loading=True, weights_only=weights_only, with_rng=same_layout))
+            is_loading=True, weights_only=weights_only, with_rng=same_layout,
+            optimizer_format=(saved.get("checkpoint") or {}).get("optimizer_format",
+                                                                 "dp_reshardable")))
         for chunk, model in enumerate(self.models):
             model.load_state_dict(state[_chunk_key(chunk)])
         if weights_only:  # a fresh run from these weights

@@ -397,3 +397,28 @@ def test_eod_mask_loss_on_data_preprocessed_without_eods_is_refused_or_noted(tmp
         check_sidecars(_indexed(plain), DataConfig(path=[plain], tokenizer_model=str(sp_model)),
                        2, str(sp_model))
     assert not caplog.messages
+
+
+def test_an_index_cache_directory_that_cannot_be_created_is_one_line(tmp_path, pattern_data):
+    """Before: NotADirectoryError/FileExistsError tracebacks from megatron-core's index build."""
+    import shutil
+
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    (tmp_path / "file").write_text("x")
+    cfg = tiny_run(pattern_data, tmp_path / "run")
+    cfg.data.cache_dir = str(tmp_path / "file" / "cache")
+    with pytest.raises(DataError) as error:
+        build_datasets(cfg)
+    assert str(error.value) == (f"data.cache_dir={cfg.data.cache_dir!r}: cannot be created "
+                                f"(Not a directory: {cfg.data.cache_dir})")
+    for suffix in (".bin", ".idx"):  # the default cache beside the data, taken by a file
+        shutil.copy(pattern_data + suffix, tmp_path / f"data{suffix}")
+    (tmp_path / "cache").write_text("x")
+    cfg = tiny_run(str(tmp_path / "data"), tmp_path / "run")
+    cfg.data.cache_dir = None
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'cache'} \(the index cache beside "
+                                        r"data.path's first prefix; data.cache_dir sets another\)"
+                                        r": cannot be created \(File exists: "):
+        build_datasets(cfg)

@@ -91,6 +91,12 @@ def test_every_second_save_and_always_the_final_checkpoint(mcore, pattern_data, 
     monkeypatch.setattr(DownstreamEval, "after_save", _recording(DownstreamEval.after_save, steps))
     Trainer(cfg).train()
     assert steps == [4, 7] and evaluated == [True, True]
+    # Resumed: saves at 8, 10, final 11; the 4th periodic save is at 8. Before: the count started
+    # again at the resume, and the saves of 10 and 14 would have been evaluated.
+    steps.clear()
+    cfg.train.train_steps = 11
+    Trainer(cfg).train()
+    assert steps == [8, 11]
 
 
 def _recording(after_save, steps):

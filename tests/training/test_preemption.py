@@ -185,10 +185,10 @@ def _signalled_while_building_datasets(monkeypatch, stop_signals: StopSignals,
 
     build_datasets = trainer_module.build_datasets
 
-    def build(cfg):
+    def build(cfg, *progress):
         if signalled:
             _signal_this_process(signal.SIGTERM, stop_signals)
-        return build_datasets(cfg)
+        return build_datasets(cfg, *progress)
 
     monkeypatch.setattr(trainer_module, "build_datasets", build)
 

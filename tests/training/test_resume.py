@@ -66,6 +66,7 @@ def test_the_config_schedule_wins_on_resume_and_each_change_is_one_line(
         lines = [r.getMessage() for r in caplog.records
                  if f"train.{name} changed" in r.getMessage()]
         assert len(lines) == 1 and "\n" not in lines[0] and repr(value) in lines[0], (name, lines)
+        assert "follows the config from step 5 " in lines[0]  # before: step 4, the checkpoint's
     # Before the fix, extending train_steps pinned the LR at the old floor (0.1 x 3e-3).
     expected = cosine_lr(4, total=12, warmup=3, peak=2e-3, floor=1e-3)
     assert trainer.current_lr() == pytest.approx(expected, rel=1e-12)
@@ -142,6 +143,7 @@ def test_a_change_of_the_sample_order_is_warned(run_stopped_at_step_4, pattern_d
                          train=change.get("train"))).close()
     lines = [r.getMessage() for r in caplog.records if "sample order" in r.getMessage()]
     assert len(lines) == 1 and named in lines[0], caplog.text
+    assert f"{named} differs from " in lines[0] and "from step 5 on" in lines[0]  # before: 4
 
 
 def test_lr_multipliers_set_by_hand_survive_save_and_resume_group_by_group(
@@ -482,3 +484,29 @@ def test_every_rank_takes_rank_zeros_verdict_on_a_resume(tmp_path):
                                root=str(tmp_path))
     assert verdicts[0] == verdicts[1]
     assert verdicts[0].startswith(f"model.init_std=0.5: differs from 0.02 in {tmp_path / 'rank0'}")
+
+
+def test_a_changed_optimizer_format_reads_the_checkpoint_in_its_own(run_stopped_at_step_4,
+                                                                    pattern_data, tmp_path,
+                                                                    monkeypatch):
+    """checkpoint.optimizer_format is that of the saves from the resume on. Before: the resume
+    read the dp_reshardable checkpoint as fully_reshardable, a CheckpointError holding
+    megatron-core's list of every missing key."""
+    from megaloop.training import optimizer
+    from megaloop.training.checkpoint import saved_config
+    from tests.training.conftest import train_losses
+
+    # As where Transformer Engine is installed: here a fully_reshardable save is refused, since
+    # torch's Adam could not load it (test_checkpoint); this run only saves it.
+    monkeypatch.setattr(optimizer, "fully_reshardable_loads", lambda: True)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    same, changed = _copy(run_stopped_at_step_4, tmp_path / "a"), _copy(run_stopped_at_step_4,
+                                                                        tmp_path / "b")
+    Trainer(tiny_run(pattern_data, same)).train()
+    Trainer(tiny_run(pattern_data, changed,
+                     checkpoint={"optimizer_format": "fully_reshardable"})).train()
+    assert train_losses(changed) == train_losses(same)
+    saved = saved_config(changed / "checkpoints" / "iter_0000008")
+    assert saved["checkpoint"]["optimizer_format"] == "fully_reshardable"

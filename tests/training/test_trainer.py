@@ -83,6 +83,39 @@ def test_nonfinite_losses_are_skipped_then_abort_keeps_last_good_checkpoint(mcor
     assert losses[3] is None and losses[4] is not None and math.isfinite(losses[4])
 
 
+def test_a_run_that_ends_untrained_or_with_nan_weights_aborts_without_saving(mcore, pattern_data,
+                                                                            tmp_path):
+    """Before: both exited 0, having saved a checkpoint at train_steps: of the initial weights
+    (every step of a run shorter than train.max_nonfinite_steps NaN/Inf), or of NaN weights (an
+    update with a NaN gradient under a finite loss, lr=1e30, then fewer NaN steps than the
+    limit); and a periodic save kept NaN weights as the last good checkpoint."""
+    cfg = tiny_run(pattern_data, tmp_path / "nan", train=dict(train_steps=2))
+    trainer = Trainer(cfg)
+    forward = trainer._forward_step
+
+    def nan(data_iterator, model, num_iterations=None):
+        output, loss_func = forward(data_iterator, model, num_iterations)
+        return output * float("nan"), loss_func
+
+    trainer._forward_step = nan
+    with pytest.raises(TrainingAborted, match=r"^loss was NaN/Inf for 2 consecutive steps \(last "
+                                              r"at step 2\).*last good checkpoint: none$"):
+        trainer.train()
+    cfg = tiny_run(pattern_data, tmp_path / "lr", train=dict(train_steps=3, lr=1e30))
+    with pytest.raises(TrainingAborted, match=r"^the weights are NaN/Inf after step 3; nothing "
+                                              "was saved; last good checkpoint: none$"):
+        Trainer(cfg).train()
+    for run in ("nan", "lr"):
+        assert not list((tmp_path / run / "checkpoints").glob("iter_*"))
+    # Nor at a periodic save (the NaN gradient is step 2's): later NaN/Inf losses would abort
+    # naming it as the last good checkpoint.
+    cfg = tiny_run(pattern_data, tmp_path / "saves", train=dict(train_steps=6, lr=1e30),
+                   checkpoint=dict(save_interval=1))
+    with pytest.raises(TrainingAborted, match=r"^the weights are NaN/Inf after step 2; nothing "
+                                              "was saved; last good checkpoint: .*iter_0000001$"):
+        Trainer(cfg).train()
+
+
 def test_resume_with_a_different_architecture_is_a_clear_error(mcore, pattern_data, tmp_path):
     Trainer(tiny_run(pattern_data, tmp_path, train=dict(train_steps=2))).train()
     with pytest.raises(ckpt.CheckpointError, match=r"different architecture: model.hidden_size=32 "
