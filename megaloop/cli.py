@@ -116,13 +116,10 @@ def replaced_settings(given, configs: list, setters: dict[str, str | None]) -> s
     ``train.train_steps=50 replaced by --steps; ...``; None when nothing is. ``setters`` maps keys
     and ``section.*`` as for ``refuse_overrides_of``. Derived from the configs that run, so no
     replaced field goes unsaid."""
-    from megaloop.config import RunConfig, to_dict
+    from megaloop.config import RunConfig, flat_settings
 
-    def flat(cfg) -> dict:
-        return {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
-                for name, value in fields.items()}
-
-    default, ours, runs = flat(RunConfig()), flat(given), [flat(cfg) for cfg in configs]
+    default, ours = flat_settings(RunConfig()), flat_settings(given)
+    runs = [flat_settings(cfg) for cfg in configs]
     by: dict[str, list[str]] = {}
     for key, value in ours.items():
         setter = setters[key] if key in setters else setters.get(f"{key.partition('.')[0]}.*")

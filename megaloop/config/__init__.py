@@ -18,8 +18,8 @@ from megaloop.config.run import (CheckpointConfig, DataConfig, DownstreamEvalCon
                                  ParallelConfig, RunConfig, TrainConfig, micro_batches_per_step,
                                  split_weights, template_fields)
 from megaloop.config.serialization import (apply_overrides, check_field_names, dump_yaml,
-                                           from_dict, load_yaml, run_config_from, save_yaml,
-                                           to_dict)
+                                           flat_settings, from_dict, load_yaml, run_config_from,
+                                           save_yaml, to_dict)
 
 __all__ = [
     "ConfigError",
@@ -27,6 +27,6 @@ __all__ = [
     "Injection", "JointImpl", "LatentReduction", "MoELayers", "ModelConfig", "ResidualScale",
     "CheckpointConfig", "DataConfig", "DownstreamEvalConfig", "Fp8Recipe", "ParallelConfig",
     "RunConfig", "TrainConfig", "micro_batches_per_step", "split_weights", "template_fields",
-    "apply_overrides", "check_field_names", "dump_yaml", "from_dict", "load_yaml", "run_config_from",
-    "save_yaml", "to_dict",
+    "apply_overrides", "check_field_names", "dump_yaml", "flat_settings", "from_dict", "load_yaml",
+    "run_config_from", "save_yaml", "to_dict",
 ]

@@ -123,6 +123,13 @@ def to_dict(cfg) -> dict:
         k: list(v) if isinstance(v, tuple) else v for k, v in items})
 
 
+def flat_settings(cfg) -> dict[str, Any]:
+    """A RunConfig's settings by ``section.field`` (a nested section, such as
+    train.downstream_eval, as one dict value)."""
+    return {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
+            for name, value in fields.items()}
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Checks ``value`` against a field's type hint, converting ints to floats where declared."""
     if isinstance(value, _Yaml11Bool):

@@ -133,8 +133,11 @@ def init_distributed(
     expert_parallel: int = 1,
     seed: int = 1234,
     virtual_pipeline: int = 1,
+    same_settings: dict[str, object] | None = None,
 ) -> LaunchEnv:
     """Initialises torch.distributed and megatron-core's model-parallel groups; returns the launch env.
+    ``same_settings`` (``section.field``: value): further settings every rank must be launched with,
+    compared with the parallel sizes and seed, in one collective, before any group is built.
 
     Safe to call when a process group already exists (tests, notebooks): it then only (re)builds the
     model-parallel groups.
@@ -156,7 +159,8 @@ def init_distributed(
 
     same_on_every_rank({"parallel.tensor": tensor_parallel, "parallel.pipeline": pipeline_parallel,
                         "parallel.expert": expert_parallel,
-                        "parallel.virtual_pipeline": virtual_pipeline, "train.seed": seed})
+                        "parallel.virtual_pipeline": virtual_pipeline, "train.seed": seed,
+                        **(same_settings or {})})
     check_world_size(ParallelConfig(tensor=tensor_parallel, pipeline=pipeline_parallel,
                                     expert=expert_parallel), dist.get_world_size())
 

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megaloop.alrs.schedule import ALRSConfig
-from megaloop.config import ConfigError, RunConfig, micro_batches_per_step, save_yaml, to_dict
+from megaloop.config import (ConfigError, RunConfig, flat_settings, micro_batches_per_step, save_yaml,
+                             to_dict)
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
@@ -146,8 +147,10 @@ class Trainer:
         self._consecutive_nonfinite = 0
         self._last_saved_step: int | None = None
         par = cfg.parallel
+        # A rank launched with another config (a node given another file or override) would
+        # train a replica of its own without a word: every setting is compared with rank 0's.
         init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed,
-                         virtual_pipeline=par.virtual_pipeline)
+                         virtual_pipeline=par.virtual_pipeline, same_settings=flat_settings(cfg))
         self._stop_point("joining the process group")
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.num_microbatches = micro_batches_per_step(cfg.train, par, self.dp_size)

@@ -255,3 +255,25 @@ def test_a_failed_set_up_puts_the_signal_handlers_back(mcore, tmp_path):
     with pytest.raises(DataError):
         Trainer(tiny_run(str(tmp_path / "missing"), tmp_path / "run"))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+
+def _built_with(rank, world_size, data_prefix, out_dir, lr):
+    from pathlib import Path
+
+    try:
+        Trainer(tiny_run(data_prefix, Path(out_dir), train={"lr": lr[rank]})).close()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_launched_with_another_setting_is_refused_on_every_rank(pattern_data, tmp_path):
+    from tests.distributed import run_distributed
+
+    # Before: the two ranks trained at their own learning rates, each replica its own way, and
+    # the run exited 0.
+    messages = run_distributed(_built_with, world_size=2, data_prefix=pattern_data,
+                               out_dir=str(tmp_path), lr=[1e-3, 3e-3])
+    assert messages == ["train.lr=0.003 on rank 1 but 0.001 on rank 0: every rank must be "
+                        "launched with the same settings"] * 2
