@@ -426,26 +426,6 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
         raise CheckpointError(f"{path}: cannot be loaded into this run ({_one_line(e)})") from None
 
 
-def rng_state() -> dict:
-    """Every RNG a training step may draw from (plain types, loadable with weights_only)."""
-    from megatron.core import tensor_parallel
-
-    state = {"cpu": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    torch.set_rng_state(state["cpu"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
     """Where a run starts from (the same answer on every rank): the checkpoint ``latest`` names in
     its own directory, else the newest complete one there (a lost ``latest``), else

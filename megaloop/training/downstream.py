@@ -18,34 +18,18 @@ checked before the model is built; an evaluation that fails later is logged and 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import random
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megaloop.config import ConfigError, RunConfig
-from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0, rank0_decides
+from megaloop.training.rng import preserved_rng
 
 log = logging.getLogger("megaloop.train")
-
-
-@contextlib.contextmanager
-def preserved_rng():
-    """Puts back Python's, NumPy's, torch's and megatron-core's random states on exit (lm-eval
-    seeds the global generators)."""
-    states = (random.getstate(), np.random.get_state(), ckpt.rng_state())
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        ckpt.set_rng_state(states[2])
 
 
 class DownstreamEval:

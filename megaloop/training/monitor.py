@@ -327,7 +327,8 @@ class Monitor:
             self.peak_tflops_per_device = peak_tflops(self.device_stats.device_name, precision)
             if self.peak_tflops_per_device is None:
                 self._print(f"mfu: no known {precision} peak for {self.device_stats.device_name!r}; "
-                            "pass peak_tflops_per_device to report MFU")
+                            "set train.peak_tflops (peak_tflops_per_device of a Monitor of "
+                            "your own) to report MFU")
 
         if resume_step is not None:
             self._drop_lines_from(resume_step)

@@ -38,6 +38,7 @@ from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
 from megaloop.training.resume import (check_resume, report_sample_order, resume_schedule,
                                       resumed_progress)
+from megaloop.training.rng import rng_state, set_rng_state
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
@@ -509,7 +510,7 @@ class Trainer:
         )
         if with_rng:
             state["rng_state"] = ShardedObject(
-                "rng_state", ckpt.rng_state(),
+                "rng_state", rng_state(),
                 (ps.get_pipeline_model_parallel_world_size(),
                  ps.get_tensor_model_parallel_world_size()),
                 (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
@@ -586,7 +587,7 @@ class Trainer:
                 "ramp_length", (saved.get("alrs") or {}).get("transition", ALRSConfig.transition))
             self.alrs.load_state_dict(state["alrs"])
         if same_layout:
-            ckpt.set_rng_state(state["rng_state"])
+            set_rng_state(state["rng_state"])
         else:
             log.warning("%s was saved with another tensor/pipeline layout: RNG states not restored",
                         path)
