@@ -64,3 +64,10 @@ def train_losses(out_dir: Path) -> dict[int, float]:
         if record.get("kind") == "train":
             losses[record["step"]] = record["loss"]
     return losses
+
+
+def one_line(error) -> str:
+    """The message of a ``pytest.raises`` result, asserted to be one line without a traceback."""
+    text = str(error.value)
+    assert "\n" not in text and "Traceback" not in text, text
+    return text
