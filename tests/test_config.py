@@ -206,6 +206,9 @@ def test_split_strings(split, weights):
     (["train.weight_decay=-0.1"], "train.weight_decay=-0.1: must be >= 0"),
     (["model.init_std=-1"], "model.init_std=-1.0: must be > 0"),
     (["model.rotary_base=0"], "model.rotary_base=0.0: must be > 0"),
+    # Before: depth 2 evaluated and logged twice at every evaluation.
+    (["train.eval_depths=[2, 2]"], "train.eval_depths=[2, 2]: must be a list of distinct "
+                                   "iteration counts >= 1"),
     # Before: a ValueError traceback from the monitor once the model was built.
     (["train.peak_tflops=0"], "train.peak_tflops=0.0: must be > 0, or null (a known GPU's own "
                               "peak; no MFU on CPU)"),

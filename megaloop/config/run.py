@@ -193,8 +193,9 @@ class TrainConfig:
         require(self.eval_interval >= 0, prefix, "eval_interval", self.eval_interval, ">= 0")
         require(self.peak_tflops is None or self.peak_tflops > 0, prefix, "peak_tflops",
                 self.peak_tflops, "> 0, or null (a known GPU's own peak; no MFU on CPU)")
-        require(all(k >= 1 for k in self.eval_depths), prefix, "eval_depths", self.eval_depths,
-                "a list of iteration counts >= 1")
+        require(all(k >= 1 for k in self.eval_depths)
+                and len(set(self.eval_depths)) == len(self.eval_depths), prefix, "eval_depths",
+                self.eval_depths, "a list of distinct iteration counts >= 1")
         require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
                 "a directory path (metrics, config.yaml and by default checkpoints go there)")
         require(self.fp8_recipe is None or self.precision == "fp8", prefix, "fp8_recipe",
