@@ -206,6 +206,12 @@ def test_split_strings(split, weights):
     (["train.weight_decay=-0.1"], "train.weight_decay=-0.1: must be >= 0"),
     (["model.init_std=-1"], "model.init_std=-1.0: must be > 0"),
     (["model.rotary_base=0"], "model.rotary_base=0.0: must be > 0"),
+    # Before: accepted, and nothing changed (the two modes encode this type alike).
+    (["data.tokenizer_model=t", "data.eod_id=null", "data.path=[x]",
+      "data.tokenizer_type=GPTSentencePieceTokenizer", "data.legacy_tokenizer=true"],
+     "data.legacy_tokenizer=True: must be false with data.tokenizer_type="
+     "'GPTSentencePieceTokenizer', which Megatron-LM's legacy and new tokenizers encode alike (it "
+     "changes SentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer)"),
     # Before: depth 2 evaluated and logged twice at every evaluation.
     (["train.eval_depths=[2, 2]"], "train.eval_depths=[2, 2]: must be a list of distinct "
                                    "iteration counts >= 1"),

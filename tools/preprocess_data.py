@@ -38,7 +38,7 @@ from megaloop.data.readers import (
     input_kind,
     json_keys_refusal,
 )
-from megaloop.data.tokenizer import TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
+from megaloop.data.tokenizer import LEGACY_CHANGES, TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
 
 
 class Terminated(BaseException):
@@ -123,6 +123,9 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
     if args.partitions != 1:
         notes.append(f"--partitions {args.partitions} changes nothing: the input is streamed, so it "
                      "needs no partitions to bound memory")
+    if args.legacy_tokenizer and args.tokenizer_type not in LEGACY_CHANGES:
+        notes.append(f"--legacy-tokenizer changes nothing with {args.tokenizer_type}: Megatron-LM's legacy "
+                     "and new tokenizers encode it alike")
     if args.tokenizer_metadata and args.legacy_tokenizer:
         notes.append("--tokenizer-metadata changes nothing with --legacy-tokenizer (Megatron-LM reads it "
                      "only for its new tokenizers)")

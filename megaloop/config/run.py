@@ -253,7 +253,7 @@ class DataConfig:
     sft_solution: str = "{solution}"
 
     def validate(self, prefix: str = "data") -> None:
-        from megaloop.data.tokenizer import TOKENIZER_TYPES
+        from megaloop.data.tokenizer import LEGACY_CHANGES, TOKENIZER_TYPES
 
         require(bool(self.path), prefix, "path", self.path,
                 "a non-empty list of dataset prefixes (optionally weighted)"
@@ -282,6 +282,10 @@ class DataConfig:
         require(self.tokenizer_model is not None or not self.legacy_tokenizer, prefix,
                 "legacy_tokenizer", self.legacy_tokenizer, f"false unless {prefix}.tokenizer_model "
                 f"is given (with {prefix}.eod_id alone no tokenizer is loaded)")
+        require(self.tokenizer_type in LEGACY_CHANGES or not self.legacy_tokenizer, prefix,
+                "legacy_tokenizer", self.legacy_tokenizer,
+                f"false with {prefix}.tokenizer_type={self.tokenizer_type!r}, which Megatron-LM's "
+                f"legacy and new tokenizers encode alike (it changes {', '.join(LEGACY_CHANGES)})")
         require(split_weights(self.split) is not None, prefix, "split", self.split, SPLIT_RULE)
 
     def _validate_sft(self, prefix: str) -> None:

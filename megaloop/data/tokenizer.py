@@ -27,6 +27,8 @@ from megaloop.data.readers import first_line
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 HUGGINGFACE_TYPES = ("HuggingFaceTokenizer",)
 TOKENIZER_TYPES = SENTENCEPIECE_TYPES + HUGGINGFACE_TYPES
+# The types whose encoding ``legacy=True`` changes (GPTSentencePieceTokenizer encodes alike in both).
+LEGACY_CHANGES = ("SentencePieceTokenizer", "Llama2Tokenizer") + HUGGINGFACE_TYPES
 
 # Names tried, in order, when a tokenizer.json has no tokenizer_config.json beside it naming eos.
 _EOD_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")

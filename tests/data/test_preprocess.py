@@ -293,6 +293,11 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     legacy = IndexedDataset(str(tmp_path / "legacy_text_document"))
     assert code == 0 and legacy[0].tolist()[-1] == 32002 and 32002 in legacy[0].tolist()[:-1]
     assert "note: --tokenizer-metadata changes nothing with --legacy-tokenizer" in err
+    # GPTSentencePieceTokenizer encodes alike in both modes: said, not silently taken (was silent).
+    gpt = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--append-eod"]
+    code, err = run("--input", path, "--output-prefix", tmp_path / "gpt_legacy", "--workers", 1, "--legacy-tokenizer",
+                    *gpt)
+    assert code == 0 and "note: --legacy-tokenizer changes nothing with GPTSentencePieceTokenizer" in err
     metadata.write_text('{"library": "huggingface"}')
     code, err = run("--input", path, "--output-prefix", tmp_path / "bad", "--workers", 1, *flags, *_sp_args(sp_model))
     assert code == 2 and err.strip().startswith(f"error: {metadata}: metadata names library 'huggingface'")
