@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from megaloop.hf.native import FAMILIES, model_config_from_native, to_native_sta
 from megaloop.hf.to_hf import probe_length
 
 MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
+log = logging.getLogger("megaloop.hf")
 
 
 def read_config(directory: Path):
@@ -232,6 +234,19 @@ def _fill(params: dict[str, torch.Tensor], tensors: _HuggingFaceTensors, cfg: Mo
         params[name].copy_(tensor)
 
 
+def document_end(eos_token_id, directory: Path) -> int | None:
+    """config.json's eos_token_id, kept as the run's data.eod_id so that exporting the checkpoint
+    again writes it. A list (Llama 3.1 Instruct: end of text, end of message, end of turn) keeps
+    its first, the end of text of pretraining documents, and says so: megaloop has one end of
+    document, and a second export's generate() stops at it only."""
+    if isinstance(eos_token_id, list) and eos_token_id:
+        log.warning("%s: config.json's eos_token_id is a list %s; data.eod_id is its first, %d, and "
+                    "an export of this checkpoint stops generating at that one only",
+                    directory / "config.json", eos_token_id, eos_token_id[0])
+        eos_token_id = eos_token_id[0]
+    return eos_token_id if isinstance(eos_token_id, int) else None
+
+
 def import_hf(directory: str | Path, out: str | Path) -> dict:
     """Converts the Hugging Face directory into the megaloop checkpoint directory ``out``; returns
     a report (architecture, probe difference).
@@ -243,9 +258,7 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
     directory = Path(directory)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         hf, cfg, family = load_hf_model(directory)
-        # Kept as the run's end-of-document id, so that exporting the checkpoint again writes it.
-        eos = hf.config.eos_token_id
-        data = DataConfig(eod_id=eos if isinstance(eos, int) else None)
+        data = DataConfig(eod_id=document_end(hf.config.eos_token_id, directory))
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         expected = probe_logits(hf, ids)
         tensors = _HuggingFaceTensors(hf, directory)

@@ -48,6 +48,22 @@ def test_the_end_of_document_id_comes_back_in_a_second_export(exports, tmp_path)
         assert json.loads((tmp_path / "again" / name).read_text())["eos_token_id"] == 3
 
 
+@pytest.mark.parametrize("variant", ["dense", "qwen3"])
+def test_an_eos_token_id_list_keeps_its_first_as_the_end_of_document(exports, variant, tmp_path,
+                                                                      caplog):
+    """Llama 3.1 Instruct's config.json lists its end-of-text, end-of-message and end-of-turn ids.
+    The first becomes data.eod_id with a warning naming the file; it was left unset without a
+    word, so a second export's generate() never stopped."""
+    source = tmp_path / "listed"
+    shutil.copytree(exports.get(variant).hf_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    config["eos_token_id"] = [3, 5]
+    (source / "config.json").write_text(json.dumps(config))
+    assert import_hf(source, tmp_path / "back")["eod_id"] == 3
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert str(source / "config.json") in warning and "[3, 5]" in warning
+
+
 def test_no_model_is_initialised(exports, tmp_path, monkeypatch):
     """The conversion writes every tensor of the model it builds, and the one that re-reads the
     saved checkpoint to check it loads every tensor: neither draws random weights (nor touches
