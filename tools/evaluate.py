@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                num_fewshot=args.num_fewshot, depths=args.depths or [None],
                                limit=args.limit, batch_size=args.batch_size,
                                max_gen_toks=args.max_gen_toks)
-        info.update(data_dir=args.data_dir, limit=args.limit)
+        info.update(data_dir=args.data_dir, limit=args.limit, max_gen_toks=args.max_gen_toks)
         markdown, _ = ev.write_results(rows, args.output, info)
     except (ev.EvaluationError, ConversionError, CheckpointError, ConfigError,
             TokenizerError) as e:

@@ -297,6 +297,17 @@ def test_tool_writes_the_table_from_a_checkpoint(harness, tmp_path, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.md"]
 
 
+def test_tool_results_record_the_settings_that_change_scores(harness, tmp_path):
+    """OUTPUT.json names --max-gen-toks beside --limit and --data-dir (before: left out, so two
+    gsm8k result files with other cut-offs could not be told apart)."""
+    out = tmp_path / "gsm"
+    assert load_tool("evaluate").main([str(harness["asymloop"].directory), "--data-dir",
+                                       str(harness["data"]), "--tasks", "gsm8k", "--limit", "1",
+                                       "--max-gen-toks", "3", "--output", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert (result["max_gen_toks"], result["limit"]) == (3, 1)
+
+
 def test_tool_refuses_bad_input_in_one_line(harness, tmp_path, capsys):
     evaluate = load_tool("evaluate").main
     hf, data = str(harness["dense"].directory), str(harness["data"])
