@@ -15,7 +15,7 @@ from megaloop.config.model import (DEFAULT_ITERATIONS, FLASH_HEAD_DIM_MULTIPLE, 
                                    Arch, Block, Injection, JointImpl, LatentReduction, MoELayers,
                                    ModelConfig, ResidualScale)
 from megaloop.config.run import (CheckpointConfig, DataConfig, DownstreamEvalConfig, Fp8Recipe,
-                                 ParallelConfig, RunConfig, TrainConfig, micro_batches_per_step,
+                                 ParallelConfig, ProfileConfig, RunConfig, TrainConfig, micro_batches_per_step,
                                  split_weights, template_fields)
 from megaloop.config.serialization import (apply_overrides, check_field_names, dump_yaml,
                                            flat_settings, from_dict, load_yaml, run_config_from,
@@ -26,7 +26,7 @@ __all__ = [
     "DEFAULT_ITERATIONS", "FLASH_HEAD_DIM_MULTIPLE", "FLASH_MAX_HEAD_DIM", "Arch", "Block",
     "Injection", "JointImpl", "LatentReduction", "MoELayers", "ModelConfig", "ResidualScale",
     "CheckpointConfig", "DataConfig", "DownstreamEvalConfig", "Fp8Recipe", "ParallelConfig",
-    "RunConfig", "TrainConfig", "micro_batches_per_step", "split_weights", "template_fields",
+    "ProfileConfig", "RunConfig", "TrainConfig", "micro_batches_per_step", "split_weights", "template_fields",
     "apply_overrides", "check_field_names", "dump_yaml", "flat_settings", "from_dict", "load_yaml",
     "run_config_from", "save_yaml", "to_dict",
 ]

@@ -109,6 +109,13 @@ class ParallelConfig:
             check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
 
 
+def changed_fields(section) -> list[str]:
+    """The fields of a config section that hold other than their defaults."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section)
+            if getattr(section, f.name) != getattr(default, f.name)]
+
+
 @dataclass
 class DownstreamEvalConfig:
     """Downstream accuracy of the run's checkpoints while it trains (megaloop.training.downstream):
@@ -127,8 +134,7 @@ class DownstreamEvalConfig:
 
     def validate(self, prefix: str = "train.downstream_eval") -> None:
         if not self.tasks:  # off: any other field set would be ignored
-            changed = [f.name for f in dataclasses.fields(self)
-                       if getattr(self, f.name) != getattr(DownstreamEvalConfig(), f.name)]
+            changed = changed_fields(self)
             require(not changed, prefix, "tasks", self.tasks,
                     f"set (a list of task names or tags) when {prefix}."
                     f"{changed[0] if changed else ''} is")
@@ -141,6 +147,36 @@ class DownstreamEvalConfig:
             require(getattr(self, name) >= low, prefix, name, getattr(self, name), f">= {low}")
         require(self.max_gen_toks is None or self.max_gen_toks >= 1, prefix, "max_gen_toks",
                 self.max_gen_toks, ">= 1 or null (each generation task's own)")
+
+
+@dataclass
+class ProfileConfig:
+    """Traces of training steps ``steps`` = [first, last] (megaloop.training.profiling): a Chrome
+    trace and an operator table per rank of ``ranks``, in ``dir`` (None: <train.out_dir>/profile).
+    ``memory``: also CUDA's allocator history (GPU only). ``with_stack``: Python call stacks in the
+    trace (larger files, slower steps). Empty ``steps``: off."""
+
+    steps: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=lambda: [0])
+    dir: str | None = None
+    memory: bool = False
+    with_stack: bool = False
+
+    def validate(self, train_steps: int, prefix: str = "train.profile") -> None:
+        if not self.steps:  # off: any other field set would be ignored
+            changed = changed_fields(self)
+            require(not changed, prefix, "steps", self.steps,
+                    f"[first, last] (the steps to trace) when {prefix}."
+                    f"{changed[0] if changed else ''} is set")
+            return
+        require(len(self.steps) == 2 and 1 <= self.steps[0] <= self.steps[1] <= train_steps,
+                prefix, "steps", self.steps,
+                f"[first, last] with 1 <= first <= last <= train.train_steps={train_steps}")
+        require(bool(self.ranks) and min(self.ranks) >= 0
+                and len(set(self.ranks)) == len(self.ranks), prefix, "ranks", self.ranks,
+                "a list of distinct global ranks >= 0")
+        require(self.dir is None or bool(self.dir.strip()), prefix, "dir", self.dir,
+                "a directory path, or null (<train.out_dir>/profile)")
 
 
 @dataclass
@@ -171,6 +207,7 @@ class TrainConfig:
     wandb_project: str | None = None
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs auto, CPU none
     downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self, prefix: str = "train") -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_steps", "log_interval",
@@ -201,6 +238,7 @@ class TrainConfig:
         require(self.fp8_recipe is None or self.precision == "fp8", prefix, "fp8_recipe",
                 self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
         self.downstream_eval.validate(f"{prefix}.downstream_eval")
+        self.profile.validate(self.train_steps, f"{prefix}.profile")
 
     @property
     def resolved_fp8_recipe(self) -> str | None:

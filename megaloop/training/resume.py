@@ -66,9 +66,10 @@ APPLIED = (
 BOOKKEEPING = (
     "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_iters",
     "train.eval_depths", "train.tensorboard", "train.wandb_project", "train.peak_tflops",
-    "train.downstream_eval", "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval",
-    "checkpoint.keep_last", "checkpoint.resume", "checkpoint.fallback_to_previous",
-    "checkpoint.optimizer_format", "alrs.log_eigenvalues", "alrs.monitor_after_freeze")
+    "train.downstream_eval", "train.profile", "data.cache_dir", "checkpoint.dir",
+    "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.resume",
+    "checkpoint.fallback_to_previous", "checkpoint.optimizer_format", "alrs.log_eigenvalues",
+    "alrs.monitor_after_freeze")
 # Where a run's files are: changed when a run directory is moved, in effect as soon as it starts.
 LOCATIONS = ("train.out_dir", "data.cache_dir", "checkpoint.dir")
 NOT_APPLICABLE = {
@@ -88,7 +89,7 @@ OWN_RULES = ("model.iterations", "model.residual_scale_init", "train.use_alrs",
 
 
 def _flat(section: dict, prefix: str) -> dict:
-    """{"section.field": value}; train.downstream_eval stays one entry (it is one setting)."""
+    """{"section.field": value}; train.downstream_eval and train.profile stay one entry each."""
     return {f"{prefix}.{k}": v for k, v in section.items()}
 
 

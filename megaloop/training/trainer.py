@@ -36,6 +36,7 @@ from megaloop.config import (ConfigError, RunConfig, flat_settings, micro_batche
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
+from megaloop.training.profiling import StepProfiler
 from megaloop.training.resume import (check_resume, report_sample_order, resume_schedule,
                                       resumed_progress)
 from megaloop.training.rng import rng_state, set_rng_state
@@ -124,7 +125,7 @@ class Trainer:
         # not fatal.
         self._own_signals = stop_signals is None
         self.stop_signals = StopSignals() if stop_signals is None else stop_signals
-        self._run_dirs, self.monitor, self.alrs, self.downstream = None, None, None, None
+        self._run_dirs = self.monitor = self.alrs = self.downstream = self.profiler = None
         self.step, self.stopped_during_set_up, self.complete = 0, False, False
         try:
             self._set_up()
@@ -168,6 +169,7 @@ class Trainer:
                 self.step = ckpt.step_of(self.resume_path)
                 return
             progress = resumed_progress(self.resume_path, cfg)
+        self.profiler = StepProfiler(cfg, resumed_step=progress[0])  # ranks checked: cheap first
         self.train_data, self.valid_data = build_datasets(cfg, *progress)
         self._stop_point("building the datasets")
         if cfg.train.downstream_eval.tasks:
@@ -194,15 +196,13 @@ class Trainer:
 
     def close(self) -> None:
         """Releases what the Trainer holds (idempotent): the signal handlers it installed, the
-        ALRS log, the monitor's files, the downstream evaluation's tokenizer and the run lock."""
+        ALRS log, the downstream evaluation's tokenizer, the profiler (writing what it traced),
+        the monitor's files and the run lock."""
         if self._own_signals:
             self.stop_signals.restore()
-        if self.alrs is not None:
-            self.alrs.close()
-        if self.downstream is not None:
-            self.downstream.close()
-        if self.monitor is not None:
-            self.monitor.close()
+        for part in (self.alrs, self.downstream, self.profiler, self.monitor):
+            if part is not None:
+                part.close()
         if self._run_dirs is not None:
             self._run_dirs.release()
 
@@ -382,6 +382,7 @@ class Trainer:
             first = self.step + 1
             while self.step < cfg.train_steps:
                 self.step += 1
+                self.profiler.step_begins(self.step)
                 start = time.perf_counter()
                 outcome = self.train_step(data)
                 self.consumed_samples += cfg.global_batch_size
@@ -390,6 +391,7 @@ class Trainer:
                                       step_time_s=time.perf_counter() - start,
                                       skipped=outcome.skipped, loss_tokens=outcome.loss_tokens,
                                       extra=self._routing_metrics())
+                self.profiler.step_ends(self.step)
                 # Also a run shorter than the limit whose every step was NaN/Inf: it would save
                 # untrained weights as trained to train_steps, and exit 0.
                 if self._consecutive_nonfinite >= min(cfg.max_nonfinite_steps,

@@ -57,3 +57,28 @@ def test_training_resumes_exactly_on_gpu(mcore, pattern_data, tmp_path, precisio
         assert resume == 0, (a, b)
     else:  # otherwise no further from the uninterrupted run than a repeat of it is
         assert resume <= 2 * run_to_run, (a, again, b)
+
+
+def test_profiled_steps_hold_cuda_kernels_and_the_memory_history(mcore, pattern_data, tmp_path):
+    """train.profile on a GPU: the trace holds CUDA kernels of the steps asked for, the operator
+    table is by CUDA time, and memory=true writes the allocator's history."""
+    import gzip
+    import json
+    import pickle
+
+    from megaloop.config import ProfileConfig
+
+    cfg = _run(pattern_data, tmp_path / "run", dict(precision="bf16", train_steps=4))
+    cfg.train.profile = ProfileConfig(steps=[2, 3], memory=True)
+    Trainer(cfg).train()
+    stem = tmp_path / "run" / "profile" / "rank0_steps2-3"
+    events = json.loads(gzip.decompress(stem.with_name(stem.name + ".trace.json.gz")
+                                        .read_bytes()))["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert kernels, "no CUDA kernel in the trace"
+    assert "Self CUDA" in stem.with_name(stem.name + ".ops.txt").read_text()
+    with open(stem.with_name(stem.name + ".memory.pickle"), "rb") as f:
+        snapshot = pickle.load(f)  # written by this test's own run
+    assert snapshot["device_traces"] and any(snapshot["device_traces"])
+    record("profile_on_gpu", kernels=len(kernels),
+           allocation_events=sum(len(t) for t in snapshot["device_traces"]))
