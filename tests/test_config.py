@@ -255,6 +255,28 @@ def test_fp8_recipe_needs_fp8_precision_and_defaults_to_current_scaling():
         apply_overrides(RunConfig(), ["train.fp8_recipe=hybrid"])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["train.wsd_decay_fraction=0.3"],
+     "train.wsd_decay_fraction=0.3: must be unset unless train.lr_schedule='wsd'"),
+    (["train.lr_schedule=cosine", "train.wsd_decay_style=linear"],
+     "train.wsd_decay_style='linear': must be unset unless train.lr_schedule='wsd'"),
+    (["train.lr_schedule=wsd", "train.wsd_decay_fraction=0"],
+     "train.wsd_decay_fraction=0.0: must be in (0, 1 - warmup_fraction=0.1] (the decay starts "
+     "after the warmup)"),
+    (["train.lr_schedule=wsd", "train.wsd_decay_fraction=0.95"],
+     "train.wsd_decay_fraction=0.95: must be in (0, 1 - warmup_fraction=0.1]"),
+    (["train.lr_schedule=wsd", "train.warmup_fraction=0.9"],  # with the default decay, 0.2
+     "train.wsd_decay_fraction=0.2: must be in (0, 1 - warmup_fraction=0.9]"),
+])
+def test_wsd_settings_are_refused_where_they_would_be_ignored_or_overlap_the_warmup(
+        overrides, message):
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(RunConfig(), overrides).train.validate()
+    assert str(error.value).startswith(message)
+    with pytest.raises(ConfigError, match="must be one of 'cosine', 'linear', 'wsd'"):
+        apply_overrides(RunConfig(), ["train.lr_schedule=constant"])
+
+
 @pytest.mark.parametrize("arch, iterations, refused", [
     ("asymloop", 3, True), ("fullloop", 2, True), ("asymloop", 1, False), ("dense", 1, False)])
 def test_delayed_fp8_with_full_recompute_of_a_looped_block_is_refused(arch, iterations, refused):

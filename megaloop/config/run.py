@@ -188,6 +188,12 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_fraction: float = 0.1
+    # After the linear warmup: cosine or linear decay to min_lr_ratio x lr at train_steps, or
+    # "wsd" (warmup-stable-decay): lr until the last wsd_decay_fraction of the steps (None: 0.2),
+    # then a wsd_decay_style decay (None: linear) to the floor. min_lr_ratio=1 holds lr constant.
+    lr_schedule: Literal["cosine", "linear", "wsd"] = "cosine"
+    wsd_decay_fraction: float | None = None
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] | None = None
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -220,6 +226,14 @@ class TrainConfig:
         require(0 <= self.min_lr_ratio <= 1, prefix, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         require(0 <= self.warmup_fraction < 1, prefix, "warmup_fraction", self.warmup_fraction,
                 "in [0, 1)")
+        for name in ("wsd_decay_fraction", "wsd_decay_style"):
+            require(self.lr_schedule == "wsd" or getattr(self, name) is None, prefix, name,
+                    getattr(self, name), f"unset unless {prefix}.lr_schedule='wsd'")
+        if self.lr_schedule == "wsd":
+            fraction = self.resolved_wsd_decay_fraction
+            require(0 < fraction <= 1 - self.warmup_fraction, prefix, "wsd_decay_fraction",
+                    fraction, f"in (0, 1 - warmup_fraction={self.warmup_fraction}] (the decay "
+                    "starts after the warmup)")
         # torch's Adam and numpy's seeding would refuse these with a traceback once the model is
         # built; a negative clip_grad or weight_decay would turn clipping off or grow the weights.
         for name in ("adam_beta1", "adam_beta2"):
@@ -239,6 +253,10 @@ class TrainConfig:
                 self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
         self.downstream_eval.validate(f"{prefix}.downstream_eval")
         self.profile.validate(self.train_steps, f"{prefix}.profile")
+
+    @property
+    def resolved_wsd_decay_fraction(self) -> float:
+        return 0.2 if self.wsd_decay_fraction is None else self.wsd_decay_fraction
 
     @property
     def resolved_fp8_recipe(self) -> str | None:

@@ -34,7 +34,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megaloop.alrs import experts
 from megaloop.alrs.blocks import WeightBlock, fused_layouts, weight_blocks
-from megaloop.config import ConfigError, RunConfig
+from megaloop.config import ConfigError, RunConfig, TrainConfig
 
 _GROUP_KEY = "megaloop_matrix"  # copied into each per-matrix param group by megatron-core
 
@@ -248,6 +248,16 @@ def fully_reshardable_loads() -> bool:
     return distrib_optimizer.HAVE_APEX_OR_TE
 
 
+def decay_arguments(train: TrainConfig) -> dict:
+    """megatron-core OptimizerParamScheduler's decay arguments for ``train.lr_schedule``."""
+    if train.lr_schedule != "wsd":
+        return {"lr_decay_style": train.lr_schedule}
+    return {"lr_decay_style": "WSD",
+            # rounded down as the warmup is, so that the two never overlap
+            "wsd_decay_steps": max(1, int(train.resolved_wsd_decay_fraction * train.train_steps)),
+            "lr_wsd_decay_style": train.wsd_decay_style or "linear"}
+
+
 def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunConfig):
     """Returns (optimizer, scheduler, LRMultipliers); every weight matrix gets its own group.
     ``model_chunks``: the DDP-wrapped chunks of ``models`` (this rank's pipeline stages)."""
@@ -289,7 +299,7 @@ def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunC
     warmup = int(train.warmup_fraction * train.train_steps)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=opt_config.lr, min_lr=opt_config.min_lr,
-        lr_warmup_steps=warmup, lr_decay_steps=train.train_steps, lr_decay_style="cosine",
+        lr_warmup_steps=warmup, lr_decay_steps=train.train_steps, **decay_arguments(train),
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=train.train_steps,
         wd_incr_style="constant",
     )

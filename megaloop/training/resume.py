@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
-from megaloop.config import ConfigError, RunConfig, to_dict
+from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import rank0_decides
 
@@ -42,7 +42,8 @@ log = logging.getLogger("megaloop.train")
 
 # Train fields that shape the LR schedule and the optimizer's update (``resume_schedule``).
 SCHEDULE_FIELDS = ("train_steps", "warmup_fraction", "lr", "min_lr_ratio", "weight_decay",
-                   "adam_beta1", "adam_beta2")
+                   "adam_beta1", "adam_beta2", "lr_schedule", "wsd_decay_fraction",
+                   "wsd_decay_style")
 
 # What decides which samples the steps after a resume read (``report_sample_order``).
 SAMPLE_ORDER = ("train.seed", "model.seq_length", "data.path", "data.split", "data.eod_mask_loss")
@@ -271,10 +272,15 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
     line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups reloaded from a
     checkpoint carry its peak/floor LR and Adam betas, and megatron-core's scheduler would take its
     warmup, decay length and weight decay from the checkpoint."""
+    from megaloop.training.optimizer import decay_arguments
+
     train, keep = cfg.train, cfg.checkpoint.keep_schedule
+    # A field a checkpoint's config lacks (saved before it existed) had its default's effect.
+    saved = dataclasses.replace(TrainConfig(), **{name: saved_train[name] for name in
+                                                  SCHEDULE_FIELDS if name in saved_train})
     for name in SCHEDULE_FIELDS:
-        before, now = saved_train.get(name), getattr(train, name)
-        if before is None or before == now:
+        before, now = getattr(saved, name), getattr(train, name)
+        if before == now:
             continue
         if keep:
             log.warning("resume: train.%s=%r, but %s's schedule (%r) is kept "
@@ -285,6 +291,10 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
                         name, before, now, step + 1, path.name)
     scheduler.use_checkpoint_opt_param_scheduler = keep
     scheduler.override_opt_param_scheduler = not keep
+    if keep:  # megatron-core's scheduler state leaves the WSD decay out: the saved config has it
+        kept = decay_arguments(saved)
+        scheduler.wsd_decay_steps = kept.get("wsd_decay_steps")
+        scheduler.lr_wsd_decay_style = kept.get("lr_wsd_decay_style")
     if not keep:
         for group in scheduler.optimizer.param_groups:
             group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio

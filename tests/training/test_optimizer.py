@@ -5,6 +5,7 @@ groups carry those multipliers (weight decay and gradient clipping active), to f
 one process, under TP=2, and under the distributed optimizer over DP=2, whose shards start and end
 inside blocks."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,40 @@ def test_bf16_main_params_are_paired_with_their_model_params(mcore, pattern_data
                                target.start:target.start + target.main.numel()],
                                target.main.view(-1)))
         assert model_param.dtype == torch.bfloat16
+
+
+def expected_lr(step: int, total: int, schedule: str, peak=1e-2, floor=1e-3, warmup=2,
+                decay=None, shape="linear") -> float:
+    """The LR after ``step`` completed steps, written out from the README's description: linear
+    warmup from 0, then cosine or linear decay to the floor at ``total``, or (wsd) the peak until
+    the last ``decay`` steps and a ``shape`` decay over them."""
+    if step <= warmup:
+        return peak * step / warmup
+    if schedule == "wsd":
+        progress = max(0, step - (total - decay)) / decay
+        coefficient = {"linear": 1 - progress, "minus_sqrt": 1 - math.sqrt(progress)}[shape]
+    else:
+        progress = (step - warmup) / (total - warmup)
+        coefficient = {"cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+                       "linear": 1 - progress}[schedule]
+    return floor + coefficient * (peak - floor)
+
+
+@pytest.mark.parametrize("settings, decay", [
+    ({"lr_schedule": "cosine"}, None),
+    ({"lr_schedule": "linear"}, None),
+    ({"lr_schedule": "wsd"}, 4),  # the default: the last 20% of 20 steps
+    ({"lr_schedule": "wsd", "wsd_decay_fraction": 0.5, "wsd_decay_style": "minus_sqrt"}, 10),
+])
+def test_the_lr_follows_the_schedule_asked_for(mcore, pattern_data, tmp_path, settings, decay):
+    from megaloop.training.trainer import Trainer
+
+    with Trainer(tiny_run(pattern_data, tmp_path, train={
+            "train_steps": 20, "warmup_fraction": 0.1, "lr": 1e-2, **settings})) as trainer:
+        lrs = []
+        for _ in range(21):
+            lrs.append(trainer.current_lr())
+            trainer.scheduler.step(1)
+    expected = [expected_lr(s, 20, settings["lr_schedule"], decay=decay,
+                            shape=settings.get("wsd_decay_style", "linear")) for s in range(21)]
+    assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-15)

@@ -38,17 +38,10 @@ def _copy(run, tmp_path):
     return tmp_path / "run"
 
 
-def cosine_lr(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
-    """The LR of the optimizer step after ``step`` completed steps: linear warmup from 0, then
-    cosine to ``floor`` (the documented schedule, written out independently)."""
-    if step <= warmup:
-        return peak * step / warmup
-    progress = (step - warmup) / (total - warmup)
-    return floor + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - floor)
-
-
+# Every schedule field changed; to warmup-stable-decay, whose decay takes the last 6 of 12 steps.
 CHANGED = {"train_steps": 12, "warmup_fraction": 0.25, "lr": 2e-3, "min_lr_ratio": 0.5,
-           "weight_decay": 0.05, "adam_beta1": 0.8, "adam_beta2": 0.99}
+           "weight_decay": 0.05, "adam_beta1": 0.8, "adam_beta2": 0.99, "lr_schedule": "wsd",
+           "wsd_decay_fraction": 0.5, "wsd_decay_style": "minus_sqrt"}
 
 
 def _matrix_groups(trainer):
@@ -67,9 +60,11 @@ def test_the_config_schedule_wins_on_resume_and_each_change_is_one_line(
                  if f"train.{name} changed" in r.getMessage()]
         assert len(lines) == 1 and "\n" not in lines[0] and repr(value) in lines[0], (name, lines)
         assert "follows the config from step 5 " in lines[0]  # before: step 4, the checkpoint's
-    # Before the fix, extending train_steps pinned the LR at the old floor (0.1 x 3e-3).
-    expected = cosine_lr(4, total=12, warmup=3, peak=2e-3, floor=1e-3)
-    assert trainer.current_lr() == pytest.approx(expected, rel=1e-12)
+    # Before the fix, extending train_steps pinned the LR at the old floor (0.1 x 3e-3); step 5
+    # is in the new schedule's stable phase.
+    assert trainer.current_lr() == pytest.approx(2e-3, rel=1e-12)
+    trainer.scheduler.step(5)  # step 10: 1 - sqrt(3/6) of the way from the floor to the peak
+    assert trainer.current_lr() == pytest.approx(1e-3 + (1 - math.sqrt(0.5)) * 1e-3, rel=1e-12)
     for group in _matrix_groups(trainer):
         assert group["betas"] == (0.8, 0.99)
         assert group["weight_decay"] == pytest.approx(0.05)
@@ -91,6 +86,20 @@ def test_keep_schedule_keeps_the_checkpoints_schedule_and_says_so(run_at_step_4,
         assert group["betas"] == (0.9, 0.95)
         assert group["weight_decay"] == pytest.approx(0.1)
     trainer.close()
+
+
+def test_keep_schedule_keeps_a_warmup_stable_decay_schedule(pattern_data, tmp_path):
+    """megatron-core's scheduler state leaves out the WSD decay length and shape; they come from
+    the checkpoint's config (before: None, and the first LR read failed with a TypeError)."""
+    wsd = {"train_steps": 4, "lr_schedule": "wsd", "wsd_decay_fraction": 0.5,
+           "warmup_fraction": 0.0}
+    Trainer(tiny_run(pattern_data, tmp_path / "run", train=wsd)).train()
+    with Trainer(tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 8},
+                          checkpoint={"keep_schedule": True})) as trainer:
+        trainer.scheduler.step(-1)  # step 4, half-way through the 2-step decay
+        assert trainer.current_lr() == pytest.approx(0.55 * LR, rel=1e-12)
+        trainer.scheduler.step(1)
+        assert trainer.current_lr() == pytest.approx(0.1 * LR, rel=1e-12)
 
 
 def test_an_unchanged_config_resumes_without_a_word(run_stopped_at_step_4, pattern_data,
