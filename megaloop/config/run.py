@@ -39,6 +39,10 @@ class ParallelConfig:
     recompute: Literal["none", "full"] = "none"
     virtual_pipeline: int = 1
     pipeline_split: list[int] = field(default_factory=list)
+    # How long a collective waits for the other ranks before the run fails (megatron-core's
+    # default for its groups; NCCL's own, 10, can be shorter than rank 0 building the dataset
+    # indices of a large blend on the first launch while the others wait).
+    distributed_timeout_minutes: int = 30
 
     @property
     def pipeline_stages(self) -> int:
@@ -46,7 +50,8 @@ class ParallelConfig:
         return self.pipeline * self.virtual_pipeline
 
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
-        for name in ("tensor", "pipeline", "expert", "virtual_pipeline"):
+        for name in ("tensor", "pipeline", "expert", "virtual_pipeline",
+                     "distributed_timeout_minutes"):
             require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
         tp = self.tensor
         # Tensor parallelism splits heads, query groups, FFN columns and the vocabulary.

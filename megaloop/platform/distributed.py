@@ -7,6 +7,7 @@ without CUDA the backend is gloo and the CPU compatibility layer is switched on.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -134,14 +135,19 @@ def init_distributed(
     seed: int = 1234,
     virtual_pipeline: int = 1,
     same_settings: dict[str, object] | None = None,
+    timeout_minutes: int = ParallelConfig.distributed_timeout_minutes,
 ) -> LaunchEnv:
     """Initialises torch.distributed and megatron-core's model-parallel groups; returns the launch env.
     ``same_settings`` (``section.field``: value): further settings every rank must be launched with,
     compared with the parallel sizes and seed, in one collective, before any group is built.
 
+    ``timeout_minutes``: how long any collective waits for a rank (``parallel.
+    distributed_timeout_minutes``), in the default group and megatron-core's alike.
+
     Safe to call when a process group already exists (tests, notebooks): it then only (re)builds the
-    model-parallel groups.
+    model-parallel groups, and gives the default group ``timeout_minutes``.
     """
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     launch = detect_launch_env()
     cpu_compat.enable()
     if not dist.is_initialized():
@@ -152,7 +158,10 @@ def init_distributed(
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             rank=launch.rank,
             world_size=launch.world_size,
+            timeout=timeout,
         )
+    else:  # made elsewhere, with its maker's timeout (torchtitan changes it the same way)
+        dist.distributed_c10d._set_pg_timeout(timeout, dist.group.WORLD)
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
     from megaloop.training.collective import same_on_every_rank
@@ -170,6 +179,7 @@ def init_distributed(
         pipeline_model_parallel_size=pipeline_parallel,
         expert_model_parallel_size=expert_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
+        distributed_timeout_minutes=timeout_minutes,
     )
     mcore_tp.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

@@ -67,10 +67,10 @@ APPLIED = (
 BOOKKEEPING = (
     "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_iters",
     "train.eval_depths", "train.tensorboard", "train.wandb_project", "train.peak_tflops",
-    "train.downstream_eval", "train.profile", "data.cache_dir", "checkpoint.dir",
-    "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.resume",
-    "checkpoint.fallback_to_previous", "checkpoint.optimizer_format", "alrs.log_eigenvalues",
-    "alrs.monitor_after_freeze")
+    "train.downstream_eval", "train.profile", "parallel.distributed_timeout_minutes",
+    "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval", "checkpoint.keep_last",
+    "checkpoint.resume", "checkpoint.fallback_to_previous", "checkpoint.optimizer_format",
+    "alrs.log_eigenvalues", "alrs.monitor_after_freeze")
 # Where a run's files are: changed when a run directory is moved, in effect as soon as it starts.
 LOCATIONS = ("train.out_dir", "data.cache_dir", "checkpoint.dir")
 NOT_APPLICABLE = {

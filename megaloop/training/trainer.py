@@ -152,7 +152,8 @@ class Trainer:
         # A rank launched with another config (a node given another file or override) would
         # train a replica of its own without a word: every setting is compared with rank 0's.
         init_distributed(par.tensor, par.pipeline, par.expert, seed=cfg.train.seed,
-                         virtual_pipeline=par.virtual_pipeline, same_settings=flat_settings(cfg))
+                         virtual_pipeline=par.virtual_pipeline, same_settings=flat_settings(cfg),
+                         timeout_minutes=par.distributed_timeout_minutes)
         self._stop_point("joining the process group")
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.num_microbatches = micro_batches_per_step(cfg.train, par, self.dp_size)

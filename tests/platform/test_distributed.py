@@ -1,5 +1,6 @@
 """Launcher detection (torchrun, SLURM, MPI) and multi-process initialisation."""
 
+import datetime
 import os
 
 import pytest
@@ -85,14 +86,26 @@ def _ranks_and_groups(rank, world_size):
 
     from megaloop.platform.distributed import init_distributed
 
-    init_distributed(tensor_parallel=2)
+    init_distributed(tensor_parallel=2, timeout_minutes=7)
     value = torch.tensor([float(rank + 1)])
     torch.distributed.all_reduce(value, group=parallel_state.get_tensor_model_parallel_group())
-    return parallel_state.get_tensor_model_parallel_rank(), value.item()
+    timeouts = {group_timeout(group) for group in (
+        torch.distributed.group.WORLD, parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_data_parallel_group())}
+    return parallel_state.get_tensor_model_parallel_rank(), value.item(), timeouts
+
+
+def group_timeout(group):
+    return group._get_backend(torch.device("cpu")).options._timeout
 
 
 def test_model_parallel_groups_on_gloo():
-    assert run_distributed(_ranks_and_groups, world_size=2) == [(0, 3.0), (1, 3.0)]
+    """... with parallel.distributed_timeout_minutes in every group: the default group made by the
+    test harness included (before: gloo's 30 minutes and NCCL's 10 there, megatron-core's 30 in
+    its groups, whatever the setting)."""
+    seven = {datetime.timedelta(minutes=7)}
+    assert run_distributed(_ranks_and_groups, world_size=2) == [(0, 3.0, seven),
+                                                                (1, 3.0, seven)]
 
 
 def _init_with(rank, world_size, settings):
