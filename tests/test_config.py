@@ -261,12 +261,12 @@ def test_fp8_recipe_needs_fp8_precision_and_defaults_to_current_scaling():
     (["train.lr_schedule=cosine", "train.wsd_decay_style=linear"],
      "train.wsd_decay_style='linear': must be unset unless train.lr_schedule='wsd'"),
     (["train.lr_schedule=wsd", "train.wsd_decay_fraction=0"],
-     "train.wsd_decay_fraction=0.0: must be in (0, 1 - warmup_fraction=0.1] (the decay starts "
-     "after the warmup)"),
+     "train.wsd_decay_fraction=0.0: must be in (0, 1], for a decay that starts after the warmup"),
     (["train.lr_schedule=wsd", "train.wsd_decay_fraction=0.95"],
-     "train.wsd_decay_fraction=0.95: must be in (0, 1 - warmup_fraction=0.1]"),
+     "train.wsd_decay_fraction=0.95: must be in (0, 1], for a decay that starts after the warmup "
+     "(here 95 decay + 10 warmup steps of train_steps=100)"),
     (["train.lr_schedule=wsd", "train.warmup_fraction=0.9"],  # with the default decay, 0.2
-     "train.wsd_decay_fraction=0.2: must be in (0, 1 - warmup_fraction=0.9]"),
+     "train.wsd_decay_fraction=0.2: must be in (0, 1]"),
 ])
 def test_wsd_settings_are_refused_where_they_would_be_ignored_or_overlap_the_warmup(
         overrides, message):
@@ -275,6 +275,18 @@ def test_wsd_settings_are_refused_where_they_would_be_ignored_or_overlap_the_war
     assert str(error.value).startswith(message)
     with pytest.raises(ConfigError, match="must be one of 'cosine', 'linear', 'wsd'"):
         apply_overrides(RunConfig(), ["train.lr_schedule=constant"])
+
+
+@pytest.mark.parametrize("warmup, decay, decay_steps", [(0.07, 0.93, 93), (0.0, 0.29, 29),
+                                                         (0.42, 0.58, 58), (0.1, None, 20)])
+def test_wsd_decay_steps_are_the_fraction_of_the_steps_given(warmup, decay, decay_steps):
+    """0.29 x 100 is 28.999999999999996 in floats: the decay had 28 steps, and a decay that ends
+    where the warmup starts (0.07 + 0.93) was refused as overlapping it."""
+    train = apply_overrides(RunConfig(), [
+        "train.lr_schedule=wsd", f"train.warmup_fraction={warmup}",
+        *([f"train.wsd_decay_fraction={decay}"] if decay is not None else [])]).train
+    train.validate()
+    assert train.wsd_decay_steps == decay_steps
 
 
 @pytest.mark.parametrize("arch, iterations, refused", [

@@ -235,10 +235,12 @@ class TrainConfig:
             require(self.lr_schedule == "wsd" or getattr(self, name) is None, prefix, name,
                     getattr(self, name), f"unset unless {prefix}.lr_schedule='wsd'")
         if self.lr_schedule == "wsd":
-            fraction = self.resolved_wsd_decay_fraction
-            require(0 < fraction <= 1 - self.warmup_fraction, prefix, "wsd_decay_fraction",
-                    fraction, f"in (0, 1 - warmup_fraction={self.warmup_fraction}] (the decay "
-                    "starts after the warmup)")
+            fraction, decay = self.resolved_wsd_decay_fraction, self.wsd_decay_steps
+            warmup = int(self.warmup_fraction * self.train_steps)
+            require(0 < fraction <= 1 and warmup + decay <= self.train_steps, prefix,
+                    "wsd_decay_fraction", fraction,
+                    f"in (0, 1], for a decay that starts after the warmup (here {decay} decay + "
+                    f"{warmup} warmup steps of train_steps={self.train_steps})")
         # torch's Adam and numpy's seeding would refuse these with a traceback once the model is
         # built; a negative clip_grad or weight_decay would turn clipping off or grow the weights.
         for name in ("adam_beta1", "adam_beta2"):
@@ -260,8 +262,22 @@ class TrainConfig:
         self.profile.validate(self.train_steps, f"{prefix}.profile")
 
     @property
-    def resolved_wsd_decay_fraction(self) -> float:
+    def resolved_wsd_decay_fraction(self) -> float | None:
+        """The WSD decay's share of the steps in effect; None for another schedule."""
+        if self.lr_schedule != "wsd":
+            return None
         return 0.2 if self.wsd_decay_fraction is None else self.wsd_decay_fraction
+
+    @property
+    def resolved_wsd_decay_style(self) -> str | None:
+        return (self.wsd_decay_style or "linear") if self.lr_schedule == "wsd" else None
+
+    @property
+    def wsd_decay_steps(self) -> int | None:
+        """Rounded down as the warmup's are, from 9 decimals so that 0.29 x 100 is 29, not 28."""
+        fraction = self.resolved_wsd_decay_fraction
+        return None if fraction is None else max(1, math.floor(round(fraction
+                                                                     * self.train_steps, 9)))
 
     @property
     def resolved_fp8_recipe(self) -> str | None:

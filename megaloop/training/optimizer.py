@@ -252,10 +252,16 @@ def decay_arguments(train: TrainConfig) -> dict:
     """megatron-core OptimizerParamScheduler's decay arguments for ``train.lr_schedule``."""
     if train.lr_schedule != "wsd":
         return {"lr_decay_style": train.lr_schedule}
-    return {"lr_decay_style": "WSD",
-            # rounded down as the warmup is, so that the two never overlap
-            "wsd_decay_steps": max(1, int(train.resolved_wsd_decay_fraction * train.train_steps)),
-            "lr_wsd_decay_style": train.wsd_decay_style or "linear"}
+    return {"lr_decay_style": "WSD", "wsd_decay_steps": train.wsd_decay_steps,
+            "lr_wsd_decay_style": train.resolved_wsd_decay_style}
+
+
+def scheduler_state(scheduler) -> dict:
+    """megatron-core's scheduler state with the WSD decay (length, shape) its own leaves out: a
+    resume that keeps a checkpoint's schedule (checkpoint.keep_schedule) gets it from there, and
+    not from a config that may hold another (a run that kept an earlier checkpoint's)."""
+    return {**scheduler.state_dict(), "wsd_decay_steps": scheduler.wsd_decay_steps,
+            "lr_wsd_decay_style": scheduler.lr_wsd_decay_style}
 
 
 def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunConfig):

@@ -272,14 +272,14 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
     line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups reloaded from a
     checkpoint carry its peak/floor LR and Adam betas, and megatron-core's scheduler would take its
     warmup, decay length and weight decay from the checkpoint."""
-    from megaloop.training.optimizer import decay_arguments
-
     train, keep = cfg.train, cfg.checkpoint.keep_schedule
     # A field a checkpoint's config lacks (saved before it existed) had its default's effect.
     saved = dataclasses.replace(TrainConfig(), **{name: saved_train[name] for name in
                                                   SCHEDULE_FIELDS if name in saved_train})
     for name in SCHEDULE_FIELDS:
-        before, now = getattr(saved, name), getattr(train, name)
+        # The WSD fields by their effect: unset and the default are the same schedule.
+        before, now = (getattr(config, f"resolved_{name}" if name.startswith("wsd_") else name)
+                       for config in (saved, train))
         if before == now:
             continue
         if keep:
@@ -291,10 +291,9 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
                         name, before, now, step + 1, path.name)
     scheduler.use_checkpoint_opt_param_scheduler = keep
     scheduler.override_opt_param_scheduler = not keep
-    if keep:  # megatron-core's scheduler state leaves the WSD decay out: the saved config has it
-        kept = decay_arguments(saved)
-        scheduler.wsd_decay_steps = kept.get("wsd_decay_steps")
-        scheduler.lr_wsd_decay_style = kept.get("lr_wsd_decay_style")
+    if keep:  # saved beside megatron-core's state (optimizer.scheduler_state); none: no WSD
+        scheduler.wsd_decay_steps = scheduler_state.get("wsd_decay_steps")
+        scheduler.lr_wsd_decay_style = scheduler_state.get("lr_wsd_decay_style")
     if not keep:
         for group in scheduler.optimizer.param_groups:
             group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio

@@ -496,6 +496,8 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+        from megaloop.training.optimizer import scheduler_state
+
         state = {_chunk_key(v): model.sharded_state_dict() for v, model in enumerate(self.models)}
         model_state = dict(state)  # every chunk's parameters, for the optimizer's state
         if weights_only:
@@ -505,7 +507,7 @@ class Trainer:
                 model_state, is_loading=is_loading,
                 metadata={"distrib_optim_sharding_type":
                           optimizer_format or self.cfg.checkpoint.optimizer_format}),
-            scheduler=self.scheduler.state_dict(),
+            scheduler=scheduler_state(self.scheduler),
             trainer={"step": self.step, "consumed_samples": self.consumed_samples,
                      "skipped_steps": self.skipped_steps},
             lr_multipliers=self.lr_multipliers.state_dict(),

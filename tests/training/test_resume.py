@@ -88,18 +88,39 @@ def test_keep_schedule_keeps_the_checkpoints_schedule_and_says_so(run_at_step_4,
     trainer.close()
 
 
-def test_keep_schedule_keeps_a_warmup_stable_decay_schedule(pattern_data, tmp_path):
-    """megatron-core's scheduler state leaves out the WSD decay length and shape; they come from
-    the checkpoint's config (before: None, and the first LR read failed with a TypeError)."""
-    wsd = {"train_steps": 4, "lr_schedule": "wsd", "wsd_decay_fraction": 0.5,
+def test_keep_schedule_keeps_a_warmup_stable_decay_schedule_through_resumes(pattern_data,
+                                                                            tmp_path):
+    """megatron-core's scheduler state leaves out the WSD decay length and shape, so they are
+    saved beside it. A run that kept a WSD schedule under a cosine config saves a checkpoint whose
+    config has none: before, resuming from it failed at the first LR read (TypeError)."""
+    out = tmp_path / "run"
+    wsd = {"train_steps": 8, "lr_schedule": "wsd", "wsd_decay_fraction": 0.5,
            "warmup_fraction": 0.0}
-    Trainer(tiny_run(pattern_data, tmp_path / "run", train=wsd)).train()
-    with Trainer(tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 8},
-                          checkpoint={"keep_schedule": True})) as trainer:
-        trainer.scheduler.step(-1)  # step 4, half-way through the 2-step decay
+    Trainer(tiny_run(pattern_data, out, train=wsd, checkpoint={"save_interval": 2})).train()
+    for later in ("iter_0000006", "iter_0000008"):  # as if stopped after step 4's save
+        shutil.rmtree(out / "checkpoints" / later)
+    (out / "checkpoints" / "latest").write_text("iter_0000004\n")
+    kept = {"keep_schedule": True}
+    Trainer(tiny_run(pattern_data, out, train={"train_steps": 6}, checkpoint=kept)).train()
+    with Trainer(tiny_run(pattern_data, out, train={"train_steps": 8},
+                          checkpoint=kept)) as trainer:
+        assert trainer.step == 6  # half-way through the decay over steps 5-8
         assert trainer.current_lr() == pytest.approx(0.55 * LR, rel=1e-12)
-        trainer.scheduler.step(1)
-        assert trainer.current_lr() == pytest.approx(0.1 * LR, rel=1e-12)
+
+
+def test_an_unset_wsd_field_and_its_default_are_the_same_schedule(pattern_data, tmp_path,
+                                                                   caplog):
+    """Only a change of effect is named: a checkpoint's unset decay fraction and style are the
+    defaults written out."""
+    out = tmp_path / "run"
+    wsd = {"train_steps": 4, "lr_schedule": "wsd", "warmup_fraction": 0.0}
+    Trainer(tiny_run(pattern_data, out, train=wsd)).train()
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        Trainer(tiny_run(pattern_data, out, train={
+            **wsd, "train_steps": 5, "wsd_decay_fraction": 0.2, "wsd_decay_style": "linear"}
+        )).close()
+    changes = [r.getMessage() for r in caplog.records if " changed from " in r.getMessage()]
+    assert len(changes) == 1 and "train.train_steps changed from 4 to 5" in changes[0], changes
 
 
 def test_an_unchanged_config_resumes_without_a_word(run_stopped_at_step_4, pattern_data,
