@@ -240,7 +240,7 @@ def document_end(eos_token_id, directory: Path) -> int | None:
     its first, the end of text of pretraining documents, and says so: megaloop has one end of
     document, and a second export's generate() stops at it only."""
     if isinstance(eos_token_id, list) and eos_token_id:
-        log.warning("%s: config.json's eos_token_id is a list %s; data.eod_id is its first, %d, and "
+        log.warning("%s: config.json's eos_token_id is a list %s; data.eod_id is its first, %s, and "
                     "an export of this checkpoint stops generating at that one only",
                     directory / "config.json", eos_token_id, eos_token_id[0])
         eos_token_id = eos_token_id[0]

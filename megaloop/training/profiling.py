@@ -1,7 +1,6 @@
 """Traces of a range of training steps (``train.profile``): torch.profiler's Chrome trace and its
 table of the most expensive operators, and on CUDA the allocator's memory history, from the
-ranks asked for. Under Nsight Systems, the range is also marked as the CUDA profiler's capture
-range (``nsys profile --capture-range=cudaProfilerApi``), as Megatron-LM's ``--profile`` does.
+ranks asked for. A trace that cannot be written (a full disk) is a warning: training goes on.
 
 Files, in ``train.profile.dir`` (default ``<train.out_dir>/profile``), each written atomically:
 
@@ -47,6 +46,7 @@ class StepProfiler:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.on_gpu = on_gpu = torch.cuda.is_available()
         self._profiler, self._traced = None, []
+        self._recording_memory = self._started = False
         self.first = self.last = None
         if not settings.steps:
             return
@@ -77,14 +77,14 @@ class StepProfiler:
     def step_begins(self, step: int) -> None:
         if self.first is None:
             return
+        self._started = True
         if step == self.first - self._warmup:
             self._start()
         elif self._profiler is not None:
             self._profiler.step()  # step ``step`` begins: what ran since (a save) was the last's
-        if step == self.first and self.on_gpu:
-            torch.cuda.profiler.start()  # Nsight Systems' capture range
-            if self.settings.memory:
-                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        if step == self.first and self.on_gpu and self.settings.memory:
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            self._recording_memory = True
 
     def step_ends(self, step: int) -> None:
         if self._profiler is None:
@@ -99,18 +99,26 @@ class StepProfiler:
         """Stops tracing and writes what was traced (idempotent); a range the run never reached
         is named in a warning."""
         profiler, self._profiler = self._profiler, None
-        if profiler is not None:
-            if self.on_gpu and self._traced:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
-            profiler.stop()  # hands the steps recorded, if any, to _write
-        if self.first is not None and not self._traced:
+        try:
+            if profiler is not None:
+                profiler.stop()  # hands the steps recorded, if any, to _write
+        finally:
+            if self._recording_memory:  # also after a failed write: later work is not recorded
+                torch.cuda.memory._record_memory_history(enabled=None)
+                self._recording_memory = False
+        if self.first is not None and self._started and not self._traced:
             log.warning("train.profile.steps=%s: the run ended before step %d; nothing was "
                         "traced", self.settings.steps, self.first)
         self.first = None
 
     def _start(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("train.profile.dir=%r: not a writable directory (%s); steps %d-%d are not "
+                        "traced", str(self.dir), e.strerror or e, self.first, self.last)
+            self.first = None
+            return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.on_gpu:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -131,6 +139,14 @@ class StepProfiler:
     def _write(self, profiler) -> None:
         if not self._traced:  # stopped during the warm-up step: no step to write
             return
+        try:
+            self._write_files(profiler)
+        except OSError as e:
+            log.warning("rank %d: the trace of steps %d-%d was not written (%s: %s); training "
+                        "goes on", self.rank, self._traced[0], self._traced[-1],
+                        e.filename or self.dir, e.strerror or e)
+
+    def _write_files(self, profiler) -> None:
         stem = self.dir / f"rank{self.rank}_steps{self._traced[0]}-{self._traced[-1]}"
         trace = stem.with_name(stem.name + ".trace.json.gz")
         with tempfile.TemporaryDirectory(dir=self.dir, prefix=".trace-") as staging, \
@@ -148,7 +164,6 @@ class StepProfiler:
             memory = stem.with_name(stem.name + ".memory.pickle")
             with atomic_path(memory) as tmp:
                 torch.cuda.memory._dump_snapshot(str(tmp))
-            torch.cuda.memory._record_memory_history(enabled=None)
             written.append(memory)
         log.info("rank %d: steps %d-%d traced: %s", self.rank, self._traced[0], self._traced[-1],
                  ", ".join(str(p) for p in written))
