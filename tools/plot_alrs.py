@@ -15,13 +15,14 @@ up and down. Embedding and output head are in no figure. Dense and Full Loop nam
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
 A path without an ALRS log, a log without rows yet, a log of the other mode (the two paths
-swapped) and an ``--out`` that cannot be written are one-line errors (exit code 1).
+swapped) and an ``--out`` that cannot be written are one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import matplotlib
 
@@ -133,7 +134,7 @@ def _read(path: str, need_lrs: bool, flag: str) -> ALRSLogData:
     return log
 
 
-def main(argv: list[str] | None = None) -> list[str]:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Figures 3 and 4 of the paper from ALRS logs")
     parser.add_argument("--alrs", required=True, help="zarr log of the ALRS run")
     parser.add_argument("--uniform", help="zarr log of the uniform-LR run, for Figure 4")
@@ -151,13 +152,15 @@ def main(argv: list[str] | None = None) -> list[str]:
         plot_lr(runs["ALRS"], written[0])
         plot_stable_rank(runs, written[1])
     except ValueError as error:  # megaloop's ConfigError (no zarr) included
-        raise SystemExit(f"plot_alrs: {error}") from None
+        print(f"plot_alrs: {error}", file=sys.stderr)
+        return 2
     except OSError as error:
-        raise SystemExit(f"plot_alrs: --out {args.out}: cannot be written "
-                         f"({error.strerror or error})") from None
+        print(f"plot_alrs: --out {args.out}: cannot be written ({error.strerror or error})",
+              file=sys.stderr)
+        return 2
     print("\n".join(written))
-    return written
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

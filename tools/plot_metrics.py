@@ -6,39 +6,41 @@ one colour per run, labelled by the run directory's name.
 
 Unreadable lines (a crash can leave the last one half-written) are skipped and counted on stderr; a
 missing, empty or wholly unreadable metrics.jsonl, and an ``--out`` that cannot be written, are
-one-line errors.
+one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from megaloop.cli import unwritable
 from megaloop.training.plots import MetricsError, load_run, plot_runs, run_labels
 
 
-def main(argv: list[str] | None = None) -> str:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="PNG curves of loss, LR and tokens/s of runs")
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default="curves.png", help="PNG file to write")
     args = parser.parse_args(argv)
-    problem = unwritable(args.out)
-    if problem is not None:
-        raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written ({problem})")
     try:
+        problem = unwritable(args.out)
+        if problem is not None:
+            raise MetricsError(f"--out {args.out}: cannot be written ({problem})")
         runs = {label: load_run(d) for label, d in zip(run_labels(args.run_dirs), args.run_dirs)}
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            plot_runs(runs, args.out)
+        except (OSError, ValueError) as error:  # ValueError: an image format matplotlib lacks
+            raise MetricsError(f"--out {args.out}: cannot be written "
+                               f"({getattr(error, 'strerror', None) or error})") from None
     except MetricsError as error:
-        raise SystemExit(f"plot_metrics: {error}") from None
-    try:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        plot_runs(runs, args.out)
-    except (OSError, ValueError) as error:  # ValueError: an image format matplotlib lacks
-        raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written "
-                         f"({getattr(error, 'strerror', None) or error})") from None
+        print(f"plot_metrics: {error}", file=sys.stderr)
+        return 2
     print(args.out)
-    return args.out
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,12 +27,12 @@ def load_run(run_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     if path.stat().st_size == 0:
         raise MetricsError(f"{path}: file is empty")
     records, malformed = read_metrics(path)
-    if malformed:
-        print(f"{path}: skipped {malformed} malformed line(s)", file=sys.stderr)
     train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
     evals = sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"])
-    if not train and not evals:
+    if not train and not evals:  # the error counts the malformed lines: no note before it
         raise MetricsError(f"{path}: no readable metric lines ({malformed} malformed)")
+    if malformed:
+        print(f"{path}: skipped {malformed} malformed line(s)", file=sys.stderr)
     return train, evals
 
 
