@@ -78,6 +78,9 @@ class ALRSConfig:
             if "" in getattr(self, name):
                 raise ValueError(f"ALRS {name} must not hold an empty string (it matches every "
                                  f"matrix), got {list(getattr(self, name))!r}")
+        if not self.decoder_prefix:  # starts every name: every matrix boosted, embedding and head too
+            raise ValueError("ALRS decoder_prefix must not be empty (it starts every matrix name, "
+                             "so decoder_boost would scale every LR alike)")
         if self.mode not in MODES:
             raise ValueError(f"ALRS mode must be one of {MODES}, got {self.mode!r}")
         if not self.s1 > 0:
