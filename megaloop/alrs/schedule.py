@@ -119,6 +119,13 @@ class ALRSConfig:
             return set(BOOST_OPTIONS)
         return set()
 
+    def reader(self) -> str:
+        """The settings that decide ``read_options``, as the messages about unread options name
+        them: the mode, and with mode alrs an embedding_head of 'include'."""
+        include = self.mode == "alrs" and self.embedding_head == "include"
+        return f"alrs.mode={self.mode!r}" + (" with alrs.embedding_head='include'" if include
+                                             else "")
+
     def unread_options(self) -> list[str]:
         """``name=value`` of each option set away from its default that this mode does not read.
         They are accepted, so that one config serves both arms of a comparison (mode=alrs

@@ -143,8 +143,8 @@ class ALRS:
         is_writer = not self._distributed or dist.get_rank() == 0
         unread = self.config.unread_options()
         if unread and is_writer:
-            logger.warning("ALRS: alrs.mode=%r does not read %s (set for another mode; no effect "
-                           "on this run)", self.config.mode, ", ".join(f"alrs.{u}" for u in unread))
+            logger.warning("ALRS: %s does not read %s (no effect on this run)",
+                           self.config.reader(), ", ".join(f"alrs.{u}" for u in unread))
         self.log, self._log_rewound = None, False
         error = None
         if log_path is not None and is_writer:

@@ -212,7 +212,7 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
             continue
         if name in unread:
             lines.append((logging.INFO, f"{where}: {name} changed from {old!r} to {new!r}; "
-                          f"alrs.mode={cfg.alrs.mode!r} does not read it (no effect on this run)"))
+                          f"{cfg.alrs.reader()} does not read it (no effect on this run)"))
             continue
         when = f"from step {step + 1}"
         if name in AT_NEXT_ALLOCATION or (name == "train.use_alrs" and cfg.alrs.mode == "alrs"):

@@ -290,8 +290,18 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
         ALRS(lambda: params.items(), 100, uniform)
     [record] = caplog.records
     assert record.getMessage() == ("ALRS: alrs.mode='uniform' does not read alrs.s2=3.0, "
-                                   "alrs.transition=10, alrs.decoder_boost=4.0 (set for another "
-                                   "mode; no effect on this run)")
+                                   "alrs.transition=10, alrs.decoder_boost=4.0 (no effect on this "
+                                   "run)")
+    caplog.clear()
+    # Before: "alrs.mode='alrs' does not read ... (set for another mode ...)", though that mode
+    # reads the prefixes; embedding_head='include' is what leaves them unread.
+    include = ALRSConfig(embedding_head="include", embedding_head_prefixes=["embedding."])
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 100, include)
+    [record] = caplog.records
+    assert record.getMessage() == ("ALRS: alrs.mode='alrs' with alrs.embedding_head='include' does "
+                                   "not read alrs.embedding_head_prefixes=('embedding.',) (no "
+                                   "effect on this run)")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
         ALRS(lambda: params.items(), 100, ALRSConfig(s2=3.0, transition=10))  # all read

@@ -392,7 +392,9 @@ def test_a_changed_alrs_option_the_mode_does_not_read_is_noted_without_effect(
                             alrs={"mode": mode, "embedding_head": embedding_head})
     assert _check(path, _changed(cfg, "alrs", **{field: new}), caplog) == [
         (logging.INFO, f"resume from {path}: alrs.{field} changed from {old!r} to {new!r}; "
-                       f"alrs.mode={mode!r} does not read it (no effect on this run)")]
+                       f"alrs.mode={mode!r}"
+                       + (" with alrs.embedding_head='include'" if embedding_head == "include"
+                          else "") + " does not read it (no effect on this run)")]
 
 
 def test_latentloop_residual_scale_init_applies_only_to_fixed_scales(tmp_path, caplog):
