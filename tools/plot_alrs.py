@@ -14,8 +14,9 @@ up and down. Embedding and output head are in no figure. Dense and Full Loop nam
 
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
-A path without an ALRS log, a log without rows yet, a log of the other mode (the two paths
-swapped) and an ``--out`` that cannot be written are one-line errors on stderr (exit code 2).
+A path without an ALRS log, a log without rows yet or without encoder/decoder layer matrices
+(one of the ALRS API on another model), a log of the other mode (the two paths swapped) and an
+``--out`` that cannot be written are one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
@@ -118,10 +119,15 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
 
 
 def _read(path: str, need_lrs: bool, flag: str) -> ALRSLogData:
-    """The log at ``path``, refused in one line when it holds no rows to draw, or when its run's
-    alrs.mode contradicts the curve ``flag`` labels it (--alrs: not uniform; --uniform: uniform),
-    as when the two paths are swapped."""
+    """The log at ``path``, refused in one line when it holds no rows to draw or no matrix of a
+    figure's groups, or when its run's alrs.mode contradicts the curve ``flag`` labels it
+    (--alrs: not uniform; --uniform: uniform), as when the two paths are swapped."""
     log = read_log(path)
+    if not any(classify(name) for name in log.matrices):  # figures without a curve
+        raise ValueError(f"{flag} {path}: none of its {len(log.matrices)} matrices (e.g. "
+                         f"{log.matrices[0] if log.matrices else '-'!r}) is an attention or FFN "
+                         "matrix of megatron-core's encoder or decoder layers, which the figures "
+                         "draw")
     mode = log.config.get("mode")
     if mode is not None and (mode == "uniform") != (flag == "--uniform"):
         raise ValueError(f"{flag} {path}: the log of an alrs.mode={mode!r} run; "

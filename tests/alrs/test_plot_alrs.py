@@ -73,6 +73,8 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path, capsys):
     _run(tmp_path / "u.zarr", "uniform")
     ALRSLog(tmp_path / "new.zarr", ["decoder.layers.0.mlp.linear_fc2.weight"], [(4, 4)],
             ["decoder.layers.0.mlp.linear_fc2.weight", "base"])  # a run killed before its rows
+    ALRSLog(tmp_path / "other.zarr", ["layers.0.attn.weight"], [(4, 4)],
+            ["layers.0.attn.weight", "base"])  # the ALRS API on a model of other names
     (tmp_path / "file").write_text("x")
     out = str(tmp_path / "plots")
     cases = [  # before the fix: tracebacks, or empty figures and exit 0
@@ -91,6 +93,10 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path, capsys):
         (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "a.zarr"), "--out",
           out], f"--uniform {tmp_path / 'a.zarr'}: the log of an alrs.mode='alrs' run; "
                 "--uniform takes the log of an alrs.mode='uniform' run"),
+        # Before: fig3_lr.png written, then "Number of columns must be a positive integer, not 0".
+        (["--alrs", str(tmp_path / "other.zarr"), "--out", out],
+         f"--alrs {tmp_path / 'other.zarr'}: none of its 1 matrices (e.g. 'layers.0.attn.weight') "
+         "is an attention or FFN matrix of megatron-core's encoder or decoder layers"),
         (["--alrs", str(tmp_path / "a.zarr"), "--out", str(tmp_path / "file")],
          f"--out {tmp_path / 'file'}: cannot be written ({tmp_path / 'file'} is not a writable "
          "directory)"),
