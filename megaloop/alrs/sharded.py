@@ -123,7 +123,7 @@ class ALRS:
             for model in models:
                 layouts.update(experts.global_layouts(model, fused_layouts(model)))
         named = list(self._named_parameters())
-        self._check_exclude_matches([name for name, _ in named])
+        self._check_exclude_matches([name for name, param in named if param.ndim == 2])
         local = weight_blocks(named, layouts, self.config.exclude, tp_size)
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
@@ -315,13 +315,15 @@ class ALRS:
         return torch.device("cpu")
 
     def _check_exclude_matches(self, names: list[str]) -> None:
-        """A pattern of ``exclude`` that no parameter of any rank contains (a typo) would leave
-        the matrices it was meant for scaled: refused in one line."""
+        """A pattern of ``exclude`` that no 2-D parameter (``names``) of any rank contains would
+        exclude nothing: a typo leaves the matrices it was meant for scaled, and one naming only
+        norms or biases leaves what ALRS never scales. Refused in one line."""
         unmatched = {p for p in self.config.exclude if not any(p in name for name in names)}
         unmatched = set.intersection(*self._from_every_rank(unmatched))
         if unmatched:
             raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
-                               f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
+                               f"{sorted(unmatched)[0]!r} is in no weight matrix's name (ALRS "
+                               f"analyses and scales 2-D weights only; e.g. "
                                f"{names[0] if names else 'none'!r})")
 
     def _check_prefixes_match(self) -> None:

@@ -278,8 +278,15 @@ def test_an_exclude_pattern_matching_no_parameter_is_refused():
     assert kept and not any("linear_fc1" in name for name in kept)
     # Before the fix a typo excluded nothing, silently.
     with pytest.raises(ConfigError, match=r"^alrs.exclude=\['linear_fc1', 'routr'\]: 'routr' is "
-                                          r"in no parameter name \(e.g. '"):
+                                          r"in no weight matrix's name \(ALRS analyses and scales "
+                                          r"2-D weights only; e.g. 'embedding."):
         ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1", "routr")))
+    # Before: a pattern naming only 1-D parameters (norms, biases), which ALRS never scales, was
+    # taken and excluded nothing.
+    params["decoder.layers.0.input_layernorm.weight"] = nn.Parameter(torch.ones(24))
+    with pytest.raises(ConfigError, match=r"^alrs.exclude=\['layernorm'\]: 'layernorm' is in no "
+                                          r"weight matrix's name"):
+        ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("layernorm",)))
 
 
 def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
