@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megaloop.alrs import experts
-from megaloop.alrs.allocator import allocate, initial_multipliers
+from megaloop.alrs.allocator import allocate, initial_multipliers, is_embedding_or_head
 from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
 from megaloop.alrs.log import ALRSLog, require_zarr
@@ -145,6 +145,12 @@ class ALRS:
         if unread and is_writer:
             logger.warning("ALRS: %s does not read %s (no effect on this run)",
                            self.config.reader(), ", ".join(f"alrs.{u}" for u in unread))
+        if is_writer and self._boosts_every_layer():
+            logger.warning("ALRS: alrs.decoder_prefix=%r starts the name of every matrix but the "
+                           "embedding and head's (a model without encoder layers, e.g. "
+                           "model.arch=dense or fullloop): alrs.mode='decoder_boost' multiplies "
+                           "the LR of all layers alike, by alrs.decoder_boost=%g",
+                           self.config.decoder_prefix, self.config.decoder_boost)
         self.log, self._log_rewound = None, False
         error = None
         if log_path is not None and is_writer:
@@ -344,6 +350,14 @@ class ALRS:
                 raise config_error(f"alrs.{field}: {prefix!r} starts no matrix name (e.g. "
                                    f"{example!r}), so alrs.mode={config.mode!r} would treat no "
                                    "matrix by it")
+
+    def _boosts_every_layer(self) -> bool:
+        """Whether decoder_boost leaves no layer matrix unboosted: a boost that differs from a
+        higher base LR only on embedding and head."""
+        config = self.config
+        return config.mode == "decoder_boost" and all(
+            name.startswith(config.decoder_prefix) or is_embedding_or_head(name, config)
+            for name in self.names)
 
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]

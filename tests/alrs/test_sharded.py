@@ -316,6 +316,22 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
     assert caplog.records == []
 
 
+def test_a_decoder_boost_of_every_layer_is_named(caplog):
+    """Dense and Full Loop name every layer decoder: the boost is a higher LR of all layers.
+    Before, without a word."""
+    params = {n: p for n, p in _params().items() if not n.startswith("encoder.")}
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        multipliers = ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost")).step(1)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "ALRS: alrs.decoder_prefix='decoder.' starts the name of every matrix but the embedding "
+        "and head's (a model without encoder layers, e.g. model.arch=dense or fullloop): "
+        "alrs.mode='decoder_boost' multiplies the LR of all layers alike, by "
+        "alrs.decoder_boost=2")
+    assert {n for n, m in multipliers.items() if m != 1.0} == {n for n in params
+                                                              if n.startswith("decoder.")}
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(mode="decoder_boost", decoder_prefix="decoders."), "alrs.decoder_prefix: 'decoders.'"),
     (dict(embedding_head_prefixes=["embedding.", "head."]), "alrs.embedding_head_prefixes: "
