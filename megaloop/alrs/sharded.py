@@ -242,7 +242,11 @@ class ALRS:
                      "stable_rank": [s.stable_rank for s in self.last_stats.values()],
                      "norm_stable_rank": [s.norm_stable_rank for s in self.last_stats.values()],
                      "multiplier": [self.schedule.target[n] for n in self.names]}
-            self.log.append_spectra(step, allocated, stats, eig_table)
+            try:  # after the allocation: step()'s warning would say the multipliers did not change
+                self.log.append_spectra(step, allocated, stats, eig_table)
+            except Exception:
+                logger.warning("ALRS: writing the spectra log failed at step %d (the multipliers "
+                               "are allocated)", step, exc_info=True)
 
     def _gather_owned(self, params: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner."""

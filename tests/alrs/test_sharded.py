@@ -78,6 +78,22 @@ def test_hook_failures_never_reach_training(monkeypatch, caplog):
     assert all(math.isnan(s.alpha) for s in alrs.last_stats.values())
 
 
+def test_a_failed_spectra_log_write_is_named_as_such(monkeypatch, caplog, tmp_path):
+    """Before: "analysis at step 1 failed; multipliers unchanged", though they had changed."""
+    params = _params()
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), log_path=tmp_path / "a.zarr")
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(alrs.log, "append_spectra", full_disk)
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        multipliers = alrs.step(1)
+    assert len(set(multipliers.values())) > 2
+    assert "writing the spectra log failed at step 1 (the multipliers are allocated)" in caplog.text
+    assert "analysis at step 1 failed" not in caplog.text
+
+
 def test_dead_matrix_keeps_its_previous_multiplier(caplog):
     params = _params()
     alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10, transition=0, fraction=1.0))
