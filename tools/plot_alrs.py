@@ -15,8 +15,9 @@ up and down. Embedding and output head are in no figure. Dense and Full Loop nam
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
 A path without an ALRS log, a log without rows yet or without encoder/decoder layer matrices
-(one of the ALRS API on another model), a log of the other mode (the two paths swapped) and an
-``--out`` that cannot be written are one-line errors on stderr (exit code 2).
+(one of the ALRS API on another model), a log of the other mode (the two paths swapped), a
+``--uniform`` log of other matrices than the ``--alrs`` one's (another model, granularity or
+exclude) and an ``--out`` that cannot be written are one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"ALRS": _read(args.alrs, need_lrs=True, flag="--alrs")}
         if args.uniform:
             runs["uniform"] = _read(args.uniform, need_lrs=False, flag="--uniform")
+            other = set(runs["uniform"].matrices) ^ set(runs["ALRS"].matrices)
+            if other:  # e.g. the uniform run of another architecture: curves of two models
+                raise ValueError(f"--uniform {args.uniform}: its matrices differ from those of "
+                                 f"--alrs {args.alrs} (e.g. {sorted(other)[0]!r}): Figure 4 "
+                                 "compares one model under ALRS and under uniform LRs")
         os.makedirs(args.out, exist_ok=True)
         plot_lr(runs["ALRS"], written[0])
         plot_stable_rank(runs, written[1])

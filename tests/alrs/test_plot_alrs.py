@@ -19,11 +19,11 @@ def test_classify_megatron_names():
     assert plot_alrs.classify("output_layer.weight") is None
 
 
-def _run(path, mode):
+def _run(path, mode, layers=("encoder", "decoder")):
     g = torch.Generator().manual_seed(0)
-    names = ["encoder.layers.0.self_attention.linear_qkv.weight", "encoder.layers.0.mlp.linear_fc1.weight",
-             "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-             "decoder.layers.0.self_attention.linear_kv_global.weight"]
+    names = [f"{layer}.layers.0.{matrix}.weight" for layer in layers
+             for matrix in ("self_attention.linear_qkv", "mlp.linear_fc1")]
+    names += ["decoder.layers.0.self_attention.linear_kv_global.weight"]
     params = {n: nn.Parameter(torch.randn(24, 16, generator=g) * torch.rand(24, 16, generator=g) ** -(i / 2))
               for i, n in enumerate(names)}
     alrs = ALRS(lambda: params.items(), 60, ALRSConfig(mode=mode, interval=5, transition=3, fraction=0.5),
@@ -71,6 +71,7 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path, capsys):
 
     _run(tmp_path / "a.zarr", "alrs")
     _run(tmp_path / "u.zarr", "uniform")
+    _run(tmp_path / "dense.zarr", "uniform", layers=("decoder",))
     ALRSLog(tmp_path / "new.zarr", ["decoder.layers.0.mlp.linear_fc2.weight"], [(4, 4)],
             ["decoder.layers.0.mlp.linear_fc2.weight", "base"])  # a run killed before its rows
     ALRSLog(tmp_path / "other.zarr", ["layers.0.attn.weight"], [(4, 4)],
@@ -97,6 +98,11 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path, capsys):
         (["--alrs", str(tmp_path / "other.zarr"), "--out", out],
          f"--alrs {tmp_path / 'other.zarr'}: none of its 1 matrices (e.g. 'layers.0.attn.weight') "
          "is an attention or FFN matrix of megatron-core's encoder or decoder layers"),
+        # Before: the uniform run of another model drawn as Figure 4's comparison.
+        (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "dense.zarr"), "--out",
+          out], f"--uniform {tmp_path / 'dense.zarr'}: its matrices differ from those of --alrs "
+                f"{tmp_path / 'a.zarr'} (e.g. 'encoder.layers.0.mlp.linear_fc1.weight'): Figure 4 "
+                "compares one model under ALRS and under uniform LRs"),
         (["--alrs", str(tmp_path / "a.zarr"), "--out", str(tmp_path / "file")],
          f"--out {tmp_path / 'file'}: cannot be written ({tmp_path / 'file'} is not a writable "
          "directory)"),
