@@ -138,17 +138,20 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
     # stopped repeating the final step's evaluation (train_steps a multiple of eval_interval) has
     # two records of that step, and a resumed run may log a step again.
     evals = list({r["step"]: r for r in records
-                  if r.get("kind") == "eval" and r.get("val_loss") is not None}.values())
+                  if r.get("kind") == "eval" and "val_loss" in r}.values())
     if not evals:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
     for r in evals:  # a NaN point would make the whole label's fit NaN, as would one <= 0
-        if not math.isfinite(float(r["val_loss"])):
-            raise ConfigError(f"{metrics}: val_loss={r['val_loss']} at step {r['step']} (a "
-                              "diverged run: leave it out)")
-        if not float(r["val_loss"]) > 0:
-            raise ConfigError(f"{metrics}: val_loss={r['val_loss']} at step {r['step']}: a "
-                              "validation NLL is > 0")
+        loss = r["val_loss"]
+        # The trainer logs a NaN/Inf loss as null: skipping it would take an earlier evaluation
+        # of the diverged run as its point.
+        if loss is None or isinstance(loss, float) and not math.isfinite(loss):
+            raise ConfigError(f"{metrics}: val_loss={'null (NaN/Inf)' if loss is None else loss}"
+                              f" at step {r['step']} (a diverged run: leave it out)")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not loss > 0:
+            raise ConfigError(f"{metrics}: val_loss={loss!r} at step {r['step']}: a validation "
+                              "NLL is a number > 0")
     step_tokens = cfg.train.global_batch_size * cfg.model.seq_length
     until, unlogged = tokens_until([r["step"] for r in evals], logged_tokens(metrics, records),
                                 step_tokens)

@@ -129,14 +129,17 @@ def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, monke
     assert message.format(**values) in err and "\n" not in err
 
 
-def test_a_diverged_run_is_named_instead_of_fitting_nan(load_tool, runs, capsys):
+@pytest.mark.parametrize("loss, shown", [(float("nan"), "nan"), (None, "null (NaN/Inf)")])
+def test_a_diverged_run_is_named_instead_of_fitting_nan(load_tool, runs, capsys, loss, shown):
+    """null: what megaloop.training.monitor writes for a NaN/Inf loss. Before, such an evaluation
+    was skipped, and the run's earlier one taken as its point, exit 0."""
     tool = load_tool("fit_scaling")
     metrics = f"{runs[0]}/metrics.jsonl"
     with open(metrics, "a") as f:
-        f.write(json.dumps({"kind": "eval", "step": 2_000, "val_loss": float("nan")}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": 2_000, "val_loss": loss}) + "\n")
     assert tool.main(runs) == 2  # was exit 0 with "L(C) = nan + nan * C^-nan"
-    assert capsys.readouterr().err.strip() == (f"error: {metrics}: val_loss=nan at step 2000 (a "
-                                               "diverged run: leave it out)")
+    assert capsys.readouterr().err.strip() == (f"error: {metrics}: val_loss={shown} at step 2000 "
+                                               "(a diverged run: leave it out)")
 
 
 def test_a_saving_that_cannot_be_computed_says_so(load_tool, runs, capsys):
@@ -229,8 +232,9 @@ def _rewrite(run, change):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("val_loss", 0.0, "val_loss=0.0 at step 10: a validation NLL is > 0"),
-    ("val_loss", -0.5, "val_loss=-0.5 at step 10: a validation NLL is > 0"),
+    ("val_loss", 0.0, "val_loss=0.0 at step 10: a validation NLL is a number > 0"),
+    ("val_loss", -0.5, "val_loss=-0.5 at step 10: a validation NLL is a number > 0"),
+    ("val_loss", "2.1", "val_loss='2.1' at step 10: a validation NLL is a number > 0"),
     ("tokens_per_s", -100.0, "step 1 logs tokens_per_s=-100.0 x step_time_s=0.5, not a positive "
                              "number of tokens"),
     ("tokens_per_s", 0.0, "step 1 logs tokens_per_s=0.0 x step_time_s=0.5, not a positive number "
