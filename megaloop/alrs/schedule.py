@@ -78,6 +78,9 @@ class ALRSConfig:
             if "" in getattr(self, name):
                 raise ValueError(f"ALRS {name} must not hold an empty string (it matches every "
                                  f"matrix), got {list(getattr(self, name))!r}")
+        if not self.embedding_head_prefixes:  # pin_s2 and exclude would treat no matrix
+            raise ValueError("ALRS embedding_head_prefixes must hold a prefix (embedding_head="
+                             "'include' treats embedding and head like any matrix), got []")
         if not self.decoder_prefix:  # starts every name: every matrix boosted, embedding and head too
             raise ValueError("ALRS decoder_prefix must not be empty (it starts every matrix name, "
                              "so decoder_boost would scale every LR alike)")
