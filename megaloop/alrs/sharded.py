@@ -145,6 +145,16 @@ class ALRS:
         if unread and is_writer:
             logger.warning("ALRS: %s does not read %s (no effect on this run)",
                            self.config.reader(), ", ".join(f"alrs.{u}" for u in unread))
+        # The default prefixes need not all match (a tied model has no output_layer), but a model
+        # of other names (the hook on another code base, or one without embedding) pins nothing.
+        held = any(p.ndim == 2 and is_embedding_or_head(n, self.config) for n, p in named)
+        if ("embedding_head_prefixes" in self.config.read_options()
+                and not any(self._from_every_rank(held)) and is_writer):
+            logger.warning("ALRS: no weight name starts with alrs.embedding_head_prefixes=%s, so "
+                           "alrs.embedding_head=%r treats no matrix as embedding or head (set "
+                           "them to this model's; its names are e.g. %r)",
+                           list(self.config.embedding_head_prefixes), self.config.embedding_head,
+                           self.names[0] if self.names else "-")
         if is_writer and self._boosts_every_layer():
             logger.warning("ALRS: alrs.decoder_prefix=%r starts the name of every matrix but the "
                            "embedding and head's (a model without encoder layers, e.g. "

@@ -332,6 +332,25 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
     assert caplog.records == []
 
 
+def test_embedding_and_head_prefixes_that_start_no_weight_name_are_named(caplog):
+    """The hook on a model of other names: pin_s2 pins nothing. Before, without a word."""
+    renamed = {n.replace("embedding.", "tok_embeddings.").replace("output_layer.", "lm_head."): p
+               for n, p in _params().items()}
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        multipliers = ALRS(lambda: renamed.items(), 100, ALRSConfig()).step(1)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "ALRS: no weight name starts with alrs.embedding_head_prefixes=['embedding.', "
+        "'output_layer.'], so alrs.embedding_head='pin_s2' treats no matrix as embedding or head "
+        "(set them to this model's; its names are e.g. 'tok_embeddings.word_embeddings.weight')")
+    assert multipliers["tok_embeddings.word_embeddings.weight"] < 5.0  # in the α range
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):  # excluded: nothing to pin
+        ALRS(lambda: _params().items(), 100, ALRSConfig(exclude=("embedding.", "output_layer.")))
+        ALRS(lambda: renamed.items(), 100, ALRSConfig(embedding_head_prefixes=["tok_", "lm_"]))
+    assert caplog.records == []
+
+
 def test_a_decoder_boost_of_every_layer_is_named(caplog):
     """Dense and Full Loop name every layer decoder: the boost is a higher LR of all layers.
     Before, without a word."""
