@@ -102,7 +102,11 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
 
 
 def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
+    """``runs``: the --alrs log as "ALRS" (labelled by its mode: --alrs takes a decoder_boost
+    run's too) and the --uniform log as "uniform"."""
     styles = {"ALRS": "-", "uniform": "--"}
+    labels = {run: "decoder boost" if log.config.get("mode") == "decoder_boost" else run
+              for run, log in runs.items()}
     means_of = {run: group_means(log.norm_stable_rank, log.matrices) for run, log in runs.items()}
     modules = _present(means_of["ALRS"])
     fig, axes = plt.subplots(1, len(modules), figsize=(5.5 * len(modules), 4), squeeze=False)
@@ -112,7 +116,7 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
             for color, section in zip(SECTION_COLORS, SECTIONS):
                 if (section, module) in means:
                     ax.plot(log.spectra_step, means[section, module], styles[run], color=color,
-                            label=f"{section}, {run}")
+                            label=f"{section}, {labels[run]}")
         ax.set(title=f"normalised stable rank, {module}", xlabel="step",
                ylabel="stable rank / min(m, n)")
         ax.legend()

@@ -43,6 +43,20 @@ def test_figures_are_written_from_logs(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_figure_4_labels_a_decoder_boost_run_as_such(tmp_path, monkeypatch):
+    """--alrs takes the log of any run but a uniform one; before, a decoder_boost run's curves
+    were labelled "ALRS"."""
+    _run(tmp_path / "b.zarr", "decoder_boost")
+    _run(tmp_path / "u.zarr", "uniform")
+    figures = []
+    monkeypatch.setattr(plot_alrs, "save_figure", lambda fig, path: figures.append(fig))
+    assert plot_alrs.main(["--alrs", str(tmp_path / "b.zarr"), "--uniform", str(tmp_path / "u.zarr"),
+                           "--out", str(tmp_path / "plots")]) == 0
+    labels = figures[1].axes[0].get_legend_handles_labels()[1]
+    assert labels == ["encoder, decoder boost", "decoder, decoder boost", "encoder, uniform",
+                      "decoder, uniform"]
+
+
 def test_attention_means_local_q_k_v_o_and_global_kv_is_its_own_group():
     import numpy as np
 
