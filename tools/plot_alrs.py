@@ -10,7 +10,9 @@ Matrices are grouped by their megatron-core name (ALRS block names such as
 attention matrices Q, K, V and O, as in the paper; the decoder's Global K and V
 (``linear_kv_global``), which the paper's LLaMA does not have, are their own group; "ffn" is gate,
 up and down. Embedding and output head are in no figure. Dense and Full Loop name every layer
-``decoder``: their plots have no encoder curves.
+``decoder``: their plots have no encoder curves. LatentLoop's prelude is ``encoder``, its middle
+block ``decoder`` (the copies a visit with untied weights has, ``visits.visit<v>.block``,
+included) and its coda a third curve, ``coda``.
 
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
@@ -36,14 +38,16 @@ from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
 from megaloop.cli import unwritable  # noqa: E402
 from megaloop.training.plots import save_figure  # noqa: E402
 
-SECTIONS = ("encoder", "decoder")
-SECTION_COLORS = ("C0", "C1")  # the same in every panel (Global KV has a decoder curve only)
+SECTIONS = ("encoder", "decoder", "coda")
+SECTION_COLORS = ("C0", "C1", "C2")  # the same in every panel (Global KV has a decoder curve only)
 MODULES = ("attention", "global_kv", "ffn")
 
 
 def classify(name: str) -> tuple[str, str] | None:
     """(section, module) of a layer matrix name, or None for embedding, head and anything else."""
     section = name.split(".", 1)[0]
+    if section == "visits" and ".block." in name:  # LatentLoop's untied middle-block copies
+        section = "decoder"
     if section not in SECTIONS:
         return None
     if ".self_attention.linear_kv_global." in name:

@@ -15,6 +15,11 @@ def test_classify_megatron_names():
         assert plot_alrs.classify(name) == ("decoder", "global_kv")
     assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc1.weight:gate") == ("decoder", "ffn")
     assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc2.weight") == ("decoder", "ffn")
+    # LatentLoop: before, the coda and the untied middle-block copies were in no figure.
+    assert plot_alrs.classify("coda.layers.0.mlp.linear_fc2.weight") == ("coda", "ffn")
+    assert plot_alrs.classify("visits.visit2.block.layers.0.self_attention.linear_qkv.weight:q"
+                              ) == ("decoder", "attention")
+    assert plot_alrs.classify("visits.visit1.projection.up_weight") is None
     assert plot_alrs.classify("embedding.word_embeddings.weight") is None
     assert plot_alrs.classify("output_layer.weight") is None
 
