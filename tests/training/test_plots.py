@@ -67,7 +67,12 @@ def test_empty_and_garbled_files_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "garbled" / "metrics.jsonl").write_text("not json\n[1, 2]\n{\"kind\": \"train\"}\n")
     assert _error([str(tmp_path / "empty")], capsys).endswith("empty/metrics.jsonl: file is empty")
     assert _error([str(tmp_path / "garbled")], capsys).endswith(
-        "garbled/metrics.jsonl: no readable metric lines (3 malformed)")
+        "garbled/metrics.jsonl: no train or eval records (0 other, 3 malformed line(s))")
+    # Before: "no readable metric lines (0 malformed)", of a file of readable lines.
+    (tmp_path / "downstream").mkdir()
+    (tmp_path / "downstream" / "metrics.jsonl").write_text('{"kind": "downstream", "step": 3}\n')
+    assert _error([str(tmp_path / "downstream")], capsys).endswith(
+        "downstream/metrics.jsonl: no train or eval records (1 other, 0 malformed line(s))")
 
 
 def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
