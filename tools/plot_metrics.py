@@ -5,8 +5,8 @@ one colour per run, labelled by the run directory's name.
     python tools/plot_metrics.py runs/dense runs/asymloop --out curves.png
 
 Unreadable lines (a crash can leave the last one half-written) are skipped and counted on stderr; a
-missing, empty or wholly unreadable metrics.jsonl, and an ``--out`` that cannot be written, are
-one-line errors on stderr (exit code 2).
+missing or empty metrics.jsonl or one without train or eval records, a run directory given twice,
+and an ``--out`` that cannot be written, are one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         problem = unwritable(args.out)
         if problem is not None:
             raise MetricsError(f"--out {args.out}: cannot be written ({problem})")
+        seen = set()
+        for run_dir in args.run_dirs:  # a glob overlapping another: its curves twice
+            if Path(run_dir).resolve() in seen:
+                raise MetricsError(f"{run_dir}: given twice")
+            seen.add(Path(run_dir).resolve())
         runs = {label: load_run(d) for label, d in zip(run_labels(args.run_dirs), args.run_dirs)}
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,14 @@ def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
     assert steps[-1] == 7 and losses[-1] != losses[-1]  # null -> NaN, a gap in the curve
 
 
+def test_a_run_given_twice_is_a_one_line_error(tmp_path, capsys):
+    """Before: its curves drawn twice, under two labels, exit 0."""
+    run = _run(tmp_path / "dense", 4.0)
+    assert _error([str(run), f"{run}/", "--out", str(tmp_path / "c.png")], capsys) == \
+        f"plot_metrics: {run}/: given twice"
+    assert not (tmp_path / "c.png").exists()
+
+
 def test_labels_are_dir_names_unless_they_clash(tmp_path):
     assert plots.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
     assert plots.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
