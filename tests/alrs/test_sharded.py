@@ -327,7 +327,7 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
                                    "effect on this run)")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
-        ALRS(lambda: params.items(), 100, ALRSConfig(s2=3.0, transition=10))  # all read
+        ALRS(lambda: params.items(), 1000, ALRSConfig(s2=3.0, transition=10))  # all read
         ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost", decoder_boost=4.0))
     assert caplog.records == []
 
@@ -348,6 +348,23 @@ def test_embedding_and_head_prefixes_that_start_no_weight_name_are_named(caplog)
     with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):  # excluded: nothing to pin
         ALRS(lambda: _params().items(), 100, ALRSConfig(exclude=("embedding.", "output_layer.")))
         ALRS(lambda: renamed.items(), 100, ALRSConfig(embedding_head_prefixes=["tok_", "lm_"]))
+    assert caplog.records == []
+
+
+def test_a_transition_without_a_later_allocation_is_named(caplog):
+    """Only step 1 allocates when alrs.interval > alrs.fraction x T; its multipliers hold at
+    once, so no ramp ever runs. Before, a transition set for such a run went without a word."""
+    params = _params()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 400, ALRSConfig(transition=10))
+    [record] = caplog.records
+    assert record.getMessage() == ("ALRS allocates only at step 1 (alrs.interval=100 > "
+                                   "alrs.fraction x total steps = 80), whose multipliers hold at "
+                                   "once: alrs.transition=10 has no effect")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 500, ALRSConfig(transition=10))  # allocates at 100 too
+        ALRS(lambda: params.items(), 400, ALRSConfig())  # the default, not set for this run
     assert caplog.records == []
 
 
