@@ -72,14 +72,19 @@ def label_of(cfg: RunConfig) -> str:
     return model.arch + ("_moe" if model.num_experts else "")
 
 
-def logged_tokens(records: list[dict]) -> dict[int, int]:
+def logged_tokens(metrics: Path, records: list[dict]) -> dict[int, int]:
     """Tokens of each step that a train record logs (tokens_per_s x step_time_s); a step logged
-    twice (lines a resume did not drop) counts its last record."""
+    twice (lines a resume did not drop) counts its last record. A count below one token (the
+    trainer logs none: a corrupt or hand-made record) is a ConfigError naming the step, not a
+    compute of zero or below that would make the fit NaN."""
     tokens = {}
     for r in records:
         rate, seconds = r.get("tokens_per_s"), r.get("step_time_s")
         if r.get("kind") == "train" and isinstance(rate, (int, float)) \
                 and isinstance(seconds, (int, float)) and math.isfinite(rate * seconds):
+            if round(rate * seconds) < 1:
+                raise ConfigError(f"{metrics}: step {r['step']} logs tokens_per_s={rate} x "
+                                  f"step_time_s={seconds}, not a positive number of tokens")
             tokens[r["step"]] = round(rate * seconds)
     return tokens
 
@@ -133,16 +138,23 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
     # stopped repeating the final step's evaluation (train_steps a multiple of eval_interval) has
     # two records of that step, and a resumed run may log a step again.
     evals = list({r["step"]: r for r in records
-                  if r.get("kind") == "eval" and r.get("val_loss") is not None}.values())
+                  if r.get("kind") == "eval" and "val_loss" in r}.values())
     if not evals:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
-    for r in evals:  # a NaN point would make the whole label's fit NaN
-        if not math.isfinite(float(r["val_loss"])):
-            raise ConfigError(f"{metrics}: val_loss={r['val_loss']} at step {r['step']} (a "
-                              "diverged run: leave it out)")
+    for r in evals:  # a NaN point would make the whole label's fit NaN, as would one <= 0
+        loss = r["val_loss"]
+        # The trainer logs a NaN/Inf loss as null: skipping it would take an earlier evaluation
+        # of the diverged run as its point.
+        if loss is None or isinstance(loss, float) and not math.isfinite(loss):
+            raise ConfigError(f"{metrics}: val_loss={'null (NaN/Inf)' if loss is None else loss}"
+                              f" at step {r['step']} (a diverged run: leave it out)")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not loss > 0:
+            raise ConfigError(f"{metrics}: val_loss={loss!r} at step {r['step']}: a validation "
+                              "NLL is a number > 0")
     step_tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    until, unlogged = tokens_until([r["step"] for r in evals], logged_tokens(records), step_tokens)
+    until, unlogged = tokens_until([r["step"] for r in evals], logged_tokens(metrics, records),
+                                step_tokens)
     note = None
     if unlogged:
         note = (f"{metrics}: {unlogged} of the {max(until)} steps have no train record with "
@@ -159,6 +171,8 @@ def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
     if len(points) < MIN_POINTS or len(set(compute)) < MIN_POINTS:
         raise ConfigError(f"{len(set(compute))} distinct compute values: a fit of E + A C^-alpha "
                           f"needs at least {MIN_POINTS}")
+    if loss.min() == loss.max():  # would fit exponent 0: a "power law" that never falls
+        raise ConfigError(f"validation loss {loss[0]:g} at every compute: no power law to fit")
     log_c = np.log(compute)
     best = None
     for irreducible in np.linspace(0.0, loss.min(), grid, endpoint=False):

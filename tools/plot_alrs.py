@@ -10,18 +10,23 @@ Matrices are grouped by their megatron-core name (ALRS block names such as
 attention matrices Q, K, V and O, as in the paper; the decoder's Global K and V
 (``linear_kv_global``), which the paper's LLaMA does not have, are their own group; "ffn" is gate,
 up and down. Embedding and output head are in no figure. Dense and Full Loop name every layer
-``decoder``: their plots have no encoder curves.
+``decoder``: their plots have no encoder curves. LatentLoop's prelude is ``encoder``, its middle
+block ``decoder`` (the copies a visit with untied weights has, ``visits.visit<v>.block``,
+included) and its coda a third curve, ``coda``.
 
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
-A path without an ALRS log, a log without rows yet, a log of the other mode (the two paths
-swapped) and an ``--out`` that cannot be written are one-line errors (exit code 1).
+A path without an ALRS log, a log without rows yet or without encoder/decoder layer matrices
+(one of the ALRS API on another model), a log of the other mode (the two paths swapped), a
+``--uniform`` log of other matrices than the ``--alrs`` one's (another model, granularity or
+exclude) and an ``--out`` that cannot be written are one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import matplotlib
 
@@ -33,14 +38,16 @@ from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
 from megaloop.cli import unwritable  # noqa: E402
 from megaloop.training.plots import save_figure  # noqa: E402
 
-SECTIONS = ("encoder", "decoder")
-SECTION_COLORS = ("C0", "C1")  # the same in every panel (Global KV has a decoder curve only)
+SECTIONS = ("encoder", "decoder", "coda")
+SECTION_COLORS = ("C0", "C1", "C2")  # the same in every panel (Global KV has a decoder curve only)
 MODULES = ("attention", "global_kv", "ffn")
 
 
 def classify(name: str) -> tuple[str, str] | None:
     """(section, module) of a layer matrix name, or None for embedding, head and anything else."""
     section = name.split(".", 1)[0]
+    if section == "visits" and ".block." in name:  # LatentLoop's untied middle-block copies
+        section = "decoder"
     if section not in SECTIONS:
         return None
     if ".self_attention.linear_kv_global." in name:
@@ -99,7 +106,11 @@ def plot_lr(log: ALRSLogData, path: str) -> None:
 
 
 def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
+    """``runs``: the --alrs log as "ALRS" (labelled by its mode: --alrs takes a decoder_boost
+    run's too) and the --uniform log as "uniform"."""
     styles = {"ALRS": "-", "uniform": "--"}
+    labels = {run: "decoder boost" if log.config.get("mode") == "decoder_boost" else run
+              for run, log in runs.items()}
     means_of = {run: group_means(log.norm_stable_rank, log.matrices) for run, log in runs.items()}
     modules = _present(means_of["ALRS"])
     fig, axes = plt.subplots(1, len(modules), figsize=(5.5 * len(modules), 4), squeeze=False)
@@ -109,7 +120,7 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
             for color, section in zip(SECTION_COLORS, SECTIONS):
                 if (section, module) in means:
                     ax.plot(log.spectra_step, means[section, module], styles[run], color=color,
-                            label=f"{section}, {run}")
+                            label=f"{section}, {labels[run]}")
         ax.set(title=f"normalised stable rank, {module}", xlabel="step",
                ylabel="stable rank / min(m, n)")
         ax.legend()
@@ -117,10 +128,15 @@ def plot_stable_rank(runs: dict[str, ALRSLogData], path: str) -> None:
 
 
 def _read(path: str, need_lrs: bool, flag: str) -> ALRSLogData:
-    """The log at ``path``, refused in one line when it holds no rows to draw, or when its run's
-    alrs.mode contradicts the curve ``flag`` labels it (--alrs: not uniform; --uniform: uniform),
-    as when the two paths are swapped."""
+    """The log at ``path``, refused in one line when it holds no rows to draw or no matrix of a
+    figure's groups, or when its run's alrs.mode contradicts the curve ``flag`` labels it
+    (--alrs: not uniform; --uniform: uniform), as when the two paths are swapped."""
     log = read_log(path)
+    if not any(classify(name) for name in log.matrices):  # figures without a curve
+        raise ValueError(f"{flag} {path}: none of its {len(log.matrices)} matrices (e.g. "
+                         f"{log.matrices[0] if log.matrices else '-'!r}) is an attention or FFN "
+                         "matrix of megatron-core's encoder or decoder layers, which the figures "
+                         "draw")
     mode = log.config.get("mode")
     if mode is not None and (mode == "uniform") != (flag == "--uniform"):
         raise ValueError(f"{flag} {path}: the log of an alrs.mode={mode!r} run; "
@@ -133,7 +149,7 @@ def _read(path: str, need_lrs: bool, flag: str) -> ALRSLogData:
     return log
 
 
-def main(argv: list[str] | None = None) -> list[str]:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Figures 3 and 4 of the paper from ALRS logs")
     parser.add_argument("--alrs", required=True, help="zarr log of the ALRS run")
     parser.add_argument("--uniform", help="zarr log of the uniform-LR run, for Figure 4")
@@ -147,17 +163,24 @@ def main(argv: list[str] | None = None) -> list[str]:
         runs = {"ALRS": _read(args.alrs, need_lrs=True, flag="--alrs")}
         if args.uniform:
             runs["uniform"] = _read(args.uniform, need_lrs=False, flag="--uniform")
+            other = set(runs["uniform"].matrices) ^ set(runs["ALRS"].matrices)
+            if other:  # e.g. the uniform run of another architecture: curves of two models
+                raise ValueError(f"--uniform {args.uniform}: its matrices differ from those of "
+                                 f"--alrs {args.alrs} (e.g. {sorted(other)[0]!r}): Figure 4 "
+                                 "compares one model under ALRS and under uniform LRs")
         os.makedirs(args.out, exist_ok=True)
         plot_lr(runs["ALRS"], written[0])
         plot_stable_rank(runs, written[1])
     except ValueError as error:  # megaloop's ConfigError (no zarr) included
-        raise SystemExit(f"plot_alrs: {error}") from None
+        print(f"plot_alrs: {error}", file=sys.stderr)
+        return 2
     except OSError as error:
-        raise SystemExit(f"plot_alrs: --out {args.out}: cannot be written "
-                         f"({error.strerror or error})") from None
+        print(f"plot_alrs: --out {args.out}: cannot be written ({error.strerror or error})",
+              file=sys.stderr)
+        return 2
     print("\n".join(written))
-    return written
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

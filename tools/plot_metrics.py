@@ -5,40 +5,47 @@ one colour per run, labelled by the run directory's name.
     python tools/plot_metrics.py runs/dense runs/asymloop --out curves.png
 
 Unreadable lines (a crash can leave the last one half-written) are skipped and counted on stderr; a
-missing, empty or wholly unreadable metrics.jsonl, and an ``--out`` that cannot be written, are
-one-line errors.
+missing or empty metrics.jsonl or one without train or eval records, a run directory given twice,
+and an ``--out`` that cannot be written, are one-line errors on stderr (exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from megaloop.cli import unwritable
 from megaloop.training.plots import MetricsError, load_run, plot_runs, run_labels
 
 
-def main(argv: list[str] | None = None) -> str:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="PNG curves of loss, LR and tokens/s of runs")
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default="curves.png", help="PNG file to write")
     args = parser.parse_args(argv)
-    problem = unwritable(args.out)
-    if problem is not None:
-        raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written ({problem})")
     try:
+        problem = unwritable(args.out)
+        if problem is not None:
+            raise MetricsError(f"--out {args.out}: cannot be written ({problem})")
+        seen = set()
+        for run_dir in args.run_dirs:  # a glob overlapping another: its curves twice
+            if Path(run_dir).resolve() in seen:
+                raise MetricsError(f"{run_dir}: given twice")
+            seen.add(Path(run_dir).resolve())
         runs = {label: load_run(d) for label, d in zip(run_labels(args.run_dirs), args.run_dirs)}
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            plot_runs(runs, args.out)
+        except (OSError, ValueError) as error:  # ValueError: an image format matplotlib lacks
+            raise MetricsError(f"--out {args.out}: cannot be written "
+                               f"({getattr(error, 'strerror', None) or error})") from None
     except MetricsError as error:
-        raise SystemExit(f"plot_metrics: {error}") from None
-    try:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        plot_runs(runs, args.out)
-    except (OSError, ValueError) as error:  # ValueError: an image format matplotlib lacks
-        raise SystemExit(f"plot_metrics: --out {args.out}: cannot be written "
-                         f"({getattr(error, 'strerror', None) or error})") from None
+        print(f"plot_metrics: {error}", file=sys.stderr)
+        return 2
     print(args.out)
-    return args.out
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

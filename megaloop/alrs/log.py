@@ -78,7 +78,7 @@ class ALRSLog:
         zarr = require_zarr()
         existing = None
         if os.path.exists(os.path.join(self.path, "zarr.json")):
-            existing = zarr.open_group(self.path, mode="r").attrs.get("format")
+            existing = _open_group(self.path).attrs.get("format")
             if existing not in (None, FORMAT):
                 raise config_error(f"{self.path} is not an ALRS log (format {existing!r})")
         # A store without "format" is an interrupted creation: start it again.
@@ -195,21 +195,38 @@ def stores_eigenvalues(path: str | os.PathLike) -> bool | None:
     life of a log); None where there is no complete log to append to."""
     if not os.path.exists(os.path.join(os.fspath(path), "zarr.json")):
         return None
-    attrs = require_zarr().open_group(os.fspath(path), mode="r").attrs
+    attrs = _open_group(os.fspath(path)).attrs
     return bool(attrs["log_eigenvalues"]) if attrs.get("format") == FORMAT else None
 
 
-def read_log(path: str | os.PathLike) -> ALRSLogData:
-    """Reads the committed rows of an ALRS log (read-only); a path that holds none is a
-    ValueError naming it."""
+def _open_group(path: str):
+    """The zarr group at ``path``, read-only; what cannot be read as one is a one-line
+    ConfigError naming ``path`` (a training start's resume checks open it too)."""
     try:
-        root = require_zarr().open_group(os.fspath(path), mode="r")
+        return require_zarr().open_group(path, mode="r")
     except OSError:  # missing, or no zarr group there (zarr's GroupNotFoundError)
-        raise ValueError(f"{os.fspath(path)}: no ALRS log there (a run with train.use_alrs=true "
-                         "writes <out_dir>/alrs.zarr)") from None
+        raise config_error(f"{path}: no ALRS log there (a run with train.use_alrs=true writes "
+                           "<out_dir>/alrs.zarr)") from None
+    except ValueError as e:  # an array's store, or a zarr.json that is not zarr's JSON
+        raise config_error(f"{path}: not a readable ALRS log ({e})") from None
+
+
+def read_log(path: str | os.PathLike) -> ALRSLogData:
+    """Reads the committed rows of an ALRS log (read-only); a path that holds none, or a log
+    that cannot be read (an array or chunk missing or damaged), is a ValueError naming it."""
+    root = _open_group(os.fspath(path))
     attrs = root.attrs
     if attrs.get("format") != FORMAT:
         raise ValueError(f"{os.fspath(path)} is not an ALRS log (format {attrs.get('format')!r})")
+    try:
+        return _read_rows(root)
+    except (KeyError, ValueError, OSError, RuntimeError) as e:  # RuntimeError: a damaged chunk
+        raise ValueError(f"{os.fspath(path)}: not a readable ALRS log ({type(e).__name__}: "
+                         f"{e})") from None
+
+
+def _read_rows(root) -> ALRSLogData:
+    attrs = root.attrs
     ns, nl = int(attrs["n_spectra"]), int(attrs["n_lr"])
     matrices = list(attrs["matrices"])
     eigs = {}

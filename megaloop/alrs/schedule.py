@@ -78,6 +78,12 @@ class ALRSConfig:
             if "" in getattr(self, name):
                 raise ValueError(f"ALRS {name} must not hold an empty string (it matches every "
                                  f"matrix), got {list(getattr(self, name))!r}")
+        if not self.embedding_head_prefixes:  # pin_s2 and exclude would treat no matrix
+            raise ValueError("ALRS embedding_head_prefixes must hold a prefix (embedding_head="
+                             "'include' treats embedding and head like any matrix), got []")
+        if not self.decoder_prefix:  # starts every name: every matrix boosted, embedding and head too
+            raise ValueError("ALRS decoder_prefix must not be empty (it starts every matrix name, "
+                             "so decoder_boost would scale every LR alike)")
         if self.mode not in MODES:
             raise ValueError(f"ALRS mode must be one of {MODES}, got {self.mode!r}")
         if not self.s1 > 0:
@@ -115,6 +121,13 @@ class ALRSConfig:
         if self.mode == "decoder_boost":
             return set(BOOST_OPTIONS)
         return set()
+
+    def reader(self) -> str:
+        """The settings that decide ``read_options``, as the messages about unread options name
+        them: the mode, and with mode alrs an embedding_head of 'include'."""
+        include = self.mode == "alrs" and self.embedding_head == "include"
+        return f"alrs.mode={self.mode!r}" + (" with alrs.embedding_head='include'" if include
+                                             else "")
 
     def unread_options(self) -> list[str]:
         """``name=value`` of each option set away from its default that this mode does not read.

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megaloop.alrs import experts
-from megaloop.alrs.allocator import allocate, initial_multipliers
+from megaloop.alrs.allocator import allocate, initial_multipliers, is_embedding_or_head
 from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
 from megaloop.alrs.log import ALRSLog, require_zarr
@@ -123,7 +123,7 @@ class ALRS:
             for model in models:
                 layouts.update(experts.global_layouts(model, fused_layouts(model)))
         named = list(self._named_parameters())
-        self._check_exclude_matches([name for name, _ in named])
+        self._check_exclude_matches([name for name, param in named if param.ndim == 2])
         local = weight_blocks(named, layouts, self.config.exclude, tp_size)
         self.matrices = (experts.every_block(local, experts.num_experts(models[0]),
                                              pipeline_group) if models is not None else local)
@@ -143,8 +143,31 @@ class ALRS:
         is_writer = not self._distributed or dist.get_rank() == 0
         unread = self.config.unread_options()
         if unread and is_writer:
-            logger.warning("ALRS: alrs.mode=%r does not read %s (set for another mode; no effect "
-                           "on this run)", self.config.mode, ", ".join(f"alrs.{u}" for u in unread))
+            logger.warning("ALRS: %s does not read %s (no effect on this run)",
+                           self.config.reader(), ", ".join(f"alrs.{u}" for u in unread))
+        # The default prefixes need not all match (a tied model has no output_layer), but a model
+        # of other names (the hook on another code base, or one without embedding) pins nothing.
+        held = any(p.ndim == 2 and is_embedding_or_head(n, self.config) for n, p in named)
+        if ("embedding_head_prefixes" in self.config.read_options()
+                and not any(self._from_every_rank(held)) and is_writer):
+            logger.warning("ALRS: no weight name starts with alrs.embedding_head_prefixes=%s, so "
+                           "alrs.embedding_head=%r treats no matrix as embedding or head (set "
+                           "them to this model's; its names are e.g. %r)",
+                           list(self.config.embedding_head_prefixes), self.config.embedding_head,
+                           self.names[0] if self.names else "-")
+        config = self.config
+        if (is_writer and config.mode == "alrs" and config.interval > config.fraction * total_steps
+                and config.transition != ALRSConfig().transition):  # ramps only follow step 1
+            logger.warning("ALRS allocates only at step 1 (alrs.interval=%d > alrs.fraction x "
+                           "total steps = %g), whose multipliers hold at once: alrs.transition=%d "
+                           "has no effect", config.interval, config.fraction * total_steps,
+                           config.transition)
+        if is_writer and self._boosts_every_layer():
+            logger.warning("ALRS: alrs.decoder_prefix=%r starts the name of every matrix but the "
+                           "embedding and head's (a model without encoder layers, e.g. "
+                           "model.arch=dense or fullloop): alrs.mode='decoder_boost' multiplies "
+                           "the LR of all layers alike, by alrs.decoder_boost=%g",
+                           self.config.decoder_prefix, self.config.decoder_boost)
         self.log, self._log_rewound = None, False
         error = None
         if log_path is not None and is_writer:
@@ -236,7 +259,11 @@ class ALRS:
                      "stable_rank": [s.stable_rank for s in self.last_stats.values()],
                      "norm_stable_rank": [s.norm_stable_rank for s in self.last_stats.values()],
                      "multiplier": [self.schedule.target[n] for n in self.names]}
-            self.log.append_spectra(step, allocated, stats, eig_table)
+            try:  # after the allocation: step()'s warning would say the multipliers did not change
+                self.log.append_spectra(step, allocated, stats, eig_table)
+            except Exception:
+                logger.warning("ALRS: writing the spectra log failed at step %d (the multipliers "
+                               "are allocated)", step, exc_info=True)
 
     def _gather_owned(self, params: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner."""
@@ -315,13 +342,15 @@ class ALRS:
         return torch.device("cpu")
 
     def _check_exclude_matches(self, names: list[str]) -> None:
-        """A pattern of ``exclude`` that no parameter of any rank contains (a typo) would leave
-        the matrices it was meant for scaled: refused in one line."""
+        """A pattern of ``exclude`` that no 2-D parameter (``names``) of any rank contains would
+        exclude nothing: a typo leaves the matrices it was meant for scaled, and one naming only
+        norms or biases leaves what ALRS never scales. Refused in one line."""
         unmatched = {p for p in self.config.exclude if not any(p in name for name in names)}
         unmatched = set.intersection(*self._from_every_rank(unmatched))
         if unmatched:
             raise config_error(f"alrs.exclude={list(self.config.exclude)!r}: "
-                               f"{sorted(unmatched)[0]!r} is in no parameter name (e.g. "
+                               f"{sorted(unmatched)[0]!r} is in no weight matrix's name (ALRS "
+                               f"analyses and scales 2-D weights only; e.g. "
                                f"{names[0] if names else 'none'!r})")
 
     def _check_prefixes_match(self) -> None:
@@ -342,6 +371,14 @@ class ALRS:
                 raise config_error(f"alrs.{field}: {prefix!r} starts no matrix name (e.g. "
                                    f"{example!r}), so alrs.mode={config.mode!r} would treat no "
                                    "matrix by it")
+
+    def _boosts_every_layer(self) -> bool:
+        """Whether decoder_boost leaves no layer matrix unboosted: a boost that differs from a
+        higher base LR only on embedding and head."""
+        config = self.config
+        return config.mode == "decoder_boost" and all(
+            name.startswith(config.decoder_prefix) or is_embedding_or_head(name, config)
+            for name in self.names)
 
     def _check_same_matrices_on_all_ranks(self) -> None:
         mine = [(m.name, m.full_shape) for m in self.matrices]

@@ -1,8 +1,8 @@
 """Loss, learning-rate and throughput curves of training runs, from their metrics.jsonl files.
 
 Used by ``tools/plot_metrics.py`` and by the quickstart. Unreadable lines (a crash can leave the last
-one half-written) are skipped and counted; a missing, empty or wholly unreadable metrics.jsonl is a
-one-line ``MetricsError``.
+one half-written) are skipped and counted; a missing or empty metrics.jsonl, or one without train
+or eval records, is a one-line ``MetricsError``.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ def load_run(run_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     if path.stat().st_size == 0:
         raise MetricsError(f"{path}: file is empty")
     records, malformed = read_metrics(path)
-    if malformed:
-        print(f"{path}: skipped {malformed} malformed line(s)", file=sys.stderr)
     train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
     evals = sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"])
-    if not train and not evals:
-        raise MetricsError(f"{path}: no readable metric lines ({malformed} malformed)")
+    if not train and not evals:  # the error counts the malformed lines: no note before it
+        raise MetricsError(f"{path}: no train or eval records ({len(records)} other, "
+                           f"{malformed} malformed line(s))")
+    if malformed:
+        print(f"{path}: skipped {malformed} malformed line(s)", file=sys.stderr)
     return train, evals
 
 

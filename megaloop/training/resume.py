@@ -214,14 +214,32 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
             continue
         if name in unread:
             lines.append((logging.INFO, f"{where}: {name} changed from {old!r} to {new!r}; "
-                          f"alrs.mode={cfg.alrs.mode!r} does not read it (no effect on this run)"))
+                          f"{cfg.alrs.reader()} does not read it (no effect on this run)"))
             continue
         when = f"from step {step + 1}"
         if name in AT_NEXT_ALLOCATION or (name == "train.use_alrs" and cfg.alrs.mode == "alrs"):
             when = f"from ALRS's next allocation, at step {first}"
         lines.append((logging.INFO if name in BOOKKEEPING else logging.WARNING,
                       f"{where}: {name} changed from {old!r} to {new!r}; in effect {when}"))
+    window = _allocation_window(cfg, before, first) if alrs_on else None
+    if window is not None:
+        lines.append((logging.WARNING, f"{where}: {window}"))
     return False, lines
+
+
+def _allocation_window(cfg: RunConfig, before: dict, first: int | None) -> str | None:
+    """What a changed train.train_steps (or alrs.fraction) does to ALRS's allocations
+    (alrs.mode=alrs), which end at alrs.fraction x train.train_steps whether the LR schedule is
+    kept or not: a longer run may
+    allocate again after its multipliers froze, a shorter one freeze them now. None when the
+    window stays where it was."""
+    old = before["alrs.fraction"] * before["train.train_steps"]
+    new = cfg.alrs.fraction * cfg.train.train_steps
+    if cfg.alrs.mode != "alrs" or old == new:
+        return None
+    return (f"ALRS allocates up to alrs.fraction x train.train_steps = {new:g} (was {old:g}); "
+            + (f"next allocation at step {first}" if first is not None else
+               "none is left: the multipliers saved in the checkpoint hold"))
 
 
 def resumed_progress(path: Path, cfg: RunConfig) -> tuple[int, int]:

@@ -352,13 +352,15 @@ class Trainer:
         self.optimizer.zero_grad()
         loss, loss_tokens = self._run_microbatches(data, forward_only=False)
         base_lr = self.current_lr()
+        # ALRS runs on a skipped step too: its analyses and allocations are tied to step numbers,
+        # and a skipped step 1 (its only allocation in a short run) would leave every LR uniform.
+        if self.alrs is not None:
+            self.lr_multipliers.set(self.alrs.step(self.step, base_lr))
         if not math.isfinite(loss):
             self.skipped_steps += 1
             self._consecutive_nonfinite += 1
             return StepOutcome(loss, base_lr, None, True, loss_tokens)
         self._consecutive_nonfinite = 0
-        if self.alrs is not None:
-            self.lr_multipliers.set(self.alrs.step(self.step, base_lr))
         self.lr_multipliers.apply()  # the group LRs of this step, multipliers included
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 import zarr
 
 from megaloop.alrs import ALRSLog, read_log
@@ -111,3 +112,31 @@ def test_reopening_with_the_other_eigenvalue_setting_is_refused_in_one_line(tmp_
         f"alrs.log_eigenvalues={not first}: the ALRS log {tmp_path / 'r.zarr'} holds eigenvalues "
         f"for {'every' if first else 'no'} analysis, which cannot change within it; set it back, "
         "or use another train.out_dir (a new log)")
+
+
+def test_a_damaged_log_is_one_line_naming_it(tmp_path):
+    """Before: JSONDecodeError, KeyError and zstd RuntimeError tracebacks (plot_alrs), and a
+    training start that refused with "Expecting property name ..." naming no file."""
+    import shutil
+
+    from megaloop.alrs import ALRS
+
+    good = tmp_path / "good.zarr"
+    log = ALRSLog(good, NAMES, SHAPES, GROUPS)
+    log.append_spectra(1, True, _stats(0))
+    broken = {name: tmp_path / f"{name}.zarr" for name in ("json", "array", "chunk")}
+    for path in broken.values():
+        shutil.copytree(good, path)
+    (broken["json"] / "zarr.json").write_text("{half-written")
+    shutil.rmtree(broken["array"] / "spectra" / "alpha")
+    [chunk] = [p for p in (broken["chunk"] / "spectra" / "alpha" / "c").rglob("*") if p.is_file()]
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    for name, detail in (("json", "(Expecting property name"),
+                         ("array", "(KeyError: 'spectra/alpha')"), ("chunk", "(RuntimeError: ")):
+        with pytest.raises(ValueError) as error:
+            read_log(broken[name])
+        assert str(error.value).startswith(f"{broken[name]}: not a readable ALRS log {detail}")
+        assert "\n" not in str(error.value)
+    weights = {NAMES[0]: torch.nn.Parameter(torch.randn(6, 4))}
+    with pytest.raises(ValueError, match=rf"^{broken['json']}: not a readable ALRS log \("):
+        ALRS(lambda: weights.items(), 10, log_path=broken["json"])

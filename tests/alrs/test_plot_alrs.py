@@ -15,15 +15,20 @@ def test_classify_megatron_names():
         assert plot_alrs.classify(name) == ("decoder", "global_kv")
     assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc1.weight:gate") == ("decoder", "ffn")
     assert plot_alrs.classify("decoder.layers.1.mlp.linear_fc2.weight") == ("decoder", "ffn")
+    # LatentLoop: before, the coda and the untied middle-block copies were in no figure.
+    assert plot_alrs.classify("coda.layers.0.mlp.linear_fc2.weight") == ("coda", "ffn")
+    assert plot_alrs.classify("visits.visit2.block.layers.0.self_attention.linear_qkv.weight:q"
+                              ) == ("decoder", "attention")
+    assert plot_alrs.classify("visits.visit1.projection.up_weight") is None
     assert plot_alrs.classify("embedding.word_embeddings.weight") is None
     assert plot_alrs.classify("output_layer.weight") is None
 
 
-def _run(path, mode):
+def _run(path, mode, layers=("encoder", "decoder")):
     g = torch.Generator().manual_seed(0)
-    names = ["encoder.layers.0.self_attention.linear_qkv.weight", "encoder.layers.0.mlp.linear_fc1.weight",
-             "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-             "decoder.layers.0.self_attention.linear_kv_global.weight"]
+    names = [f"{layer}.layers.0.{matrix}.weight" for layer in layers
+             for matrix in ("self_attention.linear_qkv", "mlp.linear_fc1")]
+    names += ["decoder.layers.0.self_attention.linear_kv_global.weight"]
     params = {n: nn.Parameter(torch.randn(24, 16, generator=g) * torch.rand(24, 16, generator=g) ** -(i / 2))
               for i, n in enumerate(names)}
     alrs = ALRS(lambda: params.items(), 60, ALRSConfig(mode=mode, interval=5, transition=3, fraction=0.5),
@@ -36,11 +41,25 @@ def _run(path, mode):
 def test_figures_are_written_from_logs(tmp_path):
     _run(tmp_path / "a.zarr", "alrs")
     _run(tmp_path / "u.zarr", "uniform")
-    written = plot_alrs.main(["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "u.zarr"),
-                              "--out", str(tmp_path / "plots")])
-    for path in written:
+    assert plot_alrs.main(["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "u.zarr"),
+                           "--out", str(tmp_path / "plots")]) == 0
+    for path in (tmp_path / "plots" / "fig3_lr.png", tmp_path / "plots" / "fig4_stable_rank.png"):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_figure_4_labels_a_decoder_boost_run_as_such(tmp_path, monkeypatch):
+    """--alrs takes the log of any run but a uniform one; before, a decoder_boost run's curves
+    were labelled "ALRS"."""
+    _run(tmp_path / "b.zarr", "decoder_boost")
+    _run(tmp_path / "u.zarr", "uniform")
+    figures = []
+    monkeypatch.setattr(plot_alrs, "save_figure", lambda fig, path: figures.append(fig))
+    assert plot_alrs.main(["--alrs", str(tmp_path / "b.zarr"), "--uniform", str(tmp_path / "u.zarr"),
+                           "--out", str(tmp_path / "plots")]) == 0
+    labels = figures[1].axes[0].get_legend_handles_labels()[1]
+    assert labels == ["encoder, decoder boost", "decoder, decoder boost", "encoder, uniform",
+                      "decoder, uniform"]
 
 
 def test_attention_means_local_q_k_v_o_and_global_kv_is_its_own_group():
@@ -66,15 +85,16 @@ def test_group_means_over_matching_matrices():
     assert means["encoder", "ffn"].tolist() == [2.0] and means["decoder", "ffn"].tolist() == [5.0]
 
 
-def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path):
-    import pytest
-
+def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path, capsys):
     from megaloop.alrs import ALRSLog
 
     _run(tmp_path / "a.zarr", "alrs")
     _run(tmp_path / "u.zarr", "uniform")
+    _run(tmp_path / "dense.zarr", "uniform", layers=("decoder",))
     ALRSLog(tmp_path / "new.zarr", ["decoder.layers.0.mlp.linear_fc2.weight"], [(4, 4)],
             ["decoder.layers.0.mlp.linear_fc2.weight", "base"])  # a run killed before its rows
+    ALRSLog(tmp_path / "other.zarr", ["layers.0.attn.weight"], [(4, 4)],
+            ["layers.0.attn.weight", "base"])  # the ALRS API on a model of other names
     (tmp_path / "file").write_text("x")
     out = str(tmp_path / "plots")
     cases = [  # before the fix: tracebacks, or empty figures and exit 0
@@ -93,13 +113,22 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path):
         (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "a.zarr"), "--out",
           out], f"--uniform {tmp_path / 'a.zarr'}: the log of an alrs.mode='alrs' run; "
                 "--uniform takes the log of an alrs.mode='uniform' run"),
+        # Before: fig3_lr.png written, then "Number of columns must be a positive integer, not 0".
+        (["--alrs", str(tmp_path / "other.zarr"), "--out", out],
+         f"--alrs {tmp_path / 'other.zarr'}: none of its 1 matrices (e.g. 'layers.0.attn.weight') "
+         "is an attention or FFN matrix of megatron-core's encoder or decoder layers"),
+        # Before: the uniform run of another model drawn as Figure 4's comparison.
+        (["--alrs", str(tmp_path / "a.zarr"), "--uniform", str(tmp_path / "dense.zarr"), "--out",
+          out], f"--uniform {tmp_path / 'dense.zarr'}: its matrices differ from those of --alrs "
+                f"{tmp_path / 'a.zarr'} (e.g. 'encoder.layers.0.mlp.linear_fc1.weight'): Figure 4 "
+                "compares one model under ALRS and under uniform LRs"),
         (["--alrs", str(tmp_path / "a.zarr"), "--out", str(tmp_path / "file")],
          f"--out {tmp_path / 'file'}: cannot be written ({tmp_path / 'file'} is not a writable "
          "directory)"),
     ]
+    capsys.readouterr()
     for argv, message in cases:
-        with pytest.raises(SystemExit) as exit_:
-            plot_alrs.main(argv)
-        assert str(exit_.value).startswith(f"plot_alrs: {message}"), exit_.value
-        assert "\n" not in str(exit_.value)
+        assert plot_alrs.main(argv) == 2  # was 1 (SystemExit with a message)
+        err = capsys.readouterr().err
+        assert err.startswith(f"plot_alrs: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "plots").exists()

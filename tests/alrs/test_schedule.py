@@ -13,6 +13,10 @@ from megaloop.alrs import ALRS, ALRSConfig, MultiplierSchedule, read_log
     # "" is in every name: every matrix excluded, or every one pinned as embedding/head.
     (dict(exclude=("router", "")), "exclude"), (dict(embedding_head_prefixes=[""]),
                                                "embedding_head_prefixes"),
+    # None: before, pin_s2 pinned nothing (embedding and head joined the α range), silently.
+    (dict(embedding_head_prefixes=[]), "embedding_head_prefixes"),
+    # "" starts every name: before, decoder_boost scaled every LR, embedding and head included.
+    (dict(mode="decoder_boost", decoder_prefix=""), "decoder_prefix"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:

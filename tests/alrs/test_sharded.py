@@ -78,6 +78,22 @@ def test_hook_failures_never_reach_training(monkeypatch, caplog):
     assert all(math.isnan(s.alpha) for s in alrs.last_stats.values())
 
 
+def test_a_failed_spectra_log_write_is_named_as_such(monkeypatch, caplog, tmp_path):
+    """Before: "analysis at step 1 failed; multipliers unchanged", though they had changed."""
+    params = _params()
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), log_path=tmp_path / "a.zarr")
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(alrs.log, "append_spectra", full_disk)
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        multipliers = alrs.step(1)
+    assert len(set(multipliers.values())) > 2
+    assert "writing the spectra log failed at step 1 (the multipliers are allocated)" in caplog.text
+    assert "analysis at step 1 failed" not in caplog.text
+
+
 def test_dead_matrix_keeps_its_previous_multiplier(caplog):
     params = _params()
     alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10, transition=0, fraction=1.0))
@@ -278,8 +294,15 @@ def test_an_exclude_pattern_matching_no_parameter_is_refused():
     assert kept and not any("linear_fc1" in name for name in kept)
     # Before the fix a typo excluded nothing, silently.
     with pytest.raises(ConfigError, match=r"^alrs.exclude=\['linear_fc1', 'routr'\]: 'routr' is "
-                                          r"in no parameter name \(e.g. '"):
+                                          r"in no weight matrix's name \(ALRS analyses and scales "
+                                          r"2-D weights only; e.g. 'embedding."):
         ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("linear_fc1", "routr")))
+    # Before: a pattern naming only 1-D parameters (norms, biases), which ALRS never scales, was
+    # taken and excluded nothing.
+    params["decoder.layers.0.input_layernorm.weight"] = nn.Parameter(torch.ones(24))
+    with pytest.raises(ConfigError, match=r"^alrs.exclude=\['layernorm'\]: 'layernorm' is in no "
+                                          r"weight matrix's name"):
+        ALRS(lambda: params.items(), 100, ALRSConfig(exclude=("layernorm",)))
 
 
 def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
@@ -290,13 +313,75 @@ def test_options_the_mode_does_not_read_are_named_once_at_start(caplog):
         ALRS(lambda: params.items(), 100, uniform)
     [record] = caplog.records
     assert record.getMessage() == ("ALRS: alrs.mode='uniform' does not read alrs.s2=3.0, "
-                                   "alrs.transition=10, alrs.decoder_boost=4.0 (set for another "
-                                   "mode; no effect on this run)")
+                                   "alrs.transition=10, alrs.decoder_boost=4.0 (no effect on this "
+                                   "run)")
+    caplog.clear()
+    # Before: "alrs.mode='alrs' does not read ... (set for another mode ...)", though that mode
+    # reads the prefixes; embedding_head='include' is what leaves them unread.
+    include = ALRSConfig(embedding_head="include", embedding_head_prefixes=["embedding."])
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 100, include)
+    [record] = caplog.records
+    assert record.getMessage() == ("ALRS: alrs.mode='alrs' with alrs.embedding_head='include' does "
+                                   "not read alrs.embedding_head_prefixes=('embedding.',) (no "
+                                   "effect on this run)")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
-        ALRS(lambda: params.items(), 100, ALRSConfig(s2=3.0, transition=10))  # all read
+        ALRS(lambda: params.items(), 1000, ALRSConfig(s2=3.0, transition=10))  # all read
         ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost", decoder_boost=4.0))
     assert caplog.records == []
+
+
+def test_embedding_and_head_prefixes_that_start_no_weight_name_are_named(caplog):
+    """The hook on a model of other names: pin_s2 pins nothing. Before, without a word."""
+    renamed = {n.replace("embedding.", "tok_embeddings.").replace("output_layer.", "lm_head."): p
+               for n, p in _params().items()}
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        multipliers = ALRS(lambda: renamed.items(), 100, ALRSConfig()).step(1)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "ALRS: no weight name starts with alrs.embedding_head_prefixes=['embedding.', "
+        "'output_layer.'], so alrs.embedding_head='pin_s2' treats no matrix as embedding or head "
+        "(set them to this model's; its names are e.g. 'tok_embeddings.word_embeddings.weight')")
+    assert multipliers["tok_embeddings.word_embeddings.weight"] < 5.0  # in the α range
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):  # excluded: nothing to pin
+        ALRS(lambda: _params().items(), 100, ALRSConfig(exclude=("embedding.", "output_layer.")))
+        ALRS(lambda: renamed.items(), 100, ALRSConfig(embedding_head_prefixes=["tok_", "lm_"]))
+    assert caplog.records == []
+
+
+def test_a_transition_without_a_later_allocation_is_named(caplog):
+    """Only step 1 allocates when alrs.interval > alrs.fraction x T; its multipliers hold at
+    once, so no ramp ever runs. Before, a transition set for such a run went without a word."""
+    params = _params()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 400, ALRSConfig(transition=10))
+    [record] = caplog.records
+    assert record.getMessage() == ("ALRS allocates only at step 1 (alrs.interval=100 > "
+                                   "alrs.fraction x total steps = 80), whose multipliers hold at "
+                                   "once: alrs.transition=10 has no effect")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        ALRS(lambda: params.items(), 500, ALRSConfig(transition=10))  # allocates at 100 too
+        ALRS(lambda: params.items(), 400, ALRSConfig())  # the default, not set for this run
+    assert caplog.records == []
+
+
+def test_a_decoder_boost_of_every_layer_is_named(caplog):
+    """Dense and Full Loop name every layer decoder: the boost is a higher LR of all layers.
+    Before, without a word."""
+    params = {n: p for n, p in _params().items() if not n.startswith("encoder.")}
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        multipliers = ALRS(lambda: params.items(), 100, ALRSConfig(mode="decoder_boost")).step(1)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "ALRS: alrs.decoder_prefix='decoder.' starts the name of every matrix but the embedding "
+        "and head's (a model without encoder layers, e.g. model.arch=dense or fullloop): "
+        "alrs.mode='decoder_boost' multiplies the LR of all layers alike, by "
+        "alrs.decoder_boost=2")
+    assert {n for n, m in multipliers.items() if m != 1.0} == {n for n in params
+                                                              if n.startswith("decoder.")}
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -129,14 +129,17 @@ def test_bad_inputs_are_one_line_errors(load_tool, runs, tmp_path, capsys, monke
     assert message.format(**values) in err and "\n" not in err
 
 
-def test_a_diverged_run_is_named_instead_of_fitting_nan(load_tool, runs, capsys):
+@pytest.mark.parametrize("loss, shown", [(float("nan"), "nan"), (None, "null (NaN/Inf)")])
+def test_a_diverged_run_is_named_instead_of_fitting_nan(load_tool, runs, capsys, loss, shown):
+    """null: what megaloop.training.monitor writes for a NaN/Inf loss. Before, such an evaluation
+    was skipped, and the run's earlier one taken as its point, exit 0."""
     tool = load_tool("fit_scaling")
     metrics = f"{runs[0]}/metrics.jsonl"
     with open(metrics, "a") as f:
-        f.write(json.dumps({"kind": "eval", "step": 2_000, "val_loss": float("nan")}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": 2_000, "val_loss": loss}) + "\n")
     assert tool.main(runs) == 2  # was exit 0 with "L(C) = nan + nan * C^-nan"
-    assert capsys.readouterr().err.strip() == (f"error: {metrics}: val_loss=nan at step 2000 (a "
-                                               "diverged run: leave it out)")
+    assert capsys.readouterr().err.strip() == (f"error: {metrics}: val_loss={shown} at step 2000 "
+                                               "(a diverged run: leave it out)")
 
 
 def test_a_saving_that_cannot_be_computed_says_so(load_tool, runs, capsys):
@@ -216,3 +219,41 @@ def test_a_run_whose_model_changed_across_resumes_is_refused(load_tool, tmp_path
         f" FLOPs per token per process, which config.yaml's model "
         f"({model_flops_per_token(deep):.6g} per token) gives on no whole number of processes: "
         "the model changed across resumes")
+
+
+def _rewrite(run, change):
+    """Rewrites the run's metrics.jsonl with ``change`` applied to each record."""
+    metrics = f"{run}/metrics.jsonl"
+    with open(metrics) as f:
+        records = [change(json.loads(line)) for line in f]
+    with open(metrics, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return metrics
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("val_loss", 0.0, "val_loss=0.0 at step 10: a validation NLL is a number > 0"),
+    ("val_loss", -0.5, "val_loss=-0.5 at step 10: a validation NLL is a number > 0"),
+    ("val_loss", "2.1", "val_loss='2.1' at step 10: a validation NLL is a number > 0"),
+    ("tokens_per_s", -100.0, "step 1 logs tokens_per_s=-100.0 x step_time_s=0.5, not a positive "
+                             "number of tokens"),
+    ("tokens_per_s", 0.0, "step 1 logs tokens_per_s=0.0 x step_time_s=0.5, not a positive number "
+                          "of tokens"),
+])
+def test_a_loss_or_token_count_no_run_logs_is_named_instead_of_fitting_nan(
+        load_tool, runs, capsys, field, value, message):
+    """Before: "L(C) = 0.0000 + nan * C^-nan" and exit 0, or a LinAlgError traceback."""
+    tool = load_tool("fit_scaling")
+    metrics = _rewrite(runs[0], lambda r: {**r, field: value} if field in r else r)
+    assert tool.main(runs) == 2
+    assert capsys.readouterr().err.strip() == f"error: {metrics}: {message}"
+
+
+def test_a_loss_equal_at_every_compute_is_no_power_law(load_tool, runs, capsys):
+    """Before: "L(C) = 2.0000 + 1.99 * C^-0.0000" and exit 0."""
+    tool = load_tool("fit_scaling")
+    for run in runs[:5]:  # every moe_base run
+        _rewrite(run, lambda r: {**r, "val_loss": 2.5} if "val_loss" in r else r)
+    assert tool.main(runs) == 2
+    assert capsys.readouterr().err.strip() == ("error: label 'moe_base': validation loss 2.5 at "
+                                               "every compute: no power law to fit")

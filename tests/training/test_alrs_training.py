@@ -110,3 +110,22 @@ print("EXIT", main(["--config", {str(tmp_path / "plain.yaml")!r}]),
     assert errors == ["error: the ALRS log (train.use_alrs=true, or ALRS(log_path=...)) is written "
                       "with zarr, which is not installed: pip install 'zarr>=3'"]
     assert not (tmp_path / "alrs" / "alrs.zarr").exists()
+
+
+def test_a_skipped_first_step_still_allocates(mcore, pattern_data, tmp_path):
+    """Step 1 is the only allocation of a run shorter than alrs.interval / alrs.fraction. Before,
+    a NaN loss at step 1 skipped ALRS with the update: the run trained with uniform LRs, its log
+    holding no spectra, without a word."""
+    cfg = tiny_run(pattern_data, tmp_path, train={"use_alrs": True, "train_steps": 2})
+    trainer = Trainer(cfg)
+    forward = trainer._forward_step
+
+    def nan_at_step_1(data_iterator, model, num_iterations=None):
+        output, loss_func = forward(data_iterator, model, num_iterations)
+        return (output * float("nan") if trainer.step == 1 else output), loss_func
+
+    trainer._forward_step = nan_at_step_1
+    trainer.train()
+    assert trainer.skipped_steps == 1
+    assert max(trainer.lr_multipliers.multipliers.values()) == pytest.approx(cfg.alrs.s2)
+    assert read_log(tmp_path / "alrs.zarr").spectra_step.tolist() == [1]

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -21,6 +22,15 @@ def _run(run_dir, loss_scale, with_eval=True):
     return run_dir
 
 
+def _error(argv, capsys) -> str:
+    """The one stderr line of a refused plot_metrics run, which exits with code 2."""
+    capsys.readouterr()
+    assert plot_metrics.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plot_metrics: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
 def _assert_png(path):
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
@@ -30,7 +40,7 @@ def test_two_runs_give_one_png(tmp_path):
     a = _run(tmp_path / "dense", 4.0)
     b = _run(tmp_path / "asymloop", 3.0, with_eval=False)
     out = tmp_path / "plots" / "curves.png"
-    assert plot_metrics.main([str(a), str(b), "--out", str(out)]) == str(out)
+    assert plot_metrics.main([str(a), str(b), "--out", str(out)]) == 0
     _assert_png(out)
     assert [p.name for p in out.parent.iterdir()] == ["curves.png"]  # no .tmp left behind
 
@@ -43,25 +53,26 @@ def test_loaded_series_follow_the_log(tmp_path):
     assert plots._series(train, "tokens_per_s")[1][0] == pytest.approx(10240.0)
 
 
-def test_missing_file_is_a_one_line_error(tmp_path):
+def test_missing_file_is_a_one_line_error(tmp_path, capsys):
     a = _run(tmp_path / "dense", 4.0)
-    with pytest.raises(SystemExit) as exc:
-        plot_metrics.main([str(a), str(tmp_path / "nope"), "--out", str(tmp_path / "c.png")])
-    message = str(exc.value)
-    assert message.startswith("plot_metrics: ") and "\n" not in message
+    message = _error([str(a), str(tmp_path / "nope"), "--out", str(tmp_path / "c.png")], capsys)
     assert f"{tmp_path / 'nope' / 'metrics.jsonl'}: no such file" in message
     assert not (tmp_path / "c.png").exists()
 
 
-def test_empty_and_garbled_files_are_one_line_errors(tmp_path):
+def test_empty_and_garbled_files_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "metrics.jsonl").write_text("not json\n[1, 2]\n{\"kind\": \"train\"}\n")
-    with pytest.raises(SystemExit, match="empty/metrics.jsonl: file is empty"):
-        plot_metrics.main([str(tmp_path / "empty")])
-    with pytest.raises(SystemExit, match=r"garbled/metrics.jsonl: no readable metric lines \(3 malformed\)"):
-        plot_metrics.main([str(tmp_path / "garbled")])
+    assert _error([str(tmp_path / "empty")], capsys).endswith("empty/metrics.jsonl: file is empty")
+    assert _error([str(tmp_path / "garbled")], capsys).endswith(
+        "garbled/metrics.jsonl: no train or eval records (0 other, 3 malformed line(s))")
+    # Before: "no readable metric lines (0 malformed)", of a file of readable lines.
+    (tmp_path / "downstream").mkdir()
+    (tmp_path / "downstream" / "metrics.jsonl").write_text('{"kind": "downstream", "step": 3}\n')
+    assert _error([str(tmp_path / "downstream")], capsys).endswith(
+        "downstream/metrics.jsonl: no train or eval records (1 other, 0 malformed line(s))")
 
 
 def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
@@ -78,12 +89,20 @@ def test_half_written_last_line_and_null_loss_are_tolerated(tmp_path, capsys):
     assert steps[-1] == 7 and losses[-1] != losses[-1]  # null -> NaN, a gap in the curve
 
 
+def test_a_run_given_twice_is_a_one_line_error(tmp_path, capsys):
+    """Before: its curves drawn twice, under two labels, exit 0."""
+    run = _run(tmp_path / "dense", 4.0)
+    assert _error([str(run), f"{run}/", "--out", str(tmp_path / "c.png")], capsys) == \
+        f"plot_metrics: {run}/: given twice"
+    assert not (tmp_path / "c.png").exists()
+
+
 def test_labels_are_dir_names_unless_they_clash(tmp_path):
     assert plots.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
     assert plots.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
 
 
-def test_an_out_path_that_cannot_be_written_is_a_one_line_error_leaving_nothing(tmp_path):
+def test_an_out_path_that_cannot_be_written_is_a_one_line_error_leaving_nothing(tmp_path, capsys):
     run = _run(tmp_path / "runs" / "dense", 4.0)
     target = tmp_path / "plots"
     target.mkdir()
@@ -91,14 +110,13 @@ def test_an_out_path_that_cannot_be_written_is_a_one_line_error_leaving_nothing(
     metrics = tmp_path / "runs" / "dense" / "metrics.jsonl"
     for out, reason in ((target, "it is a directory"),
                         (metrics / "c.png", f"{metrics} is not a writable directory")):
-        with pytest.raises(SystemExit) as exc:
-            plot_metrics.main([str(run), "--out", str(out)])
-        assert str(exc.value) == f"plot_metrics: --out {out}: cannot be written ({reason})"
+        assert _error([str(run), "--out", str(out)], capsys) == \
+            f"plot_metrics: --out {out}: cannot be written ({reason})"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "runs"]
     assert not list(target.iterdir())
 
 
-def test_a_failed_write_is_a_one_line_error_leaving_no_temporary(tmp_path, monkeypatch):
+def test_a_failed_write_is_a_one_line_error_leaving_no_temporary(tmp_path, monkeypatch, capsys):
     import errno
 
     run = _run(tmp_path / "dense", 4.0)
@@ -107,16 +125,16 @@ def test_a_failed_write_is_a_one_line_error_leaving_no_temporary(tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(plots.os, "replace", full_disk)
-    with pytest.raises(SystemExit, match=r"c.png: cannot be written \(No space left on device\)$"):
-        plot_metrics.main([str(run), "--out", str(tmp_path / "out" / "c.png")])
+    assert _error([str(run), "--out", str(tmp_path / "out" / "c.png")], capsys).endswith(
+        "c.png: cannot be written (No space left on device)")
     assert not list((tmp_path / "out").iterdir())
 
 
-def test_the_image_format_follows_the_file_name(tmp_path):
+def test_the_image_format_follows_the_file_name(tmp_path, capsys):
     run = _run(tmp_path / "dense", 4.0)
     plot_metrics.main([str(run), "--out", str(tmp_path / "c.svg")])
     assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
-    with pytest.raises(SystemExit, match=r"c.xyz: cannot be written \(.*c.xyz: matplotlib "
-                                         r"writes no .xyz files \(it writes .*png"):
-        plot_metrics.main([str(run), "--out", str(tmp_path / "c.xyz")])
+    assert re.search(r"c.xyz: cannot be written \(.*c.xyz: matplotlib writes no .xyz files "
+                     r"\(it writes .*png", _error([str(run), "--out", str(tmp_path / "c.xyz")],
+                                                  capsys))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.svg", "dense"]

@@ -422,7 +422,27 @@ def test_a_changed_alrs_option_the_mode_does_not_read_is_noted_without_effect(
                             alrs={"mode": mode, "embedding_head": embedding_head})
     assert _check(path, _changed(cfg, "alrs", **{field: new}), caplog) == [
         (logging.INFO, f"resume from {path}: alrs.{field} changed from {old!r} to {new!r}; "
-                       f"alrs.mode={mode!r} does not read it (no effect on this run)")]
+                       f"alrs.mode={mode!r}"
+                       + (" with alrs.embedding_head='include'" if embedding_head == "include"
+                          else "") + " does not read it (no effect on this run)")]
+
+
+@pytest.mark.parametrize("mode, steps, line", [
+    ("alrs", 5000, "ALRS allocates up to alrs.fraction x train.train_steps = 1000 (was 200); next "
+                   "allocation at step 100"),
+    ("alrs", 10, "ALRS allocates up to alrs.fraction x train.train_steps = 2 (was 200); none is "
+                 "left: the multipliers saved in the checkpoint hold"),
+    ("uniform", 5000, None),  # no allocations to move
+])
+def test_a_changed_train_steps_names_where_alrs_allocations_now_end(tmp_path, caplog, mode, steps,
+                                                                     line):
+    """The window is a fraction of train_steps. Before, a longer run reopened allocations after
+    the freeze, and a shorter one froze them, with only the LR schedule's note."""
+    path, cfg = _checkpoint(tmp_path, train={"use_alrs": True, "train_steps": 1000},
+                            alrs={"mode": mode})
+    changed = _changed(cfg, "train", train_steps=steps)
+    assert _check(path, changed, caplog) == ([(logging.WARNING, f"resume from {path}: {line}")]
+                                             if line else [])
 
 
 def test_latentloop_residual_scale_init_applies_only_to_fixed_scales(tmp_path, caplog):
