@@ -192,7 +192,8 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
     however it is spelt (``./a.jsonl`` and a glob matching ``a.jsonl``, a link to it): its
     documents would otherwise be read twice.
 
-    Files in a directory that are not of a supported type are left out and listed in ``skipped``.
+    Files in a directory that are not of a supported type, or .json files that are not JSON lines,
+    are left out and listed in ``skipped``.
     """
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     files: dict[str, str] = {}  # real path -> the first spelling given
@@ -206,9 +207,11 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
             found, others = [], []
             for p in sorted(Path(spec).rglob("*")):
                 if p.is_file():
-                    (found if str(p).lower().endswith(SUPPORTED_SUFFIXES) else others).append(str(p))
+                    (found if _directory_input(str(p)) else others).append(str(p))
             if not found:
-                raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
+                json_docs = any(p.lower().endswith(".json") for p in others)
+                why = " (its .json files are not JSON lines)" if json_docs else ""
+                raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files{why}")
             keep(found)
             if skipped is not None:
                 skipped.extend(others)
@@ -227,9 +230,19 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
     return sorted(files.values())
 
 
+def _directory_input(path: str) -> bool:
+    """Whether a file found in a directory input is read. A .json file whose first line is not a
+    JSON object is a JSON document, not JSON lines (a tokenizer.json, a dataset's metadata, the
+    ``.tokenizer.json`` sidecar of data preprocessed into that directory): read, each of its lines
+    would be a bad record."""
+    name = path.lower()
+    return name.endswith(SUPPORTED_SUFFIXES) and (not name.endswith(".json") or starts_with_json_object(path))
+
+
 def describe_skipped(skipped: Sequence[str]) -> str:
     """One line for the files a directory input left out: how many of each type, and the first few."""
-    kinds = Counter(Path(p).suffix.lower() or Path(p).name for p in skipped)
+    kinds = Counter(".json not JSON lines" if p.lower().endswith(".json") else Path(p).suffix.lower()
+                    or Path(p).name for p in skipped)
     counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     return (f"skipped {len(skipped)} files of unsupported types ({counted}): "
             f"{', '.join(skipped[:MAX_EXAMPLES])}{', ...' if len(skipped) > MAX_EXAMPLES else ''}")

@@ -188,6 +188,22 @@ def test_expand_inputs_directories_globs_and_errors(tmp_path):
         expand_inputs(str(tmp_path / "notes.md"))
 
 
+def test_a_directory_input_leaves_out_json_documents_that_are_not_json_lines(tmp_path):
+    # Before: read as JSON lines, each line of a pretty-printed .json a bad record (the sidecar
+    # of data preprocessed into the input directory gave 11 "malformed JSON" warnings).
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.json").write_text('\n{"text": "y"}\n')  # JSON lines after a blank line
+    (tmp_path / "out_text_document.tokenizer.json").write_text('{\n "eod_id": 2\n}\n')
+    skipped = []
+    assert expand_inputs(str(tmp_path), skipped) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.json")]
+    assert describe_skipped(skipped) == (f"skipped 1 files of unsupported types (1 .json not JSON "
+                                         f"lines): {tmp_path / 'out_text_document.tokenizer.json'}")
+    for name in ("a.jsonl", "b.json"):
+        (tmp_path / name).unlink()
+    with pytest.raises(DataError, match=r"files \(its .json files are not JSON lines\)$"):
+        expand_inputs(str(tmp_path))
+
+
 def test_a_file_named_twice_is_read_once_however_it_is_spelt(tmp_path, monkeypatch):
     # Before: "./a.jsonl" beside a glob matching "a.jsonl" (or a link to it) read it twice.
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
