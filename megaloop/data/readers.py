@@ -135,6 +135,8 @@ class RecordFilter:
     keys: tuple[str, ...] = ("text",)
     min_int_score: int | None = None
     min_score: float | None = None
+    # Every key a non-blank string (fields filled into a template): no list, no empty text.
+    plain_texts: bool = False
 
     def thresholds(self) -> tuple[tuple[str, int | float | None], ...]:
         """(score key, minimum or None) for the keys of SCORE_FLAGS."""
@@ -475,7 +477,7 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         if not keep:
             filtered += 1
             continue
-        texts, reason, detail = _texts(record, record_filter.keys)
+        texts, reason, detail = _texts(record, record_filter)
         if reason:
             bad.add(reason, where, detail)
             if reason == "missing key":
@@ -535,14 +537,16 @@ def _passes_filter(record: dict, f: RecordFilter) -> tuple[bool, str, str]:
     return True, "", ""
 
 
-def _texts(record: dict, keys: Sequence[str]) -> tuple[tuple[str | list[str], ...], str, str]:
+def _texts(record: dict, f: RecordFilter) -> tuple[tuple[str | list[str], ...], str, str]:
     """Each key's text or list of sentences. Empty and blank texts are kept: Megatron-LM writes an
     empty text as an empty document and tokenizes a blank one, and the output must equal its."""
     texts = []
-    for key in keys:
+    for key in f.keys:
         value = record.get(key)
         if value is None:
             return (), "missing key", repr(key)
+        if f.plain_texts and not (isinstance(value, str) and value.strip()):
+            return (), "empty or non-string text", f"{key!r} is {value!r:.40}"
         sentences = [value] if isinstance(value, str) else value
         if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
             return (), "non-string text", f"{key!r} is {_type_name(value)}"
