@@ -27,16 +27,13 @@ import signal
 import sys
 import time
 
-from megaloop.cli import int_at_least
+from megaloop.cli import int_at_least, json_keys_refusal
 from megaloop.data.readers import (
-    TEXT_SUFFIXES,
     DataError,
     RecordFilter,
     count_records,
-    describe_skipped,
     expand_inputs,
-    input_kind,
-    json_keys_refusal,
+    input_notes,
 )
 from megaloop.data.tokenizer import LEGACY_CHANGES, TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
 
@@ -129,16 +126,6 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
     if args.tokenizer_metadata and args.legacy_tokenizer:
         notes.append("--tokenizer-metadata changes nothing with --legacy-tokenizer (Megatron-LM reads it "
                      "only for its new tokenizers)")
-    return notes
-
-
-def input_notes(files: list[str], skipped: list[str]) -> list[str]:
-    """Lines for what a directory input left out and for .txt files read as JSON lines."""
-    notes = [describe_skipped(skipped)] if skipped else []
-    jsonl_txt = [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and input_kind(f) == "jsonl"]
-    if jsonl_txt:
-        notes.append(f"read {len(jsonl_txt)} .txt file(s) as JSON lines (the first line is a JSON object): "
-                     f"{', '.join(jsonl_txt[:5])}{', ...' if len(jsonl_txt) > 5 else ''}")
     return notes
 
 

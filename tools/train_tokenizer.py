@@ -15,8 +15,8 @@ import os
 import sys
 from typing import Iterator
 
-from megaloop.cli import int_at_least
-from megaloop.data.readers import BadRecords, DataError, RecordFilter, json_keys_refusal
+from megaloop.cli import int_at_least, json_keys_refusal
+from megaloop.data.readers import BadRecords, DataError, RecordFilter, expand_inputs, input_notes
 from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
@@ -40,16 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def training_lines(args: argparse.Namespace, bad: BadRecords) -> Iterator[str]:
+def training_lines(args: argparse.Namespace, files: list[str], bad: BadRecords) -> Iterator[str]:
     for key in args.json_keys:
-        yield from document_lines(args.input, RecordFilter((key,), args.min_int_score),
-                                  args.max_docs, bad)
+        yield from document_lines(files, RecordFilter((key,), args.min_int_score), args.max_docs, bad)
 
 
 def train(args: argparse.Namespace) -> dict:
-    bad = BadRecords()
+    bad, skipped = BadRecords(), []
+    files = expand_inputs(args.input, skipped)
+    for line in input_notes(files, skipped):  # as preprocess_data.py says for the same inputs
+        print(f"note: {line}", file=sys.stderr)
     try:
-        train_sentencepiece(training_lines(args, bad), args.output, vocab_size=args.vocab_size,
+        train_sentencepiece(training_lines(args, files, bad), args.output, vocab_size=args.vocab_size,
                             model_type=args.model_type, byte_fallback=args.byte_fallback,
                             special_tokens=args.special_tokens,
                             character_coverage=args.character_coverage,

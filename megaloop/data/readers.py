@@ -146,13 +146,6 @@ class RecordFilter:
         return list(self.keys) + [column for column, value in self.thresholds() if value is not None]
 
 
-def json_keys_refusal(keys: Sequence[str]) -> str | None:
-    """The command-line refusal of a --json-keys list naming a field twice, or None. Each key is
-    a pass over the input: a repeat would train on that field twice, or write one output twice."""
-    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
-    return None if twice is None else f"--json-keys {' '.join(keys)}: {twice!r} given twice"
-
-
 def input_kind(path: str | os.PathLike) -> str:
     name = str(path).lower()
     if name.endswith(PARQUET_SUFFIXES):
@@ -241,13 +234,23 @@ def _directory_input(path: str) -> bool:
     return name.endswith(SUPPORTED_SUFFIXES) and (not name.endswith(".json") or starts_with_json_object(path))
 
 
-def describe_skipped(skipped: Sequence[str]) -> str:
-    """One line for the files a directory input left out: how many of each type, and the first few."""
-    kinds = Counter(".json not JSON lines" if p.lower().endswith(".json") else Path(p).suffix.lower()
-                    or Path(p).name for p in skipped)
-    counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    return (f"skipped {len(skipped)} files of unsupported types ({counted}): "
-            f"{', '.join(skipped[:MAX_EXAMPLES])}{', ...' if len(skipped) > MAX_EXAMPLES else ''}")
+def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
+    """Lines for the files a directory input left out (how many of each type, the first few) and
+    for .txt files read as JSON lines."""
+    def listed(paths: Sequence[str]) -> str:
+        return f"{', '.join(paths[:MAX_EXAMPLES])}{', ...' if len(paths) > MAX_EXAMPLES else ''}"
+
+    notes = []
+    if skipped:
+        kinds = Counter(".json not JSON lines" if p.lower().endswith(".json") else Path(p).suffix.lower()
+                        or Path(p).name for p in skipped)
+        counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        notes.append(f"skipped {len(skipped)} files of unsupported types ({counted}): {listed(skipped)}")
+    jsonl_txt = [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and input_kind(f) == "jsonl"]
+    if jsonl_txt:
+        notes.append(f"read {len(jsonl_txt)} .txt file(s) as JSON lines (the first line is a JSON object): "
+                     f"{listed(jsonl_txt)}")
+    return notes
 
 
 def _open_binary(path: str) -> io.BufferedIOBase:

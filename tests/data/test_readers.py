@@ -13,9 +13,9 @@ from megaloop.data.readers import (
     DataError,
     RecordFilter,
     count_records,
-    describe_skipped,
     expand_inputs,
     input_kind,
+    input_notes,
     iter_chunks,
     iter_documents,
     parse_chunk,
@@ -178,7 +178,7 @@ def test_expand_inputs_directories_globs_and_errors(tmp_path):
     skipped = []
     assert expand_inputs(str(tmp_path), skipped) == sorted(str(tmp_path / n) for n in names)
     assert skipped == [str(tmp_path / "notes.md")]
-    assert describe_skipped(skipped) == f"skipped 1 files of unsupported types (1 .md): {tmp_path / 'notes.md'}"
+    assert input_notes([], skipped) == [f"skipped 1 files of unsupported types (1 .md): {tmp_path / 'notes.md'}"]
     assert expand_inputs(str(tmp_path / "*.jsonl*")) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst")]
     with pytest.raises(DataError, match="missing.jsonl: input not found"):
         expand_inputs(str(tmp_path / "missing.jsonl"))
@@ -196,8 +196,8 @@ def test_a_directory_input_leaves_out_json_documents_that_are_not_json_lines(tmp
     (tmp_path / "out_text_document.tokenizer.json").write_text('{\n "eod_id": 2\n}\n')
     skipped = []
     assert expand_inputs(str(tmp_path), skipped) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.json")]
-    assert describe_skipped(skipped) == (f"skipped 1 files of unsupported types (1 .json not JSON "
-                                         f"lines): {tmp_path / 'out_text_document.tokenizer.json'}")
+    assert input_notes([], skipped) == [f"skipped 1 files of unsupported types (1 .json not JSON "
+                                        f"lines): {tmp_path / 'out_text_document.tokenizer.json'}"]
     for name in ("a.jsonl", "b.json"):
         (tmp_path / name).unlink()
     with pytest.raises(DataError, match=r"files \(its .json files are not JSON lines\)$"):
