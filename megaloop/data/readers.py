@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import functools
 import glob
-import gzip
-import io
 import json
 import math
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from megaloop.data.compressed import open_binary, read_errors
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -202,7 +203,7 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
             found, others = [], []
             for p in sorted(Path(spec).rglob("*")):
                 if p.is_file():
-                    (found if _directory_input(str(p)) else others).append(str(p))
+                    (others if _left_out(str(p)) else found).append(str(p))
             if not found:
                 json_docs = any(p.lower().endswith(".json") for p in others)
                 why = " (its .json files are not JSON lines)" if json_docs else ""
@@ -225,13 +226,21 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
     return sorted(files.values())
 
 
-def _directory_input(path: str) -> bool:
-    """Whether a file found in a directory input is read. A .json file whose first line is not a
-    JSON object is a JSON document, not JSON lines (a tokenizer.json, a dataset's metadata, the
-    ``.tokenizer.json`` sidecar of data preprocessed into that directory): read, each of its lines
-    would be a bad record."""
+# Text files of a dataset index cache (megatron-core's descriptions of its indices, the maximum
+# token ids megaloop.training.data caches): settings beside the .npy files, not documents.
+_INDEX_CACHE_TEXT = re.compile(r"[0-9a-f]{32}-\w+-(train|valid|test)-description\.txt|max_token_id-.+-\d+-\d+\.txt")
+
+
+def _left_out(path: str) -> str | None:
+    """Why a file found in a directory input is not read (its kind, for input_notes), or None. A
+    .json file whose first line is not a JSON object is a JSON document (a tokenizer.json, the
+    ``.tokenizer.json`` sidecar of data preprocessed there): read, each line would be a bad record."""
     name = path.lower()
-    return name.endswith(SUPPORTED_SUFFIXES) and (not name.endswith(".json") or starts_with_json_object(path))
+    if not name.endswith(SUPPORTED_SUFFIXES):
+        return Path(path).suffix.lower() or Path(path).name
+    if name.endswith(".json") and not starts_with_json_object(path):
+        return ".json not JSON lines"
+    return "index cache .txt" if _INDEX_CACHE_TEXT.fullmatch(os.path.basename(path)) else None
 
 
 def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
@@ -242,8 +251,7 @@ def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
 
     notes = []
     if skipped:
-        kinds = Counter(".json not JSON lines" if p.lower().endswith(".json") else Path(p).suffix.lower()
-                        or Path(p).name for p in skipped)
+        kinds = Counter(map(_left_out, skipped))
         counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         notes.append(f"skipped {len(skipped)} files of unsupported types ({counted}): {listed(skipped)}")
     jsonl_txt = [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and input_kind(f) == "jsonl"]
@@ -253,76 +261,17 @@ def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
     return notes
 
 
-def _open_binary(path: str) -> io.BufferedIOBase:
-    """The decompressed byte stream of a file, chosen by suffix."""
-    name = path.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst"):
-        return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
-    return open(path, "rb")
-
-
-class _ZstdReader(io.RawIOBase):
-    """The decompressed bytes of every frame of a .zst file; EOFError where the data ends inside a
-    frame, as gzip raises on a cut file (python-zstandard's stream_reader just ends there)."""
-
-    def __init__(self, path: str):
-        import zstandard
-
-        self._file = open(path, "rb")
-        self._blocks = self._decompress(zstandard.ZstdDecompressor())
-        self._block = memoryview(b"")
-
-    def _decompress(self, decompressor) -> Iterator[bytes]:
-        frame = None  # the decompressor of a frame begun and not yet ended
-        # Small reads bound the output of one call: text often compresses 5-10x.
-        while data := self._file.read(1 << 17):
-            while data:
-                frame = frame or decompressor.decompressobj()
-                yield frame.decompress(data)
-                data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
-        if frame is not None:
-            raise EOFError(f"{self._file.name}: zstd data ends inside a frame")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self._block:
-            block = next(self._blocks, None)
-            if block is None:
-                return 0
-            self._block = memoryview(block)
-        n = min(len(buffer), len(self._block))
-        buffer[:n] = self._block[:n]
-        self._block = self._block[n:]
-        return n
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
-
-
-def _read_errors() -> tuple[type[BaseException], ...]:
-    import zlib
-
-    import zstandard
-
-    return (EOFError, OSError, zlib.error, zstandard.ZstdError)
-
-
 def _iter_lines(path: str) -> Iterator[bytes | BaseException]:
     """Raw lines of a (possibly compressed) file; a read failure is yielded, then the file ends."""
     try:
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             first = f.readline()
             if first.startswith(BOM):
                 first = first[len(BOM):]
             if first:
                 yield first
             yield from f
-    except _read_errors() as err:
+    except read_errors() as err:
         yield err
 
 

@@ -285,6 +285,7 @@ def _ids_reaching(summaries: dict[str, IndexedSummary], limit: int,
 def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:
     stat = os.stat(bin_file)
     directory = Path(cache_dir)
+    # A name readers._INDEX_CACHE_TEXT knows: a directory input of the data tools leaves it out.
     cached = directory / (f"max_token_id-{Path(bin_file).name}-{stat.st_size}-"
                           f"{stat.st_mtime_ns}.txt")
     try:

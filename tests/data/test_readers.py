@@ -204,6 +204,24 @@ def test_a_directory_input_leaves_out_json_documents_that_are_not_json_lines(tmp
         expand_inputs(str(tmp_path))
 
 
+def test_a_directory_input_leaves_out_the_text_files_of_a_dataset_index_cache(tmp_path):
+    # Before: tokenized as documents (a preprocess of a directory holding the cache/ beside its
+    # data wrote 5 such documents beside the 5 it was given).
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    names = ["0123456789abcdef0123456789abcdef-FingerprintedGPTDataset-train-description.txt",
+             "fedcba9876543210fedcba9876543210-BlendedDataset-valid-description.txt",
+             "max_token_id-pat.bin-32536-1796256881978194547.txt"]
+    for name in names:
+        (cache / name).write_text('{\n "split": "98,2"\n}\n' if "description" in name else "119\n")
+    (cache / "notes-description.txt").write_text("a document of its own\n")
+    skipped = []
+    assert expand_inputs(str(tmp_path), skipped) == [str(tmp_path / "a.jsonl"), str(cache / "notes-description.txt")]
+    assert skipped == [str(cache / name) for name in sorted(names)]
+    assert input_notes([], skipped)[0].startswith("skipped 3 files of unsupported types (3 index cache .txt): ")
+
+
 def test_a_file_named_twice_is_read_once_however_it_is_spelt(tmp_path, monkeypatch):
     # Before: "./a.jsonl" beside a glob matching "a.jsonl" (or a link to it) read it twice.
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
