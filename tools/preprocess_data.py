@@ -130,9 +130,14 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
 
 
 def check_output_prefix(prefix: str) -> None:
-    """Fail before any work if the output directory cannot be made or written to."""
+    """Fail before any work if the output directory cannot be made or written to, or if the
+    prefix names only a directory (the outputs would be named ``_text_document.bin``)."""
     import tempfile
 
+    if not os.path.basename(prefix):
+        raise DataError(f"--output-prefix {prefix}: names a directory, so the outputs would be "
+                        f"{os.path.join(prefix, '')}_{{key}}_document.bin/.idx; add a name, such "
+                        f"as {os.path.join(prefix, 'fwe')}")
     directory = os.path.dirname(os.path.abspath(prefix))
     try:
         os.makedirs(directory, exist_ok=True)

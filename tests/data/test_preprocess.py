@@ -397,6 +397,16 @@ def test_unwritable_output_is_found_before_start_up(tmp_path, run, articles_path
     assert err.startswith(f"error: {prefix}: cannot write the output in {tmp_path / 'file'} (")
 
 
+def test_an_output_prefix_naming_only_a_directory_is_refused(tmp_path, run, articles_path):
+    # Before: written as out/_text_document.bin/.idx, a dataset without a name.
+    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/out/", "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert (code, err) == (2, f"error: --output-prefix {tmp_path}/out/: names a directory, so the outputs "
+                              f"would be {tmp_path}/out/_{{key}}_document.bin/.idx; add a name, such as "
+                              f"{tmp_path}/out/fwe\n")
+    assert os.listdir(tmp_path) == []
+
+
 def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):
     d = tmp_path / "in"
     d.mkdir()
