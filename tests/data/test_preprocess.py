@@ -354,7 +354,7 @@ def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, s
 
 
 @pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",
-                                  "empty texts"])
+                                  "empty texts", "one key's texts empty"])
 def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
     inputs, keys, extra = tmp_path / "in", ["text"], []
     inputs.mkdir()
@@ -373,9 +373,13 @@ def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path
         extra = ["--min-int-score", 3]
         expected = ["2 missing key", "missing key ('int_score')",
                     "; --min-int-score needs the score key 'int_score' but the records hold 'text'"]
-    else:
+    elif case == "empty texts":
         (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
         expected = ["all 2 documents have empty 'text' texts"]
+    else:  # before: exit 0, with an output of empty documents for 'title'
+        (inputs / "a.jsonl").write_text('{"text": "x", "title": ""}\n{"text": "y", "title": ""}\n')
+        keys = ["text", "title"]
+        expected = ["all 2 documents have empty 'title' texts"]
     out = tmp_path / "out"
     code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
                     *extra, *_sp_args(sp_model))
