@@ -188,11 +188,12 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
     however it is spelt (``./a.jsonl`` and a glob matching ``a.jsonl``, a link to it): its
     documents would otherwise be read twice.
 
-    Files in a directory that are not of a supported type, or .json files that are not JSON lines,
-    are left out and listed in ``skipped``.
+    Files in a directory (given, or matched by a glob) that are not of a supported type, or .json
+    files that are not JSON lines, are left out and listed in ``skipped``.
     """
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     files: dict[str, str] = {}  # real path -> the first spelling given
+    skipped = skipped if skipped is not None else []
 
     def keep(paths: Sequence[str]) -> None:
         for path in paths:
@@ -200,30 +201,41 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
 
     for spec in map(str, specs):
         if os.path.isdir(spec):
-            found, others = [], []
-            for p in sorted(Path(spec).rglob("*")):
-                if p.is_file():
-                    (others if _left_out(str(p)) else found).append(str(p))
+            found, others = _search(spec)
             if not found:
                 json_docs = any(p.lower().endswith(".json") for p in others)
                 why = " (its .json files are not JSON lines)" if json_docs else ""
                 raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files{why}")
             keep(found)
-            if skipped is not None:
-                skipped.extend(others)
+            skipped.extend(others)
         elif os.path.isfile(spec):
             input_kind(spec)
             keep([spec])
         elif glob.has_magic(spec):
-            found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
-            if not found:
-                raise DataError(f"{spec}: glob matches no files")
+            matched = glob.glob(spec, recursive=True)
+            found = [p for p in matched if os.path.isfile(p)]
             for p in found:
                 input_kind(p)
+            for directory in sorted(p for p in matched if os.path.isdir(p)):  # as a directory input
+                inside, others = _search(directory)
+                found += inside
+                skipped.extend(others)
+            if not found:
+                raise DataError(f"{spec}: glob matches no files")
             keep(found)
         else:
             raise DataError(f"{spec}: input not found")
+    skipped[:] = dict.fromkeys(skipped)  # once each, however many inputs hold one
     return sorted(files.values())
+
+
+def _search(directory: str) -> tuple[list[str], list[str]]:
+    """The files under ``directory`` that are read, and those left out (see ``_left_out``)."""
+    found, others = [], []
+    for p in sorted(Path(directory).rglob("*")):
+        if p.is_file():
+            (others if _left_out(str(p)) else found).append(str(p))
+    return found, others
 
 
 # Text files of a dataset index cache (megatron-core's descriptions of its indices, the maximum

@@ -222,6 +222,24 @@ def test_a_directory_input_leaves_out_the_text_files_of_a_dataset_index_cache(tm
     assert input_notes([], skipped)[0].startswith("skipped 3 files of unsupported types (3 index cache .txt): ")
 
 
+def test_directories_a_glob_matches_are_searched_as_directory_inputs(tmp_path):
+    # Before: "glob matches no files", though unquoted the shell's expansion was taken.
+    for shard in ("CC-1", "CC-2"):
+        (tmp_path / shard).mkdir()
+        (tmp_path / shard / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "CC-2" / "notes.md").write_text("left out")
+    skipped = []
+    assert expand_inputs(str(tmp_path / "CC-*"), skipped) == [str(tmp_path / "CC-1" / "a.jsonl"),
+                                                             str(tmp_path / "CC-2" / "a.jsonl")]
+    assert skipped == [str(tmp_path / "CC-2" / "notes.md")]
+    skipped = []
+    assert expand_inputs([str(tmp_path / "CC-*"), str(tmp_path)], skipped) == expand_inputs(str(tmp_path))
+    assert skipped == [str(tmp_path / "CC-2" / "notes.md")]  # once, however many inputs hold it
+    (tmp_path / "CC-3").mkdir()
+    with pytest.raises(DataError, match=r"CC-3\*: glob matches no files"):
+        expand_inputs(str(tmp_path / "CC-3*"))
+
+
 def test_a_file_named_twice_is_read_once_however_it_is_spelt(tmp_path, monkeypatch):
     # Before: "./a.jsonl" beside a glob matching "a.jsonl" (or a link to it) read it twice.
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
