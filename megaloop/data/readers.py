@@ -316,7 +316,7 @@ def count_records(path: str) -> int:
 
         try:
             return pq.ParquetFile(path).metadata.num_rows
-        except Exception:  # an unreadable parquet file is one bad record, reported when read
+        except Exception:  # an unreadable parquet file, refused when read
             return 1
     return sum(1 for _ in _raw_records(path))
 
@@ -378,6 +378,7 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    row = 0
     try:
         pf = pq.ParquetFile(path)
         missing = [c for c in columns if c not in pf.schema_arrow.names]
@@ -388,7 +389,6 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
             yield Chunk(path, "parquet", start + 1, empty, 0, error=("missing key", repr(missing[0]), n - start),
                         keys_seen=tuple(pf.schema_arrow.names))
             return
-        row = 0
         # Batches, not whole row groups, bound memory: FineWeb-Edu row groups hold ~100 MB of text.
         for batch in pf.iter_batches(batch_size=max_records, columns=list(columns)):
             lo, hi = max(start - row, 0), batch.num_rows if stop is None else min(stop - row, batch.num_rows)
@@ -399,8 +399,10 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
             if stop is not None and row >= stop:
                 return
     except (OSError, pa.ArrowException) as err:
-        empty = pa.RecordBatch.from_pylist([])
-        yield Chunk(path, "parquet", start + 1, empty, 0, error=("unreadable data", first_line(err), 1))
+        # Not one bad record: every row of the file (or the rest of it) would be lost.
+        where = f" from row {row + 1}" if row else ""
+        raise DataError(f"{path}: unreadable parquet{where} ({first_line(err)}); replace the file "
+                        "(a download cut short?) or leave it out") from None
 
 
 def _text_bytes(batch) -> int:

@@ -139,6 +139,18 @@ def test_truncated_compressed_file_is_one_bad_record_after_the_last_good_line(tm
     assert bad.examples == [f"{path}:{len(docs) + 1}: truncated compressed file"]
 
 
+def test_an_unreadable_parquet_file_is_an_error_naming_it(tmp_path):
+    # Before: "1 bad record (unreadable data)" and exit 0, every row of the file lost.
+    path = tmp_path / "cut.parquet"
+    pq.write_table(pa.Table.from_pylist(RECORDS), path)
+    path.write_bytes(path.read_bytes()[:-100])  # a download cut short: no footer
+    with pytest.raises(DataError) as err:
+        list(iter_chunks([(str(path), 0, None)], ["text"]))
+    assert str(err.value) == (f"{path}: unreadable parquet (Parquet magic bytes not found in footer. "
+                              "Either the file is corrupted or this is not a parquet file.); replace the "
+                              "file (a download cut short?) or leave it out")
+
+
 def test_every_frame_of_a_multi_frame_zstd_file_is_read(tmp_path):
     compress = zstandard.ZstdCompressor().compress
     path = tmp_path / "frames.jsonl.zst"
