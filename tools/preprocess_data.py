@@ -129,6 +129,17 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
     return notes
 
 
+def leftover_notes(prefix: str, keys: list[str]) -> list[str]:
+    """A line for each temporary .bin/.idx of these outputs (or of their MPI shards) that a killed
+    run (SIGKILL: the out-of-memory killer, a scheduler's last resort) left: nothing else removes
+    them, and a .bin may be as large as the dataset."""
+    stems = (glob.escape(prefix), glob.escape(prefix) + ".shard*-of-*")  # shard_prefix's names
+    leftovers = sorted(path for stem in stems for key in keys
+                       for path in glob.glob(f"{stem}_{glob.escape(key)}_document.partial-*"))
+    return [f"{path} ({os.path.getsize(path) / 1e9:.2f} GB) is left from a run that was killed; "
+            "remove it unless a run is writing it now" for path in leftovers if os.path.isfile(path)]
+
+
 def check_output_prefix(prefix: str) -> None:
     """Fail before any work if the output directory cannot be made or written to, or if the
     prefix names only a directory (the outputs would be named ``_text_document.bin``)."""
@@ -306,7 +317,9 @@ def run(args: argparse.Namespace, comm) -> None:
     skipped: list[str] = []
     files = expand_inputs(args.input, skipped)
     if lead:
-        for line in setting_notes(args) + input_notes(files, skipped):
+        notes = setting_notes(args) + input_notes(files, skipped)
+        # Before run_mpi's first collective: no other rank of this run has a partial file yet.
+        for line in notes + leftover_notes(args.output_prefix, args.json_keys):
             _print(f"note: {line}")
     if comm is None:
         run_single(args, files)

@@ -411,6 +411,21 @@ def test_an_output_prefix_naming_only_a_directory_is_refused(tmp_path, run, arti
     assert os.listdir(tmp_path) == []
 
 
+def test_temporary_files_a_killed_run_left_are_noted(tmp_path, run, sp_model):
+    # Before: not a word; nothing removes them (a SIGKILL cannot be caught), and a .bin may be as
+    # large as the dataset.
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "out").mkdir()
+    leftover = tmp_path / "out" / "o.shard00001-of-00002_text_document.partial-4242.bin"
+    (tmp_path / "out" / "other_text_document.partial-4243.bin").write_bytes(b"another output's")
+    leftover.write_bytes(b"\0" * 1000)
+    code, err = run("--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "out" / "o", "--workers", 1,
+                    *_sp_args(sp_model))
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("note:")] == [
+        f"note: {leftover} (0.00 GB) is left from a run that was killed; remove it unless a run is writing it now"]
+
+
 def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):
     d = tmp_path / "in"
     d.mkdir()
