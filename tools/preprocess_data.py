@@ -145,10 +145,10 @@ def check_output_prefix(prefix: str) -> None:
     prefix names only a directory (the outputs would be named ``_text_document.bin``)."""
     import tempfile
 
-    if not os.path.basename(prefix):
-        raise DataError(f"--output-prefix {prefix}: names a directory, so the outputs would be "
-                        f"{os.path.join(prefix, '')}_{{key}}_document.bin/.idx; add a name, such "
-                        f"as {os.path.join(prefix, 'fwe')}")
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise DataError(f"--output-prefix {prefix}: names a directory, not the start of the "
+                        "outputs' names ({prefix}_{key}_document.bin/.idx); add a name, such as "
+                        f"{os.path.join(prefix, 'fwe')}")
     directory = os.path.dirname(os.path.abspath(prefix))
     try:
         os.makedirs(directory, exist_ok=True)

@@ -405,10 +405,13 @@ def test_an_output_prefix_naming_only_a_directory_is_refused(tmp_path, run, arti
     # Before: written as out/_text_document.bin/.idx, a dataset without a name.
     code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/out/", "--workers", 1,
                     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
-    assert (code, err) == (2, f"error: --output-prefix {tmp_path}/out/: names a directory, so the outputs "
-                              f"would be {tmp_path}/out/_{{key}}_document.bin/.idx; add a name, such as "
+    assert (code, err) == (2, f"error: --output-prefix {tmp_path}/out/: names a directory, not the start of "
+                              "the outputs' names ({prefix}_{key}_document.bin/.idx); add a name, such as "
                               f"{tmp_path}/out/fwe\n")
     assert os.listdir(tmp_path) == []
+    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/.", "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert code == 2 and err.startswith(f"error: --output-prefix {tmp_path}/.: names a directory")
 
 
 def test_temporary_files_a_killed_run_left_are_noted(tmp_path, run, sp_model):
