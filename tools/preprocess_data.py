@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, nargs="+",
-                   help="files, directories or globs (.jsonl[.gz|.zst], .parquet, .txt)")
+                   help="files, directories or globs (.jsonl[.gz|.zst], .parquet, .txt: one document per "
+                        "blank-line separated paragraph)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output per key")
     g.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
     g.add_argument("--min-score", type=float, help="FineWeb-Edu: keep records with score >= this")

@@ -23,7 +23,7 @@ from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, nargs="+", help="files, directories or globs")
+    p.add_argument("--input", required=True, nargs="+", help="files, directories or globs (as preprocess_data.py reads them)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to train on")
     p.add_argument("--output", required=True, help="path of the .model file to write")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
