@@ -256,8 +256,8 @@ def _left_out(path: str) -> str | None:
 
 
 def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
-    """Lines for the files a directory input left out (how many of each type, the first few) and
-    for .txt files read as JSON lines."""
+    """Lines for the files a directory input left out (how many of each type, the first few), for
+    .txt files read as JSON lines, and for plain text that looks like one document per line."""
     def listed(paths: Sequence[str]) -> str:
         return f"{', '.join(paths[:MAX_EXAMPLES])}{', ...' if len(paths) > MAX_EXAMPLES else ''}"
 
@@ -270,7 +270,28 @@ def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
     if jsonl_txt:
         notes.append(f"read {len(jsonl_txt)} .txt file(s) as JSON lines (the first line is a JSON object): "
                      f"{listed(jsonl_txt)}")
+    one_per_line = [f for f in files if input_kind(f) == "text" and _lines_without_a_break(f)]
+    if one_per_line:
+        notes.append(f"{len(one_per_line)} .txt file(s) open with {LINES_WITHOUT_A_BREAK}+ lines and no blank line: "
+                     "plain text is one document per blank-line separated paragraph, so one document per line "
+                     f"would be read as one document (give it as JSON lines): {listed(one_per_line)}")
     return notes
+
+
+LINES_WITHOUT_A_BREAK = 1000  # lines opening a plain-text file without a blank line: not paragraphs
+
+
+def _lines_without_a_break(path: str) -> bool:
+    lines = _iter_lines(path)
+    try:
+        for n, line in enumerate(lines, 1):
+            if isinstance(line, BaseException) or not line.strip():
+                return False
+            if n >= LINES_WITHOUT_A_BREAK:
+                return True
+        return False
+    finally:
+        lines.close()
 
 
 def _iter_lines(path: str) -> Iterator[bytes | BaseException]:

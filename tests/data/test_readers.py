@@ -252,6 +252,19 @@ def test_directories_a_glob_matches_are_searched_as_directory_inputs(tmp_path):
         expand_inputs(str(tmp_path / "CC-3*"))
 
 
+def test_plain_text_of_one_document_per_line_is_noted(tmp_path):
+    # Before: read as one document without a word (3,000 lines, 794 KB in the repro).
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"document {i}\n" for i in range(1000)))
+    paragraphs = tmp_path / "paragraphs.txt"
+    paragraphs.write_text("".join(f"document {i}\n\n" for i in range(1000)))
+    assert len(list(iter_documents(str(lines)))) == 1 and len(list(iter_documents(str(paragraphs)))) == 1000
+    assert input_notes([str(lines), str(paragraphs)], []) == [
+        f"1 .txt file(s) open with 1000+ lines and no blank line: plain text is one document per blank-line "
+        f"separated paragraph, so one document per line would be read as one document (give it as JSON "
+        f"lines): {lines}"]
+
+
 def test_a_file_named_twice_is_read_once_however_it_is_spelt(tmp_path, monkeypatch):
     # Before: "./a.jsonl" beside a glob matching "a.jsonl" (or a link to it) read it twice.
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
