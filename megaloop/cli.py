@@ -8,6 +8,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 
 def quiet_third_party_warnings() -> None:
@@ -158,3 +159,10 @@ def default_model_note(preset: str | None, config: str | None, model) -> str | N
     return (f"neither --preset nor --config: megaloop's default model (model.arch={model.arch}, "
             f"num_layers={model.num_layers}, hidden_size={model.hidden_size}, seq_length="
             f"{model.seq_length}, after the overrides); give --preset or --config for another")
+
+
+def json_keys_refusal(keys: Sequence[str]) -> str | None:
+    """The command-line refusal of a --json-keys list naming a field twice, or None. Each key is
+    a pass over the input: a repeat would train on that field twice, or write one output twice."""
+    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    return None if twice is None else f"--json-keys {' '.join(keys)}: {twice!r} given twice"

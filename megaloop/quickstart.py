@@ -65,17 +65,17 @@ def check_corpus(inputs: list[str]) -> None:
     quickstart would otherwise skip its .bin/.idx and train for minutes on whatever its .json
     and .txt files (sidecars, dataset cache descriptions) hold."""
     from megaloop.data import DataError
-    from megaloop.data.readers import (RecordFilter, describe_skipped, expand_inputs, iter_chunks,
-                                       parse_chunk)
+    from megaloop.data.readers import RecordFilter, expand_inputs, input_notes, iter_chunks, parse_chunk
 
     record_filter, skipped = RecordFilter(TEXT_FIELDS), []
-    for path in expand_inputs(inputs, skipped):
+    files = expand_inputs(inputs, skipped)
+    for path in files:
         for chunk in iter_chunks([(path, 0, 1)], record_filter.columns(), max_records=1):
             bad = parse_chunk(chunk, record_filter).bad
             if bad.total:
                 raise DataError(f"{bad.examples[0]}; {INPUT_KINDS}")
-    if skipped:
-        print(f"note: --input: {describe_skipped(skipped)}", file=sys.stderr)
+    for line in input_notes(files, skipped):
+        print(f"note: --input: {line}", file=sys.stderr)
 
 
 def prepare_data(inputs: list[str], data_dir: Path, pieces: list[str]) -> tuple[str, Path]:

@@ -195,9 +195,16 @@ def test_split_strings(split, weights):
     (["alrs.s2=3"], "train.use_alrs=False: must be true when alrs.s2=3.0 is set (the alrs "
                     "section is read only with ALRS on)"),
     # Before: accepted here (and by --dry-run), refused only once the run had started.
-    (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' is not a finite "
-                             "non-negative number"),
-    (["data.path=[0, /x]"], "data.path=['0', '/x']: data blend: weights sum to zero"),
+    (["data.path=[-1, /x]"], "data.path=['-1', '/x']: data blend: weight '-1' of '/x' is not a "
+                             "finite positive number"),
+    # Before: a zero weight beside others was megatron-core's bare AssertionError at start-up.
+    (["data.path=[1, /x, 0, /y]"], "data.path=['1', '/x', '0', '/y']: data blend: weight '0' of "
+                                   "'/y' is not a finite positive number (to leave a dataset out, "
+                                   "drop it from the blend)"),
+    # Before: taken as two datasets, drawing from /x twice as often without a word.
+    (["data.path=[/x, /d/../x]"], "data.path=['/x', '/d/../x']: data blend: '/d/../x' is given "
+                                  "twice (as '/x' and '/d/../x'), which draws from it twice as "
+                                  "often; give it once, with weights for a larger share"),
     # Before: tracebacks from torch or numpy once the model was built, NaN steps (rotary_base),
     # or no clipping and growing weights without a word (negative clip_grad, weight_decay).
     (["train.adam_beta2=1"], "train.adam_beta2=1.0: must be in [0, 1)"),

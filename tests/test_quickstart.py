@@ -342,11 +342,6 @@ def test_missing_input_file_is_one_line(mcore, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("make, message", [
-    # Before: "no text to train the tokenizer on", naming no file; with the dataset cache's .txt
-    # descriptions beside them, minutes of training on those.
-    ({"data.bin": b"\x00\x01\xff" * 50, "data.idx": b"MMIDIDX\x00\x00",
-      "data.tokenizer.json": b'{\n "eod_id": 2\n}\n'},
-     "data.tokenizer.json:1: malformed JSON (Expecting property name"),
     ({"notes.txt": b"\x89PNG\r\n\x1a\n\x00\xff"}, "notes.txt:paragraph 1: invalid UTF-8"),
     ({"records.jsonl": b'{"body": "no text field"}\n'}, "records.jsonl:1: missing key ('text')"),
 ])
@@ -360,6 +355,20 @@ def test_input_the_quickstart_cannot_read_is_one_line_naming_the_file(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith(f"error: {corpus}/{message}") and err.count("\n") == 1, err
     assert "--input takes .jsonl records and .parquet rows with a 'text' field" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_of_preprocessed_data_is_one_line(tmp_path, capsys):
+    # Before: "no text to train the tokenizer on", naming no file; with the dataset cache's .txt
+    # descriptions beside them, minutes of training on those. Then: the sidecar's first line,
+    # "malformed JSON".
+    for name, content in {"data.bin": b"\x00\x01\xff" * 50, "data.idx": b"MMIDIDX\x00\x00",
+                          "data.tokenizer.json": b'{\n "eod_id": 2\n}\n'}.items():
+        (tmp_path / name).write_bytes(content)
+    assert main(["--input", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}: directory holds no .jsonl, .json, .jsonl.gz, .json.gz, .jsonl.zst, "
+        ".json.zst, .parquet, .txt, .txt.gz, .txt.zst files (its .json files are not JSON lines)\n")
     assert not (tmp_path / "out").exists()
 
 

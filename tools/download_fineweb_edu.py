@@ -22,6 +22,10 @@ from megaloop.data.readers import first_line
 REPO_ID = "HuggingFaceFW/fineweb-edu"
 # Named subsets -> folder in the hub repository.
 SUBSETS = {"sample-10BT": "sample/10BT", "sample-100BT": "sample/100BT", "sample-350BT": "sample/350BT"}
+# Seconds the listing may wait to connect and for each read. huggingface_hub sets none for it (its
+# downloads have HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT), so a network that drops packets
+# or a proxy that never answers would hang the tool.
+LIST_TIMEOUT_S = 60.0
 
 
 class DownloadError(RuntimeError):
@@ -42,7 +46,8 @@ class HubSource:
 
     def list_files(self) -> dict[str, int]:
         try:
-            info = self.api.dataset_info(self.repo_id, revision=self.revision, files_metadata=True)
+            info = self.api.dataset_info(self.repo_id, revision=self.revision, files_metadata=True,
+                                         timeout=LIST_TIMEOUT_S)
         except Exception as err:  # network and HTTP errors: huggingface_hub has several families
             raise DownloadError(f"{self.repo_id}: cannot list the hub repository ({first_line(err)})")
         return {s.rfilename: s.size for s in info.siblings if s.size is not None}

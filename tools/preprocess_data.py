@@ -27,16 +27,13 @@ import signal
 import sys
 import time
 
-from megaloop.cli import int_at_least
+from megaloop.cli import int_at_least, json_keys_refusal
 from megaloop.data.readers import (
-    TEXT_SUFFIXES,
     DataError,
     RecordFilter,
     count_records,
-    describe_skipped,
     expand_inputs,
-    input_kind,
-    json_keys_refusal,
+    input_notes,
 )
 from megaloop.data.tokenizer import LEGACY_CHANGES, TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
 
@@ -55,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, nargs="+",
-                   help="files, directories or globs (.jsonl[.gz|.zst], .parquet, .txt)")
+                   help="files, directories or globs (.jsonl[.gz|.zst], .parquet, .txt: one document per "
+                        "blank-line separated paragraph)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output per key")
     g.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
     g.add_argument("--min-score", type=float, help="FineWeb-Edu: keep records with score >= this")
@@ -132,20 +130,26 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
     return notes
 
 
-def input_notes(files: list[str], skipped: list[str]) -> list[str]:
-    """Lines for what a directory input left out and for .txt files read as JSON lines."""
-    notes = [describe_skipped(skipped)] if skipped else []
-    jsonl_txt = [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and input_kind(f) == "jsonl"]
-    if jsonl_txt:
-        notes.append(f"read {len(jsonl_txt)} .txt file(s) as JSON lines (the first line is a JSON object): "
-                     f"{', '.join(jsonl_txt[:5])}{', ...' if len(jsonl_txt) > 5 else ''}")
-    return notes
+def leftover_notes(prefix: str, keys: list[str]) -> list[str]:
+    """A line for each temporary .bin/.idx of these outputs (or of their MPI shards) that a killed
+    run (SIGKILL: the out-of-memory killer, a scheduler's last resort) left: nothing else removes
+    them, and a .bin may be as large as the dataset."""
+    stems = (glob.escape(prefix), glob.escape(prefix) + ".shard*-of-*")  # shard_prefix's names
+    leftovers = sorted(path for stem in stems for key in keys
+                       for path in glob.glob(f"{stem}_{glob.escape(key)}_document.partial-*"))
+    return [f"{path} ({os.path.getsize(path) / 1e9:.2f} GB) is left from a run that was killed; "
+            "remove it unless a run is writing it now" for path in leftovers if os.path.isfile(path)]
 
 
 def check_output_prefix(prefix: str) -> None:
-    """Fail before any work if the output directory cannot be made or written to."""
+    """Fail before any work if the output directory cannot be made or written to, or if the
+    prefix names only a directory (the outputs would be named ``_text_document.bin``)."""
     import tempfile
 
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise DataError(f"--output-prefix {prefix}: names a directory, not the start of the "
+                        "outputs' names ({prefix}_{key}_document.bin/.idx); add a name, such as "
+                        f"{os.path.join(prefix, 'fwe')}")
     directory = os.path.dirname(os.path.abspath(prefix))
     try:
         os.makedirs(directory, exist_ok=True)
@@ -314,7 +318,9 @@ def run(args: argparse.Namespace, comm) -> None:
     skipped: list[str] = []
     files = expand_inputs(args.input, skipped)
     if lead:
-        for line in setting_notes(args) + input_notes(files, skipped):
+        notes = setting_notes(args) + input_notes(files, skipped)
+        # Before run_mpi's first collective: no other rank of this run has a partial file yet.
+        for line in notes + leftover_notes(args.output_prefix, args.json_keys):
             _print(f"note: {line}")
     if comm is None:
         run_single(args, files)

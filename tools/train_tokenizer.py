@@ -15,15 +15,15 @@ import os
 import sys
 from typing import Iterator
 
-from megaloop.cli import int_at_least
-from megaloop.data.readers import BadRecords, DataError, RecordFilter, json_keys_refusal
+from megaloop.cli import int_at_least, json_keys_refusal
+from megaloop.data.readers import BadRecords, DataError, RecordFilter, expand_inputs, input_notes
 from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, nargs="+", help="files, directories or globs")
+    p.add_argument("--input", required=True, nargs="+", help="files, directories or globs (as preprocess_data.py reads them)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to train on")
     p.add_argument("--output", required=True, help="path of the .model file to write")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
@@ -40,16 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def training_lines(args: argparse.Namespace, bad: BadRecords) -> Iterator[str]:
+def training_lines(args: argparse.Namespace, files: list[str], bad: BadRecords) -> Iterator[str]:
     for key in args.json_keys:
-        yield from document_lines(args.input, RecordFilter((key,), args.min_int_score),
-                                  args.max_docs, bad)
+        yield from document_lines(files, RecordFilter((key,), args.min_int_score), args.max_docs, bad)
 
 
 def train(args: argparse.Namespace) -> dict:
-    bad = BadRecords()
+    bad, skipped = BadRecords(), []
+    files = expand_inputs(args.input, skipped)
+    for line in input_notes(files, skipped):  # as preprocess_data.py says for the same inputs
+        print(f"note: {line}", file=sys.stderr)
     try:
-        train_sentencepiece(training_lines(args, bad), args.output, vocab_size=args.vocab_size,
+        train_sentencepiece(training_lines(args, files, bad), args.output, vocab_size=args.vocab_size,
                             model_type=args.model_type, byte_fallback=args.byte_fallback,
                             special_tokens=args.special_tokens,
                             character_coverage=args.character_coverage,

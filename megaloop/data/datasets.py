@@ -53,19 +53,31 @@ class DatasetTokenizer:
 
 
 def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """Megatron-LM's ``--data-path``: ``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]``."""
+    """Megatron-LM's ``--data-path``: ``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]``.
+
+    Refused: a weight that is not a finite positive number (megatron-core's BlendedDataset
+    asserts every weight is above zero), and a prefix given twice, however spelt: each entry is a
+    dataset of its own, so the repeated one would be drawn from twice as often without a word."""
     items = [str(x) for x in data_path]
     if not items:
         raise DataError("empty data blend: give at least one dataset prefix")
     if len(items) % 2 == 1 or not _is_number(items[0]):
-        return items, None
-    weights, prefixes = items[0::2], items[1::2]
-    for w in weights:
-        if not _is_number(w) or not 0 <= float(w) < math.inf:  # nan fails both
-            raise DataError(f"data blend: weight {w!r} is not a finite non-negative number")
-    if sum(map(float, weights)) <= 0:
-        raise DataError("data blend: weights sum to zero")
-    return prefixes, [float(w) for w in weights]
+        prefixes, weights = items, None
+    else:
+        prefixes, weights = items[1::2], items[0::2]
+        for w, prefix in zip(weights, prefixes):
+            if not _is_number(w) or not 0 < float(w) < math.inf:  # nan fails both
+                raise DataError(f"data blend: weight {w!r} of {prefix!r} is not a finite positive "
+                                "number (to leave a dataset out, drop it from the blend)")
+    seen: dict[str, str] = {}
+    for i, prefix in enumerate(prefixes):
+        first = seen.setdefault(os.path.realpath(prefix), prefix)
+        if len(seen) <= i:  # its real path was seen before
+            spelt = "" if first == prefix else f" (as {first!r} and {prefix!r})"
+            more = "with a larger weight" if weights else "with weights for a larger share"
+            raise DataError(f"data blend: {prefix!r} is given twice{spelt}, which draws from it "
+                            f"twice as often; give it once, {more}")
+    return prefixes, None if weights is None else [float(w) for w in weights]
 
 
 def _is_number(text: str) -> bool:

@@ -12,6 +12,7 @@ too large for the token dtype silently wraps ids. It turns each into one error n
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 import warnings
@@ -187,6 +188,20 @@ def document_last_tokens(summary: IndexedSummary, count: int = 1000) -> numpy.nd
     return numpy.array(tokens[(end - 1)[end > begin]])
 
 
+def _meant_prefix(prefix: str) -> str:
+    """A hint naming the dataset a prefix without one likely meant: the same path without its
+    .bin/.idx suffix, or the ``{prefix}_{key}_document`` that tools/preprocess_data.py wrote
+    for ``--output-prefix {prefix}``."""
+    stem = prefix[:-4] if prefix.endswith((".bin", ".idx")) else None
+    if stem and os.path.isfile(idx_path(stem)):
+        return f"; a prefix names the files without .bin/.idx: {stem}"
+    written = sorted(glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    if written:
+        return (f"; tools/preprocess_data.py --output-prefix {prefix} writes "
+                f"{', '.join(p[:-4] for p in written)}")
+    return ""
+
+
 def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bool = False) -> IndexedSummary:
     """Check a .bin/.idx pair is whole and consistent; raise DataError naming the bad file.
 
@@ -198,7 +213,8 @@ def validate_indexed(prefix: str, vocab_size: int | None = None, scan_tokens: bo
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     for path in (ipath, bpath):
         if not os.path.isfile(path):
-            raise DataError(f"{path}: not found (a dataset prefix needs both .bin and .idx)")
+            raise DataError(f"{path}: not found (a dataset prefix needs both .bin and .idx)"
+                            f"{_meant_prefix(prefix)}")
     idx_size = os.path.getsize(ipath)
     with open(ipath, "rb") as f:
         head = f.read(_PREAMBLE)

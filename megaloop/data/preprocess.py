@@ -70,6 +70,7 @@ class PreprocessOptions:
 class PreprocessStats:
     docs: int = 0
     tokens: int = 0
+    key_tokens: dict[str, int] = field(default_factory=dict)  # per json key: what ``tokens`` sums
     bytes: int = 0  # uncompressed input bytes of the records consumed
     filtered: int = 0
     empty: int = 0  # documents (one per record and key) without a token: empty texts
@@ -80,6 +81,8 @@ class PreprocessStats:
     def merge(self, other: PreprocessStats) -> None:
         self.docs += other.docs
         self.tokens += other.tokens
+        for key, n in other.key_tokens.items():
+            self.key_tokens[key] = self.key_tokens.get(key, 0) + n
         self.bytes += other.bytes
         self.filtered += other.filtered
         self.empty += other.empty
@@ -335,12 +338,14 @@ def check_tokenizer(options: PreprocessOptions) -> TextTokenizer:
 
 
 def check_usable(stats: PreprocessStats, keys: Sequence[str]) -> None:
-    """Refuse output without a single token, naming why: what each record lacked, or that all were
-    empty or filtered out. A --json-keys typo names the fields the records do have."""
-    if stats.tokens:
+    """Refuse output in which a key has not a single token, naming why: what each record lacked,
+    or that all were empty or filtered out. A --json-keys typo names the fields the records do
+    have. With several keys, one whose texts are all empty would be an output of empty documents."""
+    empty = [key for key in keys if not stats.key_tokens.get(key)]
+    if not empty:
         return
-    wanted = ", ".join(map(repr, keys))
-    if stats.bad.total:
+    wanted = ", ".join(map(repr, empty))
+    if stats.bad.total and len(empty) == len(keys):
         why = stats.bad.explain(keys)
     elif stats.docs:
         why = f"all {stats.docs:,} documents have empty {wanted} texts"
@@ -370,8 +375,7 @@ def preprocess(
     tokenizer = check_tokenizer(options)
     keys = options.record_filter.keys
     chunks = iter_chunks(ranges, options.record_filter.columns(), options.chunk_records, options.chunk_bytes)
-    stats = PreprocessStats()
-    tokens = dict.fromkeys(keys, 0)  # per output; stats.tokens counts them all
+    stats = PreprocessStats(key_tokens=dict.fromkeys(keys, 0))
     executor, writers = None, {}
     try:
         if options.workers == 0:
@@ -398,7 +402,7 @@ def preprocess(
             for key in keys:
                 part = encoded.keys[key].first_documents(take)
                 writers[key].add_documents(part.tokens, part.sequence_lengths, part.document_sequences)
-                tokens[key] += len(part.tokens)
+                stats.key_tokens[key] += len(part.tokens)
                 stats.tokens += len(part.tokens)
                 stats.empty += int((part.document_sequences == 0).sum())
             stats.docs += take
@@ -419,7 +423,7 @@ def preprocess(
         for key, writer in writers.items():
             remove_sidecar(writer.prefix)
             writer.commit()
-            write_sidecar(writer.prefix, {**record, "documents": stats.docs, "tokens": tokens[key]})
+            write_sidecar(writer.prefix, {**record, "documents": stats.docs, "tokens": stats.key_tokens[key]})
     except BaseException as err:
         if executor is not None:
             _stop_pool(executor, now=not isinstance(err, Exception))

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import functools
 import glob
-import gzip
-import io
 import json
 import math
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from megaloop.data.compressed import open_binary, read_errors
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -135,6 +136,8 @@ class RecordFilter:
     keys: tuple[str, ...] = ("text",)
     min_int_score: int | None = None
     min_score: float | None = None
+    # Every key a non-blank string (fields filled into a template): no list, no empty text.
+    plain_texts: bool = False
 
     def thresholds(self) -> tuple[tuple[str, int | float | None], ...]:
         """(score key, minimum or None) for the keys of SCORE_FLAGS."""
@@ -142,13 +145,6 @@ class RecordFilter:
 
     def columns(self) -> list[str]:
         return list(self.keys) + [column for column, value in self.thresholds() if value is not None]
-
-
-def json_keys_refusal(keys: Sequence[str]) -> str | None:
-    """The command-line refusal of a --json-keys list naming a field twice, or None. Each key is
-    a pass over the input: a repeat would train on that field twice, or write one output twice."""
-    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
-    return None if twice is None else f"--json-keys {' '.join(keys)}: {twice!r} given twice"
 
 
 def input_kind(path: str | os.PathLike) -> str:
@@ -192,10 +188,12 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
     however it is spelt (``./a.jsonl`` and a glob matching ``a.jsonl``, a link to it): its
     documents would otherwise be read twice.
 
-    Files in a directory that are not of a supported type are left out and listed in ``skipped``.
+    Files in a directory (given, or matched by a glob) that are not of a supported type, or .json
+    files that are not JSON lines, are left out and listed in ``skipped``.
     """
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     files: dict[str, str] = {}  # real path -> the first spelling given
+    skipped = skipped if skipped is not None else []
 
     def keep(paths: Sequence[str]) -> None:
         for path in paths:
@@ -203,108 +201,110 @@ def expand_inputs(inputs: str | Sequence[str], skipped: list[str] | None = None)
 
     for spec in map(str, specs):
         if os.path.isdir(spec):
-            found, others = [], []
-            for p in sorted(Path(spec).rglob("*")):
-                if p.is_file():
-                    (found if str(p).lower().endswith(SUPPORTED_SUFFIXES) else others).append(str(p))
+            found, others = _search(spec)
             if not found:
-                raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files")
+                json_docs = any(p.lower().endswith(".json") for p in others)
+                why = " (its .json files are not JSON lines)" if json_docs else ""
+                raise DataError(f"{spec}: directory holds no {', '.join(SUPPORTED_SUFFIXES)} files{why}")
             keep(found)
-            if skipped is not None:
-                skipped.extend(others)
+            skipped.extend(others)
         elif os.path.isfile(spec):
             input_kind(spec)
             keep([spec])
         elif glob.has_magic(spec):
-            found = [p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)]
-            if not found:
-                raise DataError(f"{spec}: glob matches no files")
+            matched = glob.glob(spec, recursive=True)
+            found = [p for p in matched if os.path.isfile(p)]
             for p in found:
                 input_kind(p)
+            for directory in sorted(p for p in matched if os.path.isdir(p)):  # as a directory input
+                inside, others = _search(directory)
+                found += inside
+                skipped.extend(others)
+            if not found:
+                raise DataError(f"{spec}: glob matches no files")
             keep(found)
         else:
             raise DataError(f"{spec}: input not found")
+    skipped[:] = dict.fromkeys(skipped)  # once each, however many inputs hold one
     return sorted(files.values())
 
 
-def describe_skipped(skipped: Sequence[str]) -> str:
-    """One line for the files a directory input left out: how many of each type, and the first few."""
-    kinds = Counter(Path(p).suffix.lower() or Path(p).name for p in skipped)
-    counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    return (f"skipped {len(skipped)} files of unsupported types ({counted}): "
-            f"{', '.join(skipped[:MAX_EXAMPLES])}{', ...' if len(skipped) > MAX_EXAMPLES else ''}")
+def _search(directory: str) -> tuple[list[str], list[str]]:
+    """The files under ``directory`` that are read, and those left out (see ``_left_out``)."""
+    found, others = [], []
+    for p in sorted(Path(directory).rglob("*")):
+        if p.is_file():
+            (others if _left_out(str(p)) else found).append(str(p))
+    return found, others
 
 
-def _open_binary(path: str) -> io.BufferedIOBase:
-    """The decompressed byte stream of a file, chosen by suffix."""
+# Text files of a dataset index cache (megatron-core's descriptions of its indices, the maximum
+# token ids megaloop.training.data caches): settings beside the .npy files, not documents.
+_INDEX_CACHE_TEXT = re.compile(r"[0-9a-f]{32}-\w+-(train|valid|test)-description\.txt|max_token_id-.+-\d+-\d+\.txt")
+
+
+def _left_out(path: str) -> str | None:
+    """Why a file found in a directory input is not read (its kind, for input_notes), or None. A
+    .json file whose first line is not a JSON object is a JSON document (a tokenizer.json, the
+    ``.tokenizer.json`` sidecar of data preprocessed there): read, each line would be a bad record."""
     name = path.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst"):
-        return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
-    return open(path, "rb")
+    if not name.endswith(SUPPORTED_SUFFIXES):
+        return Path(path).suffix.lower() or Path(path).name
+    if name.endswith(".json") and not starts_with_json_object(path):
+        return ".json not JSON lines"
+    return "index cache .txt" if _INDEX_CACHE_TEXT.fullmatch(os.path.basename(path)) else None
 
 
-class _ZstdReader(io.RawIOBase):
-    """The decompressed bytes of every frame of a .zst file; EOFError where the data ends inside a
-    frame, as gzip raises on a cut file (python-zstandard's stream_reader just ends there)."""
+def input_notes(files: Sequence[str], skipped: Sequence[str]) -> list[str]:
+    """Lines for the files a directory input left out (how many of each type, the first few), for
+    .txt files read as JSON lines, and for plain text that looks like one document per line."""
+    def listed(paths: Sequence[str]) -> str:
+        return f"{', '.join(paths[:MAX_EXAMPLES])}{', ...' if len(paths) > MAX_EXAMPLES else ''}"
 
-    def __init__(self, path: str):
-        import zstandard
-
-        self._file = open(path, "rb")
-        self._blocks = self._decompress(zstandard.ZstdDecompressor())
-        self._block = memoryview(b"")
-
-    def _decompress(self, decompressor) -> Iterator[bytes]:
-        frame = None  # the decompressor of a frame begun and not yet ended
-        # Small reads bound the output of one call: text often compresses 5-10x.
-        while data := self._file.read(1 << 17):
-            while data:
-                frame = frame or decompressor.decompressobj()
-                yield frame.decompress(data)
-                data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
-        if frame is not None:
-            raise EOFError(f"{self._file.name}: zstd data ends inside a frame")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self._block:
-            block = next(self._blocks, None)
-            if block is None:
-                return 0
-            self._block = memoryview(block)
-        n = min(len(buffer), len(self._block))
-        buffer[:n] = self._block[:n]
-        self._block = self._block[n:]
-        return n
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
+    notes = []
+    if skipped:
+        kinds = Counter(map(_left_out, skipped))
+        counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        notes.append(f"skipped {len(skipped)} files of unsupported types ({counted}): {listed(skipped)}")
+    jsonl_txt = [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and input_kind(f) == "jsonl"]
+    if jsonl_txt:
+        notes.append(f"read {len(jsonl_txt)} .txt file(s) as JSON lines (the first line is a JSON object): "
+                     f"{listed(jsonl_txt)}")
+    one_per_line = [f for f in files if input_kind(f) == "text" and _lines_without_a_break(f)]
+    if one_per_line:
+        notes.append(f"{len(one_per_line)} .txt file(s) open with {LINES_WITHOUT_A_BREAK}+ lines and no blank line: "
+                     "plain text is one document per blank-line separated paragraph, so one document per line "
+                     f"would be read as one document (give it as JSON lines): {listed(one_per_line)}")
+    return notes
 
 
-def _read_errors() -> tuple[type[BaseException], ...]:
-    import zlib
+LINES_WITHOUT_A_BREAK = 1000  # lines opening a plain-text file without a blank line: not paragraphs
 
-    import zstandard
 
-    return (EOFError, OSError, zlib.error, zstandard.ZstdError)
+def _lines_without_a_break(path: str) -> bool:
+    lines = _iter_lines(path)
+    try:
+        for n, line in enumerate(lines, 1):
+            if isinstance(line, BaseException) or not line.strip():
+                return False
+            if n >= LINES_WITHOUT_A_BREAK:
+                return True
+        return False
+    finally:
+        lines.close()
 
 
 def _iter_lines(path: str) -> Iterator[bytes | BaseException]:
     """Raw lines of a (possibly compressed) file; a read failure is yielded, then the file ends."""
     try:
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             first = f.readline()
             if first.startswith(BOM):
                 first = first[len(BOM):]
             if first:
                 yield first
             yield from f
-    except _read_errors() as err:
+    except read_errors() as err:
         yield err
 
 
@@ -337,7 +337,7 @@ def count_records(path: str) -> int:
 
         try:
             return pq.ParquetFile(path).metadata.num_rows
-        except Exception:  # an unreadable parquet file is one bad record, reported when read
+        except Exception:  # an unreadable parquet file, refused when read
             return 1
     return sum(1 for _ in _raw_records(path))
 
@@ -399,6 +399,7 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    row = 0
     try:
         pf = pq.ParquetFile(path)
         missing = [c for c in columns if c not in pf.schema_arrow.names]
@@ -409,7 +410,6 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
             yield Chunk(path, "parquet", start + 1, empty, 0, error=("missing key", repr(missing[0]), n - start),
                         keys_seen=tuple(pf.schema_arrow.names))
             return
-        row = 0
         # Batches, not whole row groups, bound memory: FineWeb-Edu row groups hold ~100 MB of text.
         for batch in pf.iter_batches(batch_size=max_records, columns=list(columns)):
             lo, hi = max(start - row, 0), batch.num_rows if stop is None else min(stop - row, batch.num_rows)
@@ -420,8 +420,10 @@ def _parquet_chunks(path: str, columns: Sequence[str], start: int, stop: int | N
             if stop is not None and row >= stop:
                 return
     except (OSError, pa.ArrowException) as err:
-        empty = pa.RecordBatch.from_pylist([])
-        yield Chunk(path, "parquet", start + 1, empty, 0, error=("unreadable data", first_line(err), 1))
+        # Not one bad record: every row of the file (or the rest of it) would be lost.
+        where = f" from row {row + 1}" if row else ""
+        raise DataError(f"{path}: unreadable parquet{where} ({first_line(err)}); replace the file "
+                        "(a download cut short?) or leave it out") from None
 
 
 def _text_bytes(batch) -> int:
@@ -462,7 +464,7 @@ def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
         if not keep:
             filtered += 1
             continue
-        texts, reason, detail = _texts(record, record_filter.keys)
+        texts, reason, detail = _texts(record, record_filter)
         if reason:
             bad.add(reason, where, detail)
             if reason == "missing key":
@@ -522,14 +524,16 @@ def _passes_filter(record: dict, f: RecordFilter) -> tuple[bool, str, str]:
     return True, "", ""
 
 
-def _texts(record: dict, keys: Sequence[str]) -> tuple[tuple[str | list[str], ...], str, str]:
+def _texts(record: dict, f: RecordFilter) -> tuple[tuple[str | list[str], ...], str, str]:
     """Each key's text or list of sentences. Empty and blank texts are kept: Megatron-LM writes an
     empty text as an empty document and tokenizes a blank one, and the output must equal its."""
     texts = []
-    for key in keys:
+    for key in f.keys:
         value = record.get(key)
         if value is None:
             return (), "missing key", repr(key)
+        if f.plain_texts and not (isinstance(value, str) and value.strip()):
+            return (), "empty or non-string text", f"{key!r} is {value!r:.40}"
         sentences = [value] if isinstance(value, str) else value
         if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
             return (), "non-string text", f"{key!r} is {_type_name(value)}"

@@ -46,7 +46,7 @@ def read_records(paths: str | Sequence[str], fields: Sequence[str]) -> list[dict
         if input_kind(path) == "text":
             raise DataError(f"{path}: plain text has no fields; prompt/solution records come as "
                             ".jsonl or .parquet")
-    record_filter = RecordFilter(keys=tuple(fields))
+    record_filter = RecordFilter(keys=tuple(fields), plain_texts=True)
     records: list[dict[str, str]] = []
     for chunk in iter_chunks([(path, 0, None) for path in files], record_filter.columns()):
         parsed = parse_chunk(chunk, record_filter)

@@ -68,7 +68,8 @@ class SentencePieceTextTokenizer:
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
         except (OSError, RuntimeError) as err:
-            raise TokenizerError(f"{self.path}: not a SentencePiece model ({first_line(err)})")
+            raise TokenizerError(f"{self.path}: not a SentencePiece model ({first_line(err)})"
+                                 f"{_other_type_hint(self.path, 'HuggingFaceTokenizer')}")
         self.vocab_size = self._sp.vocab_size()
         eos = self._sp.eos_id()
         self.eod = eod_id if eod_id is not None else (eos if eos >= 0 else None)
@@ -152,7 +153,8 @@ class HuggingFaceTextTokenizer:
         try:
             self._tok = Tokenizer.from_file(self.path)
         except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-            raise TokenizerError(f"{self.path}: not an HF tokenizer.json ({first_line(err)})")
+            raise TokenizerError(f"{self.path}: not an HF tokenizer.json ({first_line(err)})"
+                                 f"{_other_type_hint(self.path, 'SentencePieceTokenizer')}")
         # Saved tokenizer.json files often carry a model's max_length truncation (GPT-2's: 1024),
         # which would silently cut every longer document.
         self._tok.no_truncation()
@@ -236,6 +238,24 @@ def check_tokenizer_metadata(path: str, tokenizer_type: str) -> None:
     if model_type is not None and model_type not in _METADATA_MODEL_TYPES:
         raise TokenizerError(f"{path}: unknown model_type {model_type!r}; Megatron-LM knows "
                              f"{', '.join(_METADATA_MODEL_TYPES)}")
+
+
+def _other_type_hint(path: str, other: str) -> str:
+    """``"; it is a <kind>: tokenizer type <other>"`` when the file loads as the ``other`` type's
+    kind of file (given with the wrong tokenizer type), else ""."""
+    try:
+        if other in HUGGINGFACE_TYPES:
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(path)
+        else:
+            import sentencepiece
+
+            sentencepiece.SentencePieceProcessor(model_file=path)
+    except Exception:  # neither kind: the first error says enough
+        return ""
+    kind = "an HF tokenizer.json" if other in HUGGINGFACE_TYPES else "a SentencePiece model"
+    return f"; it is {kind}: tokenizer type {other}"
 
 
 def _check_readable(path: str) -> None:

@@ -24,7 +24,7 @@ from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gp
 from megaloop.data.indexed import IndexedSummary, document_last_tokens
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.platform.files import write_text_atomic
-from megaloop.training.collective import rank0_decides
+from megaloop.training.collective import is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
@@ -109,7 +109,24 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     )
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
+    if is_rank0():
+        for split, dataset in (("train", train), ("valid", valid)):
+            _warn_repeats(split, dataset)
     return train, valid
+
+
+def _warn_repeats(split: str, dataset) -> None:
+    """A warning for each dataset behind ``dataset`` (a BlendedDataset's parts, or itself) whose
+    ``split`` the run reads more than once: it draws more samples than the documents hold.
+    megatron-core says so at INFO ("total number of epochs"), which megaloop does not show."""
+    for part in getattr(dataset, "datasets", [dataset] if dataset is not None else []):
+        epochs = len(part.document_index) // len(part.indices)
+        if epochs > 1:
+            tokens = int(part.dataset.sequence_lengths[part.indices].sum())
+            log.warning("data: the run reads the %s split of %s over %d epochs: %s samples of "
+                        "model.seq_length=%d tokens from its %s tokens", split,
+                        part.dataset.path_prefix, epochs, f"{len(part):,}",
+                        part.config.sequence_length, f"{tokens:,}")
 
 
 def _make_cache_dir(cache_dir: Path, given: bool) -> None:
@@ -285,6 +302,7 @@ def _ids_reaching(summaries: dict[str, IndexedSummary], limit: int,
 def _max_token_id(bin_file: str, summary, cache_dir: str | os.PathLike) -> int:
     stat = os.stat(bin_file)
     directory = Path(cache_dir)
+    # A name readers._INDEX_CACHE_TEXT knows: a directory input of the data tools leaves it out.
     cached = directory / (f"max_token_id-{Path(bin_file).name}-{stat.st_size}-"
                           f"{stat.st_mtime_ns}.txt")
     try:

@@ -96,7 +96,11 @@ def test_weighted_blend_needs_every_split_size(tokenized_articles):
 def test_blend_parsing():
     assert parse_blend(["a", "b"]) == (["a", "b"], None)
     assert parse_blend(["30", "a", "70", "b"]) == (["a", "b"], [30.0, 70.0])
-    for weight in ("-1", "nan", "inf"):  # before: nan and inf were taken as weights
-        with pytest.raises(DataError, match=f"weight '{weight}' is not a finite non-negative"):
+    for weight in ("-1", "nan", "inf", "0"):  # before: nan and inf were taken as weights
+        with pytest.raises(DataError, match=f"weight '{weight}' of 'a' is not a finite positive"):
             parse_blend([weight, "a", "2", "b"])
+    # Before: two datasets, the repeated one drawn from twice as often.
+    with pytest.raises(DataError, match="'a' is given twice, which draws from it twice as often; "
+                                        "give it once, with a larger weight"):
+        parse_blend(["1", "a", "2", "b", "1", "a"])
 

@@ -108,3 +108,22 @@ def test_without_huggingface_hub_the_hub_is_one_line(tmp_path, capsys, tool, mon
     code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", tmp_path / "o")
     assert code == 2 and err.startswith("error: the hub needs huggingface_hub, which is not "
                                         "installed")
+
+
+def test_a_hub_that_never_answers_is_one_line_not_a_hang(tmp_path, capsys, tool, monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    # Before the fix: the listing waited forever (huggingface_hub sets it no timeout).
+    with socket.socket() as server:  # connections queue in the backlog; none is ever answered
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+        monkeypatch.setattr(tool, "LIST_TIMEOUT_S", 0.5)
+        code, err = _run(tool, capsys, "--name", "sample-10BT", "--output", tmp_path / "o")
+    assert code == 2 and err == ("error: HuggingFaceFW/fineweb-edu: cannot list the hub "
+                                 "repository (timed out)\n")
+    assert not (tmp_path / "o").exists()

@@ -86,6 +86,23 @@ def test_missing_half_of_a_pair(tmp_path):
         validate_indexed(prefix)
 
 
+def test_a_prefix_given_as_a_file_or_as_the_output_prefix_names_the_dataset_meant(tmp_path):
+    # Before: only "<prefix>.idx: not found", though the data was beside it under another name.
+    prefix = _write(tmp_path / "fwe_text_document", DOCS)
+    for given in (prefix + ".bin", prefix + ".idx"):
+        with pytest.raises(DataError) as err:
+            validate_indexed(given)
+        assert str(err.value) == (f"{given}.idx: not found (a dataset prefix needs both .bin and "
+                                  f".idx); a prefix names the files without .bin/.idx: {prefix}")
+    with pytest.raises(DataError) as err:
+        validate_indexed(str(tmp_path / "fwe"))
+    assert str(err.value).endswith(f"; tools/preprocess_data.py --output-prefix {tmp_path / 'fwe'} "
+                                   f"writes {prefix}")
+    with pytest.raises(DataError) as err:
+        validate_indexed(str(tmp_path / "other"))
+    assert str(err.value).endswith("not found (a dataset prefix needs both .bin and .idx)")
+
+
 def test_merge_concatenates_in_order_and_can_stop_early(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

@@ -354,7 +354,7 @@ def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, s
 
 
 @pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",
-                                  "empty texts"])
+                                  "empty texts", "one key's texts empty"])
 def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
     inputs, keys, extra = tmp_path / "in", ["text"], []
     inputs.mkdir()
@@ -373,9 +373,13 @@ def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path
         extra = ["--min-int-score", 3]
         expected = ["2 missing key", "missing key ('int_score')",
                     "; --min-int-score needs the score key 'int_score' but the records hold 'text'"]
-    else:
+    elif case == "empty texts":
         (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
         expected = ["all 2 documents have empty 'text' texts"]
+    else:  # before: exit 0, with an output of empty documents for 'title'
+        (inputs / "a.jsonl").write_text('{"text": "x", "title": ""}\n{"text": "y", "title": ""}\n')
+        keys = ["text", "title"]
+        expected = ["all 2 documents have empty 'title' texts"]
     out = tmp_path / "out"
     code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
                     *extra, *_sp_args(sp_model))
@@ -395,6 +399,34 @@ def test_unwritable_output_is_found_before_start_up(tmp_path, run, articles_path
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: {prefix}: cannot write the output in {tmp_path / 'file'} (")
+
+
+def test_an_output_prefix_naming_only_a_directory_is_refused(tmp_path, run, articles_path):
+    # Before: written as out/_text_document.bin/.idx, a dataset without a name.
+    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/out/", "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert (code, err) == (2, f"error: --output-prefix {tmp_path}/out/: names a directory, not the start of "
+                              "the outputs' names ({prefix}_{key}_document.bin/.idx); add a name, such as "
+                              f"{tmp_path}/out/fwe\n")
+    assert os.listdir(tmp_path) == []
+    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/.", "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert code == 2 and err.startswith(f"error: --output-prefix {tmp_path}/.: names a directory")
+
+
+def test_temporary_files_a_killed_run_left_are_noted(tmp_path, run, sp_model):
+    # Before: not a word; nothing removes them (a SIGKILL cannot be caught), and a .bin may be as
+    # large as the dataset.
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "out").mkdir()
+    leftover = tmp_path / "out" / "o.shard00001-of-00002_text_document.partial-4242.bin"
+    (tmp_path / "out" / "other_text_document.partial-4243.bin").write_bytes(b"another output's")
+    leftover.write_bytes(b"\0" * 1000)
+    code, err = run("--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "out" / "o", "--workers", 1,
+                    *_sp_args(sp_model))
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("note:")] == [
+        f"note: {leftover} (0.00 GB) is left from a run that was killed; remove it unless a run is writing it now"]
 
 
 def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):

@@ -13,9 +13,9 @@ from megaloop.data.readers import (
     DataError,
     RecordFilter,
     count_records,
-    describe_skipped,
     expand_inputs,
     input_kind,
+    input_notes,
     iter_chunks,
     iter_documents,
     parse_chunk,
@@ -139,6 +139,18 @@ def test_truncated_compressed_file_is_one_bad_record_after_the_last_good_line(tm
     assert bad.examples == [f"{path}:{len(docs) + 1}: truncated compressed file"]
 
 
+def test_an_unreadable_parquet_file_is_an_error_naming_it(tmp_path):
+    # Before: "1 bad record (unreadable data)" and exit 0, every row of the file lost.
+    path = tmp_path / "cut.parquet"
+    pq.write_table(pa.Table.from_pylist(RECORDS), path)
+    path.write_bytes(path.read_bytes()[:-100])  # a download cut short: no footer
+    with pytest.raises(DataError) as err:
+        list(iter_chunks([(str(path), 0, None)], ["text"]))
+    assert str(err.value) == (f"{path}: unreadable parquet (Parquet magic bytes not found in footer. "
+                              "Either the file is corrupted or this is not a parquet file.); replace the "
+                              "file (a download cut short?) or leave it out")
+
+
 def test_every_frame_of_a_multi_frame_zstd_file_is_read(tmp_path):
     compress = zstandard.ZstdCompressor().compress
     path = tmp_path / "frames.jsonl.zst"
@@ -178,7 +190,7 @@ def test_expand_inputs_directories_globs_and_errors(tmp_path):
     skipped = []
     assert expand_inputs(str(tmp_path), skipped) == sorted(str(tmp_path / n) for n in names)
     assert skipped == [str(tmp_path / "notes.md")]
-    assert describe_skipped(skipped) == f"skipped 1 files of unsupported types (1 .md): {tmp_path / 'notes.md'}"
+    assert input_notes([], skipped) == [f"skipped 1 files of unsupported types (1 .md): {tmp_path / 'notes.md'}"]
     assert expand_inputs(str(tmp_path / "*.jsonl*")) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst")]
     with pytest.raises(DataError, match="missing.jsonl: input not found"):
         expand_inputs(str(tmp_path / "missing.jsonl"))
@@ -186,6 +198,71 @@ def test_expand_inputs_directories_globs_and_errors(tmp_path):
         expand_inputs(str(tmp_path / "*.parquet2"))
     with pytest.raises(DataError, match="notes.md: unsupported input type"):
         expand_inputs(str(tmp_path / "notes.md"))
+
+
+def test_a_directory_input_leaves_out_json_documents_that_are_not_json_lines(tmp_path):
+    # Before: read as JSON lines, each line of a pretty-printed .json a bad record (the sidecar
+    # of data preprocessed into the input directory gave 11 "malformed JSON" warnings).
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.json").write_text('\n{"text": "y"}\n')  # JSON lines after a blank line
+    (tmp_path / "out_text_document.tokenizer.json").write_text('{\n "eod_id": 2\n}\n')
+    skipped = []
+    assert expand_inputs(str(tmp_path), skipped) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.json")]
+    assert input_notes([], skipped) == [f"skipped 1 files of unsupported types (1 .json not JSON "
+                                        f"lines): {tmp_path / 'out_text_document.tokenizer.json'}"]
+    for name in ("a.jsonl", "b.json"):
+        (tmp_path / name).unlink()
+    with pytest.raises(DataError, match=r"files \(its .json files are not JSON lines\)$"):
+        expand_inputs(str(tmp_path))
+
+
+def test_a_directory_input_leaves_out_the_text_files_of_a_dataset_index_cache(tmp_path):
+    # Before: tokenized as documents (a preprocess of a directory holding the cache/ beside its
+    # data wrote 5 such documents beside the 5 it was given).
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    names = ["0123456789abcdef0123456789abcdef-FingerprintedGPTDataset-train-description.txt",
+             "fedcba9876543210fedcba9876543210-BlendedDataset-valid-description.txt",
+             "max_token_id-pat.bin-32536-1796256881978194547.txt"]
+    for name in names:
+        (cache / name).write_text('{\n "split": "98,2"\n}\n' if "description" in name else "119\n")
+    (cache / "notes-description.txt").write_text("a document of its own\n")
+    skipped = []
+    assert expand_inputs(str(tmp_path), skipped) == [str(tmp_path / "a.jsonl"), str(cache / "notes-description.txt")]
+    assert skipped == [str(cache / name) for name in sorted(names)]
+    assert input_notes([], skipped)[0].startswith("skipped 3 files of unsupported types (3 index cache .txt): ")
+
+
+def test_directories_a_glob_matches_are_searched_as_directory_inputs(tmp_path):
+    # Before: "glob matches no files", though unquoted the shell's expansion was taken.
+    for shard in ("CC-1", "CC-2"):
+        (tmp_path / shard).mkdir()
+        (tmp_path / shard / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "CC-2" / "notes.md").write_text("left out")
+    skipped = []
+    assert expand_inputs(str(tmp_path / "CC-*"), skipped) == [str(tmp_path / "CC-1" / "a.jsonl"),
+                                                             str(tmp_path / "CC-2" / "a.jsonl")]
+    assert skipped == [str(tmp_path / "CC-2" / "notes.md")]
+    skipped = []
+    assert expand_inputs([str(tmp_path / "CC-*"), str(tmp_path)], skipped) == expand_inputs(str(tmp_path))
+    assert skipped == [str(tmp_path / "CC-2" / "notes.md")]  # once, however many inputs hold it
+    (tmp_path / "CC-3").mkdir()
+    with pytest.raises(DataError, match=r"CC-3\*: glob matches no files"):
+        expand_inputs(str(tmp_path / "CC-3*"))
+
+
+def test_plain_text_of_one_document_per_line_is_noted(tmp_path):
+    # Before: read as one document without a word (3,000 lines, 794 KB in the repro).
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"document {i}\n" for i in range(1000)))
+    paragraphs = tmp_path / "paragraphs.txt"
+    paragraphs.write_text("".join(f"document {i}\n\n" for i in range(1000)))
+    assert len(list(iter_documents(str(lines)))) == 1 and len(list(iter_documents(str(paragraphs)))) == 1000
+    assert input_notes([str(lines), str(paragraphs)], []) == [
+        f"1 .txt file(s) open with 1000+ lines and no blank line: plain text is one document per blank-line "
+        f"separated paragraph, so one document per line would be read as one document (give it as JSON "
+        f"lines): {lines}"]
 
 
 def test_a_file_named_twice_is_read_once_however_it_is_spelt(tmp_path, monkeypatch):

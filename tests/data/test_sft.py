@@ -102,6 +102,18 @@ def test_a_bad_record_is_an_error_naming_its_line(tmp_path, tokenizer):
                            split="1", seed=0, prompt=PROMPT, solution=SOLUTION)
 
 
+def test_a_list_or_an_empty_field_is_an_error_naming_its_line(tmp_path):
+    # Before: taken; a list was formatted as its Python repr ("Question: ['a', 'b']"), and an
+    # empty answer trained the model to stop right after the prompt.
+    for line, detail in (('{"question": ["a", "b"], "answer": "1"}', "'question' is ['a', 'b']"),
+                         ('{"question": "q", "answer": " "}', "'answer' is ' '")):
+        (tmp_path / "a.jsonl").write_text('{"question": "q", "answer": "1"}\n' + line + "\n")
+        with pytest.raises(DataError) as err:
+            read_records([str(tmp_path / "a.jsonl")], ("question", "answer"))
+        assert str(err.value) == (f"{tmp_path / 'a.jsonl'}:2: empty or non-string text ({detail}); "
+                                  "every record needs the fields question, answer")
+
+
 def test_dataset_needs_examples():
     with pytest.raises(ValueError, match="at least one example"):
         SFTDataset([], 8, 0, 1, 0, 0)

@@ -98,6 +98,18 @@ def test_unreadable_tokenizer_names_the_file(tmp_path, kind):
         load_tokenizer(kind, garbage)
 
 
+def test_a_tokenizer_file_of_the_other_type_names_the_type_it_is(sp_model, hf_tokenizer):
+    # Before: only the library's parse error ("could not parse ModelProto", "stream did not
+    # contain valid UTF-8"), not that the file is the other kind.
+    for kind, path, hint in (("Llama2Tokenizer", hf_tokenizer, "; it is an HF tokenizer.json: "
+                              "tokenizer type HuggingFaceTokenizer"),
+                             ("HuggingFaceTokenizer", sp_model, "; it is a SentencePiece model: "
+                              "tokenizer type SentencePieceTokenizer")):
+        with pytest.raises(TokenizerError) as err:
+            load_tokenizer(kind, path)
+        assert str(err.value).startswith(str(path)) and str(err.value).endswith(hint)
+
+
 def test_malformed_tokenizer_config_names_the_file(tmp_path, hf_tokenizer):
     (tmp_path / "tokenizer.json").write_bytes(hf_tokenizer.read_bytes())
     config = tmp_path / "tokenizer_config.json"

@@ -422,3 +422,24 @@ def test_an_index_cache_directory_that_cannot_be_created_is_one_line(tmp_path, p
                                         r"data.path's first prefix; data.cache_dir sets another\)"
                                         r": cannot be created \(File exists: "):
         build_datasets(cfg)
+
+
+def test_a_run_reading_a_split_more_than_once_says_so(tmp_path, pattern_data, caplog):
+    """Before: silent (megatron-core's "total number of epochs" is an INFO line megaloop hides)."""
+    import logging
+
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    small = _write(tmp_path / "small")  # 50 documents, 1,841 tokens
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        build_datasets(tiny_run(small, tmp_path / "run", train=dict(train_steps=1000)))
+    assert caplog.messages == [
+        f"data: the run reads the train split of {small} over 70 epochs: 4,027 samples of "
+        "model.seq_length=32 tokens from its 1,841 tokens",
+        f"data: the run reads the valid split of {small} over 2 epochs: 13 samples of "
+        "model.seq_length=32 tokens from its 213 tokens"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        build_datasets(tiny_run(pattern_data, tmp_path / "run"))  # 400 documents: read once
+    assert caplog.messages == []
