@@ -27,6 +27,19 @@ def test_cli_and_api_presets_agree_on_iterations():
         assert cfg.model.iterations == preset("135M", arch=arch).iterations
 
 
+def test_help_names_every_preset(capsys, monkeypatch):
+    """Before: --preset's help listed the seven He et al. and OLMo presets, not the LatentLoop
+    family (moe-loop-3B, latentloop-tiny, ...) that --preset takes as well."""
+    from megaloop.presets import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no name wrapped at a hyphen
+    with pytest.raises(SystemExit):
+        build_config(["--help"])
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.strip().startswith("--preset PRESET"))
+    assert all(name in line.split("(", 1)[1] for name in PRESETS), line
+
+
 DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
 
 
