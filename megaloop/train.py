@@ -39,7 +39,7 @@ def build_config(argv: list[str] | None = None):
     from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml
     from megaloop.presets import PRESETS
 
-    parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", help=f"model preset ({', '.join(PRESETS)})")
     parser.add_argument("--config", help="YAML run config (sections model, parallel, train, data, "
                                          "checkpoint, alrs)")
