@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -139,14 +140,24 @@ def dense_row(args) -> dict:
         steppers = {"megaloop": megaloop_step, **{k: v.step for k, v in loops.items()}}
         data = {name: MicroBatches(trainer.train_data, 4, 0, 1, 0, 8) for name in steppers}
         times = {name: [] for name in steppers}
-        for name, step in steppers.items():  # warm-up
-            step(data[name])
+
+        def timed(name) -> float:
+            start = time.perf_counter()
+            steppers[name](data[name])
+            elapsed = time.perf_counter() - start
+            # The Trainer holds SIGTERM/SIGUSR1 for its own loop, which this one replaces.
+            received = trainer.stop_signals.received
+            if received is not None:
+                trainer.close()
+                print(f"stopped by signal {int(received)}", file=sys.stderr)
+                raise SystemExit(128 + int(received))
+            return elapsed
+
+        for name in steppers:  # warm-up
+            timed(name)
         for _ in range(args.rounds):
-            for name, step in steppers.items():
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    step(data[name])
-                    times[name].append(time.perf_counter() - start)
+            for name in steppers:
+                times[name] += [timed(name) for _ in range(args.steps)]
         trainer.close()
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -168,7 +179,6 @@ def looped_row(args, tmp: Path) -> dict:
     """AsymLoop tokens/s under TP=2 and PP=2 against one process, with the same two cores."""
     import os
     import subprocess
-    import sys
 
     from megaloop.config import (CheckpointConfig, DataConfig, ModelConfig, RunConfig,
                                  TrainConfig, save_yaml)
