@@ -60,3 +60,13 @@ def test_train_throughput_stops_on_sigterm(load_tool, monkeypatch, capsys):
     assert exit_.value.code == 128 + signal.SIGTERM and len(steps) <= 2
     assert capsys.readouterr().err.endswith("stopped by signal 15\n")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the trainer's handlers are gone
+
+
+def test_a_failed_launch_is_one_error_with_its_reason(load_tool):
+    """The looped row's torchrun launch refuses 3 heads of a 256-wide model: before, a
+    CalledProcessError traceback ('returned non-zero exit status 1'), the reason left unread."""
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("bench/train_throughput").main(["--rows", "looped", "--heads", "3",
+                                                  "--rounds", "1"])
+    assert exit_.value.code == ("error: the single launch failed (exit 1): model.hidden_size=256: "
+                                "must be a multiple of num_attention_heads=3 (or set head_dim)")

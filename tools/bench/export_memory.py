@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megaloop.cli import parsed_preset, quiet_third_party_warnings
+from megaloop.cli import child_failure, parsed_preset, quiet_third_party_warnings
 
 
 def _status_bytes(field: str) -> int:
@@ -116,8 +116,11 @@ def main(argv=None):
             # Every block of 128 KiB or more mapped on its own, returned to the system when freed
             # (glibc), so that the RSS follows the tensors alive.
             child = subprocess.run([sys.executable, __file__, "--measure", str(checkpoint), dtype,
-                                    workdir], capture_output=True, text=True, check=True,
+                                    workdir], capture_output=True, text=True,
                                    env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+            failure = child_failure(child, f"the {dtype} measurement")
+            if failure:
+                raise SystemExit(f"error: {failure}")
             row = json.loads(child.stdout.strip().splitlines()[-1])
             for key in ("peak", "checkpoint_read_peak", "import_peak"):
                 row[f"{key}_over_fp32_weights"] = row[f"{key}_rss_rise"] / (4 * parameters)

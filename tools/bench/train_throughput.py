@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaloop.cli import int_at_least
+from megaloop.cli import child_failure, int_at_least
 
 
 def write_dataset(prefix: Path, vocab: int, documents: int = 2000) -> str:
@@ -205,10 +205,13 @@ def looped_row(args, tmp: Path) -> dict:
             run_dir.mkdir()
             save_yaml(cfg, run_dir / "run.yaml")
             threads = 2 // layout.world_size  # the same two cores for every layout
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
-                            "--config", str(run_dir / "run.yaml")], check=True,
-                           capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+            failure = child_failure(subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
+                 "--config", str(run_dir / "run.yaml")], capture_output=True, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(threads)}), f"the {name} launch")
+            if failure:
+                raise SystemExit(f"error: {failure}")
             read_curve(run_dir)  # a run without a complete log fails here
             records = [json.loads(line) for line in
                        (run_dir / "metrics.jsonl").read_text().splitlines()]
