@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -93,6 +94,20 @@ def child_failure(done, what: str) -> str | None:
                                  if line.startswith("error: ") or _EXCEPTION_LINE.match(line)))
     detail = "; ".join(reasons[:3]) if reasons else "\n".join(lines[-5:]) or "nothing on stderr"
     return f"{what} failed (exit {done.returncode}): {detail}"
+
+
+def run_tool(main) -> None:
+    """Runs a tool's ``main()`` as its command and exits: 0 when it returns; a SystemExit that
+    carries a message (a refusal: bad input, an output that cannot be written) prints it and
+    exits 2, as megaloop's other commands do, where Python itself would exit 1."""
+    try:
+        main()
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        print(stop.code, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(0)
 
 
 def refuse_overrides_of(overrides: list[str], set_by: dict[str, str | None]) -> None:

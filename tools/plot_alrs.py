@@ -15,7 +15,7 @@ up and down. Embedding and output head are in no figure. Dense and Full Loop nam
     python tools/plot_alrs.py --alrs runs/a/alrs.zarr [--uniform runs/u/alrs.zarr] --out plots/
 
 A path without an ALRS log, a log without rows yet, a log of the other mode (the two paths
-swapped) and an ``--out`` that cannot be written are one-line errors (exit code 1).
+swapped) and an ``--out`` that cannot be written are one-line errors (exit code 2).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from megaloop.alrs import ALRSLogData, read_log  # noqa: E402
-from megaloop.cli import unwritable  # noqa: E402
+from megaloop.cli import run_tool, unwritable  # noqa: E402
 from megaloop.training.plots import save_figure  # noqa: E402
 
 SECTIONS = ("encoder", "decoder")
@@ -160,4 +160,4 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megaloop.cli import unwritable
+from megaloop.cli import run_tool, unwritable
 from megaloop.training.plots import MetricsError, load_run, plot_runs, run_labels
 
 
@@ -42,4 +42,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)
