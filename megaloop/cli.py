@@ -79,6 +79,7 @@ def unwritable(path: str | os.PathLike) -> str | None:
 # The last line of a Python exception, as a crashed child prints it (torchrun's own ChildFailedError,
 # the launcher's report after every worker's failure, says nothing of the cause).
 _EXCEPTION_LINE = re.compile(r"^(?!.*ChildFailedError)[\w.]*(Error|Exception|Interrupt)\b[^:]*:")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
 
 
 def child_failure(done, what: str) -> str | None:
@@ -89,7 +90,9 @@ def child_failure(done, what: str) -> str | None:
     torchrun's failure report, which hides them: a tail of it or check=True's traceback would."""
     if done.returncode == 0:
         return None
-    lines = [line.strip() for line in (done.stderr or "").splitlines() if line.strip()]
+    # torch's excepthook prefixes a worker's traceback with "[rank0]: " once its group is up.
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in (done.stderr or "").splitlines()]
+    lines = [line for line in lines if line]
     reasons = list(dict.fromkeys(line.removeprefix("error: ") for line in lines
                                  if line.startswith("error: ") or _EXCEPTION_LINE.match(line)))
     detail = "; ".join(reasons[:3]) if reasons else "\n".join(lines[-5:]) or "nothing on stderr"

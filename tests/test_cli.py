@@ -74,15 +74,21 @@ def _child(*args, **env):
                                str(Path(__file__).parents[1])})
 
 
-def test_a_failed_launch_is_named_with_its_workers_reason():
+def test_a_failed_launch_is_named_with_its_workers_reason(tmp_path):
     """torchrun's stderr ends with its own report (exit codes, 'error_file: <N/A>'); the reason is
-    the worker's error line before it, once though both ranks print it."""
-    done = _child("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                  "megaloop.train", "model.num_attention_heads=3", "data.path=[x]",
+    the worker's error line before it, once though both ranks print it, or its exception, which
+    torch prints as '[rank0]: ValueError: ...' once the process group is up."""
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = _child(*launch, "-m", "megaloop.train", "model.num_attention_heads=3", "data.path=[x]",
                   "data.eod_id=0")
     assert child_failure(done, "the tp2 launch") == (
         "the tp2 launch failed (exit 1): model.hidden_size=128: must be a multiple of "
         "num_attention_heads=3 (or set head_dim)")
+    script = tmp_path / "worker.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "raise ValueError('no: data')\n")
+    assert child_failure(_child(*launch, str(script)), "the dp2 launch") == (
+        "the dp2 launch failed (exit 1): ValueError: no: data")
     assert child_failure(_child("-c", "raise ValueError('no: data')"), "x") == (
         "x failed (exit 1): ValueError: no: data")
     assert child_failure(_child("-c", "import sys; sys.exit(3)"), "x") == (
