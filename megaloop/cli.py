@@ -6,6 +6,8 @@ import argparse
 import logging
 import math
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -73,6 +75,29 @@ def unwritable(path: str | os.PathLike) -> str | None:
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         return f"{ancestor} is not a writable directory"
     return None
+
+
+# The last line of a Python exception, as a crashed child prints it (torchrun's own ChildFailedError,
+# the launcher's report after every worker's failure, says nothing of the cause).
+_EXCEPTION_LINE = re.compile(r"^(?!.*ChildFailedError)[\w.]*(Error|Exception|Interrupt)\b[^:]*:")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+
+
+def child_failure(done, what: str) -> str | None:
+    """None if the child process ``done`` (a subprocess.CompletedProcess with ``stderr`` as
+    text) succeeded, else one message naming ``what``, its exit status and the child's reasons:
+    its ``error:`` lines (megaloop's one-line errors) or the last lines of its exceptions, each
+    once (torchrun's ranks repeat them), else the end of its stderr. A launch's stderr ends with
+    torchrun's failure report, which hides them: a tail of it or check=True's traceback would."""
+    if done.returncode == 0:
+        return None
+    # torch's excepthook prefixes a worker's traceback with "[rank0]: " once its group is up.
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in (done.stderr or "").splitlines()]
+    lines = [line for line in lines if line]
+    reasons = list(dict.fromkeys(line.removeprefix("error: ") for line in lines
+                                 if line.startswith("error: ") or _EXCEPTION_LINE.match(line)))
+    detail = "; ".join(reasons[:3]) if reasons else "\n".join(lines[-5:]) or "nothing on stderr"
+    return f"{what} failed (exit {done.returncode}): {detail}"
 
 
 def refuse_overrides_of(overrides: list[str], set_by: dict[str, str | None]) -> None:

@@ -7,7 +7,8 @@
 #   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size and rank table (default 8); a job's
 #                   own come from sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
-#                   outside an allocation, e.g. `DRY_RUN=1 NODES=16 bash slurm/asymloop_7b.sh`
+#                   outside an allocation, e.g.
+#                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it)
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 

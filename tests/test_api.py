@@ -1,6 +1,10 @@
 """megaloop.api: build (one call, any preset and field, reproducible weights) and load (a
 checkpoint's model and weights)."""
 
+import re
+import runpy
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -190,3 +194,28 @@ def test_load_refuses_a_depth_a_latentloop_cannot_run(mcore, tmp_path):
                                           r"runs exactly its iterations=2 visits"):
         ml.load(tmp_path, iterations=3)
     assert ml.load(tmp_path, iterations=model.cfg.num_iterations).cfg == model.cfg
+
+
+REPO = Path(__file__).parents[1]
+
+
+def test_readme_python_api_snippet_runs_as_written(mcore):
+    """The README's Python API block, executed as it stands: its calls and the shapes its comments
+    state hold against the current API."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"### Python API.*?```python\n(.*?)```", readme, re.S).group(1)
+    names = {}
+    exec(compile(block, "README.md (Python API)", "exec"), names)
+    tokens, vocab = names["tokens"], names["model"].cfg.vocab_size
+    assert names["logits"].shape == (*tokens.shape, vocab)  # [B, N, V]
+    assert names["losses"].shape == tokens.shape  # [B, N]
+    assert names["deeper"].shape == (*tokens.shape, vocab)
+
+
+def test_notebook_example_runs(mcore, capsys):
+    """examples/notebook_quickcheck.py: three depths' losses, and the reference model's logits
+    equal to megatron-core's."""
+    runpy.run_path(str(REPO / "examples" / "notebook_quickcheck.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:3]] == ["K=1", "K=3", "K=6"]
+    assert float(lines[3].rsplit("=", 1)[1]) < 1e-4

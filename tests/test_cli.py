@@ -1,11 +1,17 @@
 """What the command-line entry points share: argparse types that say in one line what is wrong with
-a flag's value, and the refusal of an override of a setting a command makes itself."""
+a flag's value, the refusal of an override of a setting a command makes itself, and why a child
+process (a torchrun launch) failed."""
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from megaloop.cli import float_above, int_at_least, refuse_overrides_of, set_by, with_settings
+from megaloop.cli import (child_failure, float_above, int_at_least, refuse_overrides_of, set_by,
+                          with_settings)
 
 
 def _parser():
@@ -60,3 +66,31 @@ def test_a_commands_settings_apply_to_a_copy_and_name_the_option_each_comes_from
     cfg = with_settings(given, {"train.lr": 0.5, "checkpoint.resume": False})
     assert (cfg.train.lr, cfg.checkpoint.resume) == (0.5, False)
     assert (given.train.lr, given.checkpoint.resume) == (RunConfig().train.lr, True)
+
+
+def _child(*args, **env):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          env={**os.environ, **env, "OMP_NUM_THREADS": "1", "PYTHONPATH":
+                               str(Path(__file__).parents[1])})
+
+
+def test_a_failed_launch_is_named_with_its_workers_reason(tmp_path):
+    """torchrun's stderr ends with its own report (exit codes, 'error_file: <N/A>'); the reason is
+    the worker's error line before it, once though both ranks print it, or its exception, which
+    torch prints as '[rank0]: ValueError: ...' once the process group is up."""
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = _child(*launch, "-m", "megaloop.train", "model.num_attention_heads=3", "data.path=[x]",
+                  "data.eod_id=0")
+    assert child_failure(done, "the tp2 launch") == (
+        "the tp2 launch failed (exit 1): model.hidden_size=128: must be a multiple of "
+        "num_attention_heads=3 (or set head_dim)")
+    script = tmp_path / "worker.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "raise ValueError('no: data')\n")
+    assert child_failure(_child(*launch, str(script)), "the dp2 launch") == (
+        "the dp2 launch failed (exit 1): ValueError: no: data")
+    assert child_failure(_child("-c", "raise ValueError('no: data')"), "x") == (
+        "x failed (exit 1): ValueError: no: data")
+    assert child_failure(_child("-c", "import sys; sys.exit(3)"), "x") == (
+        "x failed (exit 3): nothing on stderr")
+    assert child_failure(_child("-c", "pass"), "x") is None

@@ -38,6 +38,10 @@ def test_dotted_overrides_are_typed():
     (["trian.lr=1e-4"], "override 'trian.lr=1e-4': trian is not a section (did you mean train?)"),
     (["train.downstream.tasks=[a]"], "train.downstream is not a section (did you mean "
                                      "downstream_eval?)"),
+    # Before: "data.sft_solution={'answer': None}: must be of type str", a mapping never written.
+    (["data.sft_solution={answer}"], "data.sft_solution={'answer': None}: must be text; YAML "
+                                     "reads an unquoted {...} as a mapping: write the value in "
+                                     'quotes ("{...}")'),
 ])
 def test_bad_overrides_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -44,11 +44,16 @@ def test_scripts_call_only_megaloop_entry_points():
                 pytest.skip(f"{call} (called by slurm/{script}) is not in this checkout yet")
 
 
+def _environment(**settings):
+    """This environment with ``settings``, this Python's entry points and megaloop first."""
+    return {**os.environ, **settings,
+            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def _dry_run(script, *args, nodes=1, **settings):
-    env = {**os.environ, **settings, "DRY_RUN": "1", "NODES": str(nodes), "DATA": "/data/fwe",
-           "TOKENIZER": "/data/tok.model",
-           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = _environment(**settings, DRY_RUN="1", NODES=str(nodes), DATA="/data/fwe",
+                       TOKENIZER="/data/tok.model")
     return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd="/",
                           capture_output=True, text=True)
 
@@ -75,7 +80,12 @@ def test_every_architecture_the_paper_loop_submits_dry_runs_and_writes_nothing(a
 
 
 def test_7b_recipe_dry_run_and_bad_input():
-    result = _dry_run("asymloop_7b.sh", nodes=16)
+    """As the README gives the command (before, it left out DATA and TOKENIZER, which the script
+    requires: "DATA: set DATA to the dataset prefix")."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    command = re.search(r"`(DRY_RUN=1 [^`]*asymloop_7b\.sh)`", readme).group(1)
+    result = subprocess.run(["bash", "-c", command], env=_environment(), cwd=REPO,
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "128 ranks = tensor 8 x pipeline 1 x data 16" in result.stdout
     assert "-> fits" in result.stdout

@@ -1,5 +1,8 @@
 """The megaloop-train entry point: layered configuration and one-line errors with exit code 2."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.training.conftest import pattern_data  # noqa: F401  (a fixture)
@@ -25,6 +28,19 @@ def test_cli_and_api_presets_agree_on_iterations():
         cfg, _ = build_config(["--preset", "135M", f"model.arch={arch}", "data.path=[x]",
                                "data.eod_id=0"])
         assert cfg.model.iterations == preset("135M", arch=arch).iterations
+
+
+def test_help_names_every_preset(capsys, monkeypatch):
+    """Before: --preset's help listed the seven He et al. and OLMo presets, not the LatentLoop
+    family (moe-loop-3B, latentloop-tiny, ...) that --preset takes as well."""
+    from megaloop.presets import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no name wrapped at a hyphen
+    with pytest.raises(SystemExit):
+        build_config(["--help"])
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.strip().startswith("--preset PRESET"))
+    assert all(name in line.split("(", 1)[1] for name in PRESETS), line
 
 
 DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
@@ -152,3 +168,19 @@ def test_a_config_mistake_is_reported_without_loading_torch():
                             text=True, timeout=120)
     assert result.stdout == "2 []\n", result.stderr[-2000:]
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+EXAMPLE_CONFIGS = sorted((Path(__file__).parents[1] / "examples" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda path: path.name)
+def test_example_configs_validate_with_the_preset_their_header_names(path):
+    """An example config sets an architecture and a recipe, its preset the dimensions: its header
+    names the preset (before: it said "at LLaMA-2-7B dimensions", which the file alone does not
+    give), and the two together validate."""
+    header = path.read_text().split("\n\n")[0].split("\nmodel:")[0]
+    preset = re.search(r"--preset (\S+)", header)
+    assert preset, f"{path.name}: the header names no --preset"
+    cfg, _ = build_config(["--preset", preset.group(1), "--config", str(path), "data.path=[x]",
+                           "data.eod_id=0"])
+    assert cfg.model.arch in header.lower()

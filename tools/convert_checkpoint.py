@@ -36,7 +36,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     to_hf = sub.add_parser("to-hf", help="megaloop checkpoint -> Hugging Face directory")
     to_hf.add_argument("checkpoint")

@@ -46,7 +46,7 @@ def is_override(word: str) -> bool:
 
 
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True,
                         help="pre-trained checkpoint: an iter_N directory or a run's checkpoint "
                              "directory (its latest)")

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megaloop.cli import (default_model_note, int_at_least, quiet_third_party_warnings,
+from megaloop.cli import (child_failure, default_model_note, int_at_least, quiet_third_party_warnings,
                           refuse_overrides_of, replaced_settings, set_by, train_config_args,
                           with_settings)
 
@@ -110,7 +110,7 @@ def check_layouts_and_out(texts: list[str], layouts: list, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", required=True, help="e.g. single dp2 tp2,sp pp2")
     parser.add_argument("--steps", type=int_at_least(1), default=10)
     parser.add_argument("--preset", help="model size preset (as megaloop-train)")
@@ -163,11 +163,10 @@ def main(argv=None) -> int:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
                    "--config", str(config_path)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            print(f"error: layout {text!r} failed (exit {done.returncode}):\n{tail}",
-                  file=sys.stderr)
+        failure = child_failure(subprocess.run(command, env=env, capture_output=True, text=True),
+                                f"layout {text!r}")
+        if failure:
+            print(f"error: {failure}", file=sys.stderr)
             return 1
         curves[text] = read_curve(directory)
     problems = compare_curves(curves)

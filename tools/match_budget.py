@@ -122,7 +122,7 @@ def print_table(tier: str, reduction: str, rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tier", choices=list(LATENTLOOP_TIERS), action="append",
                         help="tier(s) to match (default: all)")
     parser.add_argument("--reduction", choices=typing.get_args(LatentReduction),

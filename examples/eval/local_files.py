@@ -22,10 +22,20 @@ DATA_DIR_ENV = "MEGALOOP_EVAL_DATA"
 
 
 def _records(path: Path) -> list[dict]:
+    """The file's records; a file without any is refused, Parquet as JSON lines (a task over no
+    records would score nothing)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        records = pq.read_table(path).to_pylist()
+    else:
+        records = _json_lines(path)
+    if not records:
+        raise ValueError(f"{path}: holds no records")
+    return records
+
+
+def _json_lines(path: Path) -> list[dict]:
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -38,8 +48,6 @@ def _records(path: Path) -> list[dict]:
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object")
             records.append(record)
-    if not records:
-        raise ValueError(f"{path}: holds no records")
     return records
 
 

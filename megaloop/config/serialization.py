@@ -173,6 +173,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if hint is str and isinstance(value, dict):
+        # An unquoted format string such as data.sft_solution={answer}: YAML reads the braces.
+        raise ConfigError(f"{where}={value!r}: must be text; YAML reads an unquoted {{...}} as a "
+                          "mapping: write the value in quotes (\"{...}\")")
     if hint in (int, float, str, bool) and not isinstance(value, hint) or (
         hint is int and isinstance(value, bool)
     ):

@@ -492,3 +492,24 @@ def test_requests_longer_than_the_context_are_counted_and_shown(harness, monkeyp
         "Longer than the model's context, cut from the left: " + "; ".join(
             f"{task} {shots}-shot: {cut} of {sent} requests"
             for (task, shots), (sent, cut) in counts.items() if cut) + ".")
+
+
+def test_a_data_file_without_records_is_refused_parquet_as_json_lines(tmp_path):
+    """examples/eval/local_files.py reads Parquet too; an empty one gave a task of no records
+    (before: accepted, where an empty .jsonl was refused), caught here with the other task data."""
+    require_harness()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megaloop.hf import evaluate as ev
+
+    tasks, data = tmp_path / "tasks", tmp_path / "data"
+    shutil.copytree(ev.TASK_DIR, tasks)
+    yaml = tasks / "piqa.yaml"
+    yaml.write_text(yaml.read_text().replace("piqa_valid.jsonl", "piqa_valid.parquet"))
+    data.mkdir()
+    pq.write_table(pa.table({f: pa.array([], pa.string()) for f in ("goal", "sol1", "sol2")}
+                            | {"label": pa.array([], pa.int64())}), data / "piqa_valid.parquet")
+    with pytest.raises(ev.EvaluationError, match=r"^task data: .*piqa_valid.parquet: holds no "
+                                                 r"records$"):
+        ev.prepare_tasks(["piqa"], data, tasks)

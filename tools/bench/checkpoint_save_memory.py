@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megaloop.cli import parsed_preset, quiet_third_party_warnings
+from megaloop.cli import child_failure, parsed_preset, quiet_third_party_warnings
 from megaloop.config import DEFAULT_ITERATIONS
 from megaloop.presets import preset
 
@@ -92,7 +92,7 @@ def measure(preset_name: str, arch: str, layout: str) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop", choices=sorted(DEFAULT_ITERATIONS))
     parser.add_argument("--measure", metavar="LAYOUT", help=argparse.SUPPRESS)  # the child
@@ -108,7 +108,10 @@ def main(argv=None):
         # (glibc), so that the RSS follows the tensors alive.
         child = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--arch",
                                 args.arch, "--measure", layout], capture_output=True, text=True,
-                               check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+                               env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+        failure = child_failure(child, f"the {layout} measurement")
+        if failure:
+            raise SystemExit(f"error: {failure}")
         rows[layout] = json.loads(child.stdout.strip().splitlines()[-1])
     print(json.dumps({"config": {"preset": args.preset, "arch": args.arch}, "saves": rows},
                      indent=2))

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megaloop.cli import parsed_preset, quiet_third_party_warnings
+from megaloop.cli import child_failure, parsed_preset, quiet_third_party_warnings
 
 
 def _status_bytes(field: str) -> int:
@@ -80,7 +80,7 @@ def measure(checkpoint: str, dtype: str, workdir: str) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -116,8 +116,11 @@ def main(argv=None):
             # Every block of 128 KiB or more mapped on its own, returned to the system when freed
             # (glibc), so that the RSS follows the tensors alive.
             child = subprocess.run([sys.executable, __file__, "--measure", str(checkpoint), dtype,
-                                    workdir], capture_output=True, text=True, check=True,
+                                    workdir], capture_output=True, text=True,
                                    env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+            failure = child_failure(child, f"the {dtype} measurement")
+            if failure:
+                raise SystemExit(f"error: {failure}")
             row = json.loads(child.stdout.strip().splitlines()[-1])
             for key in ("peak", "checkpoint_read_peak", "import_peak"):
                 row[f"{key}_over_fp32_weights"] = row[f"{key}_rss_rise"] / (4 * parameters)

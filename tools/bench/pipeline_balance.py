@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from megaloop.cli import int_at_least
+from megaloop.cli import child_failure, int_at_least
 
 GOAL = 1.15  # slowest stage / mean stage busy time
 
@@ -124,11 +124,14 @@ def measure(name: str, cfg, split: list[int], args, tmp: Path) -> dict:
     cfg.train.out_dir = str(run_dir)
     save_yaml(cfg, run_dir / "run.yaml")
     result = run_dir / "busy.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={len(split)}", __file__, "--worker",
-                    str(run_dir / "run.yaml"), "--steps", str(args.steps), "--warmup",
-                    str(args.warmup), "--out", str(result)],
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    failure = child_failure(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={len(split)}", __file__, "--worker", str(run_dir / "run.yaml"),
+         "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}),
+        f"the {name} launch")
+    if failure:
+        raise SystemExit(f"error: {failure}")
     ranks = sorted(json.loads(result.read_text()), key=lambda r: r["stage"])
     busy = [r["forward_s"] + r["backward_s"] for r in ranks]
     micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
@@ -146,7 +149,7 @@ def measure(name: str, cfg, split: list[int], args, tmp: Path) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=int_at_least(1), default=128)

@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megaloop.cli import int_at_least
+from megaloop.cli import child_failure, int_at_least
 
 
 def write_dataset(prefix: Path, vocab: int, documents: int = 2000) -> str:
@@ -139,14 +140,24 @@ def dense_row(args) -> dict:
         steppers = {"megaloop": megaloop_step, **{k: v.step for k, v in loops.items()}}
         data = {name: MicroBatches(trainer.train_data, 4, 0, 1, 0, 8) for name in steppers}
         times = {name: [] for name in steppers}
-        for name, step in steppers.items():  # warm-up
-            step(data[name])
+
+        def timed(name) -> float:
+            start = time.perf_counter()
+            steppers[name](data[name])
+            elapsed = time.perf_counter() - start
+            # The Trainer holds SIGTERM/SIGUSR1 for its own loop, which this one replaces.
+            received = trainer.stop_signals.received
+            if received is not None:
+                trainer.close()
+                print(f"stopped by signal {int(received)}", file=sys.stderr)
+                raise SystemExit(128 + int(received))
+            return elapsed
+
+        for name in steppers:  # warm-up
+            timed(name)
         for _ in range(args.rounds):
-            for name, step in steppers.items():
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    step(data[name])
-                    times[name].append(time.perf_counter() - start)
+            for name in steppers:
+                times[name] += [timed(name) for _ in range(args.steps)]
         trainer.close()
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -168,7 +179,6 @@ def looped_row(args, tmp: Path) -> dict:
     """AsymLoop tokens/s under TP=2 and PP=2 against one process, with the same two cores."""
     import os
     import subprocess
-    import sys
 
     from megaloop.config import (CheckpointConfig, DataConfig, ModelConfig, RunConfig,
                                  TrainConfig, save_yaml)
@@ -195,10 +205,13 @@ def looped_row(args, tmp: Path) -> dict:
             run_dir.mkdir()
             save_yaml(cfg, run_dir / "run.yaml")
             threads = 2 // layout.world_size  # the same two cores for every layout
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
-                            "--config", str(run_dir / "run.yaml")], check=True,
-                           capture_output=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+            failure = child_failure(subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={layout.world_size}", "-m", "megaloop.train",
+                 "--config", str(run_dir / "run.yaml")], capture_output=True, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(threads)}), f"the {name} launch")
+            if failure:
+                raise SystemExit(f"error: {failure}")
             read_curve(run_dir)  # a run without a complete log fails here
             records = [json.loads(line) for line in
                        (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -215,7 +228,7 @@ def looped_row(args, tmp: Path) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", choices=("dense", "looped"),
                         default=["dense", "looped"])
     parser.add_argument("--looped-steps", type=int_at_least(1), default=8,
