@@ -79,7 +79,13 @@ class RoutingStats:
             self.group = previous
 
     def record(self, load_balancing: torch.Tensor, z_loss: torch.Tensor,
-               tokens_per_expert: torch.Tensor) -> None:
+               tokens_per_expert: torch.Tensor, ranks: int = 1) -> None:
+        """One application's statistics from this rank's share of its tokens, ``ranks`` ranks
+        (sequence or context parallelism) routing the application's tokens between them: the
+        load-balancing term is this rank's part of a sum over those ranks (megatron-core's
+        formulation), the z-loss the mean over this rank's equal share, and the tokens its own;
+        so each rank counts 1/``ranks`` of the application, and ``report``'s sum over the ranks
+        gives the whole application's values, as one rank computing it all would."""
         if self.group not in self.groups:  # outside a labelled block, or beyond the trained depth
             return
         if self._sums is None:
@@ -87,8 +93,8 @@ class RoutingStats:
                                      device=tokens_per_expert.device)
         row = self._sums[self.groups.index(self.group)]
         row[0] += load_balancing.double()
-        row[1] += z_loss.double()
-        row[2] += 1
+        row[1] += z_loss.double() / ranks
+        row[2] += 1 / ranks
         row[3:] += tokens_per_expert.double()
 
     def report(self, group=None) -> dict[str, float]:
@@ -96,7 +102,8 @@ class RoutingStats:
 
         Keys: moe_lb_loss_<g>, moe_z_loss_<g>, moe_max_load_<g> (largest expert load over the mean
         load; 1 is balanced) and moe_tokens_<g>_e<i> (tokens routed to expert i per application,
-        summed over the data-parallel ranks' micro-batches)."""
+        i.e. per micro-batch of one data-parallel rank). Every layout gives the values of one
+        process (``record``)."""
         sums = self._sums
         if sums is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,7 +183,7 @@ class LoopedRouter(TopKRouter):
                 load_balancing = switch_load_balancing_loss_func(
                     scores, tokens, total, self.topk, self.config.num_moe_experts, 1.0)
                 self.stats.record(load_balancing, z_loss_func(logits, 1.0),
-                                  routing_map.sum(dim=0))
+                                  routing_map.sum(dim=0), ranks=self.tp_cp_group.size())
         return probs, routing_map
 
 
