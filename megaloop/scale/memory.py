@@ -300,7 +300,7 @@ def _applications(model: ModelConfig, chunk: Stage):
     """(count, block config, FFN width, joint attention, MoE, token stride) of the layer
     applications of ``chunk``: its runs of encoder and decoder layers; a LatentLoop visit runs the
     block of its reduction (ModelConfig.visit_block_config) on 1 / latent_stride of the tokens
-    when compressed, and the head's stage also holds the coda."""
+    when compressed; the coda runs on the last stage (Stage.coda)."""
     latent = model.arch == "latentloop"
     for run in chunk.runs:
         decoder = run.block == "decoder"
@@ -312,8 +312,8 @@ def _applications(model: ModelConfig, chunk: Stage):
         yield (run.count, model, model.decoder_ffn_hidden_size if decoder else
                model.ffn_hidden_size, decoder and model.decoder_attention == "joint",
                model.moe_in(run.block), 1)
-    if latent and chunk.head and model.num_coda_layers:
-        yield model.num_coda_layers, model, model.ffn_hidden_size, False, model.uses_moe, 1
+    if chunk.coda:
+        yield chunk.coda, model, model.ffn_hidden_size, False, model.uses_moe, 1
 
 
 def _microbatches(cfg: RunConfig, layout: Layout) -> int:
