@@ -331,6 +331,10 @@ class ModelConfig:
                 f"empty or one value per visit (iterations={visits})")
         require(not self.untie_moe or self.uses_moe, prefix, "untie_moe", self.untie_moe,
                 "false unless num_experts > 0")
+        for name in ("untie_attention", "untie_moe"):  # they give visits 2..V their own weights
+            require(not getattr(self, name) or visits >= 2, prefix, name, getattr(self, name),
+                    f"false with iterations={visits} (a single visit has no other visit to "
+                    "untie from)")
 
     def _validate_latent_reduction(self, prefix: str) -> None:
         reduction = self.latent_reduction
