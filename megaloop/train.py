@@ -37,9 +37,10 @@ EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun cont
 def build_config(argv: list[str] | None = None):
     """(validated RunConfig, parsed arguments)."""
     from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml
+    from megaloop.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", help="model size preset (tiny, 60M, 135M, 350M, 1B, 7B, olmo)")
+    parser.add_argument("--preset", help=f"model preset ({', '.join(PRESETS)})")
     parser.add_argument("--config", help="YAML run config (sections model, parallel, train, data, "
                                          "checkpoint, alrs)")
     parser.add_argument("--dry-run", action="store_true",
@@ -55,8 +56,6 @@ def build_config(argv: list[str] | None = None):
                           "world size is the launcher's (torchrun, srun, mpiexec)")
     cfg = RunConfig()
     if args.preset:
-        from megaloop.presets import PRESETS
-
         if args.preset not in PRESETS:
             raise ConfigError(f"--preset {args.preset!r}: unknown; choose one of {', '.join(PRESETS)}")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(PRESETS[args.preset]))
