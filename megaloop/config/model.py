@@ -288,8 +288,9 @@ class ModelConfig:
                     "(the only models that use it)")
 
     def _validate_moe(self, prefix: str) -> None:
-        require(self.num_experts >= 0, prefix, "num_experts", self.num_experts,
-                ">= 0 (0: dense FFN)")
+        require(self.num_experts == 0 or self.num_experts >= 2, prefix, "num_experts",
+                self.num_experts, "0 (dense FFN) or >= 2 (every token is routed to moe_top_k >= 2 "
+                "experts)")
         if not self.uses_moe:
             return
         # Top-1 would softmax over one chosen expert: a router without gradient (megatron-core
