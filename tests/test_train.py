@@ -44,6 +44,8 @@ DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
     (["model.hiden_size=3"], "error: unknown field model.hiden_size (did you mean hidden_size?)"),
     ([], "error: data.path=[]: must be a non-empty list of dataset prefixes"),
     (["--preset", "2B"], "error: --preset '2B': unknown"),
+    (DATA + ["--preset", "moe-loop-1.3B", "model.arch=dense"],
+     "error: model.arch='dense': preset 'moe-loop-1.3B' is an arch='latentloop' model"),
     (DATA + ["--world-size", "2"], "error: --world-size 2: only read with --dry-run"),
     (["data.path=[/nonexistent/prefix]", "data.eod_id=0", "train.out_dir=OUT"],
      "error: /nonexistent/prefix.idx: not found"),
