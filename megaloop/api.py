@@ -49,7 +49,9 @@ def load(checkpoint: str | os.PathLike, **overrides):
     (``checkpoint.RESUMABLE_MODEL_FIELDS``: ``iterations`` for test-time depth, which Dense and
     LatentLoop refuse as ``ModelConfig.depth_refusal`` says, the attention kernel, ...). Raises
     CheckpointError naming the path or file when the checkpoint is missing or incomplete,
-    ConfigError for an override of a field the weights fix or a depth the model cannot run.
+    ConfigError for an override of a field the weights fix, a depth the model cannot run, or an
+    initial value the loaded weights replace (``init_std``; ``residual_scale_init`` of learned
+    scales).
     On a GPU the model is moved to the current device.
     """
     return load_with(_build_on_device, checkpoint, **overrides)
@@ -60,12 +62,14 @@ def _build_on_device(cfg):
     return model.cuda() if torch.cuda.is_available() else model
 
 
-def load_with(build, checkpoint: str | os.PathLike, **overrides):
+def load_with(build, checkpoint: str | os.PathLike, *, export: bool = False, **overrides):
     """``load`` with the model made by ``build(model config)`` (megaloop.hf converts on the CPU,
     one process, megatron-core's local spec); its documentation holds for both. ``build`` need not
     initialise the weights (``build_model(..., initialize=False)``): every tensor of the model's
     state dict is set to NaN (or, not being floating point, must be in the loaded state), and one
-    the checkpoint leaves so is a CheckpointError naming it."""
+    the checkpoint leaves so is a CheckpointError naming it. ``export``: the caller writes the
+    overrides into an export's configuration and reports them (megaloop.hf), so initial values
+    are taken too."""
     import dataclasses
 
     from megaloop.config import ConfigError, ModelConfig, check_field_names
@@ -84,6 +88,14 @@ def load_with(build, checkpoint: str | os.PathLike, **overrides):
     problem = None if depth is None else cfg.depth_refusal(depth)
     if problem:  # a MoE Loop's fixed scales are no weights: nothing else would notice
         raise ConfigError(f"model.iterations={depth}: {path}: {problem}")
+    replaced = {"init_std": "it initialises weights, and a loaded model's come from the checkpoint"}
+    if cfg.residual_scale == "learned":
+        replaced["residual_scale_init"] = ("learned residual scales are weights, restored from "
+                                           "the checkpoint")
+    for name, why in replaced.items():  # taken, they would change model.cfg, not the model
+        if not export and name in overrides and overrides[name] != getattr(cfg, name):
+            raise ConfigError(f"model.{name}={overrides[name]!r}: {path}: without effect on a "
+                              f"loaded model ({why})")
     model = build(dataclasses.replace(cfg, **overrides))
     mark_unloaded(model)
     state = ckpt.load_checkpoint(path, {"model": model.sharded_state_dict()})

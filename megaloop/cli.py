@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import re
-import sys
 import warnings
 from pathlib import Path
 from typing import Sequence

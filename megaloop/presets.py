@@ -87,6 +87,17 @@ PRESETS["latentloop-tiny"] = dataclasses.replace(PRESETS["latentloop-tiny"], lat
 ARCH_BOUND = tuple(name for name in PRESETS if name.split("-")[0] in ("moe", "latentloop"))
 
 
+def check_arch(name: str, arch: str, field: str = "model.arch") -> None:
+    """A one-line ConfigError when ``arch`` is not that of an architecture-bound preset ``name``:
+    refused there, the other model would fail on a field the preset sets for its own
+    ("model.prelude_layers=1: must be left at its default None unless arch=latentloop")."""
+    own = PRESETS[name].arch
+    if name in ARCH_BOUND and arch != own:
+        sizes = ", ".join(n for n in PRESETS if n not in ARCH_BOUND)
+        raise ConfigError(f"{field}={arch!r}: preset {name!r} is an arch={own!r} model; the size "
+                          f"presets {sizes} take any architecture")
+
+
 def preset(name: str, **overrides) -> ModelConfig:
     """A resolved copy of preset ``name`` with field overrides, e.g. ``arch="fullloop"``; the
     iteration count defaults per architecture (config.DEFAULT_ITERATIONS). An unknown field or a
@@ -95,6 +106,8 @@ def preset(name: str, **overrides) -> ModelConfig:
     nothing, and an unknown arch surfaced as a bare KeyError of the iteration defaults)."""
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
+    if "arch" in overrides:
+        check_arch(name, overrides["arch"], "arch")
     cfg = from_dict(ModelConfig, {**dataclasses.asdict(PRESETS[name]), **overrides}, "model")
     cfg.validate()
     return cfg

@@ -37,7 +37,7 @@ EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun cont
 def build_config(argv: list[str] | None = None):
     """(validated RunConfig, parsed arguments)."""
     from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml
-    from megaloop.presets import PRESETS
+    from megaloop.presets import PRESETS, check_arch
 
     parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", help=f"model preset ({', '.join(PRESETS)})")
@@ -62,6 +62,8 @@ def build_config(argv: list[str] | None = None):
     if args.config:
         cfg = load_yaml(args.config, base=cfg)
     cfg = apply_overrides(cfg, args.overrides)
+    if args.preset:
+        check_arch(args.preset, cfg.model.arch)
     return cfg.validate(), args
 
 

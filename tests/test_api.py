@@ -10,6 +10,7 @@ import torch
 
 import megaloop.api as ml
 from megaloop.config import ConfigError
+from tests.training.conftest import one_line
 
 
 def test_build_is_reproducible_per_seed_and_takes_any_field(mcore):
@@ -219,3 +220,27 @@ def test_notebook_example_runs(mcore, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[:3]] == ["K=1", "K=3", "K=6"]
     assert float(lines[3].rsplit("=", 1)[1]) < 1e-4
+
+
+def test_load_refuses_initial_values_the_loaded_weights_replace(mcore, tmp_path):
+    """Before: accepted, model.cfg reading them while the model computed with the checkpoint's
+    learned residual scales (and init_std changed nothing)."""
+    from megaloop.config import RunConfig
+    from megaloop.training.checkpoint import save_checkpoint
+
+    model = ml.build("tiny", seed=3, **_small("latentloop_moe"))
+    save_checkpoint(tmp_path, 1, {"model": model.sharded_state_dict()}, RunConfig(model=model.cfg),
+                    keep_last=1)
+    for name, value, why in (("residual_scale_init", [0.01, 5.0], "learned residual scales are "
+                              "weights"), ("init_std", 0.5, "it initialises weights")):
+        with pytest.raises(ConfigError) as err:
+            ml.load(tmp_path, **{name: value})
+        assert one_line(err).startswith(f"model.{name}={value!r}: {tmp_path / 'iter_0000001'}: "
+                                        f"without effect on a loaded model ({why}")
+    assert ml.load(tmp_path, init_std=model.cfg.init_std).cfg == model.cfg  # as saved: no change
+    # Fixed scales are no weights: the ones asked for are those the loaded model runs with.
+    fixed = ml.build("tiny", seed=3, **_small("moe_loop"))
+    save_checkpoint(tmp_path / "fixed", 1, {"model": fixed.sharded_state_dict()},
+                    RunConfig(model=fixed.cfg), keep_last=1)
+    loaded = ml.load(tmp_path / "fixed", residual_scale_init=[0.5, 0.5])
+    assert [v.residual_scale.item() for v in loaded.visits] == [0.5, 0.5]

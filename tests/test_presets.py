@@ -35,6 +35,15 @@ def test_every_preset_validates_and_olmo_is_a_block_variant():
     assert preset("olmo", arch="fullloop").qk_norm is True
 
 
+def test_an_architecture_bound_preset_refuses_another_architecture_naming_it():
+    """Before: "model.prelude_layers=1: must be left at its default None unless arch=latentloop",
+    a field the user had not set."""
+    with pytest.raises(ConfigError, match=r"^arch='asymloop': preset 'latentloop-tiny' is an "
+                                          r"arch='latentloop' model; the size presets tiny, 60M"):
+        preset("latentloop-tiny", arch="asymloop")
+    assert preset("moe-base-1.3B", arch="dense").arch == "dense"
+
+
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ConfigError, match="preset '2B': unknown; choose one of tiny, 60M"):
         preset("2B")

@@ -21,6 +21,16 @@ def test_layers_preset_then_yaml_then_overrides(tmp_path):
     assert cfg.train.lr == 1e-4  # the command line wins
 
 
+def test_help_names_every_preset(capsys):
+    """Before: "(tiny, 60M, 135M, 350M, 1B, 7B, olmo)", none of the LatentLoop family's."""
+    from megaloop.presets import PRESETS
+
+    with pytest.raises(SystemExit):
+        build_config(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too
+    assert all(name in text for name in PRESETS) and "latentloop-tiny" in text
+
+
 def test_cli_and_api_presets_agree_on_iterations():
     from megaloop.presets import preset
 
@@ -50,6 +60,8 @@ DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
     (["model.hiden_size=3"], "error: unknown field model.hiden_size (did you mean hidden_size?)"),
     ([], "error: data.path=[]: must be a non-empty list of dataset prefixes"),
     (["--preset", "2B"], "error: --preset '2B': unknown"),
+    (DATA + ["--preset", "moe-loop-1.3B", "model.arch=dense"],
+     "error: model.arch='dense': preset 'moe-loop-1.3B' is an arch='latentloop' model"),
     (DATA + ["--world-size", "2"], "error: --world-size 2: only read with --dry-run"),
     (["data.path=[/nonexistent/prefix]", "data.eod_id=0", "train.out_dir=OUT"],
      "error: /nonexistent/prefix.idx: not found"),

@@ -288,8 +288,9 @@ class ModelConfig:
                     "(the only models that use it)")
 
     def _validate_moe(self, prefix: str) -> None:
-        require(self.num_experts >= 0, prefix, "num_experts", self.num_experts,
-                ">= 0 (0: dense FFN)")
+        require(self.num_experts == 0 or self.num_experts >= 2, prefix, "num_experts",
+                self.num_experts, "0 (dense FFN) or >= 2 (every token is routed to moe_top_k >= 2 "
+                "experts)")
         if not self.uses_moe:
             return
         # Top-1 would softmax over one chosen expert: a router without gradient (megatron-core
@@ -331,6 +332,10 @@ class ModelConfig:
                 f"empty or one value per visit (iterations={visits})")
         require(not self.untie_moe or self.uses_moe, prefix, "untie_moe", self.untie_moe,
                 "false unless num_experts > 0")
+        for name in ("untie_attention", "untie_moe"):  # they give visits 2..V their own weights
+            require(not getattr(self, name) or visits >= 2, prefix, name, getattr(self, name),
+                    f"false with iterations={visits} (a single visit has no other visit to "
+                    "untie from)")
 
     def _validate_latent_reduction(self, prefix: str) -> None:
         reduction = self.latent_reduction

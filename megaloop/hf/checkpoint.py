@@ -81,7 +81,7 @@ def load_checkpoint_model(path: str | Path, **overrides):
     path = checkpoint_path(path)
     # initialize=False: every weight is filled by the checkpoint
     model = load_with(lambda cfg: build_single_process_model(cfg, initialize=False), path,
-                      **overrides)
+                      export=True, **overrides)
     return model, RunConfig(model=model.cfg, data=ckpt.saved_section(path, DataConfig, "data")), \
         path
 

@@ -79,7 +79,13 @@ class RoutingStats:
             self.group = previous
 
     def record(self, load_balancing: torch.Tensor, z_loss: torch.Tensor,
-               tokens_per_expert: torch.Tensor) -> None:
+               tokens_per_expert: torch.Tensor, ranks: int = 1) -> None:
+        """One application's statistics from this rank's share of its tokens, ``ranks`` ranks
+        (sequence or context parallelism) routing the application's tokens between them: the
+        load-balancing term is this rank's part of a sum over those ranks (megatron-core's
+        formulation), the z-loss the mean over this rank's equal share, and the tokens its own;
+        so each rank counts 1/``ranks`` of the application, and ``report``'s sum over the ranks
+        gives the whole application's values, as one rank computing it all would."""
         if self.group not in self.groups:  # outside a labelled block, or beyond the trained depth
             return
         if self._sums is None:
@@ -87,8 +93,8 @@ class RoutingStats:
                                      device=tokens_per_expert.device)
         row = self._sums[self.groups.index(self.group)]
         row[0] += load_balancing.double()
-        row[1] += z_loss.double()
-        row[2] += 1
+        row[1] += z_loss.double() / ranks
+        row[2] += 1 / ranks
         row[3:] += tokens_per_expert.double()
 
     def report(self, group=None) -> dict[str, float]:
@@ -96,7 +102,8 @@ class RoutingStats:
 
         Keys: moe_lb_loss_<g>, moe_z_loss_<g>, moe_max_load_<g> (largest expert load over the mean
         load; 1 is balanced) and moe_tokens_<g>_e<i> (tokens routed to expert i per application,
-        summed over the data-parallel ranks' micro-batches)."""
+        i.e. per micro-batch of one data-parallel rank). Every layout gives the values of one
+        process (``record``)."""
         sums = self._sums
         if sums is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,13 +149,18 @@ class LoopedRouter(TopKRouter):
     # *this rank* routes; under sequence parallelism that is 1/tp of them, while the router's
     # gradient is summed over the tensor-parallel ranks and divided by the whole count, so both
     # auxiliary losses reached the gradient at 1/tp of their weight at TP=1. The two overrides below
-    # scale by the tokens of the whole tensor-parallel group instead.
+    # scale by the tokens of the whole tensor-parallel group instead. And the count divided by is
+    # that of the loss tokens, while every position is routed: with a loss mask (fine-tuning's
+    # prompt and padding, data.eod_mask_loss) the auxiliary losses weighed positions / loss tokens
+    # times their coefficients. ``loss_token_fraction`` (weigh_auxiliary_losses) scales that away.
+    loss_token_fraction: float = 1.0
+
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss,
                                            aux_loss_name, reduce_group, reduce_group_has_dp=False,
                                            valid_token_count=None):
         if self.calculate_per_token_loss:
             local = activation.shape[0] if valid_token_count is None else valid_token_count
-            valid_token_count = local * self.tp_cp_group.size()
+            valid_token_count = local * self.tp_cp_group.size() * self.loss_token_fraction
         return super().attach_and_log_load_balancing_loss(
             activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
             reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count)
@@ -162,7 +174,7 @@ class LoopedRouter(TopKRouter):
         # over all tokens, which the tensor-parallel reduction completes.
         z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
         local = logits.shape[0] if padding_mask is None else (~padding_mask).sum()
-        return MoEAuxLossAutoScaler.apply(logits, z_loss * local)
+        return MoEAuxLossAutoScaler.apply(logits, z_loss * local * self.loss_token_fraction)
 
     def routing(self, logits: torch.Tensor, padding_mask=None):
         probs, routing_map = super().routing(logits, padding_mask)
@@ -176,7 +188,7 @@ class LoopedRouter(TopKRouter):
                 load_balancing = switch_load_balancing_loss_func(
                     scores, tokens, total, self.topk, self.config.num_moe_experts, 1.0)
                 self.stats.record(load_balancing, z_loss_func(logits, 1.0),
-                                  routing_map.sum(dim=0))
+                                  routing_map.sum(dim=0), ranks=self.tp_cp_group.size())
         return probs, routing_map
 
 
@@ -196,3 +208,20 @@ def moe_spec(backend, grouped_gemm: bool) -> ModuleSpec:
 
 def routers(module: torch.nn.Module) -> list[LoopedRouter]:
     return [m for m in module.modules() if isinstance(m, LoopedRouter)]
+
+
+def weigh_auxiliary_losses(models: list[torch.nn.Module], loss_masks: list[torch.Tensor]) -> None:
+    """Before a training step: sets every router's ``loss_token_fraction`` to the step's loss
+    tokens over its positions, over all ranks (a collective; ``loss_masks``: this rank's
+    micro-batches'), so that each auxiliary loss reaches the gradient with its coefficient, as a
+    token-weighted mean over the routed positions, however many of them the loss masks."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    counts = torch.tensor([sum(float(mask.sum()) for mask in loss_masks),
+                           sum(mask.numel() for mask in loss_masks)], dtype=torch.float64,
+                          device=device)
+    if torch.distributed.is_initialized():  # replicas (TP, PP) count alike: the ratio holds
+        torch.distributed.all_reduce(counts)
+    fraction = (counts[0] / counts[1]).item() if counts[1] else 1.0
+    for model in models:
+        for router in routers(model):
+            router.loss_token_fraction = fraction

@@ -67,6 +67,10 @@ class Stage:
     receives_encoding: bool  # its input message carries H_E after the stream
     sends_encoding: bool
     looped: bool = True  # the model iterates (K > 1): runs name their iteration
+    # LatentLoop (one stage): its encoder and decoder runs are the prelude and the middle block's
+    # visits, and it holds the coda's layers, which run after the chain
+    latent: bool = False
+    coda: int = 0
 
     @property
     def applications(self) -> int:
@@ -101,10 +105,15 @@ class Stage:
                 parts.append(f"Global KV of {count} layer{'s' if count > 1 else ''}")
             layers = (f"layer {run.first}" if run.count == 1
                       else f"layers {run.first}-{run.last}")
-            steps = (f"iteration {run.step}" if last_step == run.step
-                     else f"iterations {run.step}-{last_step}")
-            parts.append(f"{run.block} {layers}" + (f" ({steps})" if run.step and self.looped
-                                                    else ""))
+            step = "visit" if self.latent else "iteration"
+            steps = (f"{step} {run.step}" if last_step == run.step
+                     else f"{step}s {run.step}-{last_step}")
+            block = ({"encoder": "prelude", "decoder": "middle"}[run.block] if self.latent
+                     else run.block)
+            parts.append(f"{block} {layers}" + (f" ({steps})" if run.step and self.looped
+                                                else ""))
+        if self.coda:
+            parts.append("coda layer 1" if self.coda == 1 else f"coda layers 1-{self.coda}")
         if self.head:
             parts.append("final norm + head")
         return ", ".join(parts)
@@ -144,7 +153,8 @@ def _stage(model: ModelConfig, index: int, start: int, stop: int, last: bool) ->
                  global_kv=model.uses_global_kv and any(r.block == "decoder" for r in runs),
                  receives_encoding=travels and start > 0 and start >= model.num_encoder_layers,
                  sends_encoding=travels and not last and stop >= model.num_encoder_layers,
-                 looped=model.num_iterations > 1)
+                 looped=model.num_iterations > 1, latent=model.arch == "latentloop",
+                 coda=model.num_coda_layers if last else 0)
 
 
 def plan_stages(model: ModelConfig, counts: list[int]) -> list[Stage]:

@@ -10,11 +10,17 @@ Resident between steps, per parameter held by the rank (tensor-parallel shard of
     gradients  4 (megaloop reduces gradients in fp32);
     optimizer  Adam moments 8, + 4 for fp32 main weights when the weights are bf16; divided by
                the data-parallel size with the distributed optimizer.
+A MoE FFN: its router on every tensor-parallel rank, the experts split over the expert-parallel
+ranks; with the distributed optimizer the experts' state is divided by the ranks holding the same
+experts (data-parallel size / expert-parallel size). LatentLoop (one stage) adds its coda, untied
+visit parts and reduction parameters.
 Activations of one micro-batch of B sequences of N tokens, per layer application (a looped layer
-saves its activations once per iteration, K times), by the tensors autograd keeps for the
-backward pass in megatron-core's layers, in ``_layer_saved`` below. Tensors laid out over the
-sequence (norm inputs and outputs, residuals) are split over the tensor-parallel ranks only with
-sequence parallelism; attention and FFN tensors are split over heads and FFN columns always.
+saves its activations once per iteration, K times; a LatentLoop visit those of its reduced
+block, on 1/k of the tokens when compressed), by the tensors autograd keeps for the backward pass
+in megatron-core's layers, in ``_layer_saved`` below (a MoE FFN: each token's top-k experts).
+Tensors laid out over the sequence (norm inputs and outputs, residuals) are split over the
+tensor-parallel ranks only with sequence parallelism; attention and FFN tensors are split over
+heads and FFN columns always.
 With full recomputation a layer application keeps only its input, and one layer's activations
 are rebuilt at a time. AsymLoop's Global KV (once per forward) stays saved, whatever the
 recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches
@@ -31,6 +37,7 @@ attention takes grouped keys as they are) and with FP8, where linear inputs are 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from megaloop.config import ModelConfig, RunConfig, micro_batches_per_step
@@ -73,19 +80,55 @@ class MemoryEstimate:
 
 # ------------------------------------------------------------------------------------ params
 
-def _layer_params(model: ModelConfig, ffn: int, tp: int, global_kv: bool) -> int:
+def _attention_params(model: ModelConfig, tp: int, role: str = "plain") -> int:
+    """One rank's share of a layer's attention with its norm; ``role`` (ModelConfig.
+    decoder_attention) "joint" or "global_only" adds AsymLoop's Global KV, and the latter has no
+    Local keys and values."""
     d, q, g = model.hidden_size, model.num_attention_heads * model.kv_channels, \
         model.num_query_groups * model.kv_channels
-    linear = d * (q + 2 * g) + q * d + 3 * d * ffn
-    norms = 2 * d + (2 * model.kv_channels if model.qk_norm else 0)
-    if global_kv:
+    linear = d * (q if role == "global_only" else q + 2 * g) + q * d
+    norms = d + (2 * model.kv_channels if model.qk_norm else 0)
+    if role != "plain":
         linear += 2 * d * g
         norms += d if model.global_kv_norm else 0
     return linear // tp + norms
 
 
-def stage_parameters(model: ModelConfig, stage: Stage, tp: int) -> int:
-    """Parameters one tensor-parallel rank of ``stage`` holds."""
+def _ffn_params(model: ModelConfig, ffn: int, tp: int, moe: bool, ep: int) -> tuple[int, int]:
+    """(parameters outside the experts, expert parameters) of one rank's share of a layer's FFN
+    with its norm. A MoE FFN: the router (replicated on the tensor-parallel ranks), the shared
+    expert, and the experts split over the ``ep`` expert-parallel ranks, each expert's width over
+    the tensor-parallel ranks (megatron-core's expert tensor parallel size is the tensor size)."""
+    d = model.hidden_size
+    if not moe:
+        return d + 3 * d * ffn // tp, 0
+    return (d + d * model.num_experts + 3 * d * model.moe_shared_expert_size // tp,
+            model.num_experts // ep * 3 * d * model.moe_ffn_hidden_size // tp)
+
+
+def _latentloop_params(model: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
+    """What a LatentLoop model holds besides its prelude and shared middle block (one stage: it has
+    no pipeline): the coda, the visits' untied attention / FFN, their reductions' parameters
+    (writeback scales, width projections) and learned residual scales."""
+    attention = _attention_params(model, tp)
+    ffn_dense, ffn_expert = _ffn_params(model, model.ffn_hidden_size, tp, model.uses_moe, ep)
+    untied = (model.num_iterations - 1) * model.num_decoder_layers
+    dense = (model.num_coda_layers * (attention + ffn_dense)
+             + untied * ((attention if model.untie_attention else 0)
+                         + (ffn_dense if model.untie_moe else 0)))
+    expert = (model.num_coda_layers + (untied if model.untie_moe else 0)) * ffn_expert
+    d, reduced = model.hidden_size, len(model.latent_visits)
+    if model.latent_reduction == "sequence":
+        dense += reduced * model.latent_stride * d
+    elif model.latent_reduction == "width":
+        dense += reduced * d * d
+    dense += model.num_iterations if model.residual_scale == "learned" else 0
+    return dense, expert
+
+
+def stage_parameters(model: ModelConfig, stage: Stage, tp: int, ep: int = 1) -> tuple[int, int]:
+    """(parameters outside the experts, expert parameters) one tensor- and expert-parallel rank
+    of ``stage`` holds."""
     model = dataclasses.replace(model).resolve()
     count = 0
     if stage.embedding:
@@ -94,12 +137,19 @@ def stage_parameters(model: ModelConfig, stage: Stage, tp: int) -> int:
         count += model.hidden_size  # final norm
         if not (model.tie_embeddings and stage.embedding):
             count += model.vocab_size * model.hidden_size // tp
+    experts = 0
     for block in ("encoder", "decoder"):  # each layer held once, however often it runs
         decoder = block == "decoder"
         ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
-        count += len(stage.held(block)) * _layer_params(model, ffn, tp,
-                                                         decoder and model.uses_global_kv)
-    return count
+        ffn_dense, ffn_expert = _ffn_params(model, ffn, tp, model.moe_in(block), ep)
+        layers = len(stage.held(block))
+        count += layers * (_attention_params(model, tp, model.decoder_attention if decoder
+                                             else "plain") + ffn_dense)
+        experts += layers * ffn_expert
+    if model.arch == "latentloop":
+        dense, expert = _latentloop_params(model, tp, ep)
+        count, experts = count + dense, experts + expert
+    return count, experts
 
 
 # ------------------------------------------------------------------------------- activations
@@ -116,7 +166,8 @@ class _Saved:
     fp32: float = 0
 
 
-def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool) -> _Saved:
+def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool,
+                 moe: bool = False) -> _Saved:
     """One application of one layer (see the module docstring)."""
     d, heads = model.hidden_size, model.num_attention_heads
     q, g = heads * model.kv_channels, model.num_query_groups * model.kv_channels
@@ -134,10 +185,23 @@ def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool) -> _Saved:
     split += q if te else 2 * q                 # attention output (+ the projection's input copy)
     if joint and expand:                        # Global keys/values repeated per iteration
         split += 2 * q
+    fp32 = 2 + heads * (2 if joint else 1)
+    if moe:  # each token through its top-k experts (and the shared one), see _moe_saved
+        moe_seq, moe_fp32 = _moe_saved(model)
+        seq, fp32 = seq + moe_seq, fp32 + moe_fp32
+        ffn = model.moe_top_k * model.moe_ffn_hidden_size + model.moe_shared_expert_size
     split += 5 * ffn                            # SwiGLU: fc1 out (2f), silu, linear half, product
     linear_input = 2 * d + q + ffn  # QKV and fc1 (norm outputs), projection, fc2 inputs
-    fp32 = 2 + heads * (2 if joint else 1)
     return _Saved(seq, split, linear_input, fp32)
+
+
+def _moe_saved(model: ModelConfig) -> tuple[int, int]:
+    """What a MoE FFN keeps per token on top of its experts' SwiGLU tensors, as (seq, fp32)
+    elements: the tokens permuted to their k experts and the experts' outputs before the
+    weighted sum (k x d each), and the fp32 router: its input cast to fp32, logits, scores and
+    probabilities over the E experts."""
+    d, k, e = model.hidden_size, model.moe_top_k, model.num_experts
+    return 2 * k * d, d + 4 * e
 
 
 def _global_kv_saved(model: ModelConfig, te: bool) -> _Saved:
@@ -183,12 +247,16 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
     tp, sp, dp = layout.tensor, layout.sequence_parallel, layout.data
     chunks = stages[stage::layout.pipeline]
 
-    params = sum(stage_parameters(model, chunk, tp) for chunk in chunks)
+    held = [stage_parameters(model, chunk, tp, layout.expert) for chunk in chunks]
+    dense, experts = sum(h[0] for h in held), sum(h[1] for h in held)
+    params = dense + experts
     weights = params * (4 if precision == "fp32" else 2) + (2 * params if fp8 else 0)
     grads = params * 4
-    optimizer = params * (8 + (0 if precision == "fp32" else 4))
-    if cfg.train.distributed_optimizer:
-        optimizer //= dp
+    state = 8 + (0 if precision == "fp32" else 4)
+    if cfg.train.distributed_optimizer:  # experts: over the ranks that hold the same experts
+        optimizer = dense * state // dp + experts * state // (dp // layout.expert)
+    else:
+        optimizer = params * state
 
     tokens = cfg.train.micro_batch_size * model.seq_length
     size = dict(tokens=tokens, tp=tp, sp=sp, act_bytes=act_bytes, fp8=fp8)
@@ -197,13 +265,12 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
     saved, largest_layer = [], 0.0  # per chunk and micro-batch
     for chunk in chunks:
         chunk_saved = 0.0
-        for run in chunk.runs:
-            decoder = run.block == "decoder"
-            ffn = model.decoder_ffn_hidden_size if decoder else model.ffn_hidden_size
-            joint = decoder and model.uses_global_kv and model.local_kv
-            per_layer = _bytes(_layer_saved(model, ffn, joint, te), **size)
+        for count, block, ffn, joint, moe, stride in _applications(model, chunk):
+            run_size = dict(size, tokens=tokens // stride)
+            per_layer = _bytes(_layer_saved(block, ffn, joint, te, moe), **run_size)
             largest_layer = max(largest_layer, per_layer)
-            chunk_saved += run.count * (layer_input if layout.recompute else per_layer)
+            chunk_saved += count * (_bytes(_Saved(seq=block.hidden_size), **run_size)
+                                    if layout.recompute else per_layer)
         if chunk.global_kv_layers:
             chunk_saved += chunk.global_kv_layers * _bytes(_global_kv_saved(model, te), **size)
         if chunk.head:
@@ -229,6 +296,26 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
                           int(in_flight * sum(saved) / len(saved)), int(transient))
 
 
+def _applications(model: ModelConfig, chunk: Stage):
+    """(count, block config, FFN width, joint attention, MoE, token stride) of the layer
+    applications of ``chunk``: its runs of encoder and decoder layers; a LatentLoop visit runs the
+    block of its reduction (ModelConfig.visit_block_config) on 1 / latent_stride of the tokens
+    when compressed; the coda runs on the last stage (Stage.coda)."""
+    latent = model.arch == "latentloop"
+    for run in chunk.runs:
+        decoder = run.block == "decoder"
+        if latent and decoder:
+            sequence = model.visit_reduction(run.step) == "sequence"
+            yield (run.count, model.visit_block_config(run.step), model.ffn_hidden_size, False,
+                   model.uses_moe, model.latent_stride if sequence else 1)
+            continue
+        yield (run.count, model, model.decoder_ffn_hidden_size if decoder else
+               model.ffn_hidden_size, decoder and model.decoder_attention == "joint",
+               model.moe_in(run.block), 1)
+    if chunk.coda:
+        yield chunk.coda, model, model.ffn_hidden_size, False, model.uses_moe, 1
+
+
 def _microbatches(cfg: RunConfig, layout: Layout) -> int:
     return max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.data))
 
@@ -236,25 +323,26 @@ def _microbatches(cfg: RunConfig, layout: Layout) -> int:
 def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                     device: str = "gpu") -> list[tuple[Layout, MemoryEstimate]]:
     """Layouts of ``world_size`` ranks (tensor parallel within 8 GPUs, sequence parallelism with
-    it, pipeline stages the architecture supports, with and without recomputation) whose estimate
-    fits ``device_bytes``, cheapest first: no recomputation (a third more compute) before
-    recomputation, then the fewest model-parallel ranks (the least communication)."""
+    it, pipeline stages the architecture supports, a MoE model's experts split over 1 to 8 of the
+    data-parallel ranks, with and without recomputation) whose estimate fits ``device_bytes``,
+    cheapest first: no recomputation (a third more compute) before recomputation, then the fewest
+    model-parallel ranks (the least communication), then the fewest expert-parallel ranks."""
     found = []
-    for tp in (1, 2, 4, 8):
-        for pp in (1, 2, 4, 8):
-            if world_size % (tp * pp):
+    experts = (1, 2, 4, 8) if cfg.model.uses_moe else (1,)
+    for tp, pp, ep in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), experts):
+        if world_size % (tp * pp) or world_size // (tp * pp) % ep:
+            continue
+        for recompute in (False, True):
+            layout = Layout(tensor=tp, pipeline=pp, data=world_size // (tp * pp), expert=ep,
+                            sequence_parallel=tp > 1, recompute=recompute)
+            trial = layout.apply(cfg)
+            try:
+                trial.parallel.validate(trial.model)
+                micro_batches_per_step(trial.train, trial.parallel, layout.data)
+            except ValueError:
                 continue
-            for recompute in (False, True):
-                layout = Layout(tensor=tp, pipeline=pp, data=world_size // (tp * pp),
-                                sequence_parallel=tp > 1, recompute=recompute)
-                trial = layout.apply(cfg)
-                try:
-                    trial.parallel.validate(trial.model)
-                    micro_batches_per_step(trial.train, trial.parallel, layout.data)
-                except ValueError:
-                    continue
-                mem = estimate(trial, layout, device=device)
-                if mem.fits(device_bytes):
-                    found.append((layout, mem))
+            mem = estimate(trial, layout, device=device)
+            if mem.fits(device_bytes):
+                found.append((layout, mem))
     return sorted(found, key=lambda item: (item[0].recompute, item[0].tensor * item[0].pipeline,
-                                           item[0].pipeline))
+                                           item[0].pipeline, item[0].expert))

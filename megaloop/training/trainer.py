@@ -321,6 +321,12 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megaloop.models.moe import weigh_auxiliary_losses
+
+        if not forward_only and self.model.routing_stats is not None:  # MoE: weigh aux losses
+            batches = list(itertools.islice(data, self.num_microbatches))
+            weigh_auxiliary_losses(self.models, [batch["loss_mask"] for batch in batches])
+            data = iter(batches)
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, num_iterations=num_iterations),
             data_iterator=list(itertools.tee(data, len(self.ddps))) if len(self.ddps) > 1

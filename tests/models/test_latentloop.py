@@ -251,6 +251,11 @@ def test_expert_ffn_visit_halves_the_expert_matmuls_only(seeded):
     (dict(residual_scale_init=[1.0]), {}, "model.residual_scale_init=[1.0]: must be empty or "
                                           "one value per visit"),
     (dict(untie_moe=True), {}, "model.untie_moe=True: must be false unless num_experts > 0"),
+    # Before: accepted, and nothing untied (only visits 2..V get weights of their own).
+    (dict(iterations=1, untie_attention=True), {},
+     "model.untie_attention=True: must be false with iterations=1 (a single visit has no other"),
+    (dict(iterations=1, untie_moe=True, num_experts=4), {},
+     "model.untie_moe=True: must be false with iterations=1"),
     (dict(arch="asymloop", iterations=3, latent_stride=4), {},
      "model.latent_stride=4: must be left at its default 2 unless arch=latentloop"),
     (dict(), dict(pipeline=2), "parallel.pipeline=2: must be 1 for model.arch=latentloop"),

@@ -147,7 +147,10 @@ def test_moe_layers_only_where_configured(seeded):
 
 @pytest.mark.parametrize("fields, parallel, message", [
     (dict(num_experts=4, moe_top_k=5), {}, "model.moe_top_k=5: must be in [2, num_experts=4]"),
-    (dict(num_experts=-1), {}, "model.num_experts=-1: must be >= 0"),
+    (dict(num_experts=-1), {}, "model.num_experts=-1: must be 0 (dense FFN) or >= 2"),
+    # Before: "model.moe_top_k=2: must be in [2, num_experts=1]", an empty range for a field the
+    # user had not set.
+    (dict(num_experts=1), {}, "model.num_experts=1: must be 0 (dense FFN) or >= 2"),
     (dict(num_experts=4, block="olmo"), {}, "model.block='olmo': must be 'llama' for a MoE"),
     (dict(num_experts=4, moe_layers="encoder", arch="fullloop", iterations=2), {},
      "model.moe_layers='encoder': must be 'all' unless arch=asymloop"),

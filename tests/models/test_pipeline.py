@@ -32,6 +32,17 @@ def test_a_stage_holds_each_layer_it_runs_once_and_knows_what_travels():
     assert not any(s.sends_encoding for s in plan_stages(plain, [1, 4, 3]))
 
 
+def test_a_latentloop_stage_names_its_prelude_visits_and_coda():
+    """Before: "embedding, encoder layer 1, decoder layers 1-2 (iterations 1-2), final norm +
+    head" in the dry run, AsymLoop's names and no coda."""
+    model = ModelConfig(arch="latentloop", num_layers=5, iterations=2, coda_layers=2)
+    (stage,) = plan_stages(model, [chain_length(model)])
+    assert stage.describe() == ("embedding, prelude layer 1, middle layers 1-2 (visits 1-2), "
+                                "coda layers 1-2, final norm + head")
+    assert plan_stages(dataclasses.replace(model, arch="fullloop", coda_layers=None),
+                       [10])[0].coda == 0
+
+
 def _bottleneck(model, counts):
     return max(stage_costs(model).of(s) for s in plan_stages(model, counts))
 

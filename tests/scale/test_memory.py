@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from megaloop.config import RunConfig
+from megaloop.models.flops import parameter_count
 from megaloop.scale.layout import Layout, layout_of, parse_layout
 from megaloop.scale.memory import estimate
 from tests.distributed import run_distributed
+from tests.models.variants import ALL_VARIANTS, small_config
 from tests.training.conftest import tiny_run, write_pattern_dataset
 
 RESIDENT_RTOL, PEAK_RTOL = 0.01, 0.15
@@ -67,23 +70,55 @@ def _check(est, measured):
     # Multi-head attention: the fused QKV output stays saved.
     ({"arch": "fullloop", "iterations": 2, "num_query_groups": 4}, {}),
     ({"arch": "dense", "iterations": 1, "vocab_size": 2048}, {}),  # the head's logits, softmax
+    # MoE experts (router, top-k routed tokens, shared expert); LatentLoop's coda and a visit on
+    # a quarter of the tokens, its experts untied. Before, both were estimated as dense FFNs
+    # without coda: weights 0.60x and 0.50x of the measured.
+    ({"arch": "dense", "iterations": 1, "num_experts": 8, "moe_top_k": 4,
+      "moe_shared_expert_size": 64}, {}),
+    ({"arch": "latentloop", "iterations": 2, "num_experts": 4, "moe_top_k": 2, "latent_stride": 4,
+      "untie_moe": True}, {}),
 ])
 def test_estimate_matches_a_measured_step(mcore, data, tmp_path, model, parallel):
     _check(*_measure(0, 1, data, str(tmp_path), model, parallel, global_batch=4))
 
 
-@pytest.mark.parametrize("parallel, global_batch", [
-    ({"tensor": 2, "sequence_parallel": True}, 4),
-    ({"pipeline": 2}, 16),  # stage 0 holds 2 micro-batches in flight under 1F1B
+@pytest.mark.parametrize("model, parallel, global_batch", [
+    ({}, {"tensor": 2, "sequence_parallel": True}, 4),
+    ({}, {"pipeline": 2}, 16),  # stage 0 holds 2 micro-batches in flight under 1F1B
     # Interleaved: two model chunks per stage, and megatron-core's longer warm-up in chunk-micro-batches.
-    ({"pipeline": 2, "virtual_pipeline": 2}, 16),
-    ({}, 8),  # two data-parallel ranks: the distributed optimizer halves the optimizer state
+    ({}, {"pipeline": 2, "virtual_pipeline": 2}, 16),
+    ({}, {}, 8),  # two data-parallel ranks: the distributed optimizer halves the optimizer state
+    # Each rank holds half the experts; their optimizer state is not split further (no other rank
+    # holds them), the rest's is halved.
+    ({"num_experts": 4, "moe_top_k": 2}, {"expert": 2}, 8),
 ])
-def test_estimate_matches_measured_steps_of_every_rank(data, tmp_path, parallel, global_batch):
+def test_estimate_matches_measured_steps_of_every_rank(data, tmp_path, model, parallel,
+                                                       global_batch):
     for est, measured in run_distributed(_measure, world_size=2, data_prefix=data,
-                                         out_dir=str(tmp_path), model={}, parallel=parallel,
+                                         out_dir=str(tmp_path), model=model, parallel=parallel,
                                          global_batch=global_batch):
         _check(est, measured)
+
+
+@pytest.mark.parametrize("variant", list(ALL_VARIANTS))
+def test_one_rank_holds_every_parameter(variant):
+    cfg = RunConfig(model=small_config(variant))
+    assert estimate(cfg, Layout()).parameters == parameter_count(cfg.model)
+
+
+def test_a_moe_model_is_offered_expert_parallel_layouts_when_its_experts_do_not_fit():
+    """The 7B MoE Loop's 7.06B parameters, held whole by every rank of dp8, do not fit 80 GB
+    (before: estimated as 0.94B dense parameters, 29 GiB, "fits"); split over 2 ranks they do."""
+    from megaloop.presets import PRESETS
+    from megaloop.scale.memory import GIB, fitting_layouts
+
+    cfg = RunConfig(model=PRESETS["moe-loop-7B"])
+    cfg.train.global_batch_size = 32
+    dp8 = Layout(data=8)
+    assert estimate(cfg, dp8).parameters == parameter_count(cfg.model)
+    assert not estimate(cfg, dp8).fits(80 * GIB)
+    fitting = [layout for layout, _ in fitting_layouts(cfg, 8, 80 * GIB)]
+    assert fitting[0] == Layout(data=8, expert=2) and dp8 not in fitting
 
 
 def test_the_7b_recipe_fits_80_gb_and_the_estimate_says_which_layouts_do():

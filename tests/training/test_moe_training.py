@@ -3,6 +3,8 @@
 (Expert-parallel layouts and EP checkpoint resharding are tested with the other layouts in
 test_parallel_training.py.)"""
 
+import contextlib
+import itertools
 import shutil
 
 import pytest
@@ -85,3 +87,37 @@ def test_latentloop_learns_and_logs_routing_per_visit(mcore, data, tmp_path):
     for group, tokens in (("prelude", 32), ("visit1", 16), ("visit2", 32), ("coda", 32)):
         # per application: micro-batch 2 x positions (visit 1 runs on 16 latents) x top-2
         assert sum(record[f"moe_tokens_{group}_e{i}"] for i in range(4)) == 2 * tokens * 2
+
+
+def _router_grads(trainer, batches):
+    trainer.ddp.zero_grad_buffer()
+    trainer._run_microbatches(iter(batches), forward_only=False)
+    return {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()
+            if "router" in n}
+
+
+def test_auxiliary_losses_weigh_alike_however_many_positions_the_loss_masks(mcore, data,
+                                                                             tmp_path):
+    """Every position is routed; the loss counts the unmasked ones. The router z-loss's part of
+    the gradient (coefficient 1 minus coefficient 0, from the same weights) is the same whether
+    the loss masks half the positions or none. Before, masked, it was 2x: the auxiliary losses
+    were weighed positions / loss tokens times their coefficients (fine-tuning: prompt and
+    padding)."""
+    import torch
+
+    from megaloop.training.data import MicroBatches
+    from megaloop.training.trainer import Trainer
+
+    with contextlib.ExitStack() as stack:
+        trainers = {coeff: stack.enter_context(Trainer(tiny_run(data, tmp_path / str(coeff), model={
+            **MOE, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": coeff})))
+            for coeff in (0.0, 1.0)}
+        batches = list(itertools.islice(MicroBatches(trainers[0.0].train_data, 2, 0, 1, 0, 4), 2))
+        masked = [{**b, "loss_mask": b["loss_mask"] * (torch.arange(32) % 2)} for b in batches]
+        parts = []
+        for step in (batches, masked):
+            with_z, without = (_router_grads(trainers[c], step) for c in (1.0, 0.0))
+            parts.append({n: with_z[n] - without[n] for n in with_z})
+    for name, full in parts[0].items():
+        assert full.abs().max() > 0
+        torch.testing.assert_close(parts[1][name], full, rtol=1e-4, atol=1e-7, msg=name)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megaloop.scale.loss_compare import compare_curves
+from megaloop.training.monitor import read_metrics
 from tests.distributed import run_distributed
 from tests.scale.layouts import layout_curves
 from tests.training.conftest import tiny_run, write_pattern_dataset
@@ -53,10 +54,15 @@ def test_parallel_layouts_match_single_process(mcore, data, tmp_path, model, lay
 def test_moe_with_tensor_and_sequence_parallelism_matches_single_process(mcore, data, tmp_path):
     # megatron-core's MoE layer needs sequence parallelism with tensor parallelism. Both auxiliary
     # losses are on: under SP each rank routes half the tokens, and their gradients' scale is what
-    # this catches (megaloop.models.moe.LoopedRouter).
+    # this catches (megaloop.models.moe.LoopedRouter). The routing metrics logged are those of
+    # one process too (step 1: the same weights route alike), not each rank's half of them.
     cfg = tiny_run(data, tmp_path / "unused", model=MOE,
                    train={"train_steps": STEPS, "global_batch_size": 8})
     assert compare_curves(layout_curves(cfg, ["single", "tp2,sp"], tmp_path, STEPS)) == []
+    single, split = ({k: v for r in read_metrics(tmp_path / run / "metrics.jsonl")[0]
+                      if r["kind"] == "train" and r["step"] == 1
+                      for k, v in r.items() if k.startswith("moe_")} for run in ("single", "tp2_sp"))
+    assert single and split == pytest.approx(single, rel=1e-5)
 
 
 def _parallel_then_single_logits(rank, world_size, data_prefix, out_dir, model, parallel):
