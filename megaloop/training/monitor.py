@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megaloop.config import ConfigError
 from megaloop.platform.files import atomic_open, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
@@ -533,3 +534,16 @@ class Monitor:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def check_logging_packages(train) -> None:
+    """Refuses train.tensorboard / train.wandb_project without its package, in one line before
+    set-up: the Monitor that imports them is built last, after the model and the checkpoint load.
+    Every rank checks, so that all stop here alike."""
+    try:
+        if train.tensorboard:
+            import_summary_writer("train.tensorboard")
+        if train.wandb_project:
+            import_wandb(train.wandb_project, "train.wandb_project")
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None

@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 
 from megaloop.alrs.schedule import ALRSConfig
-from megaloop.config import (ConfigError, RunConfig, flat_settings, micro_batches_per_step, save_yaml,
+from megaloop.config import (RunConfig, flat_settings, micro_batches_per_step, save_yaml,
                              to_dict)
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
+from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
 from megaloop.training.resume import (check_resume, report_sample_order, resume_schedule,
                                       resumed_progress)
@@ -82,21 +83,6 @@ def _precision(cfg: RunConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
-def _check_logging_packages(train) -> None:
-    """Refuses train.tensorboard / train.wandb_project without its package, in one line before
-    set-up: the Monitor that imports them is built last, after the model and the checkpoint load.
-    Every rank checks, so that all stop here alike."""
-    from megaloop.training.monitor import import_summary_writer, import_wandb
-
-    try:
-        if train.tensorboard:
-            import_summary_writer("train.tensorboard")
-        if train.wandb_project:
-            import_wandb(train.wandb_project, "train.wandb_project")
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
-
-
 def _chunk_key(chunk: int) -> str:
     """Checkpoint section of model chunk ``chunk`` (its entries' keys are global: any chunk
     layout reads them)."""
@@ -119,7 +105,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
         self.cfg = cfg.validate()
-        _check_logging_packages(cfg.train)
+        check_logging_packages(cfg.train)
         self.precision = _precision(cfg)
         # Installed before anything slow so that a preemption signal during set-up is remembered,
         # not fatal.
@@ -416,6 +402,7 @@ class Trainer:
                     self.monitor.log_eval(self.step, self.evaluate())
                 interval = self.cfg.checkpoint.save_interval
                 if self._stop_requested():
+                    self.profiler.close()  # the steps traced, without the save after them
                     self.save()
                     log.warning("stopped by signal %d after step %d; checkpoint saved",
                                 self.stop_signals.received, self.step)
