@@ -114,11 +114,14 @@ class ParallelConfig:
             check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
 
 
-def changed_fields(section) -> list[str]:
-    """The fields of a config section that hold other than their defaults."""
+def refuse_settings_while_off(section, switch: str, prefix: str, wanted: str) -> None:
+    """A section that is off (its ``switch`` field empty) would ignore any other field set: the
+    first one that differs from its default is refused, naming ``switch`` and ``wanted``."""
     default = type(section)()
-    return [f.name for f in dataclasses.fields(section)
-            if getattr(section, f.name) != getattr(default, f.name)]
+    changed = [f.name for f in dataclasses.fields(section)
+               if getattr(section, f.name) != getattr(default, f.name)]
+    require(not changed, prefix, switch, getattr(section, switch),
+            f"{wanted} when {prefix}.{changed[0] if changed else ''} is set")
 
 
 @dataclass
@@ -138,11 +141,8 @@ class DownstreamEvalConfig:
     max_gen_toks: int | None = None  # new tokens of the generation tasks; None: each task's own
 
     def validate(self, prefix: str = "train.downstream_eval") -> None:
-        if not self.tasks:  # off: any other field set would be ignored
-            changed = changed_fields(self)
-            require(not changed, prefix, "tasks", self.tasks,
-                    f"set (a list of task names or tags) when {prefix}."
-                    f"{changed[0] if changed else ''} is")
+        if not self.tasks:
+            refuse_settings_while_off(self, "tasks", prefix, "set (a list of task names or tags)")
             return
         require(self.data_dir is not None, prefix, "data_dir", self.data_dir,
                 "the directory of the tasks' data files")
@@ -168,11 +168,8 @@ class ProfileConfig:
     with_stack: bool = False
 
     def validate(self, train_steps: int, prefix: str = "train.profile") -> None:
-        if not self.steps:  # off: any other field set would be ignored
-            changed = changed_fields(self)
-            require(not changed, prefix, "steps", self.steps,
-                    f"[first, last] (the steps to trace) when {prefix}."
-                    f"{changed[0] if changed else ''} is set")
+        if not self.steps:
+            refuse_settings_while_off(self, "steps", prefix, "[first, last] (the steps to trace)")
             return
         require(len(self.steps) == 2 and 1 <= self.steps[0] <= self.steps[1] <= train_steps,
                 prefix, "steps", self.steps,
