@@ -233,7 +233,7 @@ class TrainConfig:
                     getattr(self, name), f"unset unless {prefix}.lr_schedule='wsd'")
         if self.lr_schedule == "wsd":
             fraction, decay = self.resolved_wsd_decay_fraction, self.wsd_decay_steps
-            warmup = int(self.warmup_fraction * self.train_steps)
+            warmup = self.warmup_steps
             require(0 < fraction <= 1 and warmup + decay <= self.train_steps, prefix,
                     "wsd_decay_fraction", fraction,
                     f"in (0, 1], for a decay that starts after the warmup (here {decay} decay + "
@@ -257,6 +257,10 @@ class TrainConfig:
                 self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
         self.downstream_eval.validate(f"{prefix}.downstream_eval")
         self.profile.validate(self.train_steps, f"{prefix}.profile")
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.warmup_fraction * self.train_steps)
 
     @property
     def resolved_wsd_decay_fraction(self) -> float | None:

@@ -302,10 +302,9 @@ def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunC
             name=name, fn=lambda p, held=copies[name]: any(p is t for t in held)))
         overrides[key] = {_GROUP_KEY: name}
     optimizer = get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
-    warmup = int(train.warmup_fraction * train.train_steps)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=opt_config.lr, min_lr=opt_config.min_lr,
-        lr_warmup_steps=warmup, lr_decay_steps=train.train_steps, **decay_arguments(train),
+        lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.train_steps, **decay_arguments(train),
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=train.train_steps,
         wd_incr_style="constant",
     )

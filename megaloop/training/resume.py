@@ -230,9 +230,8 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
 def _allocation_window(cfg: RunConfig, before: dict, first: int | None) -> str | None:
     """What a changed train.train_steps (or alrs.fraction) does to ALRS's allocations
     (alrs.mode=alrs), which end at alrs.fraction x train.train_steps whether the LR schedule is
-    kept or not: a longer run may
-    allocate again after its multipliers froze, a shorter one freeze them now. None when the
-    window stays where it was."""
+    kept or not: a longer run may allocate again after its multipliers froze, a shorter one
+    freeze them now. None when the window stays where it was."""
     old = before["alrs.fraction"] * before["train.train_steps"]
     new = cfg.alrs.fraction * cfg.train.train_steps
     if cfg.alrs.mode != "alrs" or old == new:
@@ -312,7 +311,7 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
     if keep:  # saved beside megatron-core's state (optimizer.scheduler_state); none: no WSD
         scheduler.wsd_decay_steps = scheduler_state.get("wsd_decay_steps")
         scheduler.lr_wsd_decay_style = scheduler_state.get("lr_wsd_decay_style")
-    if not keep:
+    else:
         for group in scheduler.optimizer.param_groups:
             group["max_lr"], group["min_lr"] = train.lr, train.lr * train.min_lr_ratio
             group["betas"] = (train.adam_beta1, train.adam_beta2)

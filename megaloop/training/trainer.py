@@ -156,7 +156,8 @@ class Trainer:
                 self.step = ckpt.step_of(self.resume_path)
                 return
             progress = resumed_progress(self.resume_path, cfg)
-        self.profiler = StepProfiler(cfg, resumed_step=progress[0])  # ranks checked: cheap first
+        # Before the datasets: a profile rank the run lacks is refused in seconds, not minutes.
+        self.profiler = StepProfiler(cfg, resumed_step=progress[0])
         self.train_data, self.valid_data = build_datasets(cfg, *progress)
         self._stop_point("building the datasets")
         if cfg.train.downstream_eval.tasks:
