@@ -154,19 +154,20 @@ class LoopedRouter(TopKRouter):
     # that of the loss tokens, while every position is routed: with a loss mask (fine-tuning's
     # prompt and padding, data.eod_mask_loss) the auxiliary losses weighed positions / loss tokens
     # times their coefficients. ``loss_token_fraction`` (weigh_auxiliary_losses) scales that away.
-    # Padding (a ``padding_mask``) is routed by no one: megatron-core then counts the valid tokens.
+    # Padding (a ``padding_mask``) is routed by no one, and the ranks' shares of the valid tokens
+    # differ: ``valid_tokens`` (this rank's, the group's) counts them (megatron-core's own count,
+    # ``valid_token_count``, is the group's under padding: its all-reduce works in place).
     loss_token_fraction: float = 1.0
+    valid_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss,
                                            aux_loss_name, reduce_group, reduce_group_has_dp=False,
                                            valid_token_count=None):
         if self.calculate_per_token_loss:
-            local = activation.shape[0] if valid_token_count is None else valid_token_count
-            if torch.is_tensor(local):  # valid tokens, which differ between the ranks' shares
-                group = local.detach().clone()
-                if self.tp_cp_group.size() > 1:
-                    torch.distributed.all_reduce(group, group=self.tp_cp_group)
+            if self.valid_tokens is not None:
+                group = self.valid_tokens[1]
             else:
+                local = activation.shape[0] if valid_token_count is None else valid_token_count
                 group = local * self.tp_cp_group.size()
             valid_token_count = group * self.loss_token_fraction
         return super().attach_and_log_load_balancing_loss(
@@ -189,10 +190,18 @@ class LoopedRouter(TopKRouter):
         padding), megatron-core leaves padding out of the auxiliary losses but still dispatches
         it to experts; here padding is dispatched to none (its FFN output is zero: padding is
         trailing, so that output reaches no real position, and no loss reads it)."""
-        probs, routing_map = super().routing(logits, padding_mask)
         ranks = self.tp_cp_group.size()
+        self.valid_tokens = None
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
+            if self.training:
+                local = (~padding_mask).sum()
+                group = local.clone()
+                if ranks > 1:
+                    torch.distributed.all_reduce(group, group=self.tp_cp_group)
+                self.valid_tokens = (local, group)
+        probs, routing_map = super().routing(logits, padding_mask)
+        if padding_mask is not None:
             valid = ~padding_mask[:, None]
             probs, routing_map = probs * valid, routing_map & valid
         if self.stats is not None and self.training:
@@ -200,15 +209,18 @@ class LoopedRouter(TopKRouter):
                 logits = logits.view(-1, self.config.num_moe_experts).float()
                 aux_map, scores = compute_routing_scores_for_aux_loss(
                     logits, self.topk, self.score_function, padding_mask=padding_mask)
-                tokens, local, total = get_tokens_per_expert_and_token_count(
+                tokens, _, total = get_tokens_per_expert_and_token_count(
                     aux_map, self.tp_cp_group, self.topk,
                     with_padding_mask=padding_mask is not None)
                 load_balancing = switch_load_balancing_loss_func(
                     scores, tokens, total, self.topk, self.config.num_moe_experts, 1.0)
                 z_loss = z_loss_func(logits, 1.0, padding_mask=padding_mask)
                 # This rank's part of the mean over the application's (valid) tokens.
-                z_loss = (z_loss.double() / ranks if padding_mask is None
-                          else z_loss.double() * local / total.clamp(min=1))
+                if self.valid_tokens is None:
+                    z_loss = z_loss.double() / ranks
+                else:
+                    local, group = self.valid_tokens
+                    z_loss = z_loss.double() * local / group.clamp(min=1)
                 self.stats.record(load_balancing, z_loss, routing_map.sum(dim=0), ranks=ranks)
         return probs, routing_map
 

@@ -287,3 +287,44 @@ def test_finetuning_trainer_keeps_padding_out_of_routing(mcore, tmp_path):
     assert stats == pytest.approx(same_stats, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(same_grads[name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def _padded_routing_at(tp: int) -> tuple[dict, dict]:
+    """Statistics and (TP=1-layout) router gradients of a padded batch at tensor parallelism
+    ``tp`` with sequence parallelism (padding falls on the last rank's share only)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megaloop.platform.distributed import init_distributed
+
+    init_distributed(tensor_parallel=tp, seed=11)
+    cfg = small_config("fullloop_moe", moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.2)
+    model = build_model(cfg, ParallelConfig(tensor=tp, sequence_parallel=tp > 1)).train()
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    batch = _sft_batch(cfg, 11, cfg.seq_length)
+    for router in moe.routers(model):
+        router.calculate_per_token_loss = True
+    moe.weigh_auxiliary_losses([model], [batch])
+    losses = model(batch["tokens"], labels=batch["labels"], padding_mask=batch["padding_mask"])
+    (losses * batch["loss_mask"]).sum().backward()
+    finalize_model_grads([model])
+    stats = model.module.routing_stats.report()
+    return stats, {n: p.main_grad.clone() for n, p in model.module.named_parameters()
+                   if "router" in n}
+
+
+def _compare_padded_routing(rank, world_size):
+    (stats1, grads1), (stats2, grads2) = _padded_routing_at(1), _padded_routing_at(2)
+    assert stats2 == pytest.approx(stats1, rel=1e-5, abs=1e-7)
+    for name, grad in grads1.items():
+        torch.testing.assert_close(grads2[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    return True
+
+
+def test_padding_under_sequence_parallelism_routes_as_on_one_rank():
+    """TP=2 with sequence parallelism: the padding mask is split with the sequence, and the
+    ranks' unequal shares of valid tokens weigh the auxiliary losses and statistics as one rank
+    holding them all."""
+    from tests.distributed import run_distributed
+
+    assert run_distributed(_compare_padded_routing, world_size=2) == [True, True]
