@@ -244,3 +244,38 @@ def test_load_refuses_initial_values_the_loaded_weights_replace(mcore, tmp_path)
                     RunConfig(model=fixed.cfg), keep_last=1)
     loaded = ml.load(tmp_path / "fixed", residual_scale_init=[0.5, 0.5])
     assert [v.residual_scale.item() for v in loaded.visits] == [0.5, 0.5]
+
+
+def test_a_latentloop_loads_for_an_odd_context_and_infers_as_the_trained_one(mcore, tmp_path):
+    """Inference pools only complete groups of k tokens (the odd tail forms no latent, and still
+    receives its writeback), so a LatentLoop runs at any length: loaded with seq_length=31 (it
+    was refused: "a divisor of seq_length", a rule for training sequences), its logits at 31
+    tokens and its greedy and cached decodings to the 31-token context are those of the trained
+    32-token model's canonical forward. Training at 31 stays refused."""
+    from megaloop.config import RunConfig
+    from megaloop.generation import Cached, FullForward, greedy_generate
+    from megaloop.models.export import to_reference
+    from megaloop.training.checkpoint import save_checkpoint
+
+    trained = ml.build("tiny", seed=3, **{**_small("latentloop_moe"), "seq_length": 32})
+    save_checkpoint(tmp_path, 1, {"model": trained.sharded_state_dict()},
+                    RunConfig(model=trained.cfg), keep_last=1)
+    loaded = ml.load(tmp_path, seq_length=31)
+    assert loaded.cfg.seq_length == 31
+    tokens = torch.randint(0, trained.cfg.vocab_size, (2, 32), generator=torch.Generator()
+                           .manual_seed(0))
+    with torch.no_grad():
+        canonical = trained.eval()(tokens)
+        torch.testing.assert_close(loaded(tokens[:, :31]), canonical[:, :31], rtol=0, atol=1e-5)
+    prompt = tokens[0, :6].tolist()
+    out = greedy_generate(FullForward(loaded), prompt, 25, eos_id=None)
+    assert len(out.tokens) == 25  # to the 31-token context
+    sequence = torch.tensor([prompt + out.tokens])
+    with torch.no_grad():
+        expected = trained(sequence)[0, len(prompt) - 1:-1].argmax(-1)
+    assert out.tokens == expected.tolist()
+    assert greedy_generate(Cached(to_reference(loaded)), prompt, 25, eos_id=None).tokens == \
+        out.tokens
+    with pytest.raises(ConfigError, match=r"^model.latent_stride=2: must be a divisor of "
+                                          r"model.seq_length=31 for training"):
+        RunConfig(model=loaded.cfg).validate()

@@ -7,6 +7,7 @@ same all-gathered α values get bit-identical multipliers.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 
 from megaloop.alrs.schedule import ALRSConfig
@@ -16,8 +17,15 @@ def is_embedding_or_head(name: str, config: ALRSConfig) -> bool:
     return name.startswith(config.embedding_head_prefixes)
 
 
+# LatentLoop (megaloop.models.latent) registers a visit's own parts of the looped middle block
+# (untied attention or MoE) as visits.visit<v>.block.<name in the decoder>: copies of the decoder's
+# parameters, looped as the decoder is, so they are decoder matrices where their decoder originals
+# are. (A visit's width projections are not: they run once per forward, around the block.)
+_VISIT_BLOCK = re.compile(r"^visits\.visit\d+\.block\.")
+
+
 def is_decoder(name: str, config: ALRSConfig) -> bool:
-    return name.startswith(config.decoder_prefix)
+    return _VISIT_BLOCK.sub("decoder.", name).startswith(config.decoder_prefix)
 
 
 def initial_multipliers(names: Iterable[str], config: ALRSConfig) -> dict[str, float]:

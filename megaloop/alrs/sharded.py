@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megaloop.alrs import experts
-from megaloop.alrs.allocator import allocate, initial_multipliers, is_embedding_or_head
+from megaloop.alrs.allocator import allocate, initial_multipliers, is_decoder, is_embedding_or_head
 from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
 from megaloop.alrs.log import ALRSLog, require_zarr
@@ -377,7 +377,7 @@ class ALRS:
         higher base LR only on embedding and head."""
         config = self.config
         return config.mode == "decoder_boost" and all(
-            name.startswith(config.decoder_prefix) or is_embedding_or_head(name, config)
+            is_decoder(name, config) or is_embedding_or_head(name, config)
             for name in self.names)
 
     def _check_same_matrices_on_all_ranks(self) -> None:

@@ -319,11 +319,10 @@ class ModelConfig:
                 and len(set(self.latent_visits)) == len(self.latent_visits), prefix,
                 "latent_visits", self.latent_visits,
                 f"distinct visit numbers in [1, iterations={visits}]")
+        # seq_length % latent_stride is a rule for training (RunConfig.validate): inference pools
+        # the complete groups of any length.
         require(2 <= self.latent_stride <= 4, prefix, "latent_stride", self.latent_stride,
                 "2, 3 or 4")
-        require(self.seq_length % self.latent_stride == 0, prefix, "latent_stride",
-                self.latent_stride, f"a divisor of seq_length={self.seq_length} (whole latents "
-                "in every training sequence)")
         require(self.latent_writeback_lag in (0, 1), prefix, "latent_writeback_lag",
                 self.latent_writeback_lag, "0 or 1")
         self._validate_latent_reduction(prefix)

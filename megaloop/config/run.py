@@ -436,6 +436,11 @@ class RunConfig:
         for section in dataclasses.fields(self):
             require_finite(getattr(self, section.name), section.name)
         self.model.validate()
+        model = self.model
+        require(model.arch != "latentloop" or model.seq_length % model.latent_stride == 0,
+                "model", "latent_stride", model.latent_stride,
+                f"a divisor of model.seq_length={model.seq_length} for training (whole latents in "
+                "every training sequence; a loaded model infers at any length)")
         self.parallel.validate(self.model)
         self.train.validate()
         self.data.validate()

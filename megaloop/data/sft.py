@@ -14,7 +14,8 @@ repeats EOD, and since attention is causal it changes nothing before it. A recor
 short, its solution would lose the final answer.
 
 Samples are the dicts megatron-core's GPTDataset yields (``tokens, labels, loss_mask,
-position_ids``), so training runs through the same trainer, loss and checkpoints as pre-training.
+position_ids``), so training runs through the same trainer, loss and checkpoints as pre-training,
+plus a ``padding_mask`` that keeps padding out of MoE routing (pre-training has no padding).
 Splits take ``data.split`` proportions of the records in file order (files sorted by path),
 rounded as megatron-core rounds; within a split each epoch is a permutation seeded by
 (seed, split, epoch), so sample i depends on the seed and i alone and a resumed run reads the
@@ -73,7 +74,9 @@ def encode_examples(records: list[dict[str, str]], tokenizer, prompt: str,
 def sft_sample(prompt: Sequence[int], solution: Sequence[int], seq_length: int,
                pad_id: int) -> dict[str, torch.Tensor]:
     """One padded sample; ``solution`` ends with EOD. Position i predicts token i + 1, so the
-    mask covers the positions from the last prompt token to the one before the final EOD."""
+    mask covers the positions from the last prompt token to the one before the final EOD.
+    ``padding_mask`` is True from the final EOD on: the record alone is the sample of
+    ``len(ids) - 1`` positions, the final EOD a label only; MoE routing leaves the rest out."""
     ids = list(prompt) + list(solution)
     if len(ids) > seq_length + 1:
         raise ValueError(f"{len(ids)} tokens do not fit seq_length={seq_length} + 1")
@@ -81,8 +84,10 @@ def sft_sample(prompt: Sequence[int], solution: Sequence[int], seq_length: int,
     sequence[:len(ids)] = torch.tensor(ids, dtype=torch.long)
     loss_mask = torch.zeros(seq_length, dtype=torch.float)
     loss_mask[max(len(prompt) - 1, 0):len(ids) - 1] = 1.0
+    padding_mask = torch.arange(seq_length) >= len(ids) - 1
     return {"tokens": sequence[:-1], "labels": sequence[1:], "loss_mask": loss_mask,
-            "position_ids": torch.arange(seq_length, dtype=torch.long)}
+            "position_ids": torch.arange(seq_length, dtype=torch.long),
+            "padding_mask": padding_mask}
 
 
 class SFTDataset(torch.utils.data.Dataset):

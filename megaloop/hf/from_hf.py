@@ -30,7 +30,8 @@ from megaloop.hf.checkpoint import (build_single_process_model, load_checkpoint_
                                     save_weights_checkpoint, weights)
 from megaloop.hf.common import (ConversionError, by_layer, compare_logits, holding_dtype,
                                 probe_ids, probe_logits, staged_output)
-from megaloop.hf.native import FAMILIES, model_config_from_native, to_native_state_dict
+from megaloop.hf.native import (FAMILIES, model_config_from_native, note_router_losses,
+                                to_native_state_dict)
 from megaloop.hf.to_hf import probe_length
 
 MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
@@ -258,6 +259,8 @@ def import_hf(directory: str | Path, out: str | Path) -> dict:
     directory = Path(directory)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         hf, cfg, family = load_hf_model(directory)
+        if family is not None:
+            note_router_losses(cfg)
         data = DataConfig(eod_id=document_end(hf.config.eos_token_id, directory))
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         expected = probe_logits(hf, ids)

@@ -20,12 +20,15 @@ class fits or why none does.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from megaloop.config import ModelConfig
 from megaloop.hf.common import ConversionError
+
+log = logging.getLogger("megaloop.hf")
 
 FAMILIES = {  # family (config.json model_type) -> transformers causal-LM class
     "llama": "LlamaForCausalLM",
@@ -80,8 +83,44 @@ def native_config(cfg: ModelConfig, family: str, special_tokens: dict):
                           num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     }[family]
+    if cfg.uses_moe:
+        specific["router_aux_loss_coef"] = hf_router_aux_loss_coef(cfg)
     config_class = getattr(transformers, FAMILIES[family].replace("ForCausalLM", "Config"))
     return config_class(**common, **specific)
+
+
+# The load-balancing loss of Mixtral and Qwen3-MoE (transformers' load_balancing_loss_func) is one
+# Switch loss over the gates of all L layers together, E sum_i f_i P_i with f_i, P_i the shares of
+# expert i among the L T k top-k choices (so sum_i f_i = k) and of the L T router probabilities,
+# times router_aux_loss_coef (a_hf); megatron-core's is one per MoE layer, E / (k T^2) sum_i n_i^l
+# sum_t p_ti^l (n_i^l: layer l's tokens for expert i), each times moe_aux_loss_coeff (a_ml) and
+# summed. On layer l's probabilities the gradients are a_hf E / (L T^2) mean_m(n_i^m) and a_ml E /
+# (k T^2) n_i^l: with a_ml = a_hf k / L they are equal, as are the two losses, when every layer
+# routes alike (balanced: a_hf k both). Otherwise HF pulls each layer toward the balance of all
+# layers together, which no per-layer coefficient reproduces: a_hf k / L is the closest.
+def hf_router_aux_loss_coef(cfg: ModelConfig) -> float:
+    """router_aux_loss_coef of a native MoE class for ``cfg`` (dense, MoE in every layer)."""
+    return cfg.moe_aux_loss_coeff * cfg.num_layers / cfg.moe_top_k
+
+
+def megaloop_aux_loss_coeff(router_aux_loss_coef: float, layers: int, top_k: int) -> float:
+    return router_aux_loss_coef * top_k / layers
+
+
+def note_router_losses(cfg: ModelConfig) -> None:
+    """Warns (a line each) that the two load-balancing losses agree only for alike routing, and
+    that the native classes have no router z-loss (nothing for a dense model)."""
+    if not cfg.uses_moe:
+        return
+    if cfg.moe_z_loss_coeff:
+        log.warning("model.moe_z_loss_coeff=%g: Mixtral and Qwen3-MoE have no router z-loss; "
+                    "training the export in transformers leaves it out", cfg.moe_z_loss_coeff)
+    if cfg.num_layers > 1 and cfg.moe_aux_loss_coeff:
+        log.warning("router_aux_loss_coef=%g (Hugging Face: one load-balancing loss over all %d "
+                    "layers' gates) <-> model.moe_aux_loss_coeff=%g (megaloop: one per layer, "
+                    "summed): equal losses and gradients when the layers route alike, the "
+                    "closest otherwise", hf_router_aux_loss_coef(cfg), cfg.num_layers,
+                    cfg.moe_aux_loss_coeff)
 
 
 def _require(ok: bool, what: str, value, allowed: str) -> None:
@@ -108,15 +147,18 @@ def model_config_from_native(hf) -> ModelConfig:
     moe = {}
     if family == "olmo2":
         _require(heads == 1 and groups == 1, "num_attention_heads", heads, f"1 ({_OLMO2_NORMS})")
+    if family in ("mixtral", "qwen3_moe"):
+        # Neither class has a router z-loss.
+        moe = dict(moe_top_k=hf.num_experts_per_tok, moe_z_loss_coeff=0.0,
+                   moe_aux_loss_coeff=megaloop_aux_loss_coeff(
+                       hf.router_aux_loss_coef, hf.num_hidden_layers, hf.num_experts_per_tok))
     if family == "mixtral":
-        moe = dict(num_experts=hf.num_local_experts, moe_top_k=hf.num_experts_per_tok,
-                   moe_ffn_hidden_size=hf.intermediate_size)
+        moe.update(num_experts=hf.num_local_experts, moe_ffn_hidden_size=hf.intermediate_size)
     if family == "qwen3_moe":
         _require(hf.norm_topk_prob, "norm_topk_prob", hf.norm_topk_prob, "true")
         _require(hf.decoder_sparse_step == 1 and not hf.mlp_only_layers, "mlp_only_layers",
                  hf.mlp_only_layers, "empty with decoder_sparse_step=1 (MoE in every layer)")
-        moe = dict(num_experts=hf.num_experts, moe_top_k=hf.num_experts_per_tok,
-                   moe_ffn_hidden_size=hf.moe_intermediate_size)
+        moe.update(num_experts=hf.num_experts, moe_ffn_hidden_size=hf.moe_intermediate_size)
     ffn = hf.intermediate_size if family != "mixtral" else hf.intermediate_size * hf.num_experts_per_tok
     return ModelConfig(
         arch="dense", iterations=1, num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,

@@ -26,7 +26,8 @@ from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, requ
                                     stored_dtype, weights)
 from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compare_logits,
                                 export_dtype, probe_ids, probe_logits, staged_output)
-from megaloop.hf.native import FAMILIES, native_config, native_family, to_native_state_dict
+from megaloop.hf.native import (FAMILIES, native_config, native_family, note_router_losses,
+                                to_native_state_dict)
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 # Shipped as remote code: the configuration and every modeling file (they import one another).
@@ -85,6 +86,7 @@ def hf_model(cfg: ModelConfig, reference: dict[str, torch.Tensor], special_token
     if family is not None:
         model_class = getattr(transformers, FAMILIES[family])
         config = native_config(cfg, family, special_tokens)
+        note_router_losses(cfg)
     else:
         config = reference_config(cfg)
         config.update(special_tokens)

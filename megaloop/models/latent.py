@@ -101,9 +101,16 @@ class LatentCompression(MegatronModule):
         start = k - 1 + self.lag
         return torch.cat([spread.new_zeros(start, batch, d), spread])[:length]
 
-    def reduce(self, hidden: torch.Tensor, rope: torch.Tensor):
+    def reduce(self, hidden: torch.Tensor, rope: torch.Tensor, padding: torch.Tensor | None):
+        """Latents, their rotary angles and their padding mask ([B, N] -> [B, N // k]): a latent
+        with any padding among its tokens is padding, as the latent it stands for does not exist
+        in the unpadded sequence (padding is trailing, so its tokens form an incomplete group
+        there); its writeback lands on padding positions only."""
         latents = self.pool(hidden)
-        return latents, self.latent_rope(rope, latents.shape[0])
+        if padding is not None:
+            n = latents.shape[0]
+            padding = padding[:, :n * self.stride].reshape(padding.shape[0], n, -1).any(-1)
+        return latents, self.latent_rope(rope, latents.shape[0]), padding
 
     def expand(self, delta: torch.Tensor, length: int) -> torch.Tensor:
         return self.write_back(delta, length)
@@ -124,8 +131,8 @@ class LatentProjection(MegatronModule):
             config.init_method(self.down_weight)
             config.output_layer_init_method(self.up_weight)
 
-    def reduce(self, hidden: torch.Tensor, rope: torch.Tensor):
-        return F.linear(hidden, self.down_weight), rope
+    def reduce(self, hidden: torch.Tensor, rope: torch.Tensor, padding: torch.Tensor | None):
+        return F.linear(hidden, self.down_weight), rope, padding
 
     def expand(self, delta: torch.Tensor, length: int) -> torch.Tensor:
         return F.linear(delta, self.up_weight)
@@ -159,15 +166,18 @@ class LatentVisit(MegatronModule):
         self.plain = not learned and residual_scale == 1.0
         self.block: TransformerBlock | None = None
 
-    def forward(self, hidden: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: torch.Tensor,
+                padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         reduction = self.compression if self.compression is not None else self.projection
         if reduction is None:
-            out = self.block(hidden, attention_mask=None, rotary_pos_emb=rope)
+            out = self.block(hidden, attention_mask=None, rotary_pos_emb=rope,
+                             padding_mask=padding_mask)
             return out if self.plain else hidden + self.residual_scale * (out - hidden)
-        reduced, reduced_rope = reduction.reduce(hidden, rope)
+        reduced, reduced_rope, padding_mask = reduction.reduce(hidden, rope, padding_mask)
         if reduced.shape[0] == 0:  # shorter than one group: nothing to write back
             return hidden
-        delta = self.block(reduced, attention_mask=None, rotary_pos_emb=reduced_rope) - reduced
+        delta = self.block(reduced, attention_mask=None, rotary_pos_emb=reduced_rope,
+                           padding_mask=padding_mask) - reduced
         update = reduction.expand(delta, hidden.shape[0])
         return hidden + (update if self.plain else self.residual_scale * update)
 
@@ -312,14 +322,15 @@ class LatentLoopLM(LoopedLM):
                 _borrow_parameters(getattr(layer, part), getattr(owner, part))
 
     def loop(self, hidden: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
-             steps: int) -> torch.Tensor:
+             steps: int, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The V visits, then the coda. They are V distinct modules applied in order (each its own
         residual scale and compression) over the shared block, so there is no test-time depth:
         ``steps`` is its iterations, as LoopedLM.forward has checked (ModelConfig.depth_refusal)."""
         for visit in self.visits:
             with self.applying(f"visit{visit.visit}"):
-                hidden = visit(hidden, rope)
+                hidden = visit(hidden, rope, padding_mask)
         if self.coda is not None:
             with self.applying("coda"):
-                hidden = self.coda(hidden, attention_mask=None, rotary_pos_emb=rope)
+                hidden = self.coda(hidden, attention_mask=None, rotary_pos_emb=rope,
+                                   padding_mask=padding_mask)
         return hidden

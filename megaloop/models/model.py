@@ -279,6 +279,23 @@ class LoopedLM(LanguageModule):
             return contextlib.nullcontext()
         return self.routing_stats.applying(group)
 
+    def routing_padding(self, padding_mask: torch.Tensor | None,
+                        input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The padding mask as megatron-core's MoE layers take it: bool [B, N], True at padding,
+        this rank's share of the sequence under sequence parallelism; None for a dense model.
+        The routers then leave padding out of the auxiliary losses, the routing statistics and
+        the experts (LoopedRouter.routing)."""
+        if padding_mask is None or not self.cfg.uses_moe:
+            return None
+        if padding_mask.shape != input_ids.shape:
+            raise ValueError(f"padding_mask of shape {list(padding_mask.shape)}: must have the "
+                             f"shape of input_ids, {list(input_ids.shape)}")
+        padding_mask = padding_mask.to(device=input_ids.device, dtype=torch.bool)
+        if self.config.sequence_parallel:  # the hidden states are split on the sequence too
+            padding_mask = tensor_parallel.scatter_to_sequence_parallel_region(
+                padding_mask.t().contiguous()).t()
+        return padding_mask
+
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline schedules hand a non-first stage its input message here."""
         if isinstance(input_tensor, (list, tuple)):
@@ -292,11 +309,11 @@ class LoopedLM(LanguageModule):
                             for layer in self.decoder.layers])
 
     def loop(self, state: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
-             steps: int) -> torch.Tensor:
+             steps: int, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's share of the weight-tied decoder iterations (all K without pipelining;
         Full Loop: the stack R times), after the Global KV. ``state``: the decoder state arriving
         (z_0 on the stage where the encoding originates); ``encoding``: H_E (AsymLoop), else the
-        embedding output on the first stage, else None."""
+        embedding output on the first stage, else None; ``padding_mask``: ``routing_padding``'s."""
         cfg = self.cfg
         context = self.global_kv(encoding, rope) if self.stage.global_kv else None
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
@@ -304,7 +321,8 @@ class LoopedLM(LanguageModule):
                     [Segment(self.decoder, t) for t in range(1, steps + 1)])
         return run_segments(segments, encoding, state, additive=additive,
                             step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
-                            attention_mask=None, context=context, rotary_pos_emb=rope)
+                            attention_mask=None, context=context, rotary_pos_emb=rope,
+                            padding_mask=padding_mask)
 
     def _unpack(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(stream, H_E or None) of a message from the previous stage."""
@@ -321,13 +339,15 @@ class LoopedLM(LanguageModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                num_iterations: int | None = None) -> torch.Tensor:
+                num_iterations: int | None = None,
+                padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Returns logits [B, N, V/tp] or, with ``labels``, per-token losses [B, N]; a stage
         without the head returns its message to the next stage.
 
         ``num_iterations`` overrides K (or R) for test-time depth scaling (one stage only: a
         pipeline unrolls exactly K). Attention is causal by construction; ``attention_mask`` is
-        accepted for megatron-core's calling convention only.
+        accepted for megatron-core's calling convention only. ``padding_mask`` [B, N] (True at
+        padding: fine-tuning's right padding) keeps those positions out of MoE routing.
         """
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -343,14 +363,16 @@ class LoopedLM(LanguageModule):
         else:
             state, encoding = self._unpack(self.stage_input)
         rope = self.rotary_pos_emb(input_ids.shape[1])
+        padding_mask = self.routing_padding(padding_mask, input_ids)
         if self.encoder is not None:
             with self.applying(self.first_group):
-                state = self.encoder(state, attention_mask=None, rotary_pos_emb=rope)
+                state = self.encoder(state, attention_mask=None, rotary_pos_emb=rope,
+                                     padding_mask=padding_mask)
         if self.encoding_starts_here:  # z_0 follows from the encoding (recurrence.run_segments)
             additive = self.cfg.arch == "asymloop" and self.cfg.injection == "additive"
             encoding, state = state, torch.zeros_like(state) if additive else state
         if self.decoder is not None:
-            state = self.loop(state, encoding, rope, steps)
+            state = self.loop(state, encoding, rope, steps, padding_mask)
         if not self.post_process:
             return self._pack(state, encoding)
         hidden = self.final_layernorm(state)

@@ -83,9 +83,10 @@ class RoutingStats:
         """One application's statistics from this rank's share of its tokens, ``ranks`` ranks
         (sequence or context parallelism) routing the application's tokens between them: the
         load-balancing term is this rank's part of a sum over those ranks (megatron-core's
-        formulation), the z-loss the mean over this rank's equal share, and the tokens its own;
-        so each rank counts 1/``ranks`` of the application, and ``report``'s sum over the ranks
-        gives the whole application's values, as one rank computing it all would."""
+        formulation), ``z_loss`` this rank's part of the mean over the application's tokens, and
+        the tokens its own; so each rank counts 1/``ranks`` of the application, and ``report``'s
+        sum over the ranks gives the whole application's values, as one rank computing it all
+        would."""
         if self.group not in self.groups:  # outside a labelled block, or beyond the trained depth
             return
         if self._sums is None:
@@ -93,7 +94,7 @@ class RoutingStats:
                                      device=tokens_per_expert.device)
         row = self._sums[self.groups.index(self.group)]
         row[0] += load_balancing.double()
-        row[1] += z_loss.double() / ranks
+        row[1] += z_loss.double()
         row[2] += 1 / ranks
         row[3:] += tokens_per_expert.double()
 
@@ -153,14 +154,22 @@ class LoopedRouter(TopKRouter):
     # that of the loss tokens, while every position is routed: with a loss mask (fine-tuning's
     # prompt and padding, data.eod_mask_loss) the auxiliary losses weighed positions / loss tokens
     # times their coefficients. ``loss_token_fraction`` (weigh_auxiliary_losses) scales that away.
+    # Padding (a ``padding_mask``) is routed by no one, and the ranks' shares of the valid tokens
+    # differ: ``valid_tokens`` (this rank's, the group's) counts them (megatron-core's own count,
+    # ``valid_token_count``, is the group's under padding: its all-reduce works in place).
     loss_token_fraction: float = 1.0
+    valid_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss,
                                            aux_loss_name, reduce_group, reduce_group_has_dp=False,
                                            valid_token_count=None):
         if self.calculate_per_token_loss:
-            local = activation.shape[0] if valid_token_count is None else valid_token_count
-            valid_token_count = local * self.tp_cp_group.size() * self.loss_token_fraction
+            if self.valid_tokens is not None:
+                group = self.valid_tokens[1]
+            else:
+                local = activation.shape[0] if valid_token_count is None else valid_token_count
+                group = local * self.tp_cp_group.size()
+            valid_token_count = group * self.loss_token_fraction
         return super().attach_and_log_load_balancing_loss(
             activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
             reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count)
@@ -177,18 +186,42 @@ class LoopedRouter(TopKRouter):
         return MoEAuxLossAutoScaler.apply(logits, z_loss * local * self.loss_token_fraction)
 
     def routing(self, logits: torch.Tensor, padding_mask=None):
+        """megatron-core's routing, and the statistics. With a ``padding_mask`` ([N, B], True at
+        padding), megatron-core leaves padding out of the auxiliary losses but still dispatches
+        it to experts; here padding is dispatched to none (its FFN output is zero: padding is
+        trailing, so that output reaches no real position, and no loss reads it)."""
+        ranks = self.tp_cp_group.size()
+        self.valid_tokens = None
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+            if self.training:
+                local = (~padding_mask).sum()
+                group = local.clone()
+                if ranks > 1:
+                    torch.distributed.all_reduce(group, group=self.tp_cp_group)
+                self.valid_tokens = (local, group)
         probs, routing_map = super().routing(logits, padding_mask)
+        if padding_mask is not None:
+            valid = ~padding_mask[:, None]
+            probs, routing_map = probs * valid, routing_map & valid
         if self.stats is not None and self.training:
             with torch.no_grad():
                 logits = logits.view(-1, self.config.num_moe_experts).float()
-                aux_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk,
-                                                                      self.score_function)
-                tokens, _, total = get_tokens_per_expert_and_token_count(aux_map, self.tp_cp_group,
-                                                                         self.topk)
+                aux_map, scores = compute_routing_scores_for_aux_loss(
+                    logits, self.topk, self.score_function, padding_mask=padding_mask)
+                tokens, _, total = get_tokens_per_expert_and_token_count(
+                    aux_map, self.tp_cp_group, self.topk,
+                    with_padding_mask=padding_mask is not None)
                 load_balancing = switch_load_balancing_loss_func(
                     scores, tokens, total, self.topk, self.config.num_moe_experts, 1.0)
-                self.stats.record(load_balancing, z_loss_func(logits, 1.0),
-                                  routing_map.sum(dim=0), ranks=self.tp_cp_group.size())
+                z_loss = z_loss_func(logits, 1.0, padding_mask=padding_mask)
+                # This rank's part of the mean over the application's (valid) tokens.
+                if self.valid_tokens is None:
+                    z_loss = z_loss.double() / ranks
+                else:
+                    local, group = self.valid_tokens
+                    z_loss = z_loss.double() * local / group.clamp(min=1)
+                self.stats.record(load_balancing, z_loss, routing_map.sum(dim=0), ranks=ranks)
         return probs, routing_map
 
 
@@ -210,15 +243,17 @@ def routers(module: torch.nn.Module) -> list[LoopedRouter]:
     return [m for m in module.modules() if isinstance(m, LoopedRouter)]
 
 
-def weigh_auxiliary_losses(models: list[torch.nn.Module], loss_masks: list[torch.Tensor]) -> None:
+def weigh_auxiliary_losses(models: list[torch.nn.Module], batches: list[dict]) -> None:
     """Before a training step: sets every router's ``loss_token_fraction`` to the step's loss
-    tokens over its positions, over all ranks (a collective; ``loss_masks``: this rank's
-    micro-batches'), so that each auxiliary loss reaches the gradient with its coefficient, as a
-    token-weighted mean over the routed positions, however many of them the loss masks."""
+    tokens over its routed positions (those not padding), over all ranks (a collective;
+    ``batches``: this rank's micro-batches, with ``loss_mask`` and, for fine-tuning,
+    ``padding_mask``), so that each auxiliary loss reaches the gradient with its coefficient, as
+    a token-weighted mean over the routed positions, however many of them the loss masks."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    counts = torch.tensor([sum(float(mask.sum()) for mask in loss_masks),
-                           sum(mask.numel() for mask in loss_masks)], dtype=torch.float64,
-                          device=device)
+    counts = torch.tensor(
+        [sum(float(batch["loss_mask"].sum()) for batch in batches),
+         sum(batch["loss_mask"].numel() - int(batch.get("padding_mask", torch.zeros(())).sum())
+             for batch in batches)], dtype=torch.float64, device=device)
     if torch.distributed.is_initialized():  # replicas (TP, PP) count alike: the ratio holds
         torch.distributed.all_reduce(counts)
     fraction = (counts[0] / counts[1]).item() if counts[1] else 1.0

@@ -351,5 +351,6 @@ class MicroBatches:
         self.micro += 1
         if self.micro == self.per_step:  # a global batch is done
             self.consumed, self.micro = self.consumed + self.gbs, 0
+        keys = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
         return {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-                for key in ("tokens", "labels", "loss_mask", "position_ids")}
+                for key in keys if key in samples[0]}  # padding_mask: fine-tuning's only

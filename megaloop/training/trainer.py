@@ -290,7 +290,7 @@ class Trainer:
         tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
         loss_mask = batch["loss_mask"].to(device).float()
         output = model(tokens, batch["position_ids"].to(device), None, labels=labels,
-                       num_iterations=num_iterations)
+                       num_iterations=num_iterations, padding_mask=batch.get("padding_mask"))
 
         def loss_func(per_token_loss):
             total = (per_token_loss.float() * loss_mask).sum()
@@ -312,7 +312,7 @@ class Trainer:
 
         if not forward_only and self.model.routing_stats is not None:  # MoE: weigh aux losses
             batches = list(itertools.islice(data, self.num_microbatches))
-            weigh_auxiliary_losses(self.models, [batch["loss_mask"] for batch in batches])
+            weigh_auxiliary_losses(self.models, batches)
             data = iter(batches)
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, num_iterations=num_iterations),

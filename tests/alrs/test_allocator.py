@@ -59,3 +59,48 @@ def test_dense_models_have_only_decoder_names():
     alphas = {DEC_QKV: 2.0, DEC_FC2: 4.0, "decoder.layers.1.mlp.linear_fc1.weight": 3.0}
     out = allocate(alphas, ALRSConfig(s1=1.0, s2=3.0), previous={})
     assert out == {DEC_QKV: 1.0, DEC_FC2: 3.0, "decoder.layers.1.mlp.linear_fc1.weight": 2.0}
+
+
+def _boosted(variant: str) -> tuple[list[str], list[str]]:
+    """(boosted, not boosted) matrices of a LatentLoop variant under mode=decoder_boost, through
+    the ALRS hook on the model; layer and expert indices as *."""
+    import re
+
+    from megaloop.alrs import ALRS
+    from megaloop.models.model import build_model
+    from tests.models.variants import small_config
+
+    hook = ALRS(build_model(small_config(variant)), total_steps=10,
+                config=ALRSConfig(mode="decoder_boost", granularity="parameter"))
+    multipliers = hook.step(1)
+    return tuple(sorted({re.sub(r"\.\d+\.", ".*.", n) for n, m in multipliers.items()
+                         if (m == 2.0) == boosted}) for boosted in (True, False))
+
+
+def test_latentloop_decoder_boost_covers_the_tied_middle_block(seeded):
+    boosted, others = _boosted("latentloop")
+    assert boosted == ["decoder.layers.*.mlp.linear_fc1.weight",
+                       "decoder.layers.*.mlp.linear_fc2.weight",
+                       "decoder.layers.*.self_attention.linear_proj.weight",
+                       "decoder.layers.*.self_attention.linear_qkv.weight"]
+    assert {n.split(".")[0] for n in others} == {"embedding", "output_layer", "encoder", "coda"}
+
+
+def test_latentloop_decoder_boost_covers_the_untied_visit_copies(seeded):
+    """Visits 2 and 3 own their attention and MoE (visits.visit<v>.block.*): looped middle-block
+    matrices, boosted like the decoder's. Before, only decoder.* was."""
+    boosted, others = _boosted("latentloop_moe_untied_v3")
+    middle = ["layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+              "layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
+              "layers.*.mlp.router.weight", "layers.*.self_attention.linear_proj.weight",
+              "layers.*.self_attention.linear_qkv.weight"]
+    assert boosted == [f"{block}.{name}" for block in ("decoder", "visits.visit2.block",
+                                                       "visits.visit3.block") for name in middle]
+    assert {n.split(".")[0] for n in others} == {"embedding", "output_layer", "encoder", "coda"}
+
+
+def test_latentloop_width_projections_are_not_boosted(seeded):
+    """The width reduction's projections run once per forward, around the block: not looped."""
+    _, others = _boosted("latentloop_moe_width")
+    assert {"visits.visit1.projection.down_weight",
+            "visits.visit1.projection.up_weight"} <= set(others)

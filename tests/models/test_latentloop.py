@@ -218,7 +218,6 @@ def test_expert_ffn_visit_halves_the_expert_matmuls_only(seeded):
 
 
 @pytest.mark.parametrize("fields, parallel, message", [
-    (dict(latent_stride=3), {}, "model.latent_stride=3: must be a divisor of seq_length=16"),
     (dict(latent_stride=5, seq_length=20), {}, "model.latent_stride=5: must be 2, 3 or 4"),
     (dict(latent_visits=[3]), {}, "model.latent_visits=[3]: must be distinct visit numbers in "
                                   "[1, iterations=2]"),

@@ -179,3 +179,152 @@ def test_active_parameters_are_what_one_token_touches(seeded):
     model(token, labels=token).sum().backward()
     touched = sum(p.numel() for p in model.parameters() if p.grad is not None and p.grad.any())
     assert touched == active_parameter_count(cfg) < parameter_count(cfg)
+
+
+def _sft_batch(cfg, real: int, length: int) -> dict:
+    """Two fine-tuning samples (megaloop.data.sft) of ``real`` positions padded to ``length``."""
+    from megaloop.data.sft import sft_sample
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(2):
+        ids = torch.randint(2, cfg.vocab_size, (real + 1,), generator=g).tolist()
+        samples.append(sft_sample(ids[:3], ids[3:], length, pad_id=1))
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def _routing_of(model, batch: dict) -> tuple[dict, dict]:
+    """The routing statistics and the routers' gradients of one training micro-batch, the
+    auxiliary losses weighed as the trainer weighs them (per-token loss sums)."""
+    for router in moe.routers(model):
+        router.calculate_per_token_loss = True
+    moe.weigh_auxiliary_losses([model], [batch])
+    model.zero_grad()
+    losses = model(batch["tokens"], labels=batch["labels"], padding_mask=batch.get("padding_mask"))
+    (losses * batch["loss_mask"]).sum().backward()
+    return model.routing_stats.report(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if "router" in n}
+
+
+@pytest.mark.parametrize("name, recompute", [
+    ("dense_moe_shared", False), ("fullloop_moe", False), ("asymloop_moe", False),
+    ("asymloop_moe", True), ("latentloop_moe", False), ("latentloop_moe", True),
+    ("latentloop_moe_untied_v3", False), ("latentloop_moe_width", False)])
+def test_padding_has_no_effect_on_routing(seeded, name, recompute):
+    """A fine-tuning batch padded from 11 to 16 positions routes as the same batch without its
+    padding: the same auxiliary losses (the routers' gradients), routing statistics and expert
+    token counts. 11 is odd: LatentLoop's compressed visit pools positions 10 (real) and 11
+    (padding) into a latent that the unpadded batch does not have."""
+    cfg = small_config(name, moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.2)
+    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none")).train()
+    padded = _sft_batch(cfg, 11, cfg.seq_length)
+    assert padded["padding_mask"][:, 11:].all() and not padded["padding_mask"][:, :11].any()
+    plain = {key: value[:, :11] for key, value in padded.items() if key != "padding_mask"}
+    stats, grads = _routing_of(model, padded)
+    expected, expected_grads = _routing_of(model, plain)
+    assert stats.keys() == expected.keys()
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for key, grad in expected_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-7, msg=key)
+    # Without the mask the padding is routed: the statistics say so.
+    unmasked, _ = _routing_of(model, {k: v for k, v in padded.items() if k != "padding_mask"})
+    assert any(unmasked[key] != pytest.approx(value, rel=1e-3) for key, value in expected.items())
+
+
+def test_padding_reaches_no_expert(seeded):
+    """Padding positions are dispatched to no expert: megatron-core would leave them out of the
+    auxiliary losses only."""
+    cfg = small_config("dense_moe_shared")
+    model = build_model(cfg).train()
+    batch = _sft_batch(cfg, 5, cfg.seq_length)
+    dispatched = []
+    for router in moe.routers(model):
+        router.register_forward_hook(lambda m, args, out: dispatched.append(out[1]))
+    model(batch["tokens"], padding_mask=batch["padding_mask"])
+    for routing_map in dispatched:  # [N * B, experts], sequence-major
+        per_position = routing_map.view(cfg.seq_length, 2, -1).sum(-1).t()
+        assert per_position[:, :5].eq(cfg.moe_top_k).all() and per_position[:, 5:].eq(0).all()
+
+
+def test_padding_mask_of_another_shape_is_refused(seeded):
+    cfg = small_config("fullloop_moe")
+    with pytest.raises(ValueError, match=r"padding_mask of shape \[2, 15\]: must have the shape "
+                                         r"of input_ids, \[2, 16\]"):
+        build_model(cfg)(_tokens(cfg), padding_mask=torch.zeros(2, 15, dtype=torch.bool))
+
+
+def test_finetuning_trainer_keeps_padding_out_of_routing(mcore, tmp_path):
+    """Through the trainer (data.format=sft): other token ids in the padding change neither the
+    routers' gradients (auxiliary losses included) nor the routing statistics."""
+    from megaloop.config import DataConfig, RunConfig, TrainConfig
+    from megaloop.training.data import MicroBatches
+    from megaloop.training.trainer import Trainer
+    from tests.sft import PROMPT, SOLUTION, arithmetic_records, train_tokenizer, write_jsonl
+
+    records = arithmetic_records(8)
+    cfg = RunConfig(
+        model=small_config("asymloop_moe", vocab_size=512, seq_length=64, moe_z_loss_coeff=0.1),
+        train=TrainConfig(micro_batch_size=2, global_batch_size=2, train_steps=1,
+                          out_dir=str(tmp_path), log_interval=100, tensorboard=False),
+        data=DataConfig(path=[str(write_jsonl(tmp_path / "train.jsonl", records))], format="sft",
+                        tokenizer_model=str(train_tokenizer(tmp_path / "tok.model", records)),
+                        split="1,0,0", sft_prompt=PROMPT, sft_solution=SOLUTION))
+    with Trainer(cfg) as trainer:
+        batch = next(MicroBatches(trainer.train_data, 2, 0, 1, 0, 2))
+        padding = batch["padding_mask"]
+        assert padding.any() and not padding[:, 0].any()
+        changed = {**batch, "tokens": torch.where(padding, (batch["tokens"] + 7) % 400,
+                                                  batch["tokens"])}
+        results = []
+        for step in (batch, changed):
+            trainer.ddp.zero_grad_buffer()
+            trainer._run_microbatches(iter([step]), forward_only=False)
+            results.append((trainer.model.routing_stats.report(),
+                            {n: p.main_grad.clone() for n, p in
+                             trainer.model.named_parameters() if "router" in n}))
+    (stats, grads), (same_stats, same_grads) = results
+    assert stats == pytest.approx(same_stats, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(same_grads[name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def _padded_routing_at(tp: int) -> tuple[dict, dict]:
+    """Statistics and (TP=1-layout) router gradients of a padded batch at tensor parallelism
+    ``tp`` with sequence parallelism (padding falls on the last rank's share only)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megaloop.platform.distributed import init_distributed
+
+    init_distributed(tensor_parallel=tp, seed=11)
+    cfg = small_config("fullloop_moe", moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.2)
+    model = build_model(cfg, ParallelConfig(tensor=tp, sequence_parallel=tp > 1)).train()
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    batch = _sft_batch(cfg, 11, cfg.seq_length)
+    for router in moe.routers(model):
+        router.calculate_per_token_loss = True
+    moe.weigh_auxiliary_losses([model], [batch])
+    losses = model(batch["tokens"], labels=batch["labels"], padding_mask=batch["padding_mask"])
+    (losses * batch["loss_mask"]).sum().backward()
+    finalize_model_grads([model])
+    stats = model.module.routing_stats.report()
+    return stats, {n: p.main_grad.clone() for n, p in model.module.named_parameters()
+                   if "router" in n}
+
+
+def _compare_padded_routing(rank, world_size):
+    (stats1, grads1), (stats2, grads2) = _padded_routing_at(1), _padded_routing_at(2)
+    assert stats2 == pytest.approx(stats1, rel=1e-5, abs=1e-7)
+    for name, grad in grads1.items():
+        torch.testing.assert_close(grads2[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    return True
+
+
+def test_padding_under_sequence_parallelism_routes_as_on_one_rank():
+    """TP=2 with sequence parallelism: the padding mask is split with the sequence, and the
+    ranks' unequal shares of valid tokens weigh the auxiliary losses and statistics as one rank
+    holding them all."""
+    from tests.distributed import run_distributed
+
+    assert run_distributed(_compare_padded_routing, world_size=2) == [True, True]
