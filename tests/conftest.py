@@ -1,6 +1,7 @@
 """Shared fixtures: one in-process gloo group with megatron-core model-parallel state (TP=1)."""
 
 import atexit
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -40,6 +41,17 @@ def seeded(mcore):
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     return True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Ends the processes the session started (distributed test workers, dist_checkpointing's
+    managers) here rather than at exit: pytest-xdist workers leave with os._exit, which skips atexit
+    and multiprocessing's finalizers, and would leave those processes orphaned."""
+    from tests import distributed
+
+    distributed.close_all()
+    for child in multiprocessing.active_children():
+        child.terminate()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,8 +31,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     from megaloop.platform import cpu_compat
 
     cpu_compat.enable()
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            # The session ended without closing the pool (killed, or a pytest-xdist worker,
+            # which exits without running atexit): do not linger as an orphan.
+            if os.getppid() != parent:
+                break
+            continue
         if task is None:
             break
         fn, kwargs = task
@@ -75,13 +83,13 @@ class _Pool:
                 p.kill()
 
 
-def _close_all() -> None:
+def close_all() -> None:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
 
 
-atexit.register(_close_all)
+atexit.register(close_all)
 
 
 def run_distributed(fn, world_size: int = 2, **kwargs) -> list:
