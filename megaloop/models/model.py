@@ -60,7 +60,16 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     experts. ``initialize=False`` leaves the weights megatron-core allocates uninitialised
     (``perform_initialization``): for a model every weight of which is loaded next."""
     on_gpu = torch.cuda.is_available()
-    recompute = parallel.recompute == "full"
+    full = parallel.recompute == "full"
+    selective = parallel.selective_modules
+    # moe_act: megatron-core replays only grouped-GEMM experts' activation; layernorm: its
+    # CheckpointWithoutOutput (0.16.1) calls Transformer Engine's FP8 state unconditionally.
+    needs_te = {"moe_act": "grouped-GEMM experts; recompute CPU experts with 'moe'",
+                "layernorm": "megatron-core's norm replay calls Transformer Engine"}
+    for name in selective:
+        if name in needs_te and not use_te:
+            raise ValueError(f"parallel.recompute_modules={selective}: {name!r} needs the "
+                             f"Transformer Engine spec on a CUDA GPU ({needs_te[name]})")
     fp8_settings = {}
     if fp8 is not None:
         if fp8 not in _MCORE_FP8_RECIPES:
@@ -105,9 +114,12 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         batch_p2p_comm=not (parallel.virtual_pipeline > 1 and parallel.pipeline == 2),
         expert_model_parallel_size=parallel.expert,
         sequence_parallel=parallel.sequence_parallel,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        # Full: every layer replayed one at a time; selective: megatron-core's checkpoint around
+        # the named submodules of every layer (megaloop's joint attention included, layers.py).
+        recompute_granularity="full" if full else "selective" if selective else None,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        recompute_modules=selective or None,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,  # dtype of the activations pipeline stages exchange
         bf16=params_dtype == torch.bfloat16,
