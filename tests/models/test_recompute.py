@@ -227,3 +227,21 @@ def test_modules_megatron_core_replays_only_with_transformer_engine_are_refused_
     with pytest.raises(ValueError, match=f"'{module}' needs the Transformer Engine spec"):
         build_model(cfg, ParallelConfig(recompute="selective", recompute_modules=[module]),
                     use_te=False)
+
+
+def test_a_resume_applies_a_changed_recomputation_and_says_so(tmp_path, caplog):
+    """Recomputation changes no weight, optimizer state or sample: a resume may switch it (here
+    none -> selective of core_attn and mlp), each changed field one warning line."""
+    import dataclasses
+    import logging
+
+    from tests.training.test_resume import _check, _checkpoint
+
+    path, cfg = _checkpoint(tmp_path, data={"eod_id": 0})
+    changed = dataclasses.replace(cfg, parallel=ParallelConfig(
+        recompute="selective", recompute_modules=["core_attn", "mlp"]))
+    assert _check(path, changed, caplog) == [
+        (logging.WARNING, f"resume from {path}: parallel.recompute changed from 'none' to "
+                          "'selective'; in effect from step 5"),
+        (logging.WARNING, f"resume from {path}: parallel.recompute_modules changed from [] to "
+                          "['core_attn', 'mlp']; in effect from step 5")]
