@@ -153,6 +153,7 @@ class LoopedLM(LanguageModule):
         check_parallel_groups(parallel)
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         note_fp32_joint_attention(cfg, params_dtype)
+        note_flash_core_attention_recompute(cfg, parallel, params_dtype)
         enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
         stages = pipeline.plan_stages(cfg, pipeline.stage_counts(cfg, parallel))
         this = stages[stage]
@@ -400,6 +401,25 @@ def note_fp32_joint_attention(cfg: ModelConfig, params_dtype: torch.dtype) -> No
             and runs_masked_formula(device, params_dtype)):
         log.warning("model.joint_attention='fused' in fp32 on CUDA runs the masked formula (the "
                     "CUDA flash kernel takes bf16/fp16 only): [N, 2N] attention scores per head")
+
+
+def note_flash_core_attention_recompute(cfg: ModelConfig, parallel: ParallelConfig,
+                                        params_dtype: torch.dtype) -> None:
+    """Logs when selective recomputation of the core attention can save little: a flash kernel
+    keeps no attention scores for its backward pass, only its output and log-sum-exps (and, in
+    megaloop's local kernels, keys/values repeated to every head), so the replay spends the
+    attention FLOPs again for little memory (megatron-core says as much for Transformer Engine's
+    fused attention). Only the joint attention's masked formula keeps [N, 2N] probabilities."""
+    if "core_attn" not in parallel.selective_modules:
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.decoder_attention == "joint" and (cfg.joint_attention == "masked"
+                                             or runs_masked_formula(device, params_dtype)):
+        return
+    log.warning("parallel.recompute_modules: 'core_attn' replays flash-attention kernels, which "
+                "keep no attention scores: little memory saved (their outputs and log-sum-exps at "
+                "most) for the attention FLOPs again; it pays off where scores are kept "
+                "(model.joint_attention=masked)")
 
 
 def _replica_of_copy(replica_id, stage: int):

@@ -245,3 +245,14 @@ def test_a_resume_applies_a_changed_recomputation_and_says_so(tmp_path, caplog):
                           "'selective'; in effect from step 5"),
         (logging.WARNING, f"resume from {path}: parallel.recompute_modules changed from [] to "
                           "['core_attn', 'mlp']; in effect from step 5")]
+
+
+@pytest.mark.parametrize("variant, noted", [("asymloop", True), ("dense", True),
+                                            ("asymloop_masked", False)])
+def test_recomputing_flash_attention_is_noted_as_saving_little(seeded, caplog, variant, noted):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megaloop.models"):
+        build_model(small_config(variant), ParallelConfig(recompute="selective"))
+    lines = [r.getMessage() for r in caplog.records if "'core_attn' replays" in r.getMessage()]
+    assert len(lines) == (1 if noted else 0)
