@@ -28,6 +28,11 @@ def test_sequence_parallel_trains_to_the_tensor_parallel_losses(mcore, run):
     assert compare_curves(run("tp2", "tp2,sp", "tp2,sp,recompute", "tp2,sp,selrecompute")) == []
 
 
+def test_selective_recompute_across_pipeline_stages_trains_to_its_twins_losses(mcore, run):
+    # The loop unrolled over 2 stages: tied decoder copies, each call replayed on its stage.
+    assert compare_curves(run("pp2", "pp2,selrecompute")) == []
+
+
 def test_four_rank_layouts_train_to_the_single_process_losses(mcore, run):
     # dp2,pp2: the distributed optimizer over the data-parallel ranks of each stage, whose tied
     # decoder copies' gradients are summed before the data-parallel reduce-scatter.
