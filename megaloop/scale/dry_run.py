@@ -91,7 +91,8 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "
              f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
-             f"{cfg.parallel.recompute}{selective}; {micro} micro-batches of {cfg.train.micro_batch_size} "
+             f"{cfg.parallel.recompute}{selective}; {micro} micro-batches of "
+             f"{cfg.train.micro_batch_size} "
              f"per step and data-parallel rank; {gpus_per_node} GPUs per node"] + notes
     if layout.pipeline > 1:
         lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),

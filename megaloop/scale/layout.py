@@ -100,7 +100,8 @@ def parse_layout(text: str) -> Layout:
             sizes[match.group(1)] = int(match.group(2))
         else:
             raise ConfigError(f"layout {text!r}: unknown part {part!r} (known: tpN, ppN, vpN, "
-                              "dpN, epN, sp, recompute, selrecompute, single; e.g. 'tp2,sp' or 'dp2,pp2')")
+                              "dpN, epN, sp, recompute, selrecompute, single; e.g. 'tp2,sp' or "
+                              "'dp2,pp2')")
     tp, ep = sizes["tp"], sizes["ep"]
     # megatron-core builds expert groups of (expert tensor = tp) x ep ranks out of the tp x dp
     # ranks of a stage: dp must be a multiple of ep.

@@ -28,8 +28,9 @@ default) drops what the core attention keeps beyond its inputs (``_core_attentio
 kernels only their output, log-sum-exps and repeated keys/values, while the values' view then keeps
 the fused QKV output: little or nothing saved, as megatron-core warns); the other selective
 modules' savings are not subtracted (the estimate stays an upper bound there). AsymLoop's Global
-KV (once per forward) stays saved, whatever the recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches
-(the interleaved schedule: its warm-up count of chunk-micro-batches, at the chunks' mean).
+KV (once per forward) stays saved, whatever the recomputation. Pipeline stage s of P under 1F1B
+holds the activations of min(P - s, M) micro-batches (the interleaved schedule: its warm-up count
+of chunk-micro-batches, at the chunks' mean).
 The head adds the fp32 softmax megatron-core's vocab-parallel cross-entropy keeps (N x V / TP),
 and, in bf16, the logits while it runs (in fp32 it works on them in place).
 

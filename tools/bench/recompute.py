@@ -5,14 +5,13 @@ activation recomputation, side by side in one run. Prints JSON.
         --joint-attention fused|masked --repeats 5]
 
 The three models have equal weights and train on the same tokens; they are timed alternately (the
-median of ``--repeats`` forward+backward steps each) so that machine noise hits all of them;
-the process's CPU time per step beside the wall time (on a CPU shared with other jobs the wall time
-also counts the waits for a core). Peak
-memory is the peak of live tensor bytes during one forward+backward (``megaloop.scale.measure.
-StepMemory`` on CPU, which sees every tensor an operator creates; ``torch.cuda.max_memory_allocated``
-on a GPU) above what the model held before the step, measured in an untimed step. Beside them: the
-executed FLOPs per token (``megaloop.models.flops``), which recomputation raises and MFU does not
-count.
+median of ``--repeats`` forward+backward steps each) so that machine noise hits all of them; the
+process's CPU time per step beside the wall time (on a CPU shared with other jobs the wall time
+also counts the waits for a core). Peak memory is the peak of live tensor bytes during one
+forward+backward above what the model held before the step, measured in an untimed step
+(``megaloop.scale.measure.StepMemory`` on CPU, which sees every tensor an operator creates;
+``torch.cuda.max_memory_allocated`` on a GPU). Beside them: the executed FLOPs per token
+(``megaloop.models.flops``), which recomputation raises and MFU does not count.
 """
 
 from __future__ import annotations
