@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
-from megaloop.config import ModelConfig, ParallelConfig
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig
 from megaloop.models import moe, pipeline, specs
 from megaloop.models.joint_attention import runs_masked_formula
 from megaloop.models.layers import LayerBlock
@@ -68,7 +68,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
                 "layernorm": "megatron-core's norm replay calls Transformer Engine"}
     for name in selective:
         if name in needs_te and not use_te:
-            raise ValueError(f"parallel.recompute_modules={selective}: {name!r} needs the "
+            raise ConfigError(f"parallel.recompute_modules={selective}: {name!r} needs the "
                              f"Transformer Engine spec on a CUDA GPU ({needs_te[name]})")
     fp8_settings = {}
     if fp8 is not None:

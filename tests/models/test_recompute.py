@@ -224,7 +224,7 @@ def test_modules_megatron_core_replays_only_with_transformer_engine_are_refused_
     """moe_act: only grouped-GEMM experts; layernorm: megatron-core 0.16.1's
     CheckpointWithoutOutput reads Transformer Engine's FP8 state whatever the precision."""
     cfg = small_config("asymloop_moe")
-    with pytest.raises(ValueError, match=f"'{module}' needs the Transformer Engine spec"):
+    with pytest.raises(ConfigError, match=f"'{module}' needs the Transformer Engine spec"):
         build_model(cfg, ParallelConfig(recompute="selective", recompute_modules=[module]),
                     use_te=False)
 
