@@ -103,8 +103,9 @@ def print_measured_table(results: list[dict]) -> None:
 
 
 def measure(cfg: ModelConfig, batch: int = 2) -> list[dict]:
-    """Counts FLOPs of forward, backward and full recomputation with FlopCounterMode on CPU and
-    compares each with the analytical count; returns one dict per (phase, recompute) pair."""
+    """Counts FLOPs of forward and backward without, with selective and with full recomputation
+    with FlopCounterMode on CPU and compares each with the analytical count; returns one dict per
+    (phase, recompute) pair."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -118,8 +119,8 @@ def measure(cfg: ModelConfig, batch: int = 2) -> list[dict]:
     tokens = batch * cfg.seq_length
     fwd = forward_flops(cfg).total
     results = []
-    for recompute in (False, True):
-        model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none"))
+    for recompute in ("none", "selective", "full"):
+        model = build_model(cfg, ParallelConfig(recompute=recompute))
         x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length))
         with FlopCounterMode(display=False) as counter:
             loss = model(x, labels=x).mean()

@@ -3,8 +3,8 @@
     python tools/loss_compare.py --preset tiny --layouts single dp2 tp2,sp pp2 tp2,pp2 \\
         --steps 10 data.path='[data/fwe_text_document]' data.tokenizer_model=tok.model
 
-Layouts are megaloop.scale.layout strings (tpN, ppN, dpN, epN, sp, recompute, single); the first is
-the reference. Every layout runs ``megaloop.train`` under torchrun (as many processes as it needs)
+Layouts are megaloop.scale.layout strings (tpN, ppN, dpN, epN, sp, recompute, selrecompute,
+single); the first is the reference. Every layout runs ``megaloop.train`` under torchrun (as many processes as it needs)
 from the same seed checkpoint, written first by one process. The tolerances are those of
 megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an

@@ -20,6 +20,13 @@ from megaloop.data.readers import DataError
 # "delayed" (amax history) and "mxfp8" (block scaling, Blackwell GPUs).
 Fp8Recipe = Literal["current", "delayed", "mxfp8"]
 
+# megatron-core's selective recomputation modules (--recompute-modules) that megaloop's layers have
+# (not mla_up_proj: no multi-latent attention). ``parallel.recompute_modules`` empty: core_attn.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
+# Those that megatron-core checkpoints with Transformer Engine's checkpoint under FP8 (their FP8
+# weights' scales are saved per call for the replay) or that it refuses with delayed scaling.
+FP8_SCALED_RECOMPUTE = ("layernorm", "mlp", "moe", "moe_act", "shared_experts")
+
 
 @dataclass
 class ParallelConfig:
@@ -36,13 +43,24 @@ class ParallelConfig:
     pipeline: int = 1
     expert: int = 1
     sequence_parallel: bool = False
-    recompute: Literal["none", "full"] = "none"
+    # Activation recomputation (megatron-core's --recompute-granularity): "full" replays every
+    # layer in the backward pass, "selective" only ``recompute_modules`` of each layer.
+    recompute: Literal["none", "full", "selective"] = "none"
+    recompute_modules: list[str] = field(default_factory=list)
     virtual_pipeline: int = 1
     pipeline_split: list[int] = field(default_factory=list)
     # How long a collective waits for the other ranks before the run fails (megatron-core's
     # default for its groups; NCCL's own, 10, can be shorter than rank 0 building the dataset
     # indices of a large blend on the first launch while the others wait).
     distributed_timeout_minutes: int = 30
+
+    @property
+    def selective_modules(self) -> list[str]:
+        """The modules selective recomputation replays (megatron-core's default ["core_attn"]
+        when ``recompute_modules`` is empty); [] unless recompute=selective."""
+        if self.recompute != "selective":
+            return []
+        return list(self.recompute_modules) or ["core_attn"]
 
     @property
     def pipeline_stages(self) -> int:
@@ -87,7 +105,22 @@ class ParallelConfig:
             require(self.sequence_parallel, prefix, "tensor", tp,
                     "1 for a MoE model unless parallel.sequence_parallel=true (megatron-core's "
                     "MoE layer needs sequence parallelism with tensor parallelism)")
+        self._validate_recompute(model, prefix)
         self._validate_pipeline(model, prefix)
+
+    def _validate_recompute(self, model: ModelConfig, prefix: str) -> None:
+        modules = self.recompute_modules
+        require(not modules or self.recompute == "selective", prefix, "recompute_modules",
+                modules, "empty unless parallel.recompute=selective (it names what selective "
+                "recomputation replays)")
+        for name in modules:
+            require(name in RECOMPUTE_MODULES, prefix, "recompute_modules", modules,
+                    f"names from {', '.join(RECOMPUTE_MODULES)} ({name!r} is not one)")
+            why = _recompute_module_absent(model, name)
+            require(why is None, prefix, "recompute_modules", modules,
+                    f"modules the model has ({name!r}: {why})")
+        require(len(set(modules)) == len(modules), prefix, "recompute_modules", modules,
+                "each module once")
 
     def _validate_pipeline(self, model: ModelConfig, prefix: str) -> None:
         from megaloop.models.pipeline import chain_length, check_split
@@ -112,6 +145,20 @@ class ParallelConfig:
                 f"the model's {total} layer applications each (at most {total} stages)")
         if self.pipeline_split:
             check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
+
+
+def _recompute_module_absent(model: ModelConfig, name: str) -> str | None:
+    """Why selective recomputation of ``name`` would replay nothing in ``model`` (None: it has
+    such modules). megatron-core skips an absent module silently."""
+    if name in ("moe", "moe_act") and not model.uses_moe:
+        return "no MoE layer without model.num_experts > 0"
+    if name == "shared_experts" and not (model.uses_moe and model.moe_shared_expert_size):
+        return "no shared expert without model.moe_shared_expert_size > 0"
+    if name == "mlp" and model.uses_moe and model.moe_layers == "all":
+        return "every FFN is a MoE layer (recompute those with 'moe' or 'moe_act')"
+    if name == "layernorm" and model.block == "olmo":
+        return "model.block=olmo has no pre-norms (its norms sit inside the sublayers)"
+    return None
 
 
 def refuse_settings_while_off(section, switch: str, prefix: str, wanted: str) -> None:
@@ -472,11 +519,31 @@ class RunConfig:
                     "only part of the model); evaluate the checkpoints with tools/evaluate.py")
             require(self.data.tokenizer_model is not None, "train.downstream_eval", "tasks",
                     downstream.tasks, "empty without data.tokenizer_model (the tasks are text)")
-        # Transformer Engine's recompute replays delayed-scaling state first in, first out, but a
-        # weight-tied block recomputes its K calls last to first: call K would get call 1's scales.
-        require(not (self.train.resolved_fp8_recipe == "delayed"
-                     and self.parallel.recompute == "full" and self.model.num_iterations > 1),
-                "train", "fp8_recipe", self.train.fp8_recipe,
+        self._validate_fp8_recompute()
+        return self
+
+    def _validate_fp8_recompute(self) -> None:
+        """Delayed FP8 scaling with recomputation of modules that have FP8 weights.
+
+        Transformer Engine's checkpoint (full recomputation; selective ``mlp``, ``moe``,
+        ``shared_experts`` under FP8) replays delayed-scaling state first in, first out, but a
+        weight-tied block recomputes its K calls last to first: call K would get call 1's scales.
+        megatron-core refuses delayed scaling with ``layernorm`` and ``moe_act`` for any model.
+        Selective ``core_attn`` is safe with every recipe: megatron-core replays it with its own
+        checkpoint, and core attention holds no FP8 state (no weights; megaloop leaves FP8
+        dot-product attention off, so Transformer Engine's attention computes in bf16 in the
+        forward and the replay alike; the joint attention is megaloop's own kernel)."""
+        if self.train.resolved_fp8_recipe != "delayed":
+            return
+        looped = self.model.num_iterations > 1
+        require(not (self.parallel.recompute == "full" and looped), "train", "fp8_recipe",
+                self.train.fp8_recipe,
                 "'current' or 'mxfp8' with parallel.recompute=full and a looped model "
                 "(delayed scaling would recompute iteration K with iteration 1's scales)")
-        return self
+        unsafe = [m for m in self.parallel.selective_modules if m in FP8_SCALED_RECOMPUTE
+                  and (looped or m in ("layernorm", "moe_act"))]
+        require(not unsafe, "train", "fp8_recipe", self.train.fp8_recipe,
+                f"'current' or 'mxfp8' with parallel.recompute_modules={unsafe}"
+                + (" and a looped model (delayed scaling would recompute iteration K with "
+                   "iteration 1's scales)" if looped and set(unsafe) - {"layernorm", "moe_act"}
+                   else " (megatron-core supports no delayed scaling there)"))

@@ -143,24 +143,30 @@ def model_flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token by the MFU convention: forward + backward = 3x forward.
 
     Work a kernel or recomputation chooses to repeat is not model work and is not counted here
-    (see ``executed_backward_flops``)."""
+    (see ``executed_backward_flops``), as in Megatron-LM's MFU, whose FLOPs per iteration are
+    the same with and without (full or selective) recomputation."""
     return float(3 * forward_flops(cfg).total)
 
 
-def executed_backward_flops(cfg: ModelConfig, recompute: bool = False) -> Fraction:
-    """Backward FLOPs per token that actually execute, term by term:
+def executed_backward_flops(cfg: ModelConfig, recompute: str = "none") -> Fraction:
+    """Backward FLOPs per token that actually execute, term by term, with ``recompute`` as
+    parallel.recompute (none, full, selective of the core attention):
 
     - every matmul's backward is two matmuls of its size (input and weight gradients): 2x forward;
     - flash-attention backward also recomputes the scores QK^T from q and k: +0.5x the forward
       attention term (5 N x N matmuls instead of 4);
     - full activation recomputation replays the forward of each TransformerBlock (layers and
       attention); the Global K/V projections, LatentLoop's width projections and the head run
-      outside the blocks and are not replayed.
+      outside the blocks and are not replayed;
+    - selective recomputation (core_attn) replays each core attention's forward: the score and
+      value matmuls, + 1x the attention term.
     """
     fwd = forward_flops(cfg)
     executed = 2 * fwd.total + fwd.attention / 2
-    if recompute:
+    if recompute == "full":
         executed += fwd.layers + fwd.attention
+    elif recompute == "selective":
+        executed += fwd.attention
     return executed
 
 

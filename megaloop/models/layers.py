@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import Attention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -162,6 +163,26 @@ class JointSelfAttention(GlobalKVMixin, SelfAttention):
         # core attention of this same call.
         self.core_attention.global_kv = self._global_keys_values()
         return super().get_query_key_value_tensors(hidden_states, None, False, True)
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask,
+                                        rotary_pos_emb=None, attn_mask_type=None,
+                                        attention_bias=None, packed_seq_params=None):
+        """Selective recomputation of the core attention (recompute_modules "core_attn"):
+        megatron-core's checkpoint of it, with this call's Global keys/values among the replay's
+        inputs beside query, key and value. Set as an attribute only, they would be gone (or
+        another call's) when the backward pass replays the call, and their gradient would not
+        reach the Global KV projection. Each of the K calls of a tied layer saves its own."""
+        k_glob, v_glob = self.core_attention.global_kv
+        self.core_attention.global_kv = None
+
+        def attend(query, key, value, k_glob, v_glob):
+            self.core_attention.global_kv = (k_glob, v_glob)
+            return self.core_attention(query, key, value, attention_mask,
+                                       attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias,
+                                       packed_seq_params=packed_seq_params)
+
+        return tensor_parallel.checkpoint(attend, False, query, key, value, k_glob, v_glob)
 
 
 class GlobalOnlyAttention(GlobalKVMixin, Attention):

@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
-from megaloop.config import ModelConfig, ParallelConfig
+from megaloop.config import ConfigError, ModelConfig, ParallelConfig
 from megaloop.models import moe, pipeline, specs
 from megaloop.models.joint_attention import runs_masked_formula
 from megaloop.models.layers import LayerBlock
@@ -60,7 +60,16 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     experts. ``initialize=False`` leaves the weights megatron-core allocates uninitialised
     (``perform_initialization``): for a model every weight of which is loaded next."""
     on_gpu = torch.cuda.is_available()
-    recompute = parallel.recompute == "full"
+    full = parallel.recompute == "full"
+    selective = parallel.selective_modules
+    # moe_act: megatron-core replays only grouped-GEMM experts' activation; layernorm: its
+    # CheckpointWithoutOutput (0.16.1) calls Transformer Engine's FP8 state unconditionally.
+    needs_te = {"moe_act": "grouped-GEMM experts; recompute CPU experts with 'moe'",
+                "layernorm": "megatron-core's norm replay calls Transformer Engine"}
+    for name in selective:
+        if name in needs_te and not use_te:
+            raise ConfigError(f"parallel.recompute_modules={selective}: {name!r} needs the "
+                             f"Transformer Engine spec on a CUDA GPU ({needs_te[name]})")
     fp8_settings = {}
     if fp8 is not None:
         if fp8 not in _MCORE_FP8_RECIPES:
@@ -105,9 +114,12 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
         batch_p2p_comm=not (parallel.virtual_pipeline > 1 and parallel.pipeline == 2),
         expert_model_parallel_size=parallel.expert,
         sequence_parallel=parallel.sequence_parallel,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        # Full: every layer replayed one at a time; selective: megatron-core's checkpoint around
+        # the named submodules of every layer (megaloop's joint attention included, layers.py).
+        recompute_granularity="full" if full else "selective" if selective else None,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        recompute_modules=selective or None,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,  # dtype of the activations pipeline stages exchange
         bf16=params_dtype == torch.bfloat16,
@@ -141,6 +153,7 @@ class LoopedLM(LanguageModule):
         check_parallel_groups(parallel)
         use_te = specs.transformer_engine_available() if use_te is None else use_te
         note_fp32_joint_attention(cfg, params_dtype)
+        note_flash_core_attention_recompute(cfg, parallel, params_dtype)
         enc_layers, dec_layers = cfg.num_encoder_layers, cfg.num_decoder_layers
         stages = pipeline.plan_stages(cfg, pipeline.stage_counts(cfg, parallel))
         this = stages[stage]
@@ -410,6 +423,25 @@ def note_fp32_joint_attention(cfg: ModelConfig, params_dtype: torch.dtype) -> No
             and runs_masked_formula(device, params_dtype)):
         log.warning("model.joint_attention='fused' in fp32 on CUDA runs the masked formula (the "
                     "CUDA flash kernel takes bf16/fp16 only): [N, 2N] attention scores per head")
+
+
+def note_flash_core_attention_recompute(cfg: ModelConfig, parallel: ParallelConfig,
+                                        params_dtype: torch.dtype) -> None:
+    """Logs when selective recomputation of the core attention can save little: a flash kernel
+    keeps no attention scores for its backward pass, only its output and log-sum-exps (and, in
+    megaloop's local kernels, keys/values repeated to every head), so the replay spends the
+    attention FLOPs again for little memory (megatron-core says as much for Transformer Engine's
+    fused attention). Only the joint attention's masked formula keeps [N, 2N] probabilities."""
+    if "core_attn" not in parallel.selective_modules:
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.decoder_attention == "joint" and (cfg.joint_attention == "masked"
+                                             or runs_masked_formula(device, params_dtype)):
+        return
+    log.warning("parallel.recompute_modules: 'core_attn' replays flash-attention kernels, which "
+                "keep no attention scores: little memory saved (their outputs and log-sum-exps at "
+                "most) for the attention FLOPs again; it pays off where scores are kept "
+                "(model.joint_attention=masked)")
 
 
 def _replica_of_copy(replica_id, stage: int):

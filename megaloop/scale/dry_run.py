@@ -85,11 +85,14 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
         notes.append(f"# note: data.path {', '.join(absent)} {'is' if len(absent) == 1 else 'are'}"
                      " not on this machine; the data are checked at start-up")
     micro = micro_batches_per_step(cfg.train, cfg.parallel, layout.data)
+    modules = cfg.parallel.selective_modules
+    selective = f" ({', '.join(modules)} of every layer)" if modules else ""
     lines = ["# resolved config", dump_yaml(to_dict(cfg)).rstrip(), "",
              f"# rank layout: {world_size} ranks = tensor {layout.tensor} x pipeline "
              f"{layout.pipeline} x data {layout.data} (expert {layout.expert} within data); "
              f"sequence parallel {'on' if layout.sequence_parallel else 'off'}, recompute "
-             f"{cfg.parallel.recompute}; {micro} micro-batches of {cfg.train.micro_batch_size} "
+             f"{cfg.parallel.recompute}{selective}; {micro} micro-batches of "
+             f"{cfg.train.micro_batch_size} "
              f"per step and data-parallel rank; {gpus_per_node} GPUs per node"] + notes
     if layout.pipeline > 1:
         lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),

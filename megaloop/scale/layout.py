@@ -6,6 +6,8 @@ A layout string lists its parallel dimensions, comma-separated, in any order:
     "pp2"        2 pipeline stages                 "ep2"        2 expert-parallel ranks (MoE)
     "tp2,pp2"    4 ranks                           "recompute"  full activation recomputation
     "pp2,vp2"    2 pipeline ranks, 2 model chunks each (the interleaved schedule)
+    "selrecompute"  selective recomputation (the config's parallel.recompute_modules, else core
+                 attention)
     "single"     one process (also "")
 
 The data-parallel size is what the ranks leave over (``world = tp * pp * dp``); expert parallelism
@@ -28,7 +30,9 @@ from megaloop.models.pipeline import Stage, plan_stages, stage_counts
 
 MCORE_RANK_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default, which init_distributed uses
 _PART = re.compile(r"^(tp|pp|dp|ep|vp)(\d+)$")
-_FLAGS = {"sp": "sequence_parallel", "recompute": "recompute"}
+_FLAGS = {"sp": "sequence_parallel"}
+# Layout flag -> parallel.recompute; at most one of them.
+_RECOMPUTE_FLAGS = {"recompute": "full", "selrecompute": "selective"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class Layout:
     data: int = 1
     expert: int = 1
     sequence_parallel: bool = False
-    recompute: bool = False
+    recompute: str = "none"  # parallel.recompute: none, full or selective
     virtual: int = 1  # model chunks per pipeline rank
 
     @property
@@ -52,21 +56,27 @@ class Layout:
                                                     ("ep", self.expert))
                  if value > 1]
         parts += [flag for flag, field in _FLAGS.items() if getattr(self, field)]
+        parts += [flag for flag, mode in _RECOMPUTE_FLAGS.items() if self.recompute == mode]
         return ",".join(parts) or "single"
 
-    def parallel_config(self, pipeline_split: list[int] | None = None) -> ParallelConfig:
+    def parallel_config(self, pipeline_split: list[int] | None = None,
+                        recompute_modules: list[str] | None = None) -> ParallelConfig:
         return ParallelConfig(tensor=self.tensor, pipeline=self.pipeline, expert=self.expert,
-                              sequence_parallel=self.sequence_parallel,
-                              recompute="full" if self.recompute else "none",
+                              sequence_parallel=self.sequence_parallel, recompute=self.recompute,
+                              recompute_modules=list(recompute_modules or []),
                               virtual_pipeline=self.virtual,
                               pipeline_split=list(pipeline_split or []))
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """A copy of ``cfg`` with this layout's parallel section; ``cfg``'s
-        ``parallel.pipeline_split`` is kept when it has one count per stage of this layout."""
+        ``parallel.pipeline_split`` is kept when it has one count per stage of this layout, its
+        ``parallel.recompute_modules`` when both recompute selectively."""
         split = cfg.parallel.pipeline_split
         keep = self.pipeline > 1 and len(split) == self.pipeline * self.virtual
-        return dataclasses.replace(cfg, parallel=self.parallel_config(split if keep else None))
+        modules = (cfg.parallel.recompute_modules
+                   if self.recompute == cfg.parallel.recompute == "selective" else None)
+        return dataclasses.replace(cfg, parallel=self.parallel_config(split if keep else None,
+                                                                      modules))
 
 
 def parse_layout(text: str) -> Layout:
@@ -74,17 +84,24 @@ def parse_layout(text: str) -> Layout:
     sizes = {"tp": 1, "pp": 1, "dp": None, "ep": 1, "vp": 1}
     flags = dict.fromkeys(_FLAGS.values(), False)
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    recompute = [part for part in parts if part in _RECOMPUTE_FLAGS]
+    if len(recompute) > 1:
+        raise ConfigError(f"layout {text!r}: {' and '.join(recompute)} together (one "
+                          "recomputation: 'recompute' full, 'selrecompute' selective)")
     for part in parts:
         match = _PART.match(part)
         if part in ("single", "1") and len(parts) == 1:
             continue
         if part in _FLAGS:
             flags[_FLAGS[part]] = True
+        elif part in _RECOMPUTE_FLAGS:
+            flags["recompute"] = _RECOMPUTE_FLAGS[part]
         elif match and int(match.group(2)) >= 1:
             sizes[match.group(1)] = int(match.group(2))
         else:
             raise ConfigError(f"layout {text!r}: unknown part {part!r} (known: tpN, ppN, vpN, "
-                              "dpN, epN, sp, recompute, single; e.g. 'tp2,sp' or 'dp2,pp2')")
+                              "dpN, epN, sp, recompute, selrecompute, single; e.g. 'tp2,sp' or "
+                              "'dp2,pp2')")
     tp, ep = sizes["tp"], sizes["ep"]
     # megatron-core builds expert groups of (expert tensor = tp) x ep ranks out of the tp x dp
     # ranks of a stage: dp must be a multiple of ep.
@@ -102,7 +119,7 @@ def layout_of(parallel: ParallelConfig, world_size: int) -> Layout:
     return Layout(tensor=parallel.tensor, pipeline=parallel.pipeline,
                   data=world_size // (parallel.tensor * parallel.pipeline),
                   expert=parallel.expert, sequence_parallel=parallel.sequence_parallel,
-                  recompute=parallel.recompute == "full", virtual=parallel.virtual_pipeline)
+                  recompute=parallel.recompute, virtual=parallel.virtual_pipeline)
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:

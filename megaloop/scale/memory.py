@@ -22,9 +22,15 @@ Tensors laid out over the sequence (norm inputs and outputs, residuals) are spli
 tensor-parallel ranks only with sequence parallelism; attention and FFN tensors are split over
 heads and FFN columns always.
 With full recomputation a layer application keeps only its input, and one layer's activations
-are rebuilt at a time. AsymLoop's Global KV (once per forward) stays saved, whatever the
-recomputation. Pipeline stage s of P under 1F1B holds the activations of min(P - s, M) micro-batches
-(the interleaved schedule: its warm-up count of chunk-micro-batches, at the chunks' mean).
+are rebuilt at a time. Selective recomputation of the core attention (``core_attn``, megatron-core's
+default) drops what the core attention keeps beyond its inputs (``_core_attention_saved``: the
+[N, 2N] probabilities of the masked joint attention, Korthikanti et al.'s 5as/h term; with flash
+kernels only their output, log-sum-exps and repeated keys/values, while the values' view then keeps
+the fused QKV output: little or nothing saved, as megatron-core warns); the other selective
+modules' savings are not subtracted (the estimate stays an upper bound there). AsymLoop's Global
+KV (once per forward) stays saved, whatever the recomputation. Pipeline stage s of P under 1F1B
+holds the activations of min(P - s, M) micro-batches (the interleaved schedule: its warm-up count
+of chunk-micro-batches, at the chunks' mean).
 The head adds the fp32 softmax megatron-core's vocab-parallel cross-entropy keeps (N x V / TP),
 and, in bf16, the logits while it runs (in fp32 it works on them in place).
 
@@ -44,6 +50,8 @@ from megaloop.config import ModelConfig, RunConfig, micro_batches_per_step
 from megaloop.scale.layout import Layout, Stage, stage_layout
 
 GIB = 1024**3
+# Cheapest first: selective recomputation replays the core attention, full the whole layer.
+RECOMPUTE_COST_ORDER = ("none", "selective", "full")
 OVERHEAD_BYTES = 3 * GIB  # CUDA context, NCCL communicators, cuBLAS / cuDNN workspaces
 FRAGMENTATION = 1.10  # caching-allocator slack over live bytes
 
@@ -167,32 +175,56 @@ class _Saved:
 
 
 def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool,
-                 moe: bool = False) -> _Saved:
-    """One application of one layer (see the module docstring)."""
+                 moe: bool = False, *, core: bool = True, masked: bool = False) -> _Saved:
+    """One application of one layer (see the module docstring); ``core``: with what its core
+    attention keeps (``_core_attention_saved``), else as selective recomputation leaves it;
+    ``masked``: the joint attention runs the masked formula."""
     d, heads = model.hidden_size, model.num_attention_heads
     q, g = heads * model.kv_channels, model.num_query_groups * model.kv_channels
     # The local core attention repeats grouped keys/values to every head before the kernel.
     expand = not te and g < q
     # Layer input; per norm its normalised input and output (TE: the output only); the residual.
     seq = d + (2 if te else 4) * d + d
-    split = q                                   # rotated queries (RoPE writes a new tensor)
-    split += q if expand else g                 # keys as the kernel gets them
-    split += q if expand else 0                 # values repeated to every head
-    if model.qk_norm or not expand:             # fused QKV output, kept by views of it
+    split = q + g                               # rotated queries and keys (RoPE writes new ones)
+    # The fused QKV output, kept by views of it: the values the kernel (or, recomputed, the
+    # replay) gets, or the QK-norm's inputs.
+    if model.qk_norm or not expand or not core:
         split += q + 2 * g
     if model.qk_norm and not te:                # QK-norm's normalised q and k
         split += q + g
-    split += q if te else 2 * q                 # attention output (+ the projection's input copy)
-    if joint and expand:                        # Global keys/values repeated per iteration
-        split += 2 * q
-    fp32 = 2 + heads * (2 if joint else 1)
+    split += q                                  # the projection's input
+    fp32 = 2
     if moe:  # each token through its top-k experts (and the shared one), see _moe_saved
         moe_seq, moe_fp32 = _moe_saved(model)
         seq, fp32 = seq + moe_seq, fp32 + moe_fp32
         ffn = model.moe_top_k * model.moe_ffn_hidden_size + model.moe_shared_expert_size
     split += 5 * ffn                            # SwiGLU: fc1 out (2f), silu, linear half, product
     linear_input = 2 * d + q + ffn  # QKV and fc1 (norm outputs), projection, fc2 inputs
-    return _Saved(seq, split, linear_input, fp32)
+    saved = _Saved(seq, split, linear_input, fp32)
+    return _add(saved, _core_attention_saved(model, joint, te, masked)) if core else saved
+
+
+def _core_attention_saved(model: ModelConfig, joint: bool, te: bool, masked: bool) -> _Saved:
+    """What the core attention keeps for its backward pass beyond its inputs (selective
+    recomputation replays it instead): keys repeated to every head and values (the local
+    kernel; the joint one also the Global keys/values, every iteration); the flash kernels' output
+    (the projection gets a copy; TE's is the projection's input itself) and fp32 log-sum-exps;
+    the masked joint attention (model.joint_attention=masked, or fused in fp32 on a GPU, where
+    it runs the masked formula) its [N, 2N] softmax probabilities per head instead (Korthikanti
+    et al.'s attention-score term; no dropout mask, attention dropout is 0)."""
+    heads = model.num_attention_heads
+    q, g = heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    expand = not te and g < q
+    split = 2 * q - g if expand else 0
+    if joint and expand:
+        split += 2 * q
+    if joint and masked:
+        return _Saved(split=split + heads * 2 * model.seq_length)
+    return _Saved(split=split + (0 if te else q), fp32=heads * (2 if joint else 1))
+
+
+def _add(a: _Saved, b: _Saved) -> _Saved:
+    return _Saved(*(x + y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
 
 
 def _moe_saved(model: ModelConfig) -> tuple[int, int]:
@@ -262,15 +294,24 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
     size = dict(tokens=tokens, tp=tp, sp=sp, act_bytes=act_bytes, fp8=fp8)
     layer_input = _bytes(_Saved(seq=model.hidden_size), **size)
     vocab_split = tokens * model.vocab_size / tp
-    saved, largest_layer = [], 0.0  # per chunk and micro-batch
+    saved, largest_layer, largest_replay = [], 0.0, 0.0  # per chunk and micro-batch
+    # The joint attention's masked formula: asked for, or fused in fp32 on a GPU (whose flash
+    # kernel takes bf16/fp16 only).
+    masked = model.joint_attention == "masked" or te and act_bytes == 4
+    replay_core = (layout.recompute == "selective"
+                   and "core_attn" in layout.apply(cfg).parallel.selective_modules)
     for chunk in chunks:
         chunk_saved = 0.0
         for count, block, ffn, joint, moe, stride in _applications(model, chunk):
             run_size = dict(size, tokens=tokens // stride)
-            per_layer = _bytes(_layer_saved(block, ffn, joint, te, moe), **run_size)
+            per_layer = _bytes(_layer_saved(block, ffn, joint, te, moe, core=not replay_core,
+                                            masked=masked), **run_size)
+            if replay_core:  # it keeps its inputs and is rebuilt one call at a time
+                largest_replay = max(largest_replay, _bytes(
+                    _core_attention_saved(block, joint, te, masked), **run_size))
             largest_layer = max(largest_layer, per_layer)
             chunk_saved += count * (_bytes(_Saved(seq=block.hidden_size), **run_size)
-                                    if layout.recompute else per_layer)
+                                    if layout.recompute == "full" else per_layer)
         if chunk.global_kv_layers:
             chunk_saved += chunk.global_kv_layers * _bytes(_global_kv_saved(model, te), **size)
         if chunk.head:
@@ -290,8 +331,9 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
     head = any(chunk.head for chunk in chunks)
     logits = act_bytes * vocab_split if head and act_bytes != 4 else 0
     transient = logits + 2 * layer_input
-    if layout.recompute:
+    if layout.recompute == "full":
         transient += largest_layer
+    transient += largest_replay
     return MemoryEstimate(stage, params, int(weights), int(grads), int(optimizer),
                           int(in_flight * sum(saved) / len(saved)), int(transient))
 
@@ -324,15 +366,16 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                     device: str = "gpu") -> list[tuple[Layout, MemoryEstimate]]:
     """Layouts of ``world_size`` ranks (tensor parallel within 8 GPUs, sequence parallelism with
     it, pipeline stages the architecture supports, a MoE model's experts split over 1 to 8 of the
-    data-parallel ranks, with and without recomputation) whose estimate fits ``device_bytes``,
-    cheapest first: no recomputation (a third more compute) before recomputation, then the fewest
-    model-parallel ranks (the least communication), then the fewest expert-parallel ranks."""
+    data-parallel ranks, without, with selective and with full recomputation) whose estimate
+    fits ``device_bytes``, cheapest first: no recomputation, then selective (the core attention
+    again), then full (a third more compute); then the fewest model-parallel ranks (the least
+    communication), then the fewest expert-parallel ranks."""
     found = []
     experts = (1, 2, 4, 8) if cfg.model.uses_moe else (1,)
     for tp, pp, ep in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), experts):
         if world_size % (tp * pp) or world_size // (tp * pp) % ep:
             continue
-        for recompute in (False, True):
+        for recompute in RECOMPUTE_COST_ORDER:
             layout = Layout(tensor=tp, pipeline=pp, data=world_size // (tp * pp), expert=ep,
                             sequence_parallel=tp > 1, recompute=recompute)
             trial = layout.apply(cfg)
@@ -344,5 +387,6 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
             mem = estimate(trial, layout, device=device)
             if mem.fits(device_bytes):
                 found.append((layout, mem))
-    return sorted(found, key=lambda item: (item[0].recompute, item[0].tensor * item[0].pipeline,
+    return sorted(found, key=lambda item: (RECOMPUTE_COST_ORDER.index(item[0].recompute),
+                                           item[0].tensor * item[0].pipeline,
                                            item[0].pipeline, item[0].expert))

@@ -55,7 +55,8 @@ APPLIED = (
     "model.moe_top_k", "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff",
     # Layouts the optimizer state cannot move to are refused by checkpoint.check_optimizer_state.
     "parallel.tensor", "parallel.pipeline", "parallel.expert", "parallel.sequence_parallel",
-    "parallel.recompute", "parallel.virtual_pipeline", "parallel.pipeline_split",
+    "parallel.recompute", "parallel.recompute_modules", "parallel.virtual_pipeline",
+    "parallel.pipeline_split",
     "train.micro_batch_size", "train.global_batch_size", "train.clip_grad", "train.precision",
     "train.fp8_recipe", "train.distributed_optimizer", "train.max_nonfinite_steps",
     # What sets the EOD id is checked against the data on every start (training.data), not

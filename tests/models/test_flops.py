@@ -1,5 +1,5 @@
 """The analytical FLOP count agrees with torch's FlopCounterMode, term by term (forward, backward,
-recompute), for every architecture, MoE and LatentLoop's compressed visits included."""
+selective and full recomputation), for every architecture, MoE and LatentLoop's compressed visits included."""
 
 import pytest
 import torch
@@ -17,11 +17,11 @@ from tests.models.variants import small_config
                                      "asymloop_moe", "latentloop_moe", "latentloop_stride3_lag1",
                                      "latentloop_moe_untied_v3", "latentloop_moe_topk",
                                      "latentloop_moe_width", "latentloop_moe_expert_ffn"])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_counted_flops_equal_analytical(seeded, variant, recompute):
     register_cpu_flash_flop_formulas()
     cfg = small_config(variant)
-    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none"))
+    model = build_model(cfg, ParallelConfig(recompute=recompute))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     tokens = x.numel()
     with FlopCounterMode(display=False) as counter:

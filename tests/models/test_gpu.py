@@ -4,8 +4,8 @@ code against torch, megatron-core and Transformer Engine cannot settle.
 Every check asserts a property against an independent reference: the fused joint attention and the
 whole model against float64 masked references (a bf16 result may be at most a few times as far
 from float64 as the same reference computed in bf16), causality, host synchronisations that do not
-grow with depth, FP8 recomputation that replays the first pass, FP8 scales that cover every
-iteration, and checkpoints that move between the local and Transformer Engine specs. Measured
+grow with depth, FP8 recomputation that replays the first pass (full, and selective of the core
+attention with delayed scaling), FP8 scales that cover every iteration, and checkpoints that move between the local and Transformer Engine specs. Measured
 numbers go to the file $MEGALOOP_GPU_RECORD names (one JSON object per line), for the check's
 report.
 """
@@ -280,6 +280,35 @@ def test_delayed_scaling_defaults_cover_every_iteration(seeded):
         worst[setting] = max(amax * scale / E4M3_MAX for amax, scale in warm)
     record("fp8_delayed_amax_over_range", **worst)
     assert worst["looped_defaults"] <= 1.1, worst
+
+
+def test_selective_core_attention_recompute_keeps_delayed_scaling_per_iteration(seeded):
+    """Selective recomputation of the core attention, which the config allows with delayed
+    scaling on looped models (full recomputation it refuses): megatron-core replays it with its
+    own checkpoint and it holds no FP8 state, so every FP8 GEMM of the decoder sees the same
+    amax and scale per call as without recomputation, and the gradients differ only as a bf16
+    replay does."""
+    _fp8("delayed")
+    cfg = small_config("asymloop", iterations=3, hidden_size=128, ffn_hidden_size=256,
+                       seq_length=128)
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    selective = ParallelConfig(recompute="selective")
+    calls, grads, weights = {}, {}, None
+    for name, fp8, parallel in (("bf16", None, None), ("bf16_selective", None, selective),
+                                ("delayed", "delayed", None),
+                                ("delayed_selective", "delayed", selective)):
+        model = build_model(cfg, parallel, use_te=True, params_dtype=torch.bfloat16,
+                            fp8=fp8).cuda()
+        weights = weights or model.state_dict()
+        model.load_state_dict(weights)
+        if fp8:
+            calls[name] = _amax_and_scale_per_call(model, x, labels, micro_batches=3)
+        grads[name] = _decoder_grads(model, x, labels)
+    distance = {"bf16": relative_error(grads["bf16_selective"], grads["bf16"].double()),
+                "delayed": relative_error(grads["delayed_selective"], grads["delayed"].double())}
+    record("fp8_selective_recompute_decoder_grads", **distance)
+    assert calls["delayed_selective"] == calls["delayed"]
+    assert distance["delayed"] <= max(2 * distance["bf16"], 1e-3), distance
 
 
 def _roundtrip(source, target):

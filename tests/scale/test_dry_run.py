@@ -96,3 +96,14 @@ def test_the_rank_table_places_ranks_on_nodes_of_the_launchers_size(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
     with pytest.raises(ConfigError, match=r"^LOCAL_WORLD_SIZE='four': must be the processes per "):
         report(cfg, world_size=8)
+
+
+def test_the_dry_run_says_which_modules_selective_recomputation_replays():
+    from megaloop.config import ParallelConfig
+
+    cfg = _run(eod_id=0)
+    cfg.model = dataclasses.replace(cfg.model, arch="asymloop", iterations=3)
+    cfg.parallel = ParallelConfig(recompute="selective")
+    assert "recompute selective (core_attn of every layer);" in report(cfg, world_size=1)
+    cfg.parallel.recompute_modules = ["core_attn", "mlp"]
+    assert "recompute selective (core_attn, mlp of every layer);" in report(cfg, world_size=1)

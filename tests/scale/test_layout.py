@@ -14,7 +14,8 @@ from tests.distributed import run_distributed
     ("", Layout()),
     ("dp2", Layout(data=2)),
     ("sp,tp2", Layout(tensor=2, sequence_parallel=True)),
-    ("tp2,pp2,dp2,recompute", Layout(tensor=2, pipeline=2, data=2, recompute=True)),
+    ("tp2,pp2,dp2,recompute", Layout(tensor=2, pipeline=2, data=2, recompute="full")),
+    ("dp2,selrecompute", Layout(data=2, recompute="selective")),
     ("pp2,vp2", Layout(pipeline=2, virtual=2)),
     ("ep2", Layout(data=2, expert=2)),  # expert ranks come out of the data-parallel ones
     ("tp2,ep2,dp4", Layout(tensor=2, data=4, expert=2)),
@@ -26,7 +27,9 @@ def test_parse_layout(text, layout):
 
 @pytest.mark.parametrize("text, message", [
     ("tp2,xp2", "layout 'tp2,xp2': unknown part 'xp2' (known: tpN, ppN, vpN, dpN, epN, sp, "
-                "recompute"),
+                "recompute, selrecompute"),
+    ("recompute,selrecompute", "layout 'recompute,selrecompute': recompute and selrecompute "
+                               "together (one recomputation"),
     ("tp0", "layout 'tp0': unknown part 'tp0'"),
     ("ep2,dp3", "layout 'ep2,dp3': ep2 needs a data-parallel size that is a multiple of 2 "
                 "(got dp3; e.g. dp4)"),
@@ -52,6 +55,15 @@ def test_a_layout_that_does_not_fit_the_world_says_what_would(parallel, world, m
         check_world_size(parallel, world)
     assert message in str(err.value) and "\n" not in str(err.value)
     assert layout_of(ParallelConfig(tensor=2), 8) == Layout(tensor=2, data=4)
+
+
+def test_a_selective_layout_keeps_the_configs_recompute_modules():
+    from megaloop.config import RunConfig
+
+    cfg = RunConfig(parallel=ParallelConfig(recompute="selective", recompute_modules=["mlp"]))
+    assert layout_of(cfg.parallel, 2) == Layout(data=2, recompute="selective")
+    assert parse_layout("selrecompute").apply(cfg).parallel.recompute_modules == ["mlp"]
+    assert parse_layout("recompute").apply(cfg).parallel.recompute_modules == []
 
 
 def test_stage_layouts_name_what_each_stage_holds():

@@ -23,8 +23,14 @@ def run(tmp_path_factory):
 
 
 def test_sequence_parallel_trains_to_the_tensor_parallel_losses(mcore, run):
-    # tp2 is the reference; "tp2,sp,recompute" must equal "tp2,sp" bit for bit at step 1.
-    assert compare_curves(run("tp2", "tp2,sp", "tp2,sp,recompute")) == []
+    # tp2 is the reference; "tp2,sp,recompute" and "tp2,sp,selrecompute" must equal "tp2,sp"
+    # bit for bit at step 1.
+    assert compare_curves(run("tp2", "tp2,sp", "tp2,sp,recompute", "tp2,sp,selrecompute")) == []
+
+
+def test_selective_recompute_across_pipeline_stages_trains_to_its_twins_losses(mcore, run):
+    # The loop unrolled over 2 stages: tied decoder copies, each call replayed on its stage.
+    assert compare_curves(run("pp2", "pp2,selrecompute")) == []
 
 
 def test_four_rank_layouts_train_to_the_single_process_losses(mcore, run):
@@ -46,6 +52,9 @@ def test_compare_curves_catches_a_difference():
     [line] = compare_curves({"single": reference, "tp2": reference,
                              "tp2,recompute": {1: 5.000000000000001, 2: 4.0}})
     assert line.startswith("tp2,recompute: step 1") and "exactly" in line
+    [line] = compare_curves({"single": reference, "tp2": reference,
+                             "tp2,selrecompute": {1: 5.000000000000001, 2: 4.0}})
+    assert line.startswith("tp2,selrecompute: step 1 loss 5.000000000000001 vs tp2 5.0")
     [line] = compare_curves({"single": reference, "pp2": {1: 5.0}})
     assert line == "pp2: steps [1] differ from single's [1, 2]"
     # A skipped step: its loss is logged null (a TypeError before), a NaN passed as agreeing.

@@ -67,6 +67,11 @@ def _check(est, measured):
 @pytest.mark.parametrize("model, parallel", [
     ({}, {}),
     ({}, {"recompute": "full"}),
+    ({}, {"recompute": "selective"}),
+    # The masked joint attention keeps [N, 2N] probabilities per head; selective recomputation
+    # of the core attention keeps its inputs instead.
+    ({"joint_attention": "masked"}, {}),
+    ({"joint_attention": "masked"}, {"recompute": "selective"}),
     # Multi-head attention: the fused QKV output stays saved.
     ({"arch": "fullloop", "iterations": 2, "num_query_groups": 4}, {}),
     ({"arch": "dense", "iterations": 1, "vocab_size": 2048}, {}),  # the head's logits, softmax
@@ -128,7 +133,7 @@ def test_the_7b_recipe_fits_80_gb_and_the_estimate_says_which_layouts_do():
     cfg, _ = build_config(["--preset", "7B", "--config", "examples/configs/asymloop_7b.yaml",
                            "data.path=[x]", "data.tokenizer_model=tok.model"])
     recipe = layout_of(cfg.parallel, 128)
-    assert recipe == Layout(tensor=8, data=16, sequence_parallel=True, recompute=True)
+    assert recipe == Layout(tensor=8, data=16, sequence_parallel=True, recompute="full")
     assert estimate(cfg, recipe).fits(80 * GIB)
     # Pure data parallelism holds the 7.3B parameters' weights and fp32 gradients on every GPU.
     one_gpu_model = Layout(data=128)

@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.parametrize("bench, flag", [
     ("alrs", "--reps"), ("preprocess", "--rounds"), ("pipeline_balance", "--steps"),
     ("latent_visit", "--repeats"), ("moe_layer", "--repeats"), ("joint_attention", "--repeats"),
-    ("step_time", "--repeats"), ("train_throughput", "--rounds"),
+    ("step_time", "--repeats"), ("train_throughput", "--rounds"), ("recompute", "--repeats"),
 ])
 def test_a_count_below_one_is_refused_naming_the_flag(load_tool, monkeypatch, capsys, bench,
                                                       flag):

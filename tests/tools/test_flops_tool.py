@@ -29,12 +29,12 @@ def test_a_measured_count_off_the_analytical_one_names_it(load_tool, monkeypatch
 
     def measure(cfg):
         diff = next(measured)
-        return [dict(phase="backward", recompute=True, counted=100 + diff, analytical=100.0,
+        return [dict(phase="backward", recompute="full", counted=100 + diff, analytical=100.0,
                      rel_diff_pct=diff)]
 
     monkeypatch.setattr(tool, "measure", measure)
     assert tool.main(["--measure"]) == 1
-    assert capsys.readouterr().err == ("error: asymloop_moe backward (recompute=True): counted "
+    assert capsys.readouterr().err == ("error: asymloop_moe backward (recompute=full): counted "
                                        "96.5 FLOPs per token, analytical 100 (-3.50%, more than "
                                        "1%)\n")
     measured = iter([0.2, -0.5, 0.0])
@@ -42,7 +42,7 @@ def test_a_measured_count_off_the_analytical_one_names_it(load_tool, monkeypatch
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["model", "phase", "recompute", "|", "counted", "analytical", "|",
                                 "difference"]
-    assert table[3].split() == ["asymloop_moe", "backward", "True", "|", "99.5", "100", "|",
+    assert table[3].split() == ["asymloop_moe", "backward", "full", "|", "99.5", "100", "|",
                                 "-0.50%"]
 
 
@@ -52,7 +52,7 @@ def test_json_means_json_with_measure_too(load_tool, monkeypatch, capsys):
 
     tool = load_tool("flops")
     monkeypatch.setattr(tool, "measure", lambda cfg: [dict(
-        phase="forward", recompute=False, counted=100.0, analytical=100.0, rel_diff_pct=0.0)])
+        phase="forward", recompute="none", counted=100.0, analytical=100.0, rel_diff_pct=0.0)])
     assert tool.main(["--measure", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["model"] for r in results] == ["asymloop", "asymloop_moe", "latentloop"]
