@@ -132,3 +132,52 @@ def test_two_gloo_ranks_save_in_the_background_and_resume_exactly(mcore, pattern
     assert ckpt.latest_checkpoint(tmp_path / "async" / "checkpoints").name == "iter_0000004"
     a, b = train_losses(tmp_path / "async"), train_losses(tmp_path / "resumed")
     assert sorted(b) == [3, 4] and [a[s] for s in b] == [b[s] for s in b]
+
+
+def _contents(path):
+    """Every tensor and object a checkpoint's shards hold, and its common.pt."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, path.parent / f"{path.name}.pt")
+    return (torch.load(path.parent / f"{path.name}.pt", weights_only=True),
+            torch.load(path / "common.pt", weights_only=True))
+
+
+def _equal(a, b) -> bool:
+    import torch
+
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_a_fully_reshardable_background_write_writes_what_a_synchronous_save_writes(
+        mcore, pattern_data, tmp_path, monkeypatch):
+    """checkpoint.optimizer_format=fully_reshardable gathers the optimizer state into new tensors
+    when the state dict is made. Its checkpoints load only with Transformer Engine or Apex
+    (megaloop.training.optimizer refuses the format without them, as here), so its save is
+    compared alone. (dp_reshardable's flat buffers hold uninitialised padding, different in
+    any two saves: its background writes are held to the bit-exact resume above.)"""
+    from megaloop.training import optimizer
+    from megaloop.training.checkpoint_state import sharded_state
+    from megaloop.training.data import MicroBatches
+
+    monkeypatch.setattr(optimizer, "fully_reshardable_loads", lambda: True)
+    cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 2},
+                   checkpoint={"save_interval": 2, "optimizer_format": "fully_reshardable"})
+    with Trainer(cfg) as trainer:  # one step: optimizer state that is not all zeros
+        trainer.step = 1
+        trainer.train_step(MicroBatches(trainer.train_data, 2, 0, 1, 0, 4))
+        saved = {}
+        for asynchronous in (False, True):
+            cfg.checkpoint.async_save = asynchronous
+            directory = tmp_path / ("async" if asynchronous else "sync")
+            saver = ckpt.CheckpointSaver(directory, cfg)
+            saved[asynchronous] = _contents(saver.save(1, sharded_state(trainer)))
+    optimizer_keys = [k for k in saved[True][0] if k.startswith("optimizer")]
+    assert optimizer_keys and _equal(saved[False], saved[True])
