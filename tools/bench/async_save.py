@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megaloop.cli import int_at_least
+
 MODES = ("sync", "async")
 
 
@@ -67,8 +69,10 @@ def _run(args, data: str, out_dir: Path, mode: str) -> dict:
     with contextlib.redirect_stdout(sys.stderr):  # the progress lines: stdout is the JSON's
         trainer = Trainer(_config(args, data, out_dir, mode == "async"))
         started = time.perf_counter()
-        trainer.train()
+        result = trainer.train()
         train_s = time.perf_counter() - started
+    if result.get("stopped_by_signal"):  # the Trainer saved and stopped: so does the bench
+        raise SystemExit(128 + int(result["stopped_by_signal"]))
     saves = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}
              for t in trainer.saver.timings]
     size = sum(f.stat().st_size for f in (out_dir / "checkpoints" / f"iter_{args.steps:07d}")
@@ -98,16 +102,23 @@ def _summary(runs: list[dict], steps: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--save-interval", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--steps", type=int_at_least(2), default=24)
+    parser.add_argument("--save-interval", type=int_at_least(1), default=4)
+    parser.add_argument("--hidden-size", type=int_at_least(1), default=512,
+                        help="8 attention heads: a multiple of 64")
+    parser.add_argument("--layers", type=int_at_least(2), default=4)
+    parser.add_argument("--rounds", type=int_at_least(1), default=2,
                         help="runs of each mode, alternating which goes first")
     args = parser.parse_args(argv)
-    if not 0 < args.save_interval < args.steps:
-        parser.error(f"--save-interval {args.save_interval}: must be at least 1 and below "
-                     f"--steps {args.steps} (a periodic save before the final one)")
+    if args.save_interval >= args.steps:
+        parser.error(f"argument --save-interval: {args.save_interval}: must be below --steps "
+                     f"{args.steps} (a periodic save before the final one)")
+    from megaloop.config import ConfigError
+
+    try:  # the model's sizes, before any work
+        _config(args, "", Path("."), True).validate()
+    except ConfigError as e:
+        parser.error(str(e))
     from megaloop.cli import log_to_stderr, quiet_third_party_warnings
 
     quiet_third_party_warnings()
