@@ -14,7 +14,10 @@ gradients by their total count (``calculate_per_token_loss``), so the gradient i
 token-weighted mean loss whatever the micro-batch split and however many tokens the loss mask
 drops from each micro-batch. SIGTERM / SIGUSR1 (SLURM preemption) make the loop save a checkpoint
 and return at the end of the current step, and set-up stop at its next phase boundary (nothing to
-save yet); a set-up that does not complete leaves the run directories as it found them.
+save yet); a set-up that does not complete leaves the run directories as it found them. With
+``checkpoint.async_save`` a periodic save's write runs in the background (CheckpointSaver): each
+step finalizes it once complete on every rank, and every other save, the end and ``close`` wait
+for it.
 """
 
 from __future__ import annotations
