@@ -459,9 +459,17 @@ class CheckpointConfig:
     # False: only the weights of `load` (fine-tuning, a new parallel layout); the run's own
     # checkpoints in `dir` still resume with optimizer and progress.
     load_optimizer: bool = True
+    # True: a periodic save's write runs in the background (megatron-core's asynchronous save)
+    # while training goes on; `latest` moves once every rank's write is complete. The
+    # checkpoints are the same; a resume may change it.
+    async_save: bool = False
 
     def validate(self, prefix: str = "checkpoint") -> None:
         require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")
+        # The final save and a stop signal's wait for their write: only periodic saves gain.
+        require(not self.async_save or self.save_interval > 0, prefix, "async_save",
+                self.async_save, f"false with {prefix}.save_interval=0 (only the final and "
+                "stop-signal saves, which wait for their write, so it would change nothing)")
         require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
         require(self.load_optimizer or self.load is not None, prefix, "load_optimizer",
                 self.load_optimizer, f"left at true unless {prefix}.load is given (it concerns "

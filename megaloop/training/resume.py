@@ -71,6 +71,8 @@ BOOKKEEPING = (
     "train.downstream_eval", "train.profile", "parallel.distributed_timeout_minutes",
     "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval", "checkpoint.keep_last",
     "checkpoint.resume", "checkpoint.fallback_to_previous", "checkpoint.optimizer_format",
+    # When a save's write runs, not what it writes: the checkpoints and the losses are the same.
+    "checkpoint.async_save",
     "alrs.log_eigenvalues", "alrs.monitor_after_freeze")
 # Where a run's files are: changed when a run directory is moved, in effect as soon as it starts.
 LOCATIONS = ("train.out_dir", "data.cache_dir", "checkpoint.dir")

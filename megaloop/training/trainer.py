@@ -14,7 +14,10 @@ gradients by their total count (``calculate_per_token_loss``), so the gradient i
 token-weighted mean loss whatever the micro-batch split and however many tokens the loss mask
 drops from each micro-batch. SIGTERM / SIGUSR1 (SLURM preemption) make the loop save a checkpoint
 and return at the end of the current step, and set-up stop at its next phase boundary (nothing to
-save yet); a set-up that does not complete leaves the run directories as it found them.
+save yet); a set-up that does not complete leaves the run directories as it found them. With
+``checkpoint.async_save`` a periodic save's write runs in the background (CheckpointSaver): each
+step finalizes it once complete on every rank, and every other save, the end and ``close`` wait
+for it.
 """
 
 from __future__ import annotations
@@ -30,17 +33,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megaloop.alrs.schedule import ALRSConfig
 from megaloop.config import (RunConfig, flat_settings, micro_batches_per_step, save_yaml,
                              to_dict)
 from megaloop.training import checkpoint as ckpt
+from megaloop.training.checkpoint_state import load_training_state, sharded_state
 from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
-from megaloop.training.resume import (check_resume, report_sample_order, resume_schedule,
-                                      resumed_progress)
-from megaloop.training.rng import rng_state, set_rng_state
+from megaloop.training.resume import check_resume, resumed_progress
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
@@ -83,12 +84,6 @@ def _precision(cfg: RunConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "fp32"
 
 
-def _chunk_key(chunk: int) -> str:
-    """Checkpoint section of model chunk ``chunk`` (its entries' keys are global: any chunk
-    layout reads them)."""
-    return "model" if chunk == 0 else f"model{chunk}"
-
-
 class Trainer:
     """``Trainer(cfg).train()`` runs a whole training; ``close()`` (which ``train`` calls) releases
     the run lock, the signal handlers and the monitor of a Trainer used without ``train``, as
@@ -111,8 +106,9 @@ class Trainer:
         # not fatal.
         self._own_signals = stop_signals is None
         self.stop_signals = StopSignals() if stop_signals is None else stop_signals
-        self._run_dirs = self.monitor = self.alrs = self.downstream = self.profiler = None
-        self.step, self.stopped_during_set_up, self.complete = 0, False, False
+        self._run_dirs = self.saver = self.monitor = self.alrs = self.downstream = None
+        self.profiler = None
+        self.step, self.stopped_during_set_up, self.complete, self._closed = 0, False, False, False
         try:
             self._set_up()
         except BaseException as e:
@@ -147,6 +143,7 @@ class Trainer:
         self.checkpoint_dir = Path(cfg.checkpoint.dir or self.out_dir / "checkpoints")
         self._run_dirs = RunDirs(self.out_dir, self.checkpoint_dir, cfg.data.cache_dir)
         self._run_dirs.prepare()
+        self.saver = ckpt.CheckpointSaver(self.checkpoint_dir, cfg, note=self._note_exit)
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         progress = (0, 0)
         if self.resume_path is not None:
@@ -175,24 +172,44 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         if self.resume_path is not None:
-            self._load(self.resume_path)
+            if load_training_state(self, self.resume_path):  # no need to write it again
+                self._last_saved_step = self.saver.latest_step = self.step
             self._stop_point(f"loading {self.resume_path}")
         self.monitor = self._build_monitor()
-        self._note_left_behind()
+        self.saver.noted()
         if is_rank0():  # what the next run in out_dir compares its checkpoint.dir with
             save_yaml(cfg, self.out_dir / "config.yaml")
 
     def close(self) -> None:
-        """Releases what the Trainer holds (idempotent): the signal handlers it installed, the
-        ALRS log, the downstream evaluation's tokenizer, the profiler (writing what it traced),
-        the monitor's files and the run lock."""
-        if self._own_signals:
-            self.stop_signals.restore()
-        for part in (self.alrs, self.downstream, self.profiler, self.monitor):
-            if part is not None:
-                part.close()
-        if self._run_dirs is not None:
-            self._run_dirs.release()
+        """Releases what the Trainer holds, once (later calls do nothing): it waits for a
+        checkpoint write in flight and finalizes it, puts back the signal handlers it installed
+        (after that wait, which a second stop signal may so still cut short), closes the ALRS
+        log, the downstream evaluation's tokenizer, the profiler (writing what it traced) and
+        the monitor's files, and releases the run lock. Every part is closed whatever another
+        raises; the first error is raised then, the others are logged."""
+        errors = self._close_parts()
+        for error in errors[1:]:
+            log.warning("closing the trainer: %s failed too", error)
+        if errors:
+            raise errors[0]
+
+    def _close_parts(self) -> list[BaseException]:
+        """``close``'s work; the errors the parts raised."""
+        if self._closed:
+            return []
+        self._closed = True
+        closers = [part.close for part in (self.saver,) if part is not None]
+        closers += [self.stop_signals.restore] if self._own_signals else []
+        closers += [part.close for part in (self.alrs, self.downstream, self.profiler,
+                                            self.monitor) if part is not None]
+        closers += [self._run_dirs.release] if self._run_dirs is not None else []
+        errors = []
+        for close in closers:
+            try:
+                close()
+            except BaseException as e:  # noqa: BLE001 - the other parts are closed first
+                errors.append(e)
+        return errors
 
     def __enter__(self) -> Trainer:
         return self
@@ -388,15 +405,15 @@ class Trainer:
                                       skipped=outcome.skipped, loss_tokens=outcome.loss_tokens,
                                       extra=self._routing_metrics())
                 self.profiler.step_ends(self.step)
+                self.saver.poll()  # a background write complete on every rank is finalized
                 # Also a run shorter than the limit whose every step was NaN/Inf: it would save
                 # untrained weights as trained to train_steps, and exit 0.
                 if self._consecutive_nonfinite >= min(cfg.max_nonfinite_steps,
                                                       cfg.train_steps - first + 1):
-                    latest = ckpt.latest_checkpoint(self.checkpoint_dir)
                     raise TrainingAborted(
                         f"loss was NaN/Inf for {self._consecutive_nonfinite} consecutive steps "
                         f"(last at step {self.step}); updates were skipped and nothing was saved; "
-                        f"last good checkpoint: {latest or 'none'}")
+                        f"last good checkpoint: {self._last_good()}")
                 # The last step's evaluation is the final one below (with the eval depths).
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0
                         and self.step < cfg.train_steps and self.valid_data is not None):
@@ -410,7 +427,9 @@ class Trainer:
                     return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
                 # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
                 if interval and self.step % interval == 0 and not self._consecutive_nonfinite:
-                    if self.save() is not None and self.downstream is not None:
+                    # Evaluates the weights of this step now: the save may be in flight, but the
+                    # evaluation reads the model, not the checkpoint.
+                    if self.save(wait=False) is not None and self.downstream is not None:
                         self.downstream.after_save(self.model, self.step, self.monitor)
             final = self.evaluate()
             for depth in cfg.eval_depths:
@@ -422,6 +441,10 @@ class Trainer:
             if self.downstream is not None:
                 self.downstream.after_save(self.model, self.step, self.monitor, final=True)
             return {"step": self.step, **final}
+        except BaseException:
+            for error in self._close_parts():  # the failure that ended training is raised
+                log.warning("closing the trainer after a failure: %s", error)
+            raise
         finally:
             self.close()
 
@@ -477,119 +500,32 @@ class Trainer:
         if self._stop_requested():
             raise _StoppedDuringSetUp(done)
 
-    def _note_left_behind(self, saving: int | None = None) -> None:
+    def _note_exit(self, text: str) -> None:
         """What an exit on a second stop signal leaves (megaloop.training.signals)."""
-        self.stop_signals.left_behind = ckpt.left_by_an_exit(self.checkpoint_dir,
-                                                             self._last_saved_step, saving)
+        self.stop_signals.left_behind = text
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state(self, is_loading: bool = False, weights_only: bool = False,
-                       with_rng: bool = True, optimizer_format: str | None = None) -> dict:
-        """What a checkpoint holds: the model, then (unless ``weights_only``) the optimizer,
-        in ``optimizer_format`` (default: checkpoint.optimizer_format), scheduler, progress, LR
-        multipliers and ALRS state, then the RNG states, which are per (pipeline, tensor) rank
-        and so only reload into the same layout."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        from megaloop.training.optimizer import scheduler_state
-
-        state = {_chunk_key(v): model.sharded_state_dict() for v, model in enumerate(self.models)}
-        model_state = dict(state)  # every chunk's parameters, for the optimizer's state
-        if weights_only:
-            return state
-        state.update(
-            optimizer=self.optimizer.sharded_state_dict(
-                model_state, is_loading=is_loading,
-                metadata={"distrib_optim_sharding_type":
-                          optimizer_format or self.cfg.checkpoint.optimizer_format}),
-            scheduler=scheduler_state(self.scheduler),
-            trainer={"step": self.step, "consumed_samples": self.consumed_samples,
-                     "skipped_steps": self.skipped_steps},
-            lr_multipliers=self.lr_multipliers.state_dict(),
-            alrs=self.alrs.state_dict() if self.alrs is not None else {},
-        )
-        if with_rng:
-            state["rng_state"] = ShardedObject(
-                "rng_state", rng_state(),
-                (ps.get_pipeline_model_parallel_world_size(),
-                 ps.get_tensor_model_parallel_world_size()),
-                (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
-            )
-        return state
-
-    def save(self) -> Path | None:
-        """Saves a checkpoint of the current step (collective) unless this step is saved already.
-        At step 0 it is a seed checkpoint: the initial weights, from which runs with other
-        parallel layouts can start identically."""
+    def save(self, wait: bool = True) -> Path | None:
+        """Saves a checkpoint of the current step (collective) unless this step is saved already,
+        and returns its path (None when already saved). At step 0 it is a seed checkpoint: the
+        initial weights, from which runs with other parallel layouts can start identically. With
+        checkpoint.async_save and ``wait=False`` (the loop's periodic saves) it returns once the
+        write has begun in the background; otherwise once the checkpoint is complete."""
         from megaloop.training.optimizer import materialise_optimizer_state
 
-        if self._last_saved_step == self.step:
-            return None
-        if not self._weights_finite():  # an update with a NaN/Inf gradient under a finite loss
-            raise TrainingAborted(
-                f"the weights are NaN/Inf after step {self.step}; nothing was saved; last good "
-                f"checkpoint: {ckpt.latest_checkpoint(self.checkpoint_dir) or 'none'}")
-        materialise_optimizer_state(self.optimizer)
-        self._note_left_behind(saving=self.step)
-        path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self._sharded_state(False),
-                                    self.cfg, self.cfg.checkpoint.keep_last)
-        self._last_saved_step = self.step
-        self._note_left_behind()
+        path = None
+        if self._last_saved_step != self.step:
+            if not self._weights_finite():  # an update with a NaN/Inf gradient, finite loss
+                raise TrainingAborted(f"the weights are NaN/Inf after step {self.step}; nothing "
+                                      f"was saved; last good checkpoint: {self._last_good()}")
+            materialise_optimizer_state(self.optimizer)
+            path = self.saver.save(self.step, sharded_state(self), wait=False)
+            self._last_saved_step = self.step
+        if wait:
+            self.saver.wait()
         return path
 
-    def _load(self, path: Path) -> None:
-        from megaloop.training.optimizer import (materialise_optimizer_state,
-                                                 restore_torch_adam_steps)
-
-        # checkpoint.load_optimizer=false concerns the checkpoint a run starts from
-        # (checkpoint.load); the run's own checkpoints always resume whole, fine-tuning included.
-        own = ckpt.is_own_checkpoint(path, self.cfg)
-        weights_only = not self.cfg.checkpoint.load_optimizer and not own
-        if not weights_only and not ckpt.holds_training_state(path):
-            raise ckpt.CheckpointError(
-                f"{path}: holds model weights only (no optimizer state or progress, e.g. a "
-                "conversion from Hugging Face); set checkpoint.load_optimizer=false to start a "
-                "run from it")
-        saved = ckpt.saved_config(path)
-        same_layout = ckpt.same_parallel_layout(saved, self.cfg)
-        if not weights_only:
-            materialise_optimizer_state(self.optimizer)
-        # Read in the format it was saved in: a changed checkpoint.optimizer_format is that of
-        # the saves from now on.
-        state = ckpt.load_checkpoint(path, self._sharded_state(
-            is_loading=True, weights_only=weights_only, with_rng=same_layout,
-            optimizer_format=(saved.get("checkpoint") or {}).get("optimizer_format",
-                                                                 "dp_reshardable")))
-        for chunk, model in enumerate(self.models):
-            model.load_state_dict(state[_chunk_key(chunk)])
-        if weights_only:  # a fresh run from these weights
-            # With bf16 params the optimizer keeps fp32 main copies made at construction; without
-            # this they would overwrite the loaded weights at the first step.
-            self.optimizer.reload_model_params()
-            log.info("loaded weights from %s (optimizer and progress not restored)", path)
-            return
-        with torch.no_grad():  # in fp32 the main params are views of the model's leaf params
-            self.optimizer.load_state_dict(state["optimizer"])
-        restore_torch_adam_steps(self.optimizer, state["optimizer"])
-        trainer = state["trainer"]
-        self.step, self.consumed_samples = trainer["step"], trainer["consumed_samples"]
-        resume_schedule(self.scheduler, self.cfg, saved["train"], state["scheduler"], path,
-                        self.step)
-        if own:
-            self._last_saved_step = self.step  # this very checkpoint: no need to write it again
-        report_sample_order(saved, self.cfg, path, self.step)
-        self.skipped_steps = trainer["skipped_steps"]
-        self.lr_multipliers.load_state_dict(state["lr_multipliers"])
-        if self.alrs is not None and state["alrs"]:
-            # Saved before the schedule kept its ramp's length: the ramp ran with the config's.
-            state["alrs"]["schedule"].setdefault(
-                "ramp_length", (saved.get("alrs") or {}).get("transition", ALRSConfig.transition))
-            self.alrs.load_state_dict(state["alrs"])
-        if same_layout:
-            set_rng_state(state["rng_state"])
-        else:
-            log.warning("%s was saved with another tensor/pipeline layout: RNG states not restored",
-                        path)
-        log.info("resumed from %s at step %d", path, self.step)
+    def _last_good(self) -> Path | str:
+        """The checkpoint ``latest`` names once a write in flight is finalized, or "none"."""
+        self.saver.wait()
+        return ckpt.latest_checkpoint(self.checkpoint_dir) or "none"

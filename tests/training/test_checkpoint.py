@@ -12,6 +12,7 @@ import pytest
 
 from megaloop.config import ConfigError, RunConfig, save_yaml
 from megaloop.training import checkpoint as ckpt
+from megaloop.training import checkpoint_save
 from megaloop.training.trainer import Trainer
 from tests.training.conftest import one_line, tiny_run, train_losses
 
@@ -57,18 +58,18 @@ def _fail_rename_of_a_checkpoint(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device", str(src))
         return real(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt.os, "replace", replace)
+    monkeypatch.setattr(checkpoint_save.os, "replace", replace)
 
 
 def _fail_pointer_move(monkeypatch):
-    real = ckpt.write_text_atomic
+    real = checkpoint_save.write_text_atomic
 
     def write(path, text):
         if os.path.basename(path) == ckpt.LATEST:
             raise OSError(errno.EIO, "Input/output error", str(path))
         return real(path, text)
 
-    monkeypatch.setattr(ckpt, "write_text_atomic", write)
+    monkeypatch.setattr(checkpoint_save, "write_text_atomic", write)
 
 
 @pytest.mark.parametrize("inject", [_fail_rename_of_a_checkpoint, _fail_pointer_move],
@@ -155,6 +156,40 @@ def test_a_full_disk_at_save_time_is_one_line_naming_the_path(saved_run, pattern
         assert "latest is still iter_0000002" in message
         assert ckpt.latest_checkpoint(disk).name == "iter_0000002"
         assert not (disk / "iter_0000004.tmp").exists(), "the failed save's files are removed"
+    finally:
+        _unmount(disk)
+
+
+def test_a_background_write_that_fails_ends_the_run_in_one_line(saved_run, pattern_data,
+                                                                 tmp_path):
+    """checkpoint.async_save: the full disk fails the write of step 4 in the background (step
+    4's common.pt, written before, fits); the run ends at its next step, status 2."""
+    import subprocess
+    import sys
+
+    from tests.training.test_preemption import _env
+
+    one_checkpoint = sum(f.stat().st_size for f in (saved_run / "checkpoints" /
+                                                    "iter_0000004").iterdir())
+    disk = tmp_path / "small_disk"
+    _mount_tmpfs(disk, int(1.5 * one_checkpoint))
+    try:
+        cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 8},
+                       checkpoint={"save_interval": 2, "async_save": True, "dir": str(disk)})
+        save_yaml(cfg, tmp_path / "run.yaml")
+        run = subprocess.run([sys.executable, "-m", "megaloop.train", "--config",
+                              str(tmp_path / "run.yaml")], env=_env(), capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 2, run.stderr[-2000:]
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert errors[0].startswith(f"error: {disk}/iter_0000004.tmp: saving step 4 failed in "
+                                    "its background write ("), errors[0]
+        assert errors[0].endswith("free on its filesystem); latest is still iter_0000002")
+        assert ckpt.latest_checkpoint(disk).name == "iter_0000002"
+        assert not (disk / "iter_0000004.tmp").exists(), "the failed save's files are removed"
+        # Found by a step's poll, or by the next save's wait at the latest.
+        assert max(train_losses(tmp_path / "run")) in (5, 6)
     finally:
         _unmount(disk)
 

@@ -136,6 +136,72 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pat
     assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000006"
 
 
+HANG_AFTER_WRITING_STEP_4 = textwrap.dedent("""
+    import sys, time
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+
+    class NeverReported:
+        def put(self, results):
+            print("step 4 written, completion not reported", flush=True)
+            time.sleep(3600)
+
+
+    def write_then_hang(transforms, use_msc, rank, buckets, results):  # in the forked writer
+        if "iter_0000004.tmp" in buckets[0][0]:
+            results = NeverReported()  # every shard written, the save still in flight
+        write(transforms, use_msc, rank, buckets, results)
+
+
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_then_hang)
+    if __name__ == "__main__":
+        from megaloop.train import cli
+
+        sys.argv = ["megaloop-train", "--config", sys.argv[1]]
+        cli()
+""")
+
+
+def test_kill_9_while_a_background_write_is_in_flight_leaves_the_previous_checkpoint(
+        mcore, pattern_data, tmp_path):
+    """checkpoint.async_save: the whole process group (trainer and writers) killed while step
+    4's write is in flight and training has gone on past it."""
+    from megaloop.training.trainer import Trainer
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 6, "log_interval": 1},
+                   checkpoint={"save_interval": 2, "async_save": True})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    (tmp_path / "hang.py").write_text(HANG_AFTER_WRITING_STEP_4)
+    log = tmp_path / "hang.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "hang.py"),
+                                 str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not ("completion not reported" in log.read_text()
+                   and any(line["step"] == 5 for line in _train_lines(tmp_path))):
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.time() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        end_group(proc.pid)
+    checkpoints = tmp_path / "checkpoints"
+    assert list((checkpoints / "iter_0000004.tmp").glob("*.distcp")), "the shards were written"
+    assert not (checkpoints / "iter_0000004").exists()
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000002"
+
+    trainer = Trainer(cfg)  # verifies iter_0000002 and loads it; the .tmp is not looked at
+    assert trainer.step == 2
+    trainer.train()
+    assert not list(checkpoints.glob("*.tmp")), "the next save clears a killed save's leftovers"
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000006"
+
+
 SIGTERM_DURING_START_UP = textwrap.dedent("""
     import os, runpy, signal, sys
 
@@ -300,7 +366,7 @@ def test_a_second_stop_signal_during_set_up_exits_at_once(mcore, pattern_data, t
 
 @pytest.mark.parametrize("hang, left", [
     (("megatron.core.dist_checkpointing", "save", 2), "iter_0000004.tmp"),
-    (("megaloop.training.checkpoint", "write_text_atomic", 2), "iter_0000004"),  # complete
+    (("megaloop.training.checkpoint_save", "write_text_atomic", 2), "iter_0000004"),  # complete
 ], ids=["writing the shards", "moving latest"])
 def test_a_second_sigterm_during_a_hung_save_leaves_the_previous_checkpoint(
         mcore, pattern_data, tmp_path, hang, left):
@@ -322,12 +388,17 @@ def test_a_second_sigterm_during_a_hung_save_leaves_the_previous_checkpoint(
     trainer.close()
 
 
-def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp_path):
-    """SLURM's --signal=B:USR1@600 warning: the step in flight completes, then a checkpoint."""
+@pytest.mark.parametrize("checkpoint", [{}, {"save_interval": 2, "async_save": True}],
+                         ids=["sync", "async"])
+def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp_path,
+                                                        checkpoint):
+    """SLURM's --signal=B:USR1@600 warning: the step in flight completes, then a checkpoint
+    (with async_save, step 2's write finalized first and step 3's waited for)."""
     from megaloop.training.trainer import Trainer
 
     before = signal.getsignal(signal.SIGUSR1)
-    trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 10}))
+    trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 10},
+                               checkpoint=checkpoint))
     train_step = trainer.train_step
 
     def signalled_during_step_3(data):
@@ -339,4 +410,6 @@ def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp
     result = trainer.train()
     assert result == {"step": 3, "stopped_by_signal": signal.SIGUSR1}
     assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "checkpoints")) == 3
+    assert trainer.saver.pending_step is None
+    assert [t["step"] for t in trainer.saver.timings] == ([2, 3] if checkpoint else [3])
     assert signal.getsignal(signal.SIGUSR1) is before, "the handlers are put back"

@@ -1,0 +1,296 @@
+"""Saving a checkpoint (collective; the layout: megaloop.training.checkpoint).
+
+A save writes into ``iter_N.tmp``; only once every rank's part is written does the finalize run:
+rank 0 writes ``config.yaml`` into it, renames it to ``iter_N``, moves ``latest`` and prunes to
+``keep_last``, and every rank takes its outcome (``rank0_decides``). ``save_checkpoint`` does both
+in one call. ``CheckpointSaver`` is a run's saver: with ``checkpoint.async_save`` the write runs
+in the background through megatron-core's asynchronous save (``dist_checkpointing.save(...,
+async_sharded_save=True)`` scheduled on an ``AsyncCallsQueue``, as Megatron-LM's ``--async-save``),
+and the finalize runs when every rank's write has completed: found by ``poll`` (non-blocking, each
+step) or waited for by ``wait`` (before the next save, at the end, on a stop signal, on close).
+
+What the background write holds is the state of the step saved, however far training has gone:
+megatron-core stages GPU tensors in host memory before it forks the writer process, and on the
+CPU the fork itself is the snapshot (the writer's pages are copied when training writes to them,
+so memory grows by up to the state's size while a write is in flight). A ``kill -9`` at any
+moment, a crash, or a write that fails leaves ``latest`` on the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megaloop.config import RunConfig, save_yaml
+from megaloop.platform.files import atomic_write_leftovers, write_text_atomic
+from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpoint_name,
+                                                complete_checkpoints, latest_checkpoint, one_line)
+from megaloop.training.collective import is_rank0, rank0_decides
+
+log = logging.getLogger("megaloop.train")
+
+
+@dataclass
+class _Save:
+    """A save begun: where it writes, and the checkpoint ``latest`` named when it began."""
+    directory: Path
+    step: int
+    previous: Path | None
+    blocked_s: float = 0.0  # the training loop's time spent on this save so far
+    scheduled_at: float | None = None  # when its background write began (async_save)
+
+    @property
+    def tmp(self) -> Path:
+        return self.directory / (checkpoint_name(self.step) + ".tmp")
+
+    @property
+    def final(self) -> Path:
+        return self.directory / checkpoint_name(self.step)
+
+    @property
+    def still_latest(self) -> str:
+        return self.previous.name if self.previous else "none"
+
+
+def _begin(directory: Path, step: int) -> _Save:
+    """Collective: rank 0 removes what killed saves left and creates ``iter_N.tmp``."""
+    try:
+        previous = latest_checkpoint(directory)
+    except CheckpointError:  # a pointer to nothing: this save repoints it
+        previous = None
+    save = _Save(directory, step, previous)
+
+    def prepare() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("iter_*.tmp"):  # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in atomic_write_leftovers(directory / LATEST):  # by a killed pointer move
+            stale.unlink(missing_ok=True)
+        if save.final.exists():
+            if previous == save.final:
+                raise CheckpointError(f"{save.final}: already the latest checkpoint; refusing to "
+                                      "overwrite it in place")
+            shutil.rmtree(save.final)  # complete but never pointed to (a failed pointer move)
+        save.tmp.mkdir()
+
+    rank0_decides(prepare, (CheckpointError,))
+    return save
+
+
+def _write_failed(save: _Save, error: BaseException, part: str = "") -> CheckpointError:
+    """The one-line error of a write that failed on any rank (every rank sees it), ``part`` naming
+    the part that failed; its files are removed, since they hold the space a full disk needs
+    back."""
+    free = _free_space(save.directory)
+    if is_rank0():
+        shutil.rmtree(save.tmp, ignore_errors=True)
+    return CheckpointError(f"{save.tmp}: saving step {save.step} failed{part} "
+                           f"({one_line(error)}; {free} free on its filesystem); latest is still "
+                           f"{save.still_latest}")
+
+
+def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
+    """Collective, once every rank's part is written: rank 0 adds the run config, renames
+    ``iter_N.tmp`` to ``iter_N``, moves ``latest`` to it and deletes the checkpoints beyond
+    ``keep_last``; a failure is the same CheckpointError on every rank."""
+
+    def finish() -> None:
+        tmp, final = save.tmp, save.final
+        try:
+            save_yaml(cfg, tmp / "config.yaml")
+            os.replace(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{e.filename or tmp}: saving step {save.step} failed "
+                                  f"({e.strerror or e}); latest is still "
+                                  f"{save.still_latest}") from None
+        try:
+            write_text_atomic(save.directory / LATEST, final.name + "\n")
+        except OSError as e:
+            raise CheckpointError(f"{save.directory / LATEST}: not moved to {final.name} "
+                                  f"({e.strerror or e}); it still names "
+                                  f"{save.previous.name if save.previous else 'nothing'}"
+                                  ) from None
+        # Keep the newest keep_last by step, and always the one just written.
+        complete = [p for p in complete_checkpoints(save.directory) if p != final]
+        for old in complete[:max(len(complete) - (keep_last - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    rank0_decides(finish, (CheckpointError,))
+    return save.final
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: RunConfig,
+                    keep_last: int) -> Path:
+    """Collective: every rank calls it with its sharded state dict; returns once the checkpoint
+    is complete and ``latest`` names it. A failed save raises a CheckpointError naming the path,
+    leaving ``latest`` where it was.
+
+    Memory: on the CPU, megatron-core's writer (FileSystemWriterAsync.prepare_write_data) clones
+    every tensor that is a view of a larger storage, and all clones live until the save ends. Its
+    own SwiGLU factory (mlp.apply_swiglu_sharded_factory) saves each fc1 weight as two chunk()
+    views, so a bare model's save peaks at +0.16x its fp32 weights (60M AsymLoop); under its
+    DistributedDataParallel with the distributed optimizer every parameter is a view into one
+    flat buffer: +1.0x (tools/bench/checkpoint_save_memory.py). Both are megatron-core's. On a
+    GPU nothing is cloned: the writer stages every tensor (a view: its own elements) in host
+    memory."""
+    save = _begin(Path(directory), step)
+    _write(save, state)
+    return _finish(save, cfg, keep_last)
+
+
+def _write(save: _Save, state: dict) -> None:
+    """Collective: megatron-core writes every rank's part of ``save``, returning when all are."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        dist_checkpointing.save(state, str(save.tmp))
+    except (Exception, CheckpointException) as e:  # every rank sees the failure of any rank
+        raise _write_failed(save, e) from None
+
+
+def left_by_an_exit(directory: Path, latest_step: int | None, saving_step: int | None) -> str:
+    """What a run exiting at once leaves in checkpoint ``directory``, in words: the checkpoint
+    ``latest`` names (this run's ``latest_step``, or none) and, if it was saving ``saving_step``,
+    what the save may have got to."""
+    latest = (f"{directory / LATEST} names {checkpoint_name(latest_step)}"
+              if latest_step is not None else f"{directory} holds no checkpoint of this run")
+    if saving_step is None:
+        return latest
+    name = checkpoint_name(saving_step)
+    return (f"the save of step {saving_step} is cut short: {latest} (or {name} if that save had "
+            f"just completed; an unfinished {name}.tmp is never loaded, and the next save "
+            "removes it)")
+
+
+def _free_space(directory: Path) -> str:
+    """Space left for unprivileged writes: a full disk often surfaces as some other error (torch's
+    zip writer says "unexpected pos")."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return "unknown space"
+    return f"{stats.f_bavail * stats.f_frsize / 2**20:.1f} MiB"
+
+
+class CheckpointSaver:
+    """A run's checkpoint saves into ``directory`` (every method is a collective).
+
+    ``latest_step``: the step of the checkpoint ``latest`` names (as far as this run knows; set
+    by a resume); ``pending_step``: the step whose background write is in flight, if any.
+    ``note(text)`` is told, after every change, what an exit at once would leave
+    (``left_by_an_exit``). ``timings``: per finalized save, its step, the seconds the training
+    loop spent on it (``blocked_s``: staging and scheduling, polls, the finalize and any wait
+    for the write) and, for a background write, the seconds from its start until it was found
+    complete (``background_s``, None for a synchronous save; found at the next step's poll, so
+    up to a step longer than the write itself)."""
+
+    def __init__(self, directory: Path, cfg: RunConfig,
+                 note: Callable[[str], None] = lambda text: None):
+        self.directory, self.cfg, self._note = Path(directory), cfg, note
+        self.keep_last, self.asynchronous = cfg.checkpoint.keep_last, cfg.checkpoint.async_save
+        self.latest_step: int | None = None
+        self.timings: list[dict] = []
+        self._pending: _Save | None = None
+        self._queue = None  # megatron-core's AsyncCallsQueue, made by the first async save
+
+    @property
+    def pending_step(self) -> int | None:
+        return self._pending.step if self._pending is not None else None
+
+    def noted(self, saving: int | None = None) -> None:
+        """Tells ``note`` what an exit now leaves (``saving``: a save about to begin)."""
+        self._note(left_by_an_exit(self.directory, self.latest_step,
+                                   saving if saving is not None else self.pending_step))
+
+    def save(self, step: int, state: dict, wait: bool = True) -> Path:
+        """Saves ``state`` (every rank's sharded state dict) as checkpoint ``step``, after the
+        save in flight is finalized. Returns its path, complete when synchronous or ``wait``;
+        else it is complete once a later ``poll`` or ``wait`` has finalized it."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()
+        started = time.perf_counter()
+        self.noted(saving=step)
+        save = _begin(self.directory, step)
+        if not self.asynchronous:
+            _write(save, state)
+            return self._finished(save, started)
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        try:
+            request = dist_checkpointing.save(state, str(save.tmp), async_sharded_save=True)
+        except (Exception, CheckpointException) as e:
+            raise _write_failed(save, e) from None
+        if self._queue is None:
+            # Not megatron-core's persistent worker: without a GPU it dies as it starts
+            # (torch.cuda.set_device(rank % device_count()), a division by zero) and the save
+            # waits for it forever; and it would receive CPU tensors through shared memory, the
+            # weights that training goes on changing, not a snapshot.
+            self._queue = AsyncCallsQueue(persistent=False)
+        try:  # the writer process is forked here
+            self._queue.schedule_async_request(request)
+        except Exception as e:
+            raise _write_failed(save, e) from None
+        save.scheduled_at = time.perf_counter()
+        save.blocked_s = save.scheduled_at - started
+        self._pending = save
+        self.noted()
+        if wait:
+            self.wait()
+        return save.final
+
+    def poll(self) -> Path | None:
+        """Finalizes the save in flight if every rank's write has completed (the path), else
+        returns at once (None)."""
+        return self._finalize(blocking=False)
+
+    def wait(self) -> Path | None:
+        """Waits for the write in flight and finalizes it (its path; None when none)."""
+        return self._finalize(blocking=True)
+
+    close = wait
+
+    def _finalize(self, blocking: bool) -> Path | None:
+        save = self._pending
+        if save is None:
+            return None
+        started = time.perf_counter()
+        try:
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except (Exception, CheckpointException) as e:  # raised on every rank
+            self._pending = None
+            self.noted()
+            raise _write_failed(save, e, " in its background write") from None
+        if not done:
+            save.blocked_s += time.perf_counter() - started
+            return None
+        self._pending = None
+        return self._finished(save, started)
+
+    def _finished(self, save: _Save, since: float) -> Path:
+        """``_finish`` of ``save``, whose every part is written; the loop waits from ``since``."""
+        background = (None if save.scheduled_at is None
+                      else time.perf_counter() - save.scheduled_at)
+        try:
+            path = _finish(save, self.cfg, self.keep_last)
+        except CheckpointError:
+            self.noted()
+            raise
+        save.blocked_s += time.perf_counter() - since
+        self.latest_step = save.step
+        self.noted()
+        self.timings.append({"step": save.step, "blocked_s": save.blocked_s,
+                             "background_s": background})
+        if is_rank0():
+            log.info("saved %s: training waited %.2f s for it%s", path, save.blocked_s,
+                     "" if background is None else
+                     f", its write ran {background:.2f} s in the background")
+        return path
