@@ -3,6 +3,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -130,14 +131,20 @@ def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run
 
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
-def test_truncated_compressed_shard_is_reported(tmp_path, run, sp_model, articles, suffix):
+def test_a_truncated_compressed_shard_is_an_error_naming_it(tmp_path, run, sp_model, articles, suffix):
+    # Before: "skipped 1 bad records (1 truncated compressed file)" and exit 0, the rest of the shard lost.
     compress = gzip.compress if suffix.endswith(".gz") else zstandard.ZstdCompressor().compress
     data = compress("".join(json.dumps(a) + "\n" for a in articles[:20]).encode())  # zstd: 3 blocks
     path = tmp_path / f"cut{suffix}"
     path.write_bytes(data[: len(data) * 2 // 3])
     code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
-    assert code == 0
-    assert "truncated compressed file" in err and f"{path}:" in err
+    assert code == 2
+    assert re.fullmatch(f"error: {re.escape(str(path))}: truncated compressed file, ends at line [0-9]+; "
+                        r"replace the file \(a download cut short\?\) or leave it out\n", err)
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, "--max-docs", 2,
+                    *_sp_args(sp_model))
+    assert code == 0 and "done: 2 documents" in err  # the documents before the cut are whole
 
 
 def test_tokenizer_errors_come_before_any_work(tmp_path, run, articles_path):
