@@ -578,7 +578,8 @@ def iter_documents(
     max_docs: int | None = None,
     bad: BadRecords | None = None,
 ) -> Iterator[str]:
-    """Texts of the first key, streamed in global order; bad records are tallied into ``bad``.
+    """Every key's text of each record, in key order, streamed in global order; bad records are
+    tallied into ``bad``. ``max_docs`` counts records: the documents preprocess writes per key.
 
     A list of sentences comes as one text, its sentences on lines of their own.
     """
@@ -594,4 +595,4 @@ def iter_documents(
             if max_docs is not None and emitted >= max_docs:
                 return
             emitted += 1
-            yield texts[0] if isinstance(texts[0], str) else "\n".join(texts[0])
+            yield from (text if isinstance(text, str) else "\n".join(text) for text in texts)

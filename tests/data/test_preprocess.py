@@ -116,6 +116,25 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
     assert f"done: {cut} documents, {tokens:,} tokens" in result.stderr
 
 
+def test_mpiexec_max_docs_checks_the_documents_kept_as_one_process_does(tmp_path, repo, run, sp_model):
+    # Before: under mpiexec the check saw every rank's documents, rank 1's 'b' texts among them,
+    # and exit 0 wrote 4 documents whose 'b' texts are all empty; a single process refused them.
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    path = tmp_path / "ab.jsonl"  # rank 0 reads records 1-5, rank 1 records 6-10
+    path.write_text("".join(json.dumps({"a": f"text {i}", "b": "words" if i >= 6 else ""}) + "\n" for i in range(10)))
+    args = ["--input", path, "--workers", 1, "--json-keys", "a", "b", "--max-docs", 4, *_sp_args(sp_model)]
+    message = "error: no usable document: all 4 documents have empty 'b' texts"
+    code, err = run(*args, "--output-prefix", tmp_path / "one")
+    assert code == 2 and err.strip() == message
+    cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), *map(str, args),
+           "--output-prefix", str(tmp_path / "mpi")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["ab.jsonl"]
+
+
 def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run, sp_model):
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b'{"text": "fine"}\n{"text": \n{"txt": "typo"}\n{"text": "also fine"}\n')

@@ -296,3 +296,13 @@ def test_shards_partition_the_global_order(tmp_path):
             for path, start, stop in shard_ranges(counts, world, rank):
                 covered += [(path, i) for i in range(start, stop)]
         assert covered == [(p, i) for p, n in counts for i in range(n)]
+
+
+def test_iter_documents_yields_every_key_of_a_record_and_max_docs_counts_records(tmp_path):
+    # Before: only the first key's texts; train_tokenizer read the input once per key for the rest.
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(_jsonl_bytes([{"q": f"q{i}", "a": f"a{i}"} for i in range(4)] + [{"q": "no answer"}]))
+    bad = BadRecords()
+    assert list(iter_documents(str(path), RecordFilter(("q", "a")), max_docs=2)) == ["q0", "a0", "q1", "a1"]
+    assert list(iter_documents(str(path), RecordFilter(("q", "a")), bad=bad))[-2:] == ["q3", "a3"]
+    assert bad.counts == {"missing key": 1}  # as preprocess_data.py skips it
