@@ -70,3 +70,12 @@ def test_a_failed_launch_is_one_error_with_its_reason(load_tool):
                                                   "--rounds", "1"])
     assert exit_.value.code == ("error: the single launch failed (exit 1): model.hidden_size=256: "
                                 "must be a multiple of num_attention_heads=3 (or set head_dim)")
+
+
+def test_latent_visit_refuses_a_stride_no_reduction_reads(load_tool, capsys):
+    """Before: --stride 4 --reductions width timed the width reduction; the stride did nothing."""
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("bench/latent_visit").main(["--stride", "4", "--reductions", "width,top_k"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --stride 4: only the sequence reduction reads it; --reductions width,top_k times none")
