@@ -548,3 +548,20 @@ def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles)
     assert result.returncode != 0
     assert "error: no usable document: 62 bad records (62 missing key)" in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["shards"]
+
+
+def test_a_sigterm_as_an_output_file_is_created_leaves_none(tmp_path, run, sp_model, articles_path, monkeypatch):
+    # Before: a signal between the .partial file's creation and the clean-up's knowing its writer
+    # (the test above hit it under load) left o_text_document.partial-<pid>.bin behind.
+    from megaloop.data import indexed
+
+    made = indexed.AtomicIndexedWriter.__init__
+
+    def made_then_signalled(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(indexed.AtomicIndexedWriter, "__init__", made_then_signalled)
+    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
+    assert code == 143 and err.strip().splitlines()[-1] == "terminated by SIGTERM: partial output removed"
+    assert os.listdir(tmp_path) == []
