@@ -53,7 +53,7 @@ MATCHED = {"dense8": "compute", "dense4": "params", "fullloop": "both", "asymloo
 
 # data.split of every run: 1 document in 20 held out for validation, which a corpus of fewer
 # than 20 leaves empty (megatron-core rounds the 5% down to none); the quickstart has no option to
-# change it, so such an --input is refused asking for more documents.
+# change it, so such an --input is refused asking for more documents (--documents: by argparse).
 SPLIT, MIN_DOCUMENTS = "95,5,0", 20
 TEXT_FIELDS = ("text",)  # what a corpus record is read from (a .jsonl field, a parquet column)
 INPUT_KINDS = ("--input takes .jsonl records and .parquet rows with a 'text' field, or UTF-8 "
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/quickstart", help="output directory")
     parser.add_argument("--steps", type=int_at_least(1), default=1000,
                         help="optimizer steps per model")
-    parser.add_argument("--documents", type=int_at_least(1),
+    parser.add_argument("--documents", type=int_at_least(MIN_DOCUMENTS),
                         help=f"generated corpus size (default {DOCUMENTS}; not with --input)")
     parser.add_argument("--eval-per-hop", type=int_at_least(1), help="held-out programs per hop count "
                         f"(default {EVAL_PER_HOP}; not with --input)")

@@ -315,7 +315,8 @@ def test_own_data_too_small_to_validate_on_is_one_line(mcore, tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--steps", "0"], "argument --steps: 0: must be >= 1"),
     (["--eval-per-hop", "two"], "argument --eval-per-hop: 'two': not an integer"),
-    (["--input", "x.txt", "--documents", "5"], "--documents applies to the generated task"),
+    (["--input", "x.txt", "--documents", "50"], "--documents applies to the generated task"),
+    (["--documents", "19"], "argument --documents: 19: must be >= 20"),
     (["--input", "x.txt", "--eval-per-hop", "5"], "--eval-per-hop applies to the generated task"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
