@@ -80,6 +80,45 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, DataError) + ((checkpoint.CheckpointError,) if checkpoint else ())
 
 
+def check_alrs_names(cfg) -> None:
+    """For the dry run, what ALRS checks of the weight names at start-up: an alrs.exclude
+    pattern or a prefix that matches no weight matrix is refused (ConfigError), and it warns of
+    prefixes that pin nothing. On a one-process model of ``cfg`` on the meta device (no weights
+    made), which holds every name the run's ranks hold between them: ALRS names blocks globally,
+    across tensor, pipeline and expert parallelism."""
+    if not cfg.train.use_alrs:
+        return
+    import torch
+    from megatron.core import parallel_state
+
+    from megaloop.alrs import ALRS
+    from megaloop.config import ParallelConfig
+    from megaloop.models.model import build_model
+    from megaloop.platform.distributed import init_distributed
+
+    if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        init_distributed()
+    with torch.device("meta"), _meta_device_mode():
+        model = build_model(cfg.model, ParallelConfig(), use_te=False, initialize=False)
+    ALRS(model, total_steps=cfg.train.train_steps, config=cfg.alrs)
+
+
+def _meta_device_mode():
+    from torch.overrides import TorchFunctionMode
+
+    class OnMeta(TorchFunctionMode):
+        """Every device argument read as the meta device: on a GPU megatron-core allocates the
+        weights on ``torch.cuda.current_device()``, which ``torch.device("meta")`` leaves."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if kwargs.get("device") is not None:
+                kwargs = {**kwargs, "device": "meta"}
+            return func(*args, **kwargs)
+
+    return OnMeta()
+
+
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
     """megaloop-train in this process: the exit status, with the previous signal handlers back.
     ``then_exit``: the caller exits with that status at once (a command line). Stop signals then
@@ -107,7 +146,9 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
             from megaloop.platform.distributed import detect_launch_env
             from megaloop.scale.dry_run import report
 
-            print(report(cfg, args.world_size or detect_launch_env().world_size))
+            text = report(cfg, args.world_size or detect_launch_env().world_size)
+            check_alrs_names(cfg)
+            print(text)
             return 0
         from megaloop.training.trainer import Trainer, TrainingAborted
 

@@ -26,11 +26,11 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-: "${DATA:?set DATA to the dataset prefix from tools/preprocess_data.py}"
-: "${TOKENIZER:?set TOKENIZER to the SentencePiece model}"
-RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
+megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
+RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"
 
 TRAIN_ARGS=(
   --preset 7B --config examples/configs/asymloop_7b.yaml

@@ -34,6 +34,15 @@ megaloop_srun() {
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
 }
 
+# megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
+# when it is unset or empty (bash's ${NAME:?HOW} exits 1, naming the script's line).
+megaloop_require() {
+  if [ -z "${!1:-}" ]; then
+    echo "error: $1 is not set: $2" >&2
+    exit 2
+  fi
+}
+
 # megaloop_no_dry_run: for the scripts without a dry run, so that DRY_RUN=1 never starts a real job.
 megaloop_no_dry_run() {
   if [ "${DRY_RUN:-0}" = 1 ]; then

@@ -17,13 +17,13 @@
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
-: "${INPUT:?set INPUT to files, directories or globs of .parquet/.jsonl}"
-: "${OUTPUT:?set OUTPUT to the output prefix}"
-: "${TOKENIZER:?set TOKENIZER to the SentencePiece model}"
-TASKS_PER_NODE="${TASKS_PER_NODE:-1}"
-WORKERS="${WORKERS:-${SLURM_CPUS_PER_TASK:-8}}"
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+megaloop_require INPUT "set INPUT to files, directories or globs of .parquet/.jsonl"
+megaloop_require OUTPUT "set OUTPUT to the output prefix"
+megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
+TASKS_PER_NODE="${TASKS_PER_NODE:-1}"
+WORKERS="${WORKERS:-${SLURM_CPUS_PER_TASK:-8}}"
 megaloop_no_dry_run
 if [ -n "${IMAGE:-}" ]; then  # mpiexec starts the ranks on the nodes themselves, not in IMAGE
   echo "error: IMAGE=$IMAGE: preprocess.sh runs mpiexec on the nodes, outside any container;" \

@@ -25,13 +25,16 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-PRESET="${1:?usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH(dense|fullloop|asymloop) [overrides]}"
-ARCH="${2:?usage: train_paper.sh PRESET ARCH [overrides]}"
-shift 2
-: "${DATA:?set DATA to the dataset prefix from tools/preprocess_data.py}"
-: "${TOKENIZER:?set TOKENIZER to the SentencePiece model (T5, vocabulary 32128 padded)}"
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+if [ $# -lt 2 ]; then
+  echo "error: usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH(dense|fullloop|asymloop) [overrides]" >&2
+  exit 2
+fi
+PRESET="$1" ARCH="$2"
+shift 2
+megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
+megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model (T5, vocabulary 32128 padded)"
 
 declare -A STEPS=([60M]=3200 [135M]=5200 [350M]=13600 [1B]=40000)
 declare -A MICRO_BATCH=([60M]=32 [135M]=32 [350M]=16 [1B]=8)

@@ -233,3 +233,15 @@ def test_requeued_jobs_append_to_their_log():
     assert requeued
     for script in requeued:
         assert "#SBATCH --open-mode=append" in script.read_text(), script.name
+
+
+@pytest.mark.parametrize("script, missing", [
+    ("asymloop_7b.sh", "DATA"), ("asymloop_7b.sh", "TOKENIZER"), ("preprocess.sh", "INPUT"),
+    ("preprocess.sh", "TOKENIZER"), ("convert.sh", "CHECKPOINT"), ("train_paper.sh", None),
+])
+def test_a_missing_setting_is_bad_input_refused_in_one_line(script, missing, tmp_path):
+    """Before: exit 1 (bash's ${DATA:?...}) and "slurm/asymloop_7b.sh: line 29: DATA: set DATA to ..."."""
+    err = _refusal(script, tmp_path, **({missing: ""} if missing else {}))
+    assert err.startswith(f"error: {missing} is not set: set {missing} to " if missing
+                          else "error: usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH")
+    assert not (tmp_path / "run").exists()

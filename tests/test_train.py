@@ -186,3 +186,17 @@ def test_example_configs_validate_with_the_preset_their_header_names(path):
     cfg, _ = build_config(["--preset", preset.group(1), "--config", str(path), "data.path=[x]",
                            "data.eod_id=0"])
     assert cfg.model.arch in header.lower()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["alrs.exclude=[nosuch]"], "error: alrs.exclude=['nosuch']: 'nosuch' is in no weight matrix's name"),
+    (["alrs.mode=decoder_boost", "alrs.decoder_prefix=decoder.layerz"],
+     "error: alrs.decoder_prefix: 'decoder.layerz' starts no matrix name"),
+])
+def test_dry_run_refuses_alrs_names_the_run_would_refuse(mcore, capsys, overrides, message):
+    """Before: the dry run printed its report and exited 0; the run then refused the names."""
+    argv = ["--dry-run", "--preset", "tiny", "data.path=[x]", "data.eod_id=0", "train.use_alrs=true"]
+    assert main(argv + overrides) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines()[-1].startswith(message)
+    assert main(argv) == 0 and "# rank layout" in capsys.readouterr().out

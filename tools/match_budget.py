@@ -121,10 +121,20 @@ def print_table(tier: str, reduction: str, rows: list[dict]) -> None:
     print()
 
 
+def tier_list(value: str) -> list[str]:
+    """``--tier 1.3B,3B``: each a tier of LATENTLOOP_TIERS, or an argparse error naming it."""
+    tiers = value.split(",")
+    unknown = next((tier for tier in tiers if tier not in LATENTLOOP_TIERS), None)
+    if unknown is not None:
+        raise argparse.ArgumentTypeError(f"{unknown!r}: not a tier (choose from {', '.join(LATENTLOOP_TIERS)})")
+    return tiers
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tier", choices=list(LATENTLOOP_TIERS), action="append",
-                        help="tier(s) to match (default: all)")
+    parser.add_argument("--tier", type=tier_list, action="extend", metavar="TIER[,TIER...]",
+                        help=f"tiers to match, comma-separated or flag by flag ({', '.join(LATENTLOOP_TIERS)}; "
+                             "default: all)")
     parser.add_argument("--reduction", choices=typing.get_args(LatentReduction),
                         default="sequence", help="how LatentLoop's first visit is reduced "
                                                  "(model.latent_reduction; default: %(default)s)")
@@ -137,7 +147,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = []
     try:
-        for tier in args.tier or list(LATENTLOOP_TIERS):
+        for tier in dict.fromkeys(args.tier or LATENTLOOP_TIERS):  # each once, however often given
             reference = preset(f"moe-loop-{tier}")
             models = {"moe_base": match(reference, target_structure(reference, "moe_base"),
                                         args.width_step, args.tolerance)[0],

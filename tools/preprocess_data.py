@@ -233,7 +233,7 @@ def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
 
 def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
-    from megaloop.data.indexed import merge_indexed, validate_indexed
+    from megaloop.data.indexed import merge_indexed
     from megaloop.data.preprocess import (check_usable, output_prefix, preprocess, read_sidecar, remove_sidecar,
                                           shard_ranges, write_sidecar)
 
@@ -247,23 +247,44 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
         stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
     all_stats = comm.gather(stats, root=0)
     if rank == 0:
-        total = all_stats[0]
-        for other in all_stats[1:]:
-            total.merge(other)
-        check_usable(total, args.json_keys)
-        total.tokens = 0  # the ranks' sum counts documents that --max-docs cuts in the merge
-        for key in args.json_keys:
-            parts = [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
+        shards = {key: [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
+                  for key in args.json_keys}
+        total = merged_stats(all_stats, shards, args.max_docs)
+        check_usable(total, args.json_keys)  # as a single process checks: the documents kept
+        for key, parts in shards.items():
             merged = output_prefix(args.output_prefix, key)
             remove_sidecar(merged)
-            total.docs = merge_indexed(parts, merged, args.max_docs)
-            tokens = validate_indexed(merged).num_tokens
-            total.tokens += tokens
+            merge_indexed(parts, merged, args.max_docs)
             # Every shard's sidecar describes the same tokenizer; the counts are the merge's.
-            write_sidecar(merged, {**read_sidecar(parts[0]), "documents": total.docs, "tokens": tokens})
+            write_sidecar(merged, {**read_sidecar(parts[0]), "documents": total.docs,
+                                   "tokens": total.key_tokens[key]})
         remove_shards(args.output_prefix, world, args.json_keys)
         _report(total, [output_prefix(args.output_prefix, k) for k in args.json_keys])
     comm.Barrier()
+
+
+def merged_stats(all_stats: list, shards: dict[str, list[str]], max_docs: int | None):
+    """The ranks' stats summed, with the documents, tokens and empty documents of the first
+    ``max_docs`` documents (each rank stops at ``max_docs`` of its own; the merge keeps the
+    first of all): what a single process counts and checks. ``shards``: each key's shard
+    prefixes, in rank order."""
+    from megaloop.data.indexed import document_tokens, validate_indexed
+
+    total = all_stats[0]
+    for other in all_stats[1:]:
+        total.merge(other)
+    if max_docs is None or total.docs <= max_docs:
+        return total
+    total.docs, total.empty = max_docs, 0
+    for key, parts in shards.items():
+        left, total.key_tokens[key] = max_docs, 0
+        for part, stats in zip(parts, all_stats):
+            tokens = document_tokens(validate_indexed(part), min(left, stats.docs))
+            total.key_tokens[key] += int(tokens.sum())
+            total.empty += int((tokens == 0).sum())
+            left -= len(tokens)
+    total.tokens = sum(total.key_tokens.values())
+    return total
 
 
 def _report(stats, prefixes: list[str]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Iterator
 
 from megaloop.cli import int_at_least, json_keys_refusal
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, expand_inputs, input_notes
@@ -33,16 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--special-tokens", nargs="*", default=[], help="extra pieces kept whole, e.g. <|im_start|>")
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--max-sentences", type=int_at_least(1), default=10_000_000, help="lines sampled for training")
-    p.add_argument("--max-docs", type=int_at_least(1), help="read at most this many documents")
+    p.add_argument("--max-docs", type=int_at_least(1),
+                   help="read the first this many records (documents), every --json-keys field of each: "
+                        "what preprocess_data.py --max-docs tokenizes")
     p.add_argument("--min-int-score", type=int, help="FineWeb-Edu: keep records with int_score >= this")
     p.add_argument("--threads", type=int_at_least(1), default=os.cpu_count() or 1)
     p.add_argument("--pad-multiple", type=int_at_least(1), default=128, help="report the vocab padded to this multiple")
     return p
-
-
-def training_lines(args: argparse.Namespace, files: list[str], bad: BadRecords) -> Iterator[str]:
-    for key in args.json_keys:
-        yield from document_lines(files, RecordFilter((key,), args.min_int_score), args.max_docs, bad)
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -51,7 +47,10 @@ def train(args: argparse.Namespace) -> dict:
     for line in input_notes(files, skipped):  # as preprocess_data.py says for the same inputs
         print(f"note: {line}", file=sys.stderr)
     try:
-        train_sentencepiece(training_lines(args, files, bad), args.output, vocab_size=args.vocab_size,
+        # One pass, every key of a record, as preprocess_data.py reads them (a record lacking one
+        # is bad there too); --max-docs counts records, not documents per key.
+        lines = document_lines(files, RecordFilter(tuple(args.json_keys), args.min_int_score), args.max_docs, bad)
+        train_sentencepiece(lines, args.output, vocab_size=args.vocab_size,
                             model_type=args.model_type, byte_fallback=args.byte_fallback,
                             special_tokens=args.special_tokens,
                             character_coverage=args.character_coverage,

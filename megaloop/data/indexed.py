@@ -172,6 +172,14 @@ def sequence_lengths(summary: IndexedSummary) -> numpy.ndarray:
     return _summary_arrays(summary)[0]
 
 
+def document_tokens(summary: IndexedSummary, count: int) -> numpy.ndarray:
+    """Tokens in each of the first ``count`` documents of a validated dataset, from its .idx."""
+    lengths, _, bounds = _summary_arrays(summary)
+    bounds = bounds[:count + 1]
+    ends = numpy.concatenate(([0], numpy.cumsum(lengths[:bounds[-1]], dtype=numpy.int64)))
+    return numpy.diff(ends[bounds])
+
+
 def document_last_tokens(summary: IndexedSummary, count: int = 1000) -> numpy.ndarray:
     """The last token of up to ``count`` non-empty documents spread evenly over a validated dataset:
     its EOD id wherever the data was made with one (--append-eod). A few pages of each file read."""

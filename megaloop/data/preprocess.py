@@ -370,7 +370,7 @@ def preprocess(
     and if no token at all came out unless ``allow_empty`` (an MPI rank's share may be empty);
     WorkerDied if a worker process died. Either way nothing is left under the output names.
     """
-    from megaloop.data.indexed import AtomicIndexedWriter, token_dtype
+    from megaloop.data.indexed import AtomicIndexedWriter, mcore_indexed, token_dtype
 
     tokenizer = check_tokenizer(options)
     keys = options.record_filter.keys
@@ -386,7 +386,11 @@ def preprocess(
             results = _ordered_bounded_map(encode_chunk, chunks, executor, 2 * options.workers + 2)
         # After starting the pool, so megatron-core's slow import overlaps the workers' start-up.
         dtype = token_dtype(tokenizer.vocab_size)
-        writers = {key: AtomicIndexedWriter(output_prefix(prefix, key), dtype) for key in keys}
+        mcore_indexed()  # imported here, not while the signals are held below
+        # Held: a signal between a writer's creating its .partial file and ``writers`` holding it
+        # would leave that file behind (the clean-up below never sees the writer).
+        with _signals_held():
+            writers = {key: AtomicIndexedWriter(output_prefix(prefix, key), dtype) for key in keys}
         if executor is not None:
             with _deaths_reported(executor):
                 for future in started:

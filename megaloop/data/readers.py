@@ -12,7 +12,8 @@ rows) in file order. Sharding across MPI ranks and ``--max-docs`` both rely on t
 What a user would expect of files as they come: a UTF-8 byte-order mark opening a file is dropped,
 plain text's CRLF line ends become LF, a ``.txt`` file whose first line is a JSON object is read as
 JSON lines (as Megatron-LM reads any file it is given), and a compressed file cut short (.gz or
-.zst) is reported as truncated instead of ending quietly.
+.zst) or corrupt is an error naming it, as an unreadable parquet file is: the rest of the file
+would be lost, not one record.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ class Chunk:
     """A bounded run of consecutive raw records from one file.
 
     ``items`` holds raw lines (bytes) for jsonl, decoded documents (str) for plain text, or a
-    ``pyarrow.RecordBatch`` for parquet. ``error`` is ``(reason, detail, count)`` for a read
-    failure hit right after the last item (truncated gzip, corrupt zstd: one bad record) or for a
-    parquet file lacking a column (every row is bad).
+    ``pyarrow.RecordBatch`` for parquet. ``error`` is ``(reason, detail, count)`` for a parquet
+    file lacking a column (every row is bad). ``read_failure`` is the one-line error of a chunk
+    without items that stands for the rest of a compressed file that cannot be read (cut short,
+    corrupt); ``parse_chunk`` raises it, so a ``--max-docs`` cut before it never sees it.
     """
 
     path: str
@@ -117,6 +119,7 @@ class Chunk:
     nbytes: int  # uncompressed bytes of the raw records, for MB/s
     error: tuple[str, str, int] | None = None
     keys_seen: tuple[str, ...] = ()  # a parquet file's columns when it lacks a wanted one
+    read_failure: str = ""
 
 
 @dataclass
@@ -331,7 +334,8 @@ def _raw_records(path: str) -> Iterator[bytes | BaseException]:
 
 
 def count_records(path: str) -> int:
-    """Records in a file as ``iter_chunks`` numbers them (a read failure counts as one)."""
+    """Records in a file as ``iter_chunks`` numbers them (a read failure counts as one: where
+    it is, ``parse_chunk`` refuses the file)."""
     if input_kind(path) == "parquet":
         import pyarrow.parquet as pq
 
@@ -371,7 +375,10 @@ def _line_chunks(path: str, start: int, stop: int | None, max_records: int, max_
         if stop is not None and index >= stop:
             break
         if isinstance(record, BaseException):
-            yield Chunk(path, kind, first, items, nbytes, error=_describe_read_error(record))
+            if items:  # usable up to a --max-docs cut, which then never reaches the failure
+                yield Chunk(path, kind, first, items, nbytes)
+                first += len(items)
+            yield Chunk(path, kind, first, [], 0, read_failure=_read_failure(path, RECORD_UNITS[kind], first, record))
             return
         items.append(record)
         nbytes += len(record)
@@ -383,10 +390,13 @@ def _line_chunks(path: str, start: int, stop: int | None, max_records: int, max_
         yield Chunk(path, kind, first, items, nbytes)
 
 
-def _describe_read_error(err: BaseException) -> tuple[str, str, int]:
-    if isinstance(err, EOFError):
-        return "truncated compressed file", "", 1
-    return "unreadable data", first_line(err), 1
+def _read_failure(path: str, unit: str, record: int, err: BaseException) -> str:
+    """The error for a file unreadable from its ``record``-th record on: every record left in it
+    would be lost, which is not one bad record (parquet's is worded alike)."""
+    where = f"{unit or 'line '}{record}"
+    what = (f"truncated compressed file, ends at {where}" if isinstance(err, EOFError)
+            else f"unreadable data at {where} ({first_line(err)})")
+    return f"{path}: {what}; replace the file (a download cut short?) or leave it out"
 
 
 def first_line(err: BaseException) -> str:
@@ -441,6 +451,8 @@ def _text_bytes(batch) -> int:
 
 def parse_chunk(chunk: Chunk, record_filter: RecordFilter) -> ParsedChunk:
     """Decode, validate and filter a chunk's records into documents."""
+    if chunk.read_failure:
+        raise DataError(chunk.read_failure)
     bad = BadRecords()
     docs: list[tuple[str, ...]] = []
     filtered = 0
@@ -566,7 +578,8 @@ def iter_documents(
     max_docs: int | None = None,
     bad: BadRecords | None = None,
 ) -> Iterator[str]:
-    """Texts of the first key, streamed in global order; bad records are tallied into ``bad``.
+    """Every key's text of each record, in key order, streamed in global order; bad records are
+    tallied into ``bad``. ``max_docs`` counts records: the documents preprocess writes per key.
 
     A list of sentences comes as one text, its sentences on lines of their own.
     """
@@ -574,10 +587,12 @@ def iter_documents(
     ranges = [(p, 0, None) for p in expand_inputs(inputs)]
     emitted = 0
     for chunk in iter_chunks(ranges, record_filter.columns()):
+        if max_docs is not None and emitted >= max_docs:
+            return  # before parsing: a file unreadable past the cut is not an error
         parsed = parse_chunk(chunk, record_filter)
         bad.merge(parsed.bad)
         for texts in parsed.docs:
             if max_docs is not None and emitted >= max_docs:
                 return
             emitted += 1
-            yield texts[0] if isinstance(texts[0], str) else "\n".join(texts[0])
+            yield from (text if isinstance(text, str) else "\n".join(text) for text in texts)

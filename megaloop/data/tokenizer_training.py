@@ -49,9 +49,18 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
     if first is None:
         raise EmptyCorpus("no text to train the tokenizer on")
     model = io.BytesIO()
+    failed: list[DataError] = []
+
+    def read(lines: Iterator[str]) -> Iterator[str]:
+        try:
+            yield from lines
+        except DataError as err:  # sentencepiece reports it as a RuntimeError quoting its traceback
+            failed.append(err)
+            raise
+
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=itertools.chain([first], lines),
+            sentence_iterator=read(itertools.chain([first], lines)),
             model_writer=model,
             model_type=model_type,
             vocab_size=vocab_size,
@@ -70,6 +79,8 @@ def train_sentencepiece(lines: Iterable[str], output: str | os.PathLike, *, voca
             minloglevel=2,
         )
     except RuntimeError as err:  # e.g. a vocab larger than the corpus allows
+        if failed:
+            raise failed[0] from None
         raise DataError(f"sentencepiece training failed: {str(err).strip().splitlines()[-1]}")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

@@ -3,6 +3,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -115,6 +116,25 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
     assert f"done: {cut} documents, {tokens:,} tokens" in result.stderr
 
 
+def test_mpiexec_max_docs_checks_the_documents_kept_as_one_process_does(tmp_path, repo, run, sp_model):
+    # Before: under mpiexec the check saw every rank's documents, rank 1's 'b' texts among them,
+    # and exit 0 wrote 4 documents whose 'b' texts are all empty; a single process refused them.
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    path = tmp_path / "ab.jsonl"  # rank 0 reads records 1-5, rank 1 records 6-10
+    path.write_text("".join(json.dumps({"a": f"text {i}", "b": "words" if i >= 6 else ""}) + "\n" for i in range(10)))
+    args = ["--input", path, "--workers", 1, "--json-keys", "a", "b", "--max-docs", 4, *_sp_args(sp_model)]
+    message = "error: no usable document: all 4 documents have empty 'b' texts"
+    code, err = run(*args, "--output-prefix", tmp_path / "one")
+    assert code == 2 and err.strip() == message
+    cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), *map(str, args),
+           "--output-prefix", str(tmp_path / "mpi")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["ab.jsonl"]
+
+
 def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run, sp_model):
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b'{"text": "fine"}\n{"text": \n{"txt": "typo"}\n{"text": "also fine"}\n')
@@ -130,14 +150,20 @@ def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run
 
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
-def test_truncated_compressed_shard_is_reported(tmp_path, run, sp_model, articles, suffix):
+def test_a_truncated_compressed_shard_is_an_error_naming_it(tmp_path, run, sp_model, articles, suffix):
+    # Before: "skipped 1 bad records (1 truncated compressed file)" and exit 0, the rest of the shard lost.
     compress = gzip.compress if suffix.endswith(".gz") else zstandard.ZstdCompressor().compress
     data = compress("".join(json.dumps(a) + "\n" for a in articles[:20]).encode())  # zstd: 3 blocks
     path = tmp_path / f"cut{suffix}"
     path.write_bytes(data[: len(data) * 2 // 3])
     code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
-    assert code == 0
-    assert "truncated compressed file" in err and f"{path}:" in err
+    assert code == 2
+    assert re.fullmatch(f"error: {re.escape(str(path))}: truncated compressed file, ends at line [0-9]+; "
+                        r"replace the file \(a download cut short\?\) or leave it out\n", err)
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, "--max-docs", 2,
+                    *_sp_args(sp_model))
+    assert code == 0 and "done: 2 documents" in err  # the documents before the cut are whole
 
 
 def test_tokenizer_errors_come_before_any_work(tmp_path, run, articles_path):
@@ -522,3 +548,20 @@ def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles)
     assert result.returncode != 0
     assert "error: no usable document: 62 bad records (62 missing key)" in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["shards"]
+
+
+def test_a_sigterm_as_an_output_file_is_created_leaves_none(tmp_path, run, sp_model, articles_path, monkeypatch):
+    # Before: a signal between the .partial file's creation and the clean-up's knowing its writer
+    # (the test above hit it under load) left o_text_document.partial-<pid>.bin behind.
+    from megaloop.data import indexed
+
+    made = indexed.AtomicIndexedWriter.__init__
+
+    def made_then_signalled(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(indexed.AtomicIndexedWriter, "__init__", made_then_signalled)
+    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
+    assert code == 143 and err.strip().splitlines()[-1] == "terminated by SIGTERM: partial output removed"
+    assert os.listdir(tmp_path) == []

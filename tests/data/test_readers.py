@@ -125,18 +125,31 @@ def test_text_may_be_a_list_of_sentences_and_empty_texts_are_documents(tmp_path)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
-def test_truncated_compressed_file_is_one_bad_record_after_the_last_good_line(tmp_path, suffix):
+def test_a_truncated_compressed_file_is_an_error_naming_it_where_it_ends(tmp_path, suffix):
+    # Before: one bad record ("truncated compressed file"), every record after it lost, exit 0.
     compress = gzip.compress if suffix.endswith(".gz") else zstandard.ZstdCompressor().compress
     rng = random.Random(0)  # text that compresses little, so half the file holds whole zstd blocks
     records = [{"text": " ".join(str(rng.random()) for _ in range(20))} for _ in range(2000)]
     data = compress(_jsonl_bytes(records))
     path = tmp_path / f"cut{suffix}"
     path.write_bytes(data[: len(data) // 2])
-    docs, bad, _ = _parse_all(path, max_records=1000)
+    chunks = list(iter_chunks([(str(path), 0, None)], ["text"], max_records=1000))
+    docs = [d[0] for chunk in chunks[:-1] for d in parse_chunk(chunk, RecordFilter()).docs]
     assert 0 < len(docs) < len(records)
     assert docs == [r["text"] for r in records[: len(docs)]]
-    assert bad.counts == {"truncated compressed file": 1}
-    assert bad.examples == [f"{path}:{len(docs) + 1}: truncated compressed file"]
+    with pytest.raises(DataError) as err:
+        parse_chunk(chunks[-1], RecordFilter())
+    assert str(err.value) == (f"{path}: truncated compressed file, ends at line {len(docs) + 1}; replace the "
+                              "file (a download cut short?) or leave it out")
+    # A --max-docs cut before the end reads no further: the documents it wants are whole.
+    assert list(iter_documents(str(path), max_docs=len(docs))) == docs
+
+
+def test_a_malformed_line_in_an_intact_compressed_file_is_one_bad_record(tmp_path):
+    path = tmp_path / "ok.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "a"}\n{"text": \n{"text": "b"}\n'))
+    docs, bad, _ = _parse_all(path)
+    assert docs == ["a", "b"] and bad.counts == {"malformed JSON": 1}
 
 
 def test_an_unreadable_parquet_file_is_an_error_naming_it(tmp_path):
@@ -283,3 +296,13 @@ def test_shards_partition_the_global_order(tmp_path):
             for path, start, stop in shard_ranges(counts, world, rank):
                 covered += [(path, i) for i in range(start, stop)]
         assert covered == [(p, i) for p, n in counts for i in range(n)]
+
+
+def test_iter_documents_yields_every_key_of_a_record_and_max_docs_counts_records(tmp_path):
+    # Before: only the first key's texts; train_tokenizer read the input once per key for the rest.
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(_jsonl_bytes([{"q": f"q{i}", "a": f"a{i}"} for i in range(4)] + [{"q": "no answer"}]))
+    bad = BadRecords()
+    assert list(iter_documents(str(path), RecordFilter(("q", "a")), max_docs=2)) == ["q0", "a0", "q1", "a1"]
+    assert list(iter_documents(str(path), RecordFilter(("q", "a")), bad=bad))[-2:] == ["q3", "a3"]
+    assert bad.counts == {"missing key": 1}  # as preprocess_data.py skips it

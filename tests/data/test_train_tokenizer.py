@@ -89,3 +89,19 @@ def test_files_a_directory_input_leaves_out_are_noted(tmp_path, capsys, tool):
     err = capsys.readouterr().err
     assert code == 0, err
     assert err.splitlines()[0] == f"note: skipped 1 files of unsupported types (1 .bz2): {corpus / 'b.jsonl.bz2'}"
+
+
+def test_a_truncated_compressed_input_is_an_error_naming_it(tmp_path, capsys, tool):
+    # Before: "sentencepiece training failed:   .../readers.py(591): iter_documents", a line of
+    # the traceback sentencepiece made of the reader's error (and, earlier, a bad record and exit 0).
+    import gzip
+
+    corpus = tmp_path / "cut.jsonl.gz"
+    data = gzip.compress(b"".join(b'{"text": "line %d of some text"}\n' % i for i in range(5000)))
+    corpus.write_bytes(data[: len(data) // 2])
+    code = tool.main(["--input", str(corpus), "--output", str(tmp_path / "t.model"), "--vocab-size", "300",
+                      "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: {corpus}: truncated compressed file, ends at line ") and len(err.splitlines()) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["cut.jsonl.gz"]

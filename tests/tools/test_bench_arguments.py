@@ -70,3 +70,89 @@ def test_a_failed_launch_is_one_error_with_its_reason(load_tool):
                                                   "--rounds", "1"])
     assert exit_.value.code == ("error: the single launch failed (exit 1): model.hidden_size=256: "
                                 "must be a multiple of num_attention_heads=3 (or set head_dim)")
+
+
+def test_latent_visit_refuses_a_stride_no_reduction_reads(load_tool, capsys):
+    """Before: --stride 4 --reductions width timed the width reduction; the stride did nothing."""
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("bench/latent_visit").main(["--stride", "4", "--reductions", "width,top_k"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: --stride 4: only the sequence reduction reads it; --reductions width,top_k times none")
+
+
+def test_pipeline_balance_stage_stops_after_its_step_on_sigterm(load_tool, mcore, monkeypatch, tmp_path):
+    """A stage's Trainer holds SIGTERM for a loop the bench does not run: before, torchrun's
+    SIGTERM was taken and the stage trained on until torchrun's SIGKILL 30 s later."""
+    import os
+    import signal
+    import time
+
+    from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig, save_yaml
+    from megaloop.training.trainer import Trainer
+
+    bench = load_tool("bench/pipeline_balance")
+    prefix = load_tool("bench/train_throughput").write_dataset(tmp_path / "data", 256)
+    cfg = RunConfig(model=ModelConfig(arch="asymloop", iterations=2, num_layers=2, hidden_size=32,
+                                      ffn_hidden_size=64, num_attention_heads=2, vocab_size=256,
+                                      seq_length=32),
+                    train=TrainConfig(micro_batch_size=2, global_batch_size=2, train_steps=50,
+                                      tensorboard=False, out_dir=str(tmp_path / "run")),
+                    data=DataConfig(path=[prefix], split="100,0,0", eod_id=0),
+                    checkpoint=CheckpointConfig(resume=False))
+    save_yaml(cfg, tmp_path / "run.yaml")
+    steps = []
+
+    def step_then_sigterm(self, data):  # one signal, as torchrun forwards it
+        if not steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+        steps.append(1)
+        time.sleep(0.05)  # a step's time, in which the signal is counted
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    with pytest.raises(SystemExit) as exit_:
+        bench.worker(str(tmp_path / "run.yaml"), 50, 0, str(tmp_path / "busy.json"))
+    # The signal is counted by a thread: the step after it may start first.
+    assert exit_.value.code == 128 + signal.SIGTERM and len(steps) <= 2
+
+
+STOPPED_LAUNCH = """
+import signal, sys
+from tests.tool_scripts import load_tool
+bench = load_tool("bench/pipeline_balance")
+bench.STOP_GRACE_S = 1
+signal.signal(signal.SIGTERM, bench._raise_stopped)
+# A launcher whose worker ignores SIGTERM, as a stage's Trainer held it, and writes its pid.
+worker = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)")
+launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}, "
+            f"{sys.argv[1]!r}]); time.sleep(600)")
+try:
+    bench.launch([sys.executable, "-c", launcher])
+except bench.Stopped as stop:
+    sys.exit(128 + stop.signum)
+"""
+
+
+def test_pipeline_balance_stopped_ends_its_launcher_and_workers(tmp_path):
+    """Before: SIGTERM ended the bench alone (Ctrl-C killed only torchrun with SIGKILL) and the
+    stages trained on, orphaned."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    pid_file = tmp_path / "worker.pid"
+    driver = subprocess.Popen([sys.executable, "-c", STOPPED_LAUNCH, str(pid_file)],
+                              cwd=Path(__file__).parents[2], text=True, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=30) == 128 + signal.SIGTERM, driver.stderr.read()
+    time.sleep(0.5)
+    try:  # gone, or a zombie waiting for whoever adopted it
+        assert open(f"/proc/{worker}/stat").read().split(")")[1].split()[0] == "Z"
+    except FileNotFoundError:
+        pass

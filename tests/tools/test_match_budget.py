@@ -1,6 +1,8 @@
 """tools/match_budget.py: the LatentLoop family presets are matched to their MoE Loop baseline
 within 1% on parameters, KV cache per token and training FLOPs per token, and the search finds them."""
 
+import json
+
 import pytest
 
 from megaloop.config import ConfigError
@@ -73,3 +75,15 @@ def test_a_non_positive_setting_is_refused_in_one_line(load_tool, capsys, flag, 
     captured = capsys.readouterr()
     assert stop.value.code == 2 and captured.out == ""
     assert captured.err.splitlines()[-1].endswith(f"error: argument {flag}: {message}")
+
+
+def test_tiers_may_be_given_comma_separated_or_flag_by_flag(load_tool, capsys):
+    # Before: "--tier 1.3B,3B" was an invalid choice; a tier given twice was matched twice.
+    tool = load_tool("match_budget")
+    assert tool.main(["--tier", "1.3B,3B", "--tier", "1.3B", "--json"]) == 0
+    assert [entry["tier"] for entry in json.loads(capsys.readouterr().out)] == ["1.3B", "3B"]
+    with pytest.raises(SystemExit) as stop:
+        tool.main(["--tier", "1.3B,2B"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: argument --tier: '2B': not a tier (choose from 1.3B, 3B, 7B)")

@@ -47,24 +47,29 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int_at_least(1), default=2)
     parser.add_argument("--expert-ffn", type=int_at_least(1), default=256)
     parser.add_argument("--seq", type=int_at_least(1), default=2048)
-    parser.add_argument("--stride", type=int_at_least(1), default=2)
+    parser.add_argument("--stride", type=int_at_least(1),
+                        help="tokens pooled per latent by the sequence reduction (default 2)")
     parser.add_argument("--batch", type=int_at_least(1), default=1)
     parser.add_argument("--repeats", type=int_at_least(1), default=15)
     parser.add_argument("--reductions", default="sequence",
                         help="comma-separated latent_reduction values, each timed against the "
                         "full visit")
     args = parser.parse_args(argv)
+    reductions = args.reductions.split(",")
+    if args.stride is not None and "sequence" not in reductions:
+        parser.error(f"--stride {args.stride}: only the sequence reduction reads it; --reductions "
+                     f"{args.reductions} times none")
+    stride = args.stride or 2
 
     from megaloop.models.model import build_model
     from megaloop.platform.distributed import init_distributed
 
     init_distributed()
-    reductions = args.reductions.split(",")
     configs = {reduction: parsed_preset(
         parser, "latentloop-tiny", hidden_size=args.hidden, num_attention_heads=args.heads,
         num_layers=args.middle_layers + 2, num_experts=args.experts, moe_top_k=args.top_k,
         moe_ffn_hidden_size=args.expert_ffn, seq_length=args.seq, latent_reduction=reduction,
-        **({"latent_stride": args.stride} if reduction == "sequence" else {}))
+        **({"latent_stride": stride} if reduction == "sequence" else {}))
         for reduction in reductions}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -98,7 +103,8 @@ def main(argv=None):
     print(json.dumps({
         "config": {"hidden": args.hidden, "middle_layers": args.middle_layers,
                    "experts": args.experts, "top_k": args.top_k, "expert_ffn": args.expert_ffn,
-                   "seq": args.seq, "stride": args.stride, "batch": args.batch,
+                   "seq": args.seq, "stride": stride if "sequence" in reductions else None,
+                   "batch": args.batch,
                    "device": device, "dtype": str(dtype), "threads": torch.get_num_threads()},
         "median_s": median, "min_s": fastest,
         "time_saving_pct": {reduction: {

@@ -19,8 +19,10 @@ before loops were unrolled: encoder | whole decoder loop) and PP=4 with equal ap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ from pathlib import Path
 from megaloop.cli import child_failure, int_at_least
 
 GOAL = 1.15  # slowest stage / mean stage busy time
+STOP_GRACE_S = 30  # for the stages to finish their step once stopped, as torchrun gives them
 
 
 class ThreadTimers:
@@ -75,6 +78,13 @@ def worker(config_path: str, steps: int, warmup: int, out: str) -> None:
             timers.total.clear()
         trainer.step += 1
         trainer.train_step(data)
+        # The Trainer holds SIGTERM for its own loop, which this one replaces: unchecked, the
+        # launcher's SIGTERM was taken and the steps ran on until its SIGKILL 30 s later. Its
+        # check is the Trainer's own, agreed by every stage: one stopping alone would leave the
+        # others waiting for its activations.
+        if trainer._stop_requested():
+            trainer.close()
+            raise SystemExit(128 + int(trainer.stop_signals.received))
     counted = steps - warmup
     mine = {"stage": ps.get_pipeline_model_parallel_rank(),
             "forward_s": timers.total["forward-compute"] / counted,
@@ -114,6 +124,39 @@ def simulate_1f1b(forward: list[float], backward: list[float], micro: int) -> fl
     return max(free)
 
 
+class Stopped(BaseException):
+    """A stop signal to the bench (SIGTERM; Ctrl-C is KeyboardInterrupt), raised where it is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def launch(command: list[str]) -> subprocess.CompletedProcess:
+    """``command`` (torchrun) run to its end in a process group of its own, output captured. An
+    interrupt or SIGTERM of the bench reaches the whole group, the launcher and its workers,
+    which stop after their step; whatever is left after STOP_GRACE_S is killed. Before, the
+    bench died alone, or killed only the launcher, and the workers trained on, orphaned."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate()
+        except BaseException:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):  # the group is gone already
+                os.killpg(child.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
 def measure(name: str, cfg, split: list[int], args, tmp: Path) -> dict:
     from megaloop.config import save_yaml
     from megaloop.models.pipeline import balance
@@ -124,11 +167,10 @@ def measure(name: str, cfg, split: list[int], args, tmp: Path) -> dict:
     cfg.train.out_dir = str(run_dir)
     save_yaml(cfg, run_dir / "run.yaml")
     result = run_dir / "busy.json"
-    failure = child_failure(subprocess.run(
+    failure = child_failure(launch(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={len(split)}", __file__, "--worker", str(run_dir / "run.yaml"),
-         "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}),
+         "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)]),
         f"the {name} launch")
     if failure:
         raise SystemExit(f"error: {failure}")
@@ -163,7 +205,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.steps, args.warmup, args.out)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+    except Stopped as stop:
+        print(f"stopped by signal {stop.signum}", file=sys.stderr)
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
+
+def run(args) -> None:
+    """Every row's launch, then the JSON on stdout."""
     from megaloop.config import (CheckpointConfig, DataConfig, ModelConfig, RunConfig,
                                  TrainConfig)
     from megaloop.models.pipeline import balanced_split, chain_length
