@@ -174,6 +174,24 @@ class LoopedRouter(TopKRouter):
             activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
             reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count)
 
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        """megatron-core's load-balancing loss, but one that a tensor-parallel group whose every
+        token is padding adds nothing to: megatron-core divides by its 0 valid tokens (0 x inf,
+        NaN in every gradient of the step). A LatentLoop micro-batch of records shorter than
+        ``latent_stride`` has only padding latents in its compressed visit."""
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if coeff == 0 or not with_padding_mask:
+            return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map,
+                                           with_padding_mask=with_padding_mask)
+        tokens, local, total = get_tokens_per_expert_and_token_count(
+            routing_map, self.tp_cp_group, self.topk, with_padding_mask=True)
+        aux_loss = switch_load_balancing_loss_func(
+            scores_for_aux_loss, tokens, total.clamp(min=1), self.topk,
+            self.config.num_moe_experts, coeff, fused=self.config.moe_router_fusion)
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "load_balancing_loss", self.tp_cp_group,
+            valid_token_count=local)
+
     def apply_z_loss(self, logits: torch.Tensor, padding_mask=None):
         coeff = self.config.moe_z_loss_coeff
         if not (self.calculate_per_token_loss and coeff and self.training
@@ -212,6 +230,8 @@ class LoopedRouter(TopKRouter):
                 tokens, _, total = get_tokens_per_expert_and_token_count(
                     aux_map, self.tp_cp_group, self.topk,
                     with_padding_mask=padding_mask is not None)
+                if padding_mask is not None:  # all padding: 0, not 0 / 0 (_apply_aux_loss)
+                    total = total.clamp(min=1)
                 load_balancing = switch_load_balancing_loss_func(
                     scores, tokens, total, self.topk, self.config.num_moe_experts, 1.0)
                 z_loss = z_loss_func(logits, 1.0, padding_mask=padding_mask)

@@ -328,3 +328,20 @@ def test_padding_under_sequence_parallelism_routes_as_on_one_rank():
     from tests.distributed import run_distributed
 
     assert run_distributed(_compare_padded_routing, world_size=2) == [True, True]
+
+
+def test_a_compressed_visit_of_padding_only_adds_no_loss(seeded):
+    """Records shorter than latent_stride: every latent of the compressed visit holds padding.
+    The step's gradients are finite and the routers' those of the unpadded batch (whose visit
+    has no latent at all); megatron-core's load-balancing loss divided 0 by 0 valid tokens."""
+    cfg = small_config("latentloop_moe", latent_stride=4, moe_aux_loss_coeff=0.5,
+                       moe_z_loss_coeff=0.2)
+    model = build_model(cfg).train()
+    padded = _sft_batch(cfg, 3, cfg.seq_length)
+    plain = {key: value[:, :3] for key, value in padded.items() if key != "padding_mask"}
+    stats, grads = _routing_of(model, padded)
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    _, expected = _routing_of(model, plain)
+    assert stats["moe_lb_loss_visit1"] == 0 and stats["moe_z_loss_visit1"] == 0
+    for key, grad in expected.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-7, msg=key)
