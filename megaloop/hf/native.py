@@ -119,7 +119,9 @@ def note_router_losses(cfg: ModelConfig) -> None:
         log.warning("router_aux_loss_coef=%g (Hugging Face: one load-balancing loss over all %d "
                     "layers' gates) <-> model.moe_aux_loss_coeff=%g (megaloop: one per layer, "
                     "summed): equal losses and gradients when the layers route alike, the "
-                    "closest otherwise", hf_router_aux_loss_coef(cfg), cfg.num_layers,
+                    "closest otherwise; transformers applies it only with "
+                    "output_router_logits=True (off in the export, as in Mixtral's own configs: "
+                    "set it to fine-tune there)", hf_router_aux_loss_coef(cfg), cfg.num_layers,
                     cfg.moe_aux_loss_coeff)
 
 
