@@ -429,7 +429,7 @@ class Trainer:
 
     def _weights_finite(self) -> bool:
         """Whether every weight of every rank is finite (a collective)."""
-        for ddp in self.ddps:  # parameter all-gathers deferred to the next forward
+        for ddp in self.ddps:  # all-gathers deferred to the next forward (so before any save)
             ddp.gather_params()
         finite = all(bool(torch.isfinite(p).all()) for m in self.models for p in m.parameters())
         flag = torch.tensor([1.0 if finite else 0.0], device=_device())
@@ -492,8 +492,6 @@ class Trainer:
 
         from megaloop.training.optimizer import scheduler_state
 
-        for ddp in self.ddps:  # parameter all-gathers deferred to the next forward
-            ddp.gather_params()
         state = {_chunk_key(v): model.sharded_state_dict() for v, model in enumerate(self.models)}
         model_state = dict(state)  # every chunk's parameters, for the optimizer's state
         if weights_only:
