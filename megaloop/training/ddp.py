@@ -1,5 +1,6 @@
 """A model chunk wrapped for training (``wrap_for_training``): per-token loss scaling, bf16, and
-megatron-core's DistributedDataParallel, made collectable.
+megatron-core's DistributedDataParallel, made collectable, with the data-parallel communication
+overlap of Megatron-LM's ``--overlap-grad-reduce --overlap-param-gather`` (``configure_sync``).
 
 megatron-core keeps each parameter's gradient accumulator (an autograd node) in ``grad_accs`` and
 hangs a hook on it that closes over the DDP wrapper. The garbage collector cannot see through the
@@ -35,22 +36,22 @@ class CollectableDDP(DistributedDataParallel):
 
 
 def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_optimizer: bool,
-                      parallel=None, chunk: int = 0) -> CollectableDDP:
+                      parallel, chunk: int) -> CollectableDDP:
     """``model`` (a chunk whose parameters are in ``dtype``) on the GPU when there is one, with
     per-token loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32), with
-    ``parallel``'s overlap settings (megaloop.config.run.ParallelConfig). As Megatron-LM's
-    training does, only the first model chunk is cut into buckets: the interleaved schedule
-    reduces the others' gradients as they complete (``configure_sync``)."""
+    ``parallel``'s overlap settings (megaloop.config.run.ParallelConfig). As in Megatron-LM, only
+    the first of a rank's model chunks (``chunk`` 0) is cut into buckets: the interleaved
+    schedule reduces each later chunk whole after its last backward, which other chunks' compute
+    still overlaps."""
     if torch.cuda.is_available():
         model.cuda()
     use_per_token_loss(model)
     wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
-    overlap = parallel is not None and parallel.overlap_grad_reduce
     config = DistributedDataParallelConfig(
         use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True,
-        overlap_grad_reduce=overlap,
-        overlap_param_gather=overlap and parallel.overlap_param_gather,
-        bucket_size=(parallel.ddp_bucket_size or None) if overlap else None)
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
+        bucket_size=parallel.ddp_bucket_size or None)  # None: megatron-core's default
     return CollectableDDP(model.config, config, wrapped, disable_bucketing=chunk > 0)
 
 
