@@ -53,6 +53,14 @@ class ParallelConfig:
     # default for its groups; NCCL's own, 10, can be shorter than rank 0 building the dataset
     # indices of a large blend on the first launch while the others wait).
     distributed_timeout_minutes: int = 30
+    # Megatron-LM's --overlap-grad-reduce / --overlap-param-gather: each DDP bucket's gradient
+    # reduce(-scatter) starts in the backward pass of the last micro-batch as soon as the bucket is
+    # complete, and (distributed optimizer only) the updated parameters' all-gather runs during the
+    # next forward, bucket by bucket (megaloop.training.ddp). ddp_bucket_size: elements per bucket
+    # (0: megatron-core's default, max(4e7, 1e6 x data-parallel size)).
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: int = 0
 
     @property
     def selective_modules(self) -> list[str]:
@@ -145,6 +153,33 @@ class ParallelConfig:
                 f"the model's {total} layer applications each (at most {total} stages)")
         if self.pipeline_split:
             check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
+
+    def validate_overlap(self, model: ModelConfig, distributed_optimizer: bool,
+                         prefix: str = "parallel") -> None:
+        """The data-parallel overlap settings (``ddp_bucket_size`` read only with overlap)."""
+        from megaloop.models.pipeline import plan_stages, stage_counts
+
+        require(self.ddp_bucket_size >= 0, prefix, "ddp_bucket_size", self.ddp_bucket_size,
+                ">= 0")
+        require(not self.ddp_bucket_size or self.overlap_grad_reduce, prefix, "ddp_bucket_size",
+                self.ddp_bucket_size, "0 unless parallel.overlap_grad_reduce=true (without "
+                "overlap every gradient buffer is reduced as one bucket)")
+        require(not self.overlap_param_gather or distributed_optimizer, prefix,
+                "overlap_param_gather", True, "false unless train.distributed_optimizer=true "
+                "(only the distributed optimizer all-gathers parameters)")
+        require(not self.overlap_param_gather or self.overlap_grad_reduce, prefix,
+                "overlap_param_gather", True, "false unless parallel.overlap_grad_reduce=true "
+                "(megatron-core's parameter all-gather hooks expect overlapped reduction)")
+        if not self.overlap_grad_reduce or self.pipeline_stages == 1:
+            return
+        stages = plan_stages(model, stage_counts(model, self))
+        tied = any(sum(layer in s.held("decoder") for s in stages) > 1
+                   for layer in range(1, model.num_decoder_layers + 1))
+        require(not tied, prefix, "overlap_grad_reduce", True,
+                f"false with parallel.pipeline={self.pipeline} x virtual_pipeline="
+                f"{self.virtual_pipeline} for this looped model (its decoder layers are tied "
+                "copies on several stages, whose gradients are summed before the data-parallel "
+                "reduction, which overlap would start during the backward pass)")
 
 
 def _recompute_module_absent(model: ModelConfig, name: str) -> str | None:
@@ -497,6 +532,7 @@ class RunConfig:
                 f"a divisor of model.seq_length={model.seq_length} for training (whole latents in "
                 "every training sequence; a loaded model infers at any length)")
         self.parallel.validate(self.model)
+        self.parallel.validate_overlap(self.model, self.train.distributed_optimizer)
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()

@@ -1,5 +1,6 @@
 """A model chunk wrapped for training (``wrap_for_training``): per-token loss scaling, bf16, and
-megatron-core's DistributedDataParallel, made collectable.
+megatron-core's DistributedDataParallel, made collectable, with the data-parallel communication
+overlap of Megatron-LM's ``--overlap-grad-reduce --overlap-param-gather`` (``configure_sync``).
 
 megatron-core keeps each parameter's gradient accumulator (an autograd node) in ``grad_accs`` and
 hangs a hook on it that closes over the DDP wrapper. The garbage collector cannot see through the
@@ -25,20 +26,47 @@ class CollectableDDP(DistributedDataParallel):
     def _make_backward_post_hook(self, param):
         return DistributedDataParallel._make_backward_post_hook(weakref.proxy(self), param)
 
+    def gather_params(self) -> None:
+        """Completes the parameter all-gather that ``overlap_param_gather`` defers to the next
+        forward pass (each module's pre-hook waits for its bucket): the weights of every rank are
+        the optimizer's latest wherever they are read outside a forward pass (checkpoints, the
+        finiteness check). A no-op without it, where the optimizer step gathers them itself."""
+        if self.use_forward_hook:
+            self.start_param_sync(force_sync=True)
 
-def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype,
-                      distributed_optimizer: bool) -> CollectableDDP:
+
+def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_optimizer: bool,
+                      parallel, chunk: int) -> CollectableDDP:
     """``model`` (a chunk whose parameters are in ``dtype``) on the GPU when there is one, with
-    per-token loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32)."""
+    per-token loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32), with
+    ``parallel``'s overlap settings (megaloop.config.run.ParallelConfig). As in Megatron-LM, only
+    the first of a rank's model chunks (``chunk`` 0) is cut into buckets: the interleaved
+    schedule reduces each later chunk whole after its last backward, which other chunks' compute
+    still overlaps."""
     if torch.cuda.is_available():
         model.cuda()
     use_per_token_loss(model)
     wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
-    return CollectableDDP(
-        model.config,
-        DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
-                                      grad_reduce_in_fp32=True, overlap_grad_reduce=False),
-        wrapped)
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
+        bucket_size=parallel.ddp_bucket_size or None)  # None: megatron-core's default
+    return CollectableDDP(model.config, config, wrapped, disable_bucketing=chunk > 0)
+
+
+def configure_sync(config, ddps: list[CollectableDDP], finalize) -> None:
+    """The hooks megatron-core's pipeline schedules call (read from the first chunk's
+    ``config``), as Megatron-LM sets them: ``no_sync`` keeps every micro-batch but the last from
+    reducing; with ``overlap_grad_reduce`` the interleaved schedule starts each chunk's reduction
+    after its last backward (``grad_sync_func``); ``finalize`` waits for the reductions."""
+    def per_chunk(funcs):
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    config.finalize_model_grads_func = finalize
+    config.no_sync_func = per_chunk([ddp.no_sync for ddp in ddps])
+    if ddps[0].ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = per_chunk([ddp.start_grad_sync for ddp in ddps])
 
 
 def use_per_token_loss(model: torch.nn.Module) -> None:

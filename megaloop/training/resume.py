@@ -69,6 +69,7 @@ BOOKKEEPING = (
     "train.out_dir", "train.log_interval", "train.eval_interval", "train.eval_iters",
     "train.eval_depths", "train.tensorboard", "train.wandb_project", "train.peak_tflops",
     "train.downstream_eval", "train.profile", "parallel.distributed_timeout_minutes",
+    "parallel.overlap_grad_reduce", "parallel.overlap_param_gather", "parallel.ddp_bucket_size",
     "data.cache_dir", "checkpoint.dir", "checkpoint.save_interval", "checkpoint.keep_last",
     "checkpoint.resume", "checkpoint.fallback_to_previous", "checkpoint.optimizer_format",
     # When a save's write runs, not what it writes: the checkpoints and the losses are the same.
@@ -179,6 +180,13 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
             reason = "the multipliers saved in the checkpoint hold"
         elif name == "alrs.log_eigenvalues":
             reason = _eigenvalue_log_refusal(cfg)
+        elif (name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size")
+              and cfg.train.distributed_optimizer and saved.get("checkpoint", {}).get(
+                  "optimizer_format", "dp_reshardable") == "dp_reshardable"):
+            reason = ("the distributed-optimizer state it holds, in checkpoint.optimizer_format="
+                      "dp_reshardable, is laid out by megatron-core's DDP buckets, which this "
+                      "setting cuts differently; change it when resuming a fully_reshardable "
+                      "checkpoint")
         elif name == "model.iterations":  # the saved weights are those of a model with ``old``
             reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
         elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":

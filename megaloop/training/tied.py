@@ -18,7 +18,8 @@ parameter:
 
 The sum runs on each rank's accumulated gradients before the data-parallel reduce(-scatter), so it
 is exact for either optimizer whatever part of the buffer a data-parallel rank owns; it needs
-``overlap_grad_reduce`` off (the trainer's setting). The holders of each layer get a process group
+``overlap_grad_reduce`` off, which would start that reduction during the backward pass
+(``ParallelConfig.validate_overlap`` refuses it where a model has tied copies). The holders of each layer get a process group
 per pipeline group (all ranks create them together).
 """
 

@@ -226,7 +226,7 @@ class Trainer:
 
         from megaloop.models.model import model_class
         from megaloop.models.pipeline import describe_split, stage_counts
-        from megaloop.training.ddp import wrap_for_training
+        from megaloop.training.ddp import configure_sync, wrap_for_training
         from megaloop.training.tied import TiedCopies
 
         cfg, par = self.cfg, self.cfg.parallel
@@ -247,14 +247,10 @@ class Trainer:
             self.tied = TiedCopies(self.models, par.pipeline,
                                    ps.get_pipeline_model_parallel_group())
             self.tied.sync_weights()
-        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer)
-                     for model in self.models]
+        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer, par, chunk)
+                     for chunk, model in enumerate(self.models)]
         self.ddp = self.ddps[0]
-        # The schedules read these from the first chunk's config.
-        config = self.model.config
-        config.finalize_model_grads_func = self._finalize_grads
-        config.no_sync_func = ([ddp.no_sync for ddp in self.ddps] if len(self.ddps) > 1
-                               else self.ddp.no_sync)
+        configure_sync(self.model.config, self.ddps, self._finalize_grads)
 
     def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
         """megatron-core's finalize_model_grads, after summing the tied decoder copies' gradients
@@ -456,6 +452,8 @@ class Trainer:
 
     def _weights_finite(self) -> bool:
         """Whether every weight of every rank is finite (a collective)."""
+        for ddp in self.ddps:  # all-gathers deferred to the next forward (so before any save)
+            ddp.gather_params()
         finite = all(bool(torch.isfinite(p).all()) for m in self.models for p in m.parameters())
         flag = torch.tensor([1.0 if finite else 0.0], device=_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

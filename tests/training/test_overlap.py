@@ -1,0 +1,179 @@
+"""Data-parallel communication overlap (parallel.overlap_grad_reduce / overlap_param_gather,
+megaloop.training.ddp): DP=2 with two micro-batches per rank and step trains to the same losses
+and weights with overlap as without, with and without the distributed optimizer; the buckets'
+reductions start during the backward pass (not in finalize_model_grads, where they start without
+overlap); the weight-tied decoder's gradient hook fires once per parameter per backward however
+many iterations use it; the refused combinations fail in one line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaloop.config.errors import ConfigError
+from tests.distributed import run_distributed
+from tests.training.conftest import one_line, tiny_run, train_losses, write_pattern_dataset
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_pattern_dataset(tmp_path_factory.mktemp("odata") / "pattern")
+
+
+def _train(rank, world_size, data_prefix, out_dir, parallel, train, model=None):
+    """Trains 3 steps, recording when each bucket group's reduction starts relative to
+    finalize_model_grads; returns losses, weights, those events and the hooks' per-parameter
+    counts (megatron-core's, from the first step's last backward)."""
+    from megaloop.training.trainer import Trainer
+
+    trainer = Trainer(tiny_run(data_prefix, Path(out_dir), parallel=parallel, model=model,
+                               train={"train_steps": 3, "global_batch_size": 8,
+                                      "log_interval": 1, **train}))
+    events = []
+    groups = [g for ddp in trainer.ddps for g in ddp.bucket_groups]
+    for group in groups:
+        start = group.start_grad_sync
+        group.start_grad_sync = (lambda *a, start=start, **k:
+                                 (events.append("reduce"), start(*a, **k))[1])
+    config = trainer.model.config
+    finalize = config.finalize_model_grads_func
+    config.finalize_model_grads_func = (lambda *a, **k: (events.append("finalize"),
+                                                         finalize(*a, **k))[1])
+    trainer.train()
+    counts = sorted({c for g in groups for c in g.golden_per_param_grad_ready_counts.values()})
+    weights = {n: p.detach().clone() for m in trainer.models for n, p in m.named_parameters()}
+    return {"losses": train_losses(Path(out_dir)) if rank == 0 else None, "weights": weights,
+            "events": events, "groups": len(groups), "counts": counts}
+
+
+def _run(data, out, parallel, distributed_optimizer, steps=3):
+    return run_distributed(_train, world_size=2, data_prefix=data, out_dir=str(out),
+                           parallel=parallel, train={"distributed_optimizer": distributed_optimizer,
+                                                     "train_steps": steps})
+
+
+@pytest.mark.parametrize("distributed_optimizer, recompute", [
+    (False, "none"), (True, "none"), (True, "full")], ids=["ddp", "distopt", "distopt_recompute"])
+def test_overlap_trains_like_no_overlap_and_reduces_during_backward(mcore, data, tmp_path,
+                                                                    distributed_optimizer,
+                                                                    recompute):
+    overlap = {"overlap_grad_reduce": True, "ddp_bucket_size": 2000,
+               "overlap_param_gather": distributed_optimizer, "recompute": recompute}
+    plain = _run(data, tmp_path / "plain", {"recompute": recompute}, distributed_optimizer)
+    lapped = _run(data, tmp_path / "overlap", overlap, distributed_optimizer)
+    # Without overlap: one bucket, reduced inside finalize_model_grads.
+    assert plain[0]["groups"] == 1
+    assert plain[0]["events"] == ["finalize", "reduce"] * 3
+    # With it: several buckets; from step 2 on (megatron-core learns the hooks' counts in step 1)
+    # every bucket's reduction starts in the last micro-batch's backward, before finalize.
+    groups = lapped[0]["groups"]
+    assert groups > 1
+    assert lapped[0]["events"] == (["finalize"] + ["reduce"] * groups
+                                   + (["reduce"] * groups + ["finalize"]) * 2)
+    # The tied decoder (2 iterations) is one autograd leaf: its hook fires once per backward;
+    # recomputation runs a backward per recomputed block, so the hook fires once per iteration
+    # there, and megatron-core waits for the counts it learnt in step 1.
+    assert lapped[0]["counts"] == [1] if recompute == "none" else max(lapped[0]["counts"]) > 1
+    assert lapped[0]["losses"] == plain[0]["losses"] and len(plain[0]["losses"]) == 3
+    for mine, theirs in zip(lapped, plain):
+        assert mine["weights"].keys() == theirs["weights"].keys()
+        for name, weight in mine["weights"].items():
+            assert torch.equal(weight, theirs["weights"][name]), name
+    if recompute == "full":
+        return
+    # A run of 2 steps without overlap resumed with it: step 3 is plain's, unless the distributed
+    # optimizer's state is laid out by the buckets that overlap cuts anew.
+    _run(data, tmp_path / "resumed", {}, distributed_optimizer, steps=2)
+    if distributed_optimizer:
+        with pytest.raises(AssertionError, match="parallel.overlap_grad_reduce=True: differs "
+                           "from False .*dp_reshardable, is laid out by megatron-core's DDP"):
+            _run(data, tmp_path / "resumed", overlap, distributed_optimizer)
+        # Saved and resumed with overlap (the deferred gather completed before the save) as
+        # without (the 2-step runs' LR schedule differs from the 3-step runs' above).
+        reference = _run(data, tmp_path / "resumed", {}, True)
+        _run(data, tmp_path / "overlap2", overlap, True, steps=2)
+        resumed = _run(data, tmp_path / "overlap2", overlap, True)
+        assert resumed[0]["losses"] == reference[0]["losses"] and 3 in resumed[0]["losses"]
+        for mine, theirs in zip(resumed, reference):
+            for name, weight in mine["weights"].items():
+                assert torch.equal(weight, theirs["weights"][name]), name
+        return
+    # Plain DDP's optimizer state is per parameter: the change is accepted. (Resuming with
+    # train.distributed_optimizer=false fails at its next save on main too, in megatron-core's
+    # optimizer.sharded_state_dict, so the resumed run itself is not trained here.)
+    from megaloop.training.resume import check_resume
+
+    cfg = tiny_run(data, tmp_path / "resumed", parallel=overlap,
+                   train={"distributed_optimizer": False, "global_batch_size": 8})
+    assert check_resume(tmp_path / "resumed" / "checkpoints" / "iter_0000002", cfg) is False
+
+
+@pytest.mark.parametrize("parallel, train, message", [
+    ({"overlap_grad_reduce": True, "overlap_param_gather": True}, {"distributed_optimizer": False},
+     "parallel.overlap_param_gather=True: must be false unless train.distributed_optimizer=true"),
+    ({"overlap_param_gather": True}, {},
+     "parallel.overlap_param_gather=True: must be false unless parallel.overlap_grad_reduce"),
+    ({"ddp_bucket_size": 1000}, {}, "parallel.ddp_bucket_size=1000: must be 0 unless"),
+    ({"overlap_grad_reduce": True, "pipeline": 2}, {},
+     "parallel.overlap_grad_reduce=True: must be false with parallel.pipeline=2"),
+])
+def test_refused_overlap_settings(tmp_path, parallel, train, message):
+    cfg = tiny_run("data", tmp_path, parallel=parallel, train=train)
+    with pytest.raises(ConfigError) as error:
+        cfg.validate()
+    assert message in one_line(error)
+
+
+def test_overlap_with_a_pipeline_of_untied_stages_is_allowed(tmp_path):
+    tiny_run("data", tmp_path, model={"arch": "dense", "iterations": 1},
+             parallel={"overlap_grad_reduce": True, "pipeline": 2}).validate()
+
+
+def _step_then_weights(rank, world_size, data_prefix, out_dir):
+    """One optimizer step with overlap_param_gather: the weights right after it, and after
+    ``_weights_finite`` (which completes the deferred all-gather, as a checkpoint save does)."""
+    from megaloop.training.data import MicroBatches
+    from megaloop.training.trainer import Trainer
+
+    trainer = Trainer(tiny_run(data_prefix, Path(out_dir), train={"global_batch_size": 8},
+                               parallel={"overlap_grad_reduce": True,
+                                         "overlap_param_gather": True}))
+    cfg = trainer.cfg.train
+    trainer.step = 1
+    trainer.train_step(MicroBatches(trainer.train_data, cfg.micro_batch_size, trainer.dp_rank,
+                                    trainer.dp_size, 0, cfg.global_batch_size))
+
+    def weights():
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+    before = weights()
+    assert trainer._weights_finite()
+    after = weights()
+    trainer.close()
+    return before, after
+
+
+def test_parameter_gather_is_deferred_and_completed_before_weights_are_read(data, tmp_path):
+    (before0, after0), (before1, after1) = run_distributed(
+        _step_then_weights, world_size=2, data_prefix=data, out_dir=str(tmp_path))
+    # Each rank updated its own shard; the other's arrives with the next forward (or the gather).
+    assert not torch.equal(before0, before1)
+    assert torch.equal(after0, after1)
+    assert not torch.equal(before0, after0) and not torch.equal(before1, after1)
+
+
+def test_overlap_in_the_interleaved_schedule(data, tmp_path):
+    # A Dense model (no tied copies) at PP=2 x VP=2: the schedule starts each chunk's reduction
+    # after its last backward (grad_sync_func); nothing changes a bit.
+    layout = {"pipeline": 2, "virtual_pipeline": 2}
+    plain, lapped = (run_distributed(_train, world_size=2, data_prefix=data,
+                                     out_dir=str(tmp_path / name), parallel={**layout, **extra},
+                                     train={}, model={"arch": "dense", "iterations": 1})
+                     for name, extra in [("plain", {}), ("overlap", {"overlap_grad_reduce": True,
+                                                                     "ddp_bucket_size": 2000})])
+    assert lapped[0]["groups"] > plain[0]["groups"]  # the first chunk in several buckets
+    assert lapped[0]["events"][0] == "reduce"  # step 1's first reduction before finalize
+    assert lapped[0]["losses"] == plain[0]["losses"]
+    for mine, theirs in zip(lapped, plain):
+        for name, weight in mine["weights"].items():
+            assert torch.equal(weight, theirs["weights"][name]), name
