@@ -388,7 +388,7 @@ class Trainer:
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)
         try:
-            if self._stop_requested():  # after the last set-up boundary: nothing new to save
+            if self.stop_requested():  # after the last set-up boundary: nothing new to save
                 log.warning("stopped by signal %d before the first step; nothing to save",
                             self.stop_signals.received)
                 return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
@@ -419,7 +419,7 @@ class Trainer:
                         and self.step < cfg.train_steps and self.valid_data is not None):
                     self.monitor.log_eval(self.step, self.evaluate())
                 interval = self.cfg.checkpoint.save_interval
-                if self._stop_requested():
+                if self.stop_requested():
                     self.profiler.close()  # the steps traced, without the save after them
                     self.save()
                     log.warning("stopped by signal %d after step %d; checkpoint saved",
@@ -485,7 +485,7 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     # ------------------------------------------------------------------ signals
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
         """Agreed by all ranks, since each may have seen the signal at a different moment."""
         signals = self.stop_signals
         flag = torch.tensor([1.0 if signals.received is not None else 0.0], device=_device())
@@ -497,7 +497,7 @@ class Trainer:
     def _stop_point(self, done: str) -> None:
         """A set-up phase boundary (collective): a stop signal any rank has received ends set-up
         here on every rank."""
-        if self._stop_requested():
+        if self.stop_requested():
             raise _StoppedDuringSetUp(done)
 
     def _note_exit(self, text: str) -> None:
