@@ -240,7 +240,7 @@ class Trainer:
         if par.pipeline > 1 and dist.get_rank() == 0:
             counts = stage_counts(cfg.model, par)
             for line in describe_split(cfg.model, counts, par.pipeline, self.num_microbatches,
-                                       not par.pipeline_split, par.recompute == "full"):
+                                       not par.pipeline_split, par.recompute, par.selective_modules):
                 log.info("%s", line)
         self.tied = None
         if par.pipeline > 1 or par.virtual_pipeline > 1:
