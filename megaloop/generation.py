@@ -32,6 +32,11 @@ from typing import Protocol, Sequence
 import torch
 
 
+def _refuse_empty(prompt: Sequence[int]) -> None:
+    if not prompt:
+        raise ValueError("an empty prompt gives the model nothing to continue")
+
+
 class DecodeBackend(Protocol):
     context: int  # the longest sequence (prompt and generated tokens) to decode: model.seq_length
 
@@ -58,8 +63,7 @@ class FullForward:
             return self.model(ids, num_iterations=self.num_iterations)[0, -1].float()
 
     def prefill(self, prompt: Sequence[int]) -> torch.Tensor:
-        if not prompt:
-            raise ValueError("an empty prompt gives the model nothing to continue")
+        _refuse_empty(prompt)
         self.tokens = [int(t) for t in prompt]
         return self._logits()
 
@@ -86,8 +90,7 @@ class Cached:
         return out.logits[0, -1].float()
 
     def prefill(self, prompt: Sequence[int]) -> torch.Tensor:
-        if not prompt:
-            raise ValueError("an empty prompt gives the model nothing to continue")
+        _refuse_empty(prompt)
         self.cache = self.model.new_cache(self.num_iterations)
         return self._logits([int(t) for t in prompt])
 
@@ -109,6 +112,7 @@ def greedy_generate(backend: DecodeBackend, prompt: Sequence[int], max_new_token
     ``max_new_tokens`` longer together than ``backend.context`` are a ValueError (see above)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    _refuse_empty(prompt)  # before the max_new_tokens=0 shortcut, which never reaches prefill
     if len(prompt) + max_new_tokens > backend.context:
         raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
                          f"run past the model's {backend.context}-token context (model.seq_length, "

@@ -20,6 +20,7 @@ induction-style circuit (the value's position learning which name precedes it): 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,14 @@ def training_programs(rng: random.Random, count: int, max_hops: int) -> list[Pro
     uniformly."""
     return [make_program(rng, rng.randint(1, max_hops), rng.randint(1, max_hops))
             for _ in range(count)]
+
+
+def program_count(hops: int, max_distractor_hops: int) -> int:
+    """How many distinct programs ``make_program`` can write with ``hops`` hops and a distractor
+    chain of 1..``max_distractor_hops`` bindings: the names in order, the two digits, and the
+    interleaving of the chains each change the prompt."""
+    return sum(math.perm(len(NAMES), hops + d) * math.perm(len(DIGITS), 2) * math.comb(hops + d, d)
+               for d in range(1, max_distractor_hops + 1) if hops + d <= len(NAMES))
 
 
 def held_out_programs(seed: int, hops: Sequence[int], per_hop: int, max_distractor_hops: int,

@@ -354,6 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None and args.input:
             parser.error(f"--{name.replace('_', '-')} applies to the generated task, not to "
                          "--input")
+    if args.eval_per_hop is not None:  # checked now, not after a search that cannot succeed
+        from megaloop.multihop import program_count
+
+        most = min(program_count(h, MAX_HOPS) for h in EVAL_HOPS)
+        if args.eval_per_hop > most:
+            parser.error(f"--eval-per-hop {args.eval_per_hop}: the generated task has {most} "
+                         f"distinct {min(EVAL_HOPS)}-hop programs, so at most {most} (fewer once "
+                         "those seen in training are left out)")
     args.models = list(dict.fromkeys(args.models))
 
     from megaloop.cli import quiet_third_party_warnings
@@ -421,7 +429,11 @@ def build(args: argparse.Namespace, work: Path, out: Path) -> int:
     tokenizer = load_tokenizer("SentencePieceTokenizer", tokenizer_path)
     if embedded:
         per_hop = args.eval_per_hop or EVAL_PER_HOP
-        held_out = multihop.held_out_programs(1, EVAL_HOPS, per_hop, MAX_HOPS, seen)
+        try:  # under the count main checks, but more than are unseen in training
+            held_out = multihop.held_out_programs(1, EVAL_HOPS, per_hop, MAX_HOPS, seen)
+        except ValueError as e:
+            print(f"error: --eval-per-hop {per_hop}: {e}", file=sys.stderr)
+            return 2
         examples = multihop.encode_programs(tokenizer, held_out)
     results = {}
     for index, name in enumerate(args.models, start=1):

@@ -111,9 +111,10 @@ def test_the_model_call_takes_positions_past_its_context(model):
     torch.testing.assert_close(longer[:, :32], prefix)
 
 
-def test_empty_prompt_is_refused(model):
+@pytest.mark.parametrize("max_new_tokens", [3, 0])  # 0: refused too, not an empty Generation
+def test_empty_prompt_is_refused(model, max_new_tokens):
     with pytest.raises(ValueError, match="empty prompt"):
-        greedy_generate(FullForward(model), [], 3, eos_id=None)
+        greedy_generate(FullForward(model), [], max_new_tokens, eos_id=None)
 
 
 @pytest.mark.parametrize("arch, depth", [("asymloop", None), ("asymloop", 4), ("fullloop", 3),

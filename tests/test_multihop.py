@@ -55,6 +55,14 @@ def test_impossible_programs_are_refused(hops, distractor):
         multihop.make_program(random.Random(0), hops, distractor)
 
 
+def test_program_count_is_how_many_distinct_programs_are_written():
+    rng = random.Random(0)  # 150k draws find each of 10080 programs (coupon collector: ~93k)
+    seen = {multihop.make_program(rng, 1, 1).prompt for _ in range(150_000)}
+    assert len(seen) == multihop.program_count(1, 1) == 10080
+    assert multihop.program_count(1, 2) == 10080 + 90720  # one set per distractor length
+    assert multihop.program_count(7, 2) == multihop.program_count(7, 1)  # 7 + 2 names: too many
+
+
 def test_training_hops_are_uniform_over_the_range():
     programs = multihop.training_programs(random.Random(0), 3000, max_hops=3)
     counts = collections.Counter(p.hops for p in programs)

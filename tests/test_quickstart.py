@@ -318,6 +318,8 @@ def test_own_data_too_small_to_validate_on_is_one_line(mcore, tmp_path, capsys):
     (["--input", "x.txt", "--documents", "50"], "--documents applies to the generated task"),
     (["--documents", "19"], "argument --documents: 19: must be >= 20"),
     (["--input", "x.txt", "--eval-per-hop", "5"], "--eval-per-hop applies to the generated task"),
+    (["--eval-per-hop", "100801"], "--eval-per-hop 100801: the generated task has 100800 "
+     "distinct 1-hop programs, so at most 100800"),  # found before any search, not after one
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -390,3 +392,17 @@ def test_files_of_other_types_in_an_input_directory_are_noted(tmp_path, capsys):
     check_corpus([str(tmp_path)])
     assert capsys.readouterr().err == (f"note: --input: skipped 1 files of unsupported types "
                                        f"(1 .bin): {tmp_path}/own.bin\n")
+
+
+def test_more_held_out_programs_than_are_unseen_in_training_is_one_line(tmp_path, monkeypatch,
+                                                                        capsys):
+    from megaloop import multihop
+
+    def too_few(seed, hops, per_hop, max_distractor_hops, exclude):  # the search's own refusal
+        raise ValueError(f"hops=1: fewer than {per_hop} programs unseen in training")
+
+    monkeypatch.setattr(multihop, "held_out_programs", too_few)
+    assert main(["--out", str(tmp_path / "out"), "--documents", "20", "--eval-per-hop", "5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --eval-per-hop 5: hops=1: fewer than 5 programs unseen in training")
+    assert not (tmp_path / "out" / "results.json").exists()

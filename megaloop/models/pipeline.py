@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Sequence
 
 from megaloop.config import ConfigError, ModelConfig
 
@@ -187,17 +188,23 @@ class StageCosts:
         return cost
 
 
-def stage_costs(model: ModelConfig, recompute: bool = False) -> StageCosts:
+def stage_costs(model: ModelConfig, recompute: str = "none",
+                modules: Sequence[str] = ("core_attn",)) -> StageCosts:
     """Forward + backward (+ the recomputed forward) FLOPs per token: matmuls 3x their forward,
-    flash attention 3.5x (its backward recomputes the scores), recomputation replays the layers
-    but not the Global KV projection or the head (as megaloop.models.flops counts them)."""
+    flash attention 3.5x (its backward recomputes the scores). ``recompute`` as parallel.recompute
+    and ``modules`` its selective_modules, replayed as megaloop.models.flops
+    executed_backward_flops counts them: full recomputation replays the layers (+1x) but not the
+    Global KV projection or the head; selective recomputation of core_attn replays each core
+    attention (+1x the attention term)."""
     from megaloop.models.flops import layer_application_flops
 
     model = dataclasses.replace(model).resolve()
-    replay = 1 if recompute else 0
+    full = recompute == "full"
+    attention_replay = 1 if full or (recompute == "selective" and "core_attn" in modules) else 0
 
     def train(matmul, attention):
-        return (3 + replay) * Fraction(matmul) + (Fraction(7, 2) + replay) * Fraction(attention)
+        return ((3 + full) * Fraction(matmul)
+                + (Fraction(7, 2) + attention_replay) * Fraction(attention))
 
     encoder = train(*layer_application_flops(model, "encoder"))
     decoder = train(*layer_application_flops(model, "decoder"))
@@ -209,11 +216,12 @@ def stage_costs(model: ModelConfig, recompute: bool = False) -> StageCosts:
 
 # The dry run's layout search asks for the same few splits once per layout and stage; each is a
 # search over every cut of the chain (about 0.1 s for the 7B preset).
-_SPLITS: dict[tuple[str, int, bool], tuple[int, ...]] = {}
+_SPLITS: dict[tuple, tuple[int, ...]] = {}
 _SPLITS_KEPT = 64
 
 
-def balanced_split(model: ModelConfig, stages: int, recompute: bool = False) -> list[int]:
+def balanced_split(model: ModelConfig, stages: int, recompute: str = "none",
+                   modules: Sequence[str] = ("core_attn",)) -> list[int]:
     """Per-stage application counts with the smallest slowest-stage cost and, among those, the
     smallest sum of squared stage costs (the even spread of the rest)."""
     model = dataclasses.replace(model).resolve()
@@ -221,16 +229,16 @@ def balanced_split(model: ModelConfig, stages: int, recompute: bool = False) -> 
     if not 1 <= stages <= total:
         raise ConfigError(f"{stages} pipeline stages: a model of {total} layer applications "
                           f"(E + K x D) fits 1 to {total} stages")
-    key = (repr(model), stages, recompute)
+    key = (repr(model), stages, recompute, tuple(modules))
     if key not in _SPLITS:
         if len(_SPLITS) >= _SPLITS_KEPT:
             _SPLITS.clear()
-        _SPLITS[key] = tuple(_search_split(model, total, stages, recompute))
+        costs = stage_costs(model, recompute, modules)
+        _SPLITS[key] = tuple(_search_split(model, total, stages, costs))
     return list(_SPLITS[key])
 
 
-def _search_split(model: ModelConfig, total: int, stages: int, recompute: bool) -> list[int]:
-    costs = stage_costs(model, recompute)
+def _search_split(model: ModelConfig, total: int, stages: int, costs: StageCosts) -> list[int]:
     # cost[a, b]: one stage running applications [a, b) (the last one also the head).
     cost = {(a, b): costs.of(_stage(model, 0, a, b, b == total))
             for a in range(total) for b in range(a + 1, total + 1)}
@@ -264,7 +272,8 @@ def stage_counts(model: ModelConfig, parallel) -> list[int]:
     the balanced split."""
     if parallel.pipeline_split:
         return list(parallel.pipeline_split)
-    return balanced_split(model, parallel.pipeline_stages, parallel.recompute == "full")
+    return balanced_split(model, parallel.pipeline_stages, parallel.recompute,
+                          parallel.selective_modules)
 
 
 def check_split(model: ModelConfig, counts: list[int], stages: int, field: str) -> None:
@@ -301,12 +310,12 @@ class Balance:
 
 
 def balance(model: ModelConfig, counts: list[int], pipeline: int, micro_batches: int,
-            recompute: bool = False) -> Balance:
+            recompute: str = "none", modules: Sequence[str] = ("core_attn",)) -> Balance:
     """Balance of ``counts`` over ``pipeline`` ranks (``len(counts) // pipeline`` chunks each) at
     ``micro_batches`` micro-batches per step. The step time under 1F1B is taken as
     (M * V + P - 1) slots of the slowest chunk; the ideal is a P-th of the unsplit model's work."""
     model = dataclasses.replace(model).resolve()
-    costs = stage_costs(model, recompute)
+    costs = stage_costs(model, recompute, modules)
     ideal = costs.of(plan_stages(model, [chain_length(model)])[0]) / len(counts)
     stage_cost = [costs.of(s) for s in plan_stages(model, counts)]
     chunks = len(counts) // pipeline
@@ -317,9 +326,10 @@ def balance(model: ModelConfig, counts: list[int], pipeline: int, micro_batches:
 
 
 def describe_split(model: ModelConfig, counts: list[int], pipeline: int, micro_batches: int,
-                   chosen: bool, recompute: bool = False) -> list[str]:
+                   chosen: bool, recompute: str = "none",
+                   modules: Sequence[str] = ("core_attn",)) -> list[str]:
     """Lines for logs and the dry run: the split, its balance and bubble, each stage's contents."""
-    found = balance(model, counts, pipeline, micro_batches, recompute)
+    found = balance(model, counts, pipeline, micro_batches, recompute, modules)
     origin = "balanced by the layout chooser" if chosen else "parallel.pipeline_split"
     lines = [f"pipeline split {list(counts)} ({origin}): slowest stage {found.slowest:.2f} x "
              f"ideal, bubble {found.bubble:.0%} at {micro_batches} micro-batches per step"]

@@ -97,7 +97,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
     if layout.pipeline > 1:
         lines += describe_split(cfg.model, stage_counts(cfg.model, cfg.parallel),
                                 layout.pipeline, micro, not cfg.parallel.pipeline_split,
-                                cfg.parallel.recompute == "full")
+                                cfg.parallel.recompute, modules)
     else:
         lines.append(f"stage 0: {stage_layout(cfg.model, cfg.parallel)[0].describe()}")
     lines += rank_table(layout, gpus_per_node)

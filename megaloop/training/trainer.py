@@ -240,7 +240,7 @@ class Trainer:
         if par.pipeline > 1 and dist.get_rank() == 0:
             counts = stage_counts(cfg.model, par)
             for line in describe_split(cfg.model, counts, par.pipeline, self.num_microbatches,
-                                       not par.pipeline_split, par.recompute == "full"):
+                                       not par.pipeline_split, par.recompute, par.selective_modules):
                 log.info("%s", line)
         self.tied = None
         if par.pipeline > 1 or par.virtual_pipeline > 1:
@@ -384,7 +384,7 @@ class Trainer:
         data = MicroBatches(self.train_data, cfg.micro_batch_size, self.dp_rank, self.dp_size,
                             self.consumed_samples, cfg.global_batch_size)
         try:
-            if self._stop_requested():  # after the last set-up boundary: nothing new to save
+            if self.stop_requested():  # after the last set-up boundary: nothing new to save
                 log.warning("stopped by signal %d before the first step; nothing to save",
                             self.stop_signals.received)
                 return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
@@ -415,7 +415,7 @@ class Trainer:
                         and self.step < cfg.train_steps and self.valid_data is not None):
                     self.monitor.log_eval(self.step, self.evaluate())
                 interval = self.cfg.checkpoint.save_interval
-                if self._stop_requested():
+                if self.stop_requested():
                     self.profiler.close()  # the steps traced, without the save after them
                     self.save()
                     log.warning("stopped by signal %d after step %d; checkpoint saved",
@@ -483,7 +483,7 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     # ------------------------------------------------------------------ signals
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
         """Agreed by all ranks, since each may have seen the signal at a different moment."""
         signals = self.stop_signals
         flag = torch.tensor([1.0 if signals.received is not None else 0.0], device=_device())
@@ -495,7 +495,7 @@ class Trainer:
     def _stop_point(self, done: str) -> None:
         """A set-up phase boundary (collective): a stop signal any rank has received ends set-up
         here on every rank."""
-        if self._stop_requested():
+        if self.stop_requested():
             raise _StoppedDuringSetUp(done)
 
     def _note_exit(self, text: str) -> None:

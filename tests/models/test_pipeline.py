@@ -12,7 +12,7 @@ from megaloop.alrs import experts
 from megaloop.config import ModelConfig, ParallelConfig
 from megaloop.models.model import build_model
 from megaloop.models.pipeline import (balance, balanced_split, chain_length, plan_stages,
-                                      stage_costs)
+                                      stage_costs, stage_counts)
 from tests.models.variants import small_config
 
 
@@ -127,3 +127,24 @@ def test_a_pipeline_runs_exactly_the_iterations_it_unrolls(seeded):
     with pytest.raises(ValueError, match="num_iterations=2: a pipeline runs exactly the "
                                          "iterations=3 its stages unroll"):
         stage(torch.zeros(1, cfg.seq_length, dtype=torch.long), num_iterations=2)
+
+
+def test_the_cost_model_replays_what_each_recompute_mode_replays():
+    """Each mode adds to a whole-model stage what megaloop.models.flops counts it re-executing;
+    selective recomputation (core attention) is neither free nor full, and moves the split."""
+    from megaloop.models.flops import executed_backward_flops
+
+    model = ModelConfig(arch="asymloop", num_layers=6, iterations=2, seq_length=1024,
+                        vocab_size=256, hidden_size=256, num_attention_heads=4,
+                        ffn_hidden_size=1024)
+    whole = plan_stages(model, [chain_length(model)])[0]
+    base = stage_costs(model, "none").of(whole)
+    for mode in ("selective", "full"):
+        extra = executed_backward_flops(model, mode) - executed_backward_flops(model, "none")
+        assert stage_costs(model, mode).of(whole) - base == extra > 0
+    assert stage_costs(model, "selective", ["mlp"]).of(whole) == base  # core attention not kept
+    splits = [balanced_split(model, 3), balanced_split(model, 3, "selective")]
+    assert splits[0] != splits[1]  # [3, 3, 3] leaves the last stage slowest once attention replays
+    chosen = {mode: stage_counts(model, ParallelConfig(pipeline=3, recompute=mode))
+              for mode in ("none", "selective")}
+    assert chosen == {"none": splits[0], "selective": splits[1]}

@@ -107,3 +107,23 @@ def test_the_dry_run_says_which_modules_selective_recomputation_replays():
     assert "recompute selective (core_attn of every layer);" in report(cfg, world_size=1)
     cfg.parallel.recompute_modules = ["core_attn", "mlp"]
     assert "recompute selective (core_attn, mlp of every layer);" in report(cfg, world_size=1)
+
+
+def test_the_dry_runs_pipeline_split_counts_selective_recomputation():
+    from megaloop.config import ParallelConfig
+    from megaloop.models.pipeline import balance, balanced_split
+
+    cfg = _run(eod_id=0)  # a model whose balanced split moves once core attention replays
+    cfg.model = dataclasses.replace(cfg.model, arch="asymloop", num_layers=6, iterations=2,
+                                    seq_length=1024, vocab_size=256, hidden_size=256,
+                                    num_attention_heads=4, ffn_hidden_size=1024,
+                                    encoder_layers=3, decoder_ffn_hidden_size=1024)
+    split = balanced_split(cfg.model, 3, "selective")
+    assert split != balanced_split(cfg.model, 3, "none")
+    # Its balance as the run has it, not as if the replay were free.
+    slowest, free = (f"{balance(cfg.model, split, 3, 1, mode).slowest:.2f}"
+                     for mode in ("selective", "none"))
+    assert slowest != free
+    cfg.parallel = ParallelConfig(pipeline=3, recompute="selective")
+    assert (f"pipeline split {split} (balanced by the layout chooser): slowest stage {slowest} x "
+            "ideal") in report(cfg, world_size=3)

@@ -288,13 +288,16 @@ def _one_rank_signalled_while_building_datasets(rank, world_size, data_prefix, o
             trainer = Trainer(tiny_run(data_prefix, Path(out_dir)), stop_signals)
     finally:
         stop_signals.restore()
-    return trainer.stopped_during_set_up, hasattr(trainer, "model"), trainer.train()
+    # The public all-rank agreement (the one loops outside the Trainer's own, such as
+    # tools/bench/pipeline_balance.py, call) still holds the stop afterwards, on every rank.
+    return (trainer.stopped_during_set_up, hasattr(trainer, "model"), trainer.stop_requested(),
+            trainer.train())
 
 
 def test_every_rank_stops_set_up_where_one_rank_saw_the_signal(mcore, pattern_data, tmp_path):
     outcomes = run_distributed(_one_rank_signalled_while_building_datasets, world_size=2,
                                data_prefix=pattern_data, out_dir=str(tmp_path))
-    assert outcomes == [(True, False, {"step": 0, "stopped_by_signal": signal.SIGTERM})] * 2
+    assert outcomes == [(True, False, True, {"step": 0, "stopped_by_signal": signal.SIGTERM})] * 2
 
 
 HANG_IN_CPP = textwrap.dedent("""

@@ -82,7 +82,7 @@ def worker(config_path: str, steps: int, warmup: int, out: str) -> None:
         # launcher's SIGTERM was taken and the steps ran on until its SIGKILL 30 s later. Its
         # check is the Trainer's own, agreed by every stage: one stopping alone would leave the
         # others waiting for its activations.
-        if trainer._stop_requested():
+        if trainer.stop_requested():
             trainer.close()
             raise SystemExit(128 + int(trainer.stop_signals.received))
     counted = steps - warmup
