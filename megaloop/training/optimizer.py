@@ -302,6 +302,8 @@ def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunC
             name=name, fn=lambda p, held=copies[name]: any(p is t for t in held)))
         overrides[key] = {_GROUP_KEY: name}
     optimizer = get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner._filter_and_reorder_param_groups = _groups_in_their_order
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=opt_config.lr, min_lr=opt_config.min_lr,
         lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.train_steps, **decay_arguments(train),
@@ -312,6 +314,28 @@ def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunC
     every = experts.every_block(blocks, experts.num_experts(models[0]), pipeline)
     return optimizer, scheduler, LRMultipliers(optimizer, scheduler, blocks, copies,
                                                known=[b.name for b in every])
+
+
+def _groups_in_their_order(current_groups: list[dict], loaded_groups: list[dict]) -> list[dict]:
+    """Stands in for megatron-core's ``_filter_and_reorder_param_groups`` when an optimizer
+    without the distributed optimizer loads a checkpoint. That method pairs loaded groups with the
+    optimizer's by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), which megatron-core
+    keeps unique by merging parameters; megaloop's groups are one per matrix and share those
+    values, so the pairing collapsed them onto one group and scrambled the Adam state on resume.
+    The groups are built in the same order for the same model, so they pair by position; a
+    group whose identity differs (a changed weight-decay rule) is still refused."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    def identity(group: dict) -> tuple:
+        return (group.get(_GROUP_KEY),) + tuple(group.get(k) for k in param_group_identifier_keys)
+
+    mismatched = [(identity(a), identity(b)) for a, b in zip(current_groups, loaded_groups)
+                  if identity(a) != identity(b)]
+    if len(current_groups) != len(loaded_groups) or mismatched:
+        raise ValueError(f"optimizer parameter groups differ from the checkpoint's: "
+                         f"{len(loaded_groups)} saved, {len(current_groups)} now"
+                         + (f"; first differing: {mismatched[0]}" if mismatched else ""))
+    return loaded_groups
 
 
 def materialise_optimizer_state(optimizer) -> None:
