@@ -371,8 +371,13 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
     again), then full (a third more compute); then the fewest model-parallel ranks (the least
     communication), then the fewest expert-parallel ranks."""
     found = []
-    experts = (1, 2, 4, 8) if cfg.model.uses_moe else (1,)
-    for tp, pp, ep in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), experts):
+    par = cfg.parallel
+    # The run's own sizes too (pipeline 3 of 3 GPUs): else a layout the dry run just found to fit
+    # would be missing, and with nothing else valid the search reported that nothing fits.
+    sizes = (1, 2, 4, 8)
+    experts = sorted({*sizes, par.expert}) if cfg.model.uses_moe else (1,)
+    for tp, pp, ep in itertools.product(sorted({*sizes, par.tensor}),
+                                        sorted({*sizes, par.pipeline}), experts):
         if world_size % (tp * pp) or world_size // (tp * pp) % ep:
             continue
         for recompute in RECOMPUTE_COST_ORDER:

@@ -127,3 +127,19 @@ def test_the_dry_runs_pipeline_split_counts_selective_recomputation():
     cfg.parallel = ParallelConfig(pipeline=3, recompute="selective")
     assert (f"pipeline split {split} (balanced by the layout chooser): slowest stage {slowest} x "
             "ideal") in report(cfg, world_size=3)
+
+
+def test_a_fitting_layout_of_sizes_outside_the_search_is_listed_among_those_that_fit():
+    """Before: the search tried tensor/pipeline sizes 1, 2, 4, 8 only, so three pipeline stages
+    on 3 GPUs (the batch splitting over no other layout) fitted and, one line later, "no layout
+    of 3 GPUs fits"."""
+    from megaloop.config import ParallelConfig
+
+    cfg = _run(eod_id=0)
+    cfg.model = dataclasses.replace(cfg.model, arch="asymloop", num_layers=6, iterations=2,
+                                    encoder_layers=3)
+    cfg.parallel = ParallelConfig(pipeline=3)
+    cfg.train = dataclasses.replace(cfg.train, global_batch_size=8, micro_batch_size=4)
+    lines = report(cfg, world_size=3).splitlines()
+    assert lines[-2].endswith("-> fits")
+    assert lines[-1].startswith("cheapest layouts that fit 3 GPUs of 80 GiB: pp3 ("), lines[-1]
