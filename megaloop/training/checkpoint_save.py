@@ -182,7 +182,7 @@ def _free_space(directory: Path) -> str:
 
 
 class CheckpointSaver:
-    """A run's checkpoint saves into ``directory`` (every method is a collective).
+    """A run's checkpoint saves into ``directory`` (every method but ``abandon`` is a collective).
 
     ``latest_step``: the step of the checkpoint ``latest`` names (as far as this run knows; set
     by a resume); ``pending_step``: the step whose background write is in flight, if any.
