@@ -7,7 +7,8 @@ in one call. ``CheckpointSaver`` is a run's saver: with ``checkpoint.async_save`
 in the background through megatron-core's asynchronous save (``dist_checkpointing.save(...,
 async_sharded_save=True)`` scheduled on an ``AsyncCallsQueue``, as Megatron-LM's ``--async-save``),
 and the finalize runs when every rank's write has completed: found by ``poll`` (non-blocking, each
-step) or waited for by ``wait`` (before the next save, at the end, on a stop signal, on close).
+step) or waited for by ``wait`` (before the next save, at the end, on a stop signal, on close);
+after an error that ends training, maybe on one rank alone, ``abandon`` leaves it as its ``.tmp``.
 
 What the background write holds is the state of the step saved, however far training has gone:
 megatron-core stages GPU tensors in host memory before it forks the writer process, and on the
@@ -181,7 +182,7 @@ def _free_space(directory: Path) -> str:
 
 
 class CheckpointSaver:
-    """A run's checkpoint saves into ``directory`` (every method is a collective).
+    """A run's checkpoint saves into ``directory`` (every method but ``abandon`` is a collective).
 
     ``latest_step``: the step of the checkpoint ``latest`` names (as far as this run knows; set
     by a resume); ``pending_step``: the step whose background write is in flight, if any.
@@ -257,6 +258,24 @@ class CheckpointSaver:
         return self._finalize(blocking=True)
 
     close = wait
+
+    def abandon(self) -> None:
+        """Local, no collective: after a failure that may be this rank's alone, a write in flight
+        is left as its ``iter_N.tmp`` (never loaded; the next save removes it) and ``latest``
+        where it is. ``wait`` would finalize it in collectives that the other ranks, busy in
+        training's own, never join: both would wait until the process-group timeout."""
+        save, self._pending = self._pending, None
+        if save is None:
+            return
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        while self._queue.async_calls:  # this rank's writer, joined: no write outlives the run
+            self._queue.async_calls.popleft().async_caller.close()
+        # The result it reported would be taken by this process's next save as its own.
+        results = filesystem_async._results_queue
+        while results is not None and not results.empty():
+            results.get_nowait()
+        self.noted()
 
     def _finalize(self, blocking: bool) -> Path | None:
         save = self._pending

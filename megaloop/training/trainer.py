@@ -193,12 +193,14 @@ class Trainer:
         if errors:
             raise errors[0]
 
-    def _close_parts(self) -> list[BaseException]:
-        """``close``'s work; the errors the parts raised."""
+    def _close_parts(self, failed: bool = False) -> list[BaseException]:
+        """``close``'s work; the errors the parts raised. ``failed``: after a failure, maybe of
+        this rank alone, so a checkpoint write in flight is abandoned, not finalized."""
         if self._closed:
             return []
         self._closed = True
-        closers = [part.close for part in (self.saver,) if part is not None]
+        closers = [part.abandon if failed else part.close for part in (self.saver,)
+                   if part is not None]
         closers += [self.stop_signals.restore] if self._own_signals else []
         closers += [part.close for part in (self.alrs, self.downstream, self.profiler,
                                             self.monitor) if part is not None]
@@ -438,7 +440,7 @@ class Trainer:
                 self.downstream.after_save(self.model, self.step, self.monitor, final=True)
             return {"step": self.step, **final}
         except BaseException:
-            for error in self._close_parts():  # the failure that ended training is raised
+            for error in self._close_parts(failed=True):  # the failure is raised
                 log.warning("closing the trainer after a failure: %s", error)
             raise
         finally:

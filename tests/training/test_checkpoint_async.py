@@ -181,3 +181,32 @@ def test_a_fully_reshardable_background_write_writes_what_a_synchronous_save_wri
             saved[asynchronous] = _contents(saver.save(1, sharded_state(trainer)))
     optimizer_keys = [k for k in saved[True][0] if k.startswith("optimizer")]
     assert optimizer_keys and _equal(saved[False], saved[True])
+
+
+def test_a_failure_during_a_background_write_leaves_it_unfinalized(mcore, pattern_data, tmp_path,
+                                                                   monkeypatch):
+    """A failure that may be one rank's alone (here an error in step 3) while step 2's write is
+    in flight: finalizing it would wait in collectives that the other ranks, busy in training's
+    own, never join (until the process-group timeout). The write is left as its .tmp instead."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    cfg = tiny_run(pattern_data, tmp_path, checkpoint={"save_interval": 2, "async_save": True})
+    trainer = Trainer(cfg)
+    _slow_background_writes(monkeypatch, 0.5)
+    train_step = trainer.train_step
+
+    def fails_at_step_3(data):
+        if trainer.step == 3:
+            monkeypatch.setattr(dist, "all_reduce", None)  # no collective after the failure
+            raise RuntimeError("step 3 failed on this rank")
+        return train_step(data)
+
+    trainer.train_step = fails_at_step_3
+    with pytest.raises(RuntimeError, match="step 3 failed on this rank"):
+        trainer.train()
+    monkeypatch.undo()
+    checkpoints = tmp_path / "checkpoints"
+    assert ckpt.latest_checkpoint(checkpoints) is None
+    assert list((checkpoints / "iter_0000002.tmp").glob("*.distcp")), "its write was joined"
+    assert filesystem_async._results_queue.empty(), "no result left for the next save to take"
