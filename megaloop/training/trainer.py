@@ -216,8 +216,14 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # The body failed, maybe on this rank alone: no collective finalize of a write in flight
+        # (the other ranks would never join it), and the body's error is the one raised.
+        for error in self._close_parts(failed=True):
+            log.warning("closing the trainer: %s failed too", error)
 
     # ------------------------------------------------------------------ set-up
     def _build_model(self) -> None:

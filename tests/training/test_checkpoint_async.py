@@ -52,7 +52,8 @@ def test_a_checkpoint_written_while_training_goes_on_resumes_bit_for_bit(
     assert (5, 4) in in_flight, in_flight
     assert ckpt.latest_checkpoint(straight / "checkpoints").name == "iter_0000008"
     assert [t["step"] for t in trainer.saver.timings] == [4, 8]
-    assert all(t["background_s"] >= 1.0 for t in trainer.saver.timings), trainer.saver.timings
+    # The writes were slowed by 1 s; stamped after the fork, the background time may miss a little.
+    assert all(t["background_s"] >= 0.9 for t in trainer.saver.timings), trainer.saver.timings
 
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
@@ -210,3 +211,22 @@ def test_a_failure_during_a_background_write_leaves_it_unfinalized(mcore, patter
     assert ckpt.latest_checkpoint(checkpoints) is None
     assert list((checkpoints / "iter_0000002.tmp").glob("*.distcp")), "its write was joined"
     assert filesystem_async._results_queue.empty(), "no result left for the next save to take"
+
+
+def test_a_failure_in_a_with_block_leaves_a_write_in_flight_unfinalized(mcore, pattern_data,
+                                                                        tmp_path, monkeypatch):
+    """The same through ``with Trainer(...)``: leaving the block on an error abandons the write in
+    flight (close() would finalize it collectively), and the block's error is the one raised."""
+    import torch.distributed as dist
+
+    cfg = tiny_run(pattern_data, tmp_path, checkpoint={"async_save": True, "save_interval": 2})
+    with pytest.raises(RuntimeError, match="the user's code failed"):
+        with Trainer(cfg) as trainer:
+            _slow_background_writes(monkeypatch, 0.5)
+            trainer.save(wait=False)
+            monkeypatch.setattr(dist, "all_reduce", None)  # no collective after the failure
+            raise RuntimeError("the user's code failed")
+    monkeypatch.undo()
+    checkpoints = tmp_path / "checkpoints"
+    assert ckpt.latest_checkpoint(checkpoints) is None
+    assert list((checkpoints / "iter_0000000.tmp").glob("*.distcp")), "its write was joined"
