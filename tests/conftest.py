@@ -7,7 +7,11 @@ import shutil
 import tempfile
 
 import pytest
-import torch
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n N`: N workers share the cores, one thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 - after OMP_NUM_THREADS, which torch reads when it loads
 
 from tests import tool_scripts
 
