@@ -33,6 +33,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -173,12 +174,27 @@ def _start_workers(options: PreprocessOptions) -> tuple[ProcessPoolExecutor, lis
 def _signals_held() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends. ``ProcessPoolExecutor.submit`` may start a
     worker and the pool's manager thread; interrupted half-way, it leaves a pool that can no longer
-    be shut down ("cannot join thread before it is started"), and the clean-up fails with it."""
+    be shut down ("cannot join thread before it is started"), and the clean-up fails with it.
+
+    Blocking them in this thread is not enough: the kernel hands a process-directed signal to any
+    thread that does not block it (pytest-xdist's I/O thread, a library's), and Python then runs
+    the handler here anyway. So the handlers are deferred too, and the first signal caught is
+    raised again once the block ends. The mask stays for the workers spawned inside the block, who
+    start with it and set their own handlers before taking signals."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    caught: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # the only thread Python runs handlers in
+        handlers = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                    for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def encode_chunk(chunk: Chunk) -> EncodedChunk:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -550,18 +551,33 @@ def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles)
     assert sorted(os.listdir(tmp_path)) == ["shards"]
 
 
-def test_a_sigterm_as_an_output_file_is_created_leaves_none(tmp_path, run, sp_model, articles_path, monkeypatch):
+@pytest.mark.parametrize("receiver", ["main thread", "another thread"])
+def test_a_sigterm_as_an_output_file_is_created_leaves_none(tmp_path, run, sp_model, articles_path, monkeypatch,
+                                                             receiver):
     # Before: a signal between the .partial file's creation and the clean-up's knowing its writer
-    # (the test above hit it under load) left o_text_document.partial-<pid>.bin behind.
+    # (the test above hit it under load) left o_text_document.partial-<pid>.bin behind. Then, with
+    # the signals blocked in the main thread only, a SIGTERM the kernel gave another thread (CI hit
+    # it with pytest-xdist's I/O thread) still ran the handler there.
     from megaloop.data import indexed
 
     made = indexed.AtomicIndexedWriter.__init__
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
 
     def made_then_signalled(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if receiver == "main thread":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            signal.pthread_kill(other.ident, signal.SIGTERM)
+        time.sleep(0.2)  # time for a handler the block does not hold to run here
 
     monkeypatch.setattr(indexed.AtomicIndexedWriter, "__init__", made_then_signalled)
-    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
+    try:
+        code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1,
+                        *_sp_args(sp_model))
+    finally:
+        idle.set()
     assert code == 143 and err.strip().splitlines()[-1] == "terminated by SIGTERM: partial output removed"
     assert os.listdir(tmp_path) == []
