@@ -86,16 +86,20 @@ def _reference_statistics(logits: torch.Tensor, top_k: int):
     return load.item(), logits.logsumexp(-1).pow(2).mean().item(), counts
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_routing_statistics_are_reported_per_iteration(seeded, recompute):
+@pytest.mark.parametrize("recompute, modules", [("none", []), ("full", []), ("selective", ["moe"])])
+def test_routing_statistics_are_reported_per_iteration(seeded, recompute, modules):
+    """Each application once: a replay in the backward pass (full recomputation, or selective of
+    the MoE layer) is not recorded."""
     cfg = small_config("asymloop_moe", iterations=2)
-    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none")).train()
+    parallel = ParallelConfig(recompute=recompute, recompute_modules=modules)
+    model = build_model(cfg, parallel).train()
+    replays = recompute != "none"  # then the forward's own call runs without autograd
     logits_per_call = {}  # router -> the logits of each application, in order
     for router in moe.routers(model):
         router.register_forward_hook(
             lambda m, args, out, r=router: logits_per_call.setdefault(r, []).append(
                 r.gating(args[0]).detach().view(-1, cfg.num_experts)) if torch.is_grad_enabled()
-            != recompute else None)
+            != replays else None)
     model(_tokens(cfg), labels=_tokens(cfg, seed=1)).mean().backward()
     report = model.routing_stats.report()
     groups = {"encoder": [(r, 0) for r in moe.routers(model.encoder)],
