@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Sequence
 
 from megaloop.config import ModelConfig
 
@@ -81,13 +82,17 @@ def layer_applications(cfg: ModelConfig, iterations: int | None = None) -> list[
     return [g for g in groups if g.count]
 
 
-def _ffn_flops(group: LayerApplications) -> int:
+def _ffn_parts(group: LayerApplications) -> dict[str, int]:
+    """Forward FLOPs per position of one application's FFN, by the selective recomputation module
+    (parallel.recompute_modules) that replays them: mlp, a dense FFN (megatron-core does not
+    replay a MoE layer for it); moe, the router and the routed experts; shared_experts."""
     block = group.block
     d = block.hidden_size
     if not group.moe:
-        return 6 * d * group.ffn
-    return (2 * d * block.num_experts + block.moe_top_k * 6 * d * block.moe_ffn_hidden_size
-            + 6 * d * block.moe_shared_expert_size)
+        return {"mlp": 6 * d * group.ffn}
+    routed = block.moe_top_k * 6 * d * block.moe_ffn_hidden_size
+    return {"moe": 2 * d * block.num_experts + routed,
+            "shared_experts": 6 * d * block.moe_shared_expert_size}
 
 
 def _application_flops(cfg: ModelConfig, group: LayerApplications,
@@ -99,21 +104,40 @@ def _application_flops(cfg: ModelConfig, group: LayerApplications,
     width = group.block.hidden_size
     projections = 2 * width * (q + 2 * g) if group.role != "global_only" else 2 * width * q
     per_position = Fraction(1, group.stride)
-    matmul = per_position * (projections + 2 * q * width + _ffn_flops(group))
+    matmul = per_position * (projections + 2 * q * width + sum(_ffn_parts(group).values()))
     attention = per_position * 4 * group.keys_factor * Fraction(n, group.stride) * q
     return matmul, attention
 
 
-def layer_application_flops(cfg: ModelConfig, block: str) -> tuple[Fraction, Fraction]:
-    """(matmul, attention) forward FLOPs per position of one application of one layer of
-    ``block``: "encoder" (the layers before the loop) or "decoder" (the looped layers)."""
+def _replayed_flops(cfg: ModelConfig, group: LayerApplications, n: int,
+                    modules: Sequence[str]) -> Fraction:
+    """Forward FLOPs per position that selective recomputation of ``modules`` runs again in the
+    backward pass, per application of a layer of ``group``. megatron-core checkpoints each named
+    module on its own: core_attn replays the score and value matmuls; moe the whole MoE layer, its
+    shared expert included, so that with shared_experts too the shared expert, checkpointed within
+    the MoE layer's checkpoint, runs a third time."""
+    parts = _ffn_parts(group)
+    replayed = sum(parts.get(name, 0) for name in modules)
+    if "moe" in modules:
+        replayed += parts.get("shared_experts", 0)
+    _, attention = _application_flops(cfg, group, n)
+    return (Fraction(replayed, group.stride)
+            + (attention if "core_attn" in modules else Fraction(0)))
+
+
+def layer_application_flops(cfg: ModelConfig, block: str, modules: Sequence[str] = ()
+                            ) -> tuple[Fraction, Fraction, Fraction]:
+    """(matmul, attention, replayed) forward FLOPs per position of one application of one layer
+    of ``block``: "encoder" (the layers before the loop) or "decoder" (the looped layers);
+    replayed: what selective recomputation of ``modules`` runs again in the backward pass."""
     cfg = cfg.resolve()
     if block == "encoder":
         group = LayerApplications(1, "plain", cfg.ffn_hidden_size, cfg.moe_in("encoder"), cfg)
     else:
         group = LayerApplications(1, cfg.decoder_attention, cfg.decoder_ffn_hidden_size,
                                   cfg.moe_in("decoder"), cfg)
-    return _application_flops(cfg, group, cfg.seq_length)
+    return (*_application_flops(cfg, group, cfg.seq_length),
+            _replayed_flops(cfg, group, cfg.seq_length, modules))
 
 
 def forward_flops(cfg: ModelConfig, seq_length: int | None = None,
@@ -148,9 +172,10 @@ def model_flops_per_token(cfg: ModelConfig) -> float:
     return float(3 * forward_flops(cfg).total)
 
 
-def executed_backward_flops(cfg: ModelConfig, recompute: str = "none") -> Fraction:
+def executed_backward_flops(cfg: ModelConfig, recompute: str = "none",
+                            modules: Sequence[str] = ("core_attn",)) -> Fraction:
     """Backward FLOPs per token that actually execute, term by term, with ``recompute`` as
-    parallel.recompute (none, full, selective of the core attention):
+    parallel.recompute (none, full, selective) and ``modules`` as its selective_modules:
 
     - every matmul's backward is two matmuls of its size (input and weight gradients): 2x forward;
     - flash-attention backward also recomputes the scores QK^T from q and k: +0.5x the forward
@@ -158,15 +183,19 @@ def executed_backward_flops(cfg: ModelConfig, recompute: str = "none") -> Fracti
     - full activation recomputation replays the forward of each TransformerBlock (layers and
       attention); the Global K/V projections, LatentLoop's width projections and the head run
       outside the blocks and are not replayed;
-    - selective recomputation (core_attn) replays each core attention's forward: the score and
-      value matmuls, + 1x the attention term.
+    - selective recomputation replays the forward of each named module of every layer
+      application: core_attn the score and value matmuls (+ 1x the attention term), mlp a dense
+      FFN, moe a MoE layer (router, routed and shared experts), shared_experts the shared expert
+      (``_replayed_flops``); layernorm and moe_act replay no matmul.
     """
     fwd = forward_flops(cfg)
     executed = 2 * fwd.total + fwd.attention / 2
     if recompute == "full":
         executed += fwd.layers + fwd.attention
     elif recompute == "selective":
-        executed += fwd.attention
+        cfg = cfg.resolve()
+        executed += sum(group.count * _replayed_flops(cfg, group, cfg.seq_length, modules)
+                        for group in layer_applications(cfg))
     return executed
 
 

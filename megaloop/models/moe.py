@@ -68,7 +68,9 @@ class RoutingStats:
     def __init__(self, groups: list[str], num_experts: int):
         self.groups, self.num_experts = list(groups), num_experts
         self.group: str | None = None
-        self._sums: torch.Tensor | None = None  # [groups, 3 + experts]: lb, z, applications, tokens
+        # [groups, 4 + experts]: weighted lb, weighted z, weights, routing applications, tokens
+        self._sums: torch.Tensor | None = None
+        self._units: dict[str, int] = {}  # group -> positions of its first application this step
 
     @contextlib.contextmanager
     def applying(self, group: str):
@@ -79,49 +81,64 @@ class RoutingStats:
             self.group = previous
 
     def record(self, load_balancing: torch.Tensor, z_loss: torch.Tensor,
-               tokens_per_expert: torch.Tensor, ranks: int = 1) -> None:
+               tokens_per_expert: torch.Tensor, positions: int,
+               valid: torch.Tensor | None = None, ranks: int = 1) -> None:
         """One application's statistics from this rank's share of its tokens, ``ranks`` ranks
         (sequence or context parallelism) routing the application's tokens between them: the
         load-balancing term is this rank's part of a sum over those ranks (megatron-core's
         formulation), ``z_loss`` this rank's part of the mean over the application's tokens, and
         the tokens its own; so each rank counts 1/``ranks`` of the application, and ``report``'s
         sum over the ranks gives the whole application's values, as one rank computing it all
-        would."""
+        would.
+
+        ``positions``: the application's positions over its ranks; ``valid``: how many of them are
+        not padding (None: all). The losses are weighed by the valid tokens, so that a padded
+        step reports what the same step without its padding would, and an application of padding
+        only counts for nothing. The weight's unit is the group's first application this step, so
+        an application without padding of the step's shape weighs exactly 1 (the means of an
+        unpadded run are plain means, to the bit)."""
         if self.group not in self.groups:  # outside a labelled block, or beyond the trained depth
             return
         if self._sums is None:
-            self._sums = torch.zeros(len(self.groups), 3 + self.num_experts, dtype=torch.float64,
+            self._sums = torch.zeros(len(self.groups), 4 + self.num_experts, dtype=torch.float64,
                                      device=tokens_per_expert.device)
+        unit = self._units.setdefault(self.group, positions or 1)
+        if valid is None:
+            weight, routing = positions / unit, 1.0
+        else:  # tensors: no host synchronisation per application
+            weight, routing = valid.double() / unit, (valid > 0).double()
         row = self._sums[self.groups.index(self.group)]
-        row[0] += load_balancing.double()
-        row[1] += z_loss.double()
-        row[2] += 1 / ranks
-        row[3:] += tokens_per_expert.double()
+        row[0] += load_balancing.double() * weight
+        row[1] += z_loss.double() * weight
+        row[2] += weight / ranks
+        row[3] += routing / ranks
+        row[4:] += tokens_per_expert.double()
 
     def report(self, group=None) -> dict[str, float]:
-        """Means per application of each group, over all ranks of ``group`` (collective); resets.
+        """Per group, over all ranks of ``group`` (collective); resets.
 
-        Keys: moe_lb_loss_<g>, moe_z_loss_<g>, moe_max_load_<g> (largest expert load over the mean
-        load; 1 is balanced) and moe_tokens_<g>_e<i> (tokens routed to expert i per application,
-        i.e. per micro-batch of one data-parallel rank). Every layout gives the values of one
-        process (``record``)."""
+        Keys: moe_lb_loss_<g>, moe_z_loss_<g> (means over the applications weighed by their valid
+        tokens), moe_max_load_<g> (largest expert load over the mean load; 1 is balanced) and
+        moe_tokens_<g>_e<i> (tokens routed to expert i per application that routes any, i.e. per
+        micro-batch of one data-parallel rank). A group none of whose applications routes a
+        token is left out. Every layout gives the values of one process (``record``)."""
         sums = self._sums
         if sums is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            sums = torch.zeros(len(self.groups), 3 + self.num_experts, dtype=torch.float64,
+            sums = torch.zeros(len(self.groups), 4 + self.num_experts, dtype=torch.float64,
                                device=device)
-        self._sums = None
+        self._sums, self._units = None, {}
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums, group=group)
         out = {}
         for name, row in zip(self.groups, sums.tolist()):
-            applications = row[2]
-            if not applications:
+            weight, applications = row[2], row[3]
+            if not weight:
                 continue
-            tokens = [t / applications for t in row[3:]]
+            tokens = [t / applications for t in row[4:]]
             mean_load = sum(tokens) / len(tokens)
-            out[f"moe_lb_loss_{name}"] = row[0] / applications
-            out[f"moe_z_loss_{name}"] = row[1] / applications
+            out[f"moe_lb_loss_{name}"] = row[0] / weight
+            out[f"moe_z_loss_{name}"] = row[1] / weight
             out[f"moe_max_load_{name}"] = max(tokens) / mean_load if mean_load else 0.0
             out.update({f"moe_tokens_{name}_e{i}": t for i, t in enumerate(tokens)})
         return out
@@ -241,7 +258,9 @@ class LoopedRouter(TopKRouter):
                 else:
                     local, group = self.valid_tokens
                     z_loss = z_loss.double() * local / group.clamp(min=1)
-                self.stats.record(load_balancing, z_loss, routing_map.sum(dim=0), ranks=ranks)
+                valid = None if self.valid_tokens is None else self.valid_tokens[1]
+                self.stats.record(load_balancing, z_loss, routing_map.sum(dim=0),
+                                  positions=logits.shape[0] * ranks, valid=valid, ranks=ranks)
         return probs, routing_map
 
 

@@ -194,20 +194,21 @@ def stage_costs(model: ModelConfig, recompute: str = "none",
     flash attention 3.5x (its backward recomputes the scores). ``recompute`` as parallel.recompute
     and ``modules`` its selective_modules, replayed as megaloop.models.flops
     executed_backward_flops counts them: full recomputation replays the layers (+1x) but not the
-    Global KV projection or the head; selective recomputation of core_attn replays each core
-    attention (+1x the attention term)."""
+    Global KV projection or the head; selective recomputation replays each named module of every
+    layer application (core_attn its attention term, mlp / moe / shared_experts their FFN's)."""
     from megaloop.models.flops import layer_application_flops
 
     model = dataclasses.replace(model).resolve()
     full = recompute == "full"
-    attention_replay = 1 if full or (recompute == "selective" and "core_attn" in modules) else 0
+    selective = modules if recompute == "selective" else ()
 
-    def train(matmul, attention):
-        return ((3 + full) * Fraction(matmul)
-                + (Fraction(7, 2) + attention_replay) * Fraction(attention))
+    def train(matmul, attention, replayed):
+        if full:
+            replayed = matmul + attention
+        return 3 * Fraction(matmul) + Fraction(7, 2) * Fraction(attention) + replayed
 
-    encoder = train(*layer_application_flops(model, "encoder"))
-    decoder = train(*layer_application_flops(model, "decoder"))
+    encoder = train(*layer_application_flops(model, "encoder", selective))
+    decoder = train(*layer_application_flops(model, "decoder", selective))
     g = model.num_query_groups * model.kv_channels
     global_kv = 3 * Fraction(2 * model.hidden_size * 2 * g) if model.uses_global_kv else Fraction(0)
     return StageCosts(encoder, decoder, global_kv, 3 * Fraction(2 * model.hidden_size

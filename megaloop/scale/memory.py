@@ -26,8 +26,9 @@ are rebuilt at a time. Selective recomputation of the core attention (``core_att
 default) drops what the core attention keeps beyond its inputs (``_core_attention_saved``: the
 [N, 2N] probabilities of the masked joint attention, Korthikanti et al.'s 5as/h term; with flash
 kernels only their output, log-sum-exps and repeated keys/values, while the values' view then keeps
-the fused QKV output: little or nothing saved, as megatron-core warns); the other selective
-modules' savings are not subtracted (the estimate stays an upper bound there). AsymLoop's Global
+the fused QKV output: little or nothing saved, as megatron-core warns); ``mlp``, ``moe`` and
+``shared_experts`` drop their FFN tensors (``_replayable_saved``). Each replayed module is rebuilt
+one call at a time (the largest of them in the working memory). AsymLoop's Global
 KV (once per forward) stays saved, whatever the recomputation. Pipeline stage s of P under 1F1B
 holds the activations of min(P - s, M) micro-batches (the interleaved schedule: its warm-up count
 of chunk-micro-batches, at the chunks' mean).
@@ -45,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 from megaloop.config import ModelConfig, RunConfig, micro_batches_per_step
 from megaloop.scale.layout import Layout, Stage, stage_layout
@@ -174,13 +176,14 @@ class _Saved:
     fp32: float = 0
 
 
-def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool,
-                 moe: bool = False, *, core: bool = True, masked: bool = False) -> _Saved:
-    """One application of one layer (see the module docstring); ``core``: with what its core
-    attention keeps (``_core_attention_saved``), else as selective recomputation leaves it;
+def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool, moe: bool = False, *,
+                 replayed: Sequence[str] = (), masked: bool = False) -> _Saved:
+    """One application of one layer (see the module docstring), less what the modules that
+    selective recomputation replays (``replayed``) would keep (``_replayable_saved``);
     ``masked``: the joint attention runs the masked formula."""
-    d, heads = model.hidden_size, model.num_attention_heads
-    q, g = heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    d = model.hidden_size
+    q = model.num_attention_heads * model.kv_channels
+    g = model.num_query_groups * model.kv_channels
     # The local core attention repeats grouped keys/values to every head before the kernel.
     expand = not te and g < q
     # Layer input; per norm its normalised input and output (TE: the output only); the residual.
@@ -188,20 +191,47 @@ def _layer_saved(model: ModelConfig, ffn: int, joint: bool, te: bool,
     split = q + g                               # rotated queries and keys (RoPE writes new ones)
     # The fused QKV output, kept by views of it: the values the kernel (or, recomputed, the
     # replay) gets, or the QK-norm's inputs.
-    if model.qk_norm or not expand or not core:
+    if model.qk_norm or not expand or "core_attn" in replayed:
         split += q + 2 * g
     if model.qk_norm and not te:                # QK-norm's normalised q and k
         split += q + g
     split += q                                  # the projection's input
-    fp32 = 2
-    if moe:  # each token through its top-k experts (and the shared one), see _moe_saved
-        moe_seq, moe_fp32 = _moe_saved(model)
-        seq, fp32 = seq + moe_seq, fp32 + moe_fp32
-        ffn = model.moe_top_k * model.moe_ffn_hidden_size + model.moe_shared_expert_size
-    split += 5 * ffn                            # SwiGLU: fc1 out (2f), silu, linear half, product
-    linear_input = 2 * d + q + ffn  # QKV and fc1 (norm outputs), projection, fc2 inputs
-    saved = _Saved(seq, split, linear_input, fp32)
-    return _add(saved, _core_attention_saved(model, joint, te, masked)) if core else saved
+    saved = _Saved(seq, split, 2 * d + q, 2)  # linear inputs: QKV, fc1 (norm outputs), proj
+    pieces = _replayable_saved(model, ffn, joint, te, moe, masked)
+    dropped = {*replayed, *(["shared_experts"] if "moe" in replayed else [])}
+    for name, piece in pieces.items():
+        if name not in dropped:
+            saved = _add(saved, piece)
+    return saved
+
+
+def _replayable_saved(model: ModelConfig, ffn: int, joint: bool, te: bool, moe: bool,
+                      masked: bool) -> dict[str, _Saved]:
+    """What the modules of a layer application that selective recomputation can replay keep
+    beyond their inputs (a checkpoint keeps its inputs only, which the layer keeps anyway):
+    core_attn (``_core_attention_saved``); a dense FFN (mlp): SwiGLU's fc1 output (2f), silu,
+    linear half and product (fc2's input); a MoE FFN (moe): each token through its
+    top-k experts' SwiGLU, and what ``_moe_saved`` counts; its shared expert (shared_experts,
+    replayed with the MoE layer too). Under Transformer Engine the dense FFN's replay also drops
+    the output of the pre-FFN norm fused into fc1 (d per token), which this leaves counted."""
+    pieces = {"core_attn": _core_attention_saved(model, joint, te, masked)}
+    if not moe:
+        pieces["mlp"] = _Saved(split=5 * ffn, linear_input=ffn)
+        return pieces
+    moe_seq, moe_fp32 = _moe_saved(model)
+    routed, shared = model.moe_top_k * model.moe_ffn_hidden_size, model.moe_shared_expert_size
+    pieces["moe"] = _Saved(moe_seq, 5 * routed, routed, moe_fp32)
+    pieces["shared_experts"] = _Saved(split=5 * shared, linear_input=shared)
+    return pieces
+
+
+def _rebuilt(model: ModelConfig, ffn: int, joint: bool, te: bool, moe: bool, masked: bool,
+             replayed: Sequence[str]) -> list[_Saved]:
+    """What each checkpoint of ``replayed`` rebuilds in the backward pass, one at a time (a MoE
+    layer's with its shared expert)."""
+    pieces = _replayable_saved(model, ffn, joint, te, moe, masked)
+    return [_add(pieces[name], pieces["shared_experts"]) if name == "moe" else pieces[name]
+            for name in replayed if name in pieces]
 
 
 def _core_attention_saved(model: ModelConfig, joint: bool, te: bool, masked: bool) -> _Saved:
@@ -298,17 +328,16 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
     # The joint attention's masked formula: asked for, or fused in fp32 on a GPU (whose flash
     # kernel takes bf16/fp16 only).
     masked = model.joint_attention == "masked" or te and act_bytes == 4
-    replay_core = (layout.recompute == "selective"
-                   and "core_attn" in layout.apply(cfg).parallel.selective_modules)
+    replayed = layout.apply(cfg).parallel.selective_modules
     for chunk in chunks:
         chunk_saved = 0.0
         for count, block, ffn, joint, moe, stride in _applications(model, chunk):
             run_size = dict(size, tokens=tokens // stride)
-            per_layer = _bytes(_layer_saved(block, ffn, joint, te, moe, core=not replay_core,
+            per_layer = _bytes(_layer_saved(block, ffn, joint, te, moe, replayed=replayed,
                                             masked=masked), **run_size)
-            if replay_core:  # it keeps its inputs and is rebuilt one call at a time
-                largest_replay = max(largest_replay, _bytes(
-                    _core_attention_saved(block, joint, te, masked), **run_size))
+            # A replayed module keeps its inputs and is rebuilt one call at a time.
+            for rebuilt in _rebuilt(block, ffn, joint, te, moe, masked, replayed):
+                largest_replay = max(largest_replay, _bytes(rebuilt, **run_size))
             largest_layer = max(largest_layer, per_layer)
             chunk_saved += count * (_bytes(_Saved(seq=block.hidden_size), **run_size)
                                     if layout.recompute == "full" else per_layer)

@@ -86,16 +86,20 @@ def _reference_statistics(logits: torch.Tensor, top_k: int):
     return load.item(), logits.logsumexp(-1).pow(2).mean().item(), counts
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_routing_statistics_are_reported_per_iteration(seeded, recompute):
+@pytest.mark.parametrize("recompute, modules", [("none", []), ("full", []), ("selective", ["moe"])])
+def test_routing_statistics_are_reported_per_iteration(seeded, recompute, modules):
+    """Each application once: a replay in the backward pass (full recomputation, or selective of
+    the MoE layer) is not recorded."""
     cfg = small_config("asymloop_moe", iterations=2)
-    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none")).train()
+    parallel = ParallelConfig(recompute=recompute, recompute_modules=modules)
+    model = build_model(cfg, parallel).train()
+    replays = recompute != "none"  # then the forward's own call runs without autograd
     logits_per_call = {}  # router -> the logits of each application, in order
     for router in moe.routers(model):
         router.register_forward_hook(
             lambda m, args, out, r=router: logits_per_call.setdefault(r, []).append(
                 r.gating(args[0]).detach().view(-1, cfg.num_experts)) if torch.is_grad_enabled()
-            != recompute else None)
+            != replays else None)
     model(_tokens(cfg), labels=_tokens(cfg, seed=1)).mean().backward()
     report = model.routing_stats.report()
     groups = {"encoder": [(r, 0) for r in moe.routers(model.encoder)],
@@ -193,15 +197,17 @@ def _sft_batch(cfg, real: int, length: int) -> dict:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
-def _routing_of(model, batch: dict) -> tuple[dict, dict]:
-    """The routing statistics and the routers' gradients of one training micro-batch, the
-    auxiliary losses weighed as the trainer weighs them (per-token loss sums)."""
+def _routing_of(model, *batches: dict) -> tuple[dict, dict]:
+    """The routing statistics and the routers' gradients of one training step of these
+    micro-batches, the auxiliary losses weighed as the trainer weighs them (per-token loss sums)."""
     for router in moe.routers(model):
         router.calculate_per_token_loss = True
-    moe.weigh_auxiliary_losses([model], [batch])
+    moe.weigh_auxiliary_losses([model], list(batches))
     model.zero_grad()
-    losses = model(batch["tokens"], labels=batch["labels"], padding_mask=batch.get("padding_mask"))
-    (losses * batch["loss_mask"]).sum().backward()
+    for batch in batches:
+        losses = model(batch["tokens"], labels=batch["labels"],
+                       padding_mask=batch.get("padding_mask"))
+        (losses * batch["loss_mask"]).sum().backward()
     return model.routing_stats.report(), {n: p.grad.clone() for n, p in model.named_parameters()
                                           if "router" in n}
 
@@ -341,7 +347,35 @@ def test_a_compressed_visit_of_padding_only_adds_no_loss(seeded):
     plain = {key: value[:, :3] for key, value in padded.items() if key != "padding_mask"}
     stats, grads = _routing_of(model, padded)
     assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
-    _, expected = _routing_of(model, plain)
-    assert stats["moe_lb_loss_visit1"] == 0 and stats["moe_z_loss_visit1"] == 0
+    expected_stats, expected = _routing_of(model, plain)
+    assert not any("visit1" in key for key in {**stats, **expected_stats}), \
+        "a visit of padding only routes nothing: no statistics, as without the padding"
     for key, grad in expected.items():
         torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-7, msg=key)
+
+
+def _unpadded(batch: dict, real: int) -> dict:
+    return {key: value[:, :real] for key, value in batch.items() if key != "padding_mask"}
+
+
+def test_routing_statistics_weigh_applications_by_their_valid_tokens(seeded):
+    """A step of a long and a heavily padded micro-batch (the compressed visit of the short one
+    holds padding only) reports what the same step without padding reports: each application
+    weighs by its valid tokens, one of padding only not at all (it halved the visit's losses)."""
+    cfg = small_config("latentloop_moe", latent_stride=4, moe_aux_loss_coeff=0.5,
+                       moe_z_loss_coeff=0.2)
+    model = build_model(cfg).train()
+    long, short = _sft_batch(cfg, 12, cfg.seq_length), _sft_batch(cfg, 3, cfg.seq_length)
+    stats, _ = _routing_of(model, long, short)
+    expected, _ = _routing_of(model, _unpadded(long, 12), _unpadded(short, 3))
+    assert stats.keys() == expected.keys() and "moe_lb_loss_visit1" in stats
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    # Independently: the valid-token mean of the micro-batches' own statistics (12 : 3 positions).
+    alone = [_routing_of(model, _unpadded(batch, real))[0] for batch, real in ((long, 12),
+                                                                              (short, 3))]
+    for key in ("moe_lb_loss_prelude", "moe_z_loss_coda"):
+        assert stats[key] == pytest.approx((12 * alone[0][key] + 3 * alone[1][key]) / 15,
+                                           rel=1e-6), key
+    for key in ("moe_lb_loss_visit1", "moe_z_loss_visit1"):
+        assert stats[key] == pytest.approx(alone[0][key], rel=1e-6), key

@@ -139,12 +139,37 @@ def test_the_cost_model_replays_what_each_recompute_mode_replays():
                         ffn_hidden_size=1024)
     whole = plan_stages(model, [chain_length(model)])[0]
     base = stage_costs(model, "none").of(whole)
-    for mode in ("selective", "full"):
-        extra = executed_backward_flops(model, mode) - executed_backward_flops(model, "none")
-        assert stage_costs(model, mode).of(whole) - base == extra > 0
-    assert stage_costs(model, "selective", ["mlp"]).of(whole) == base  # core attention not kept
+    for mode, modules in (("selective", ["core_attn"]), ("selective", ["mlp"]),
+                          ("selective", ["core_attn", "mlp"]), ("full", [])):
+        extra = (executed_backward_flops(model, mode, modules)
+                 - executed_backward_flops(model, "none"))
+        assert stage_costs(model, mode, modules).of(whole) - base == extra > 0, modules
     splits = [balanced_split(model, 3), balanced_split(model, 3, "selective")]
     assert splits[0] != splits[1]  # [3, 3, 3] leaves the last stage slowest once attention replays
     chosen = {mode: stage_counts(model, ParallelConfig(pipeline=3, recompute=mode))
               for mode in ("none", "selective")}
     assert chosen == {"none": splits[0], "selective": splits[1]}
+
+
+def test_the_balancer_weighs_the_replay_of_recomputed_ffns():
+    """Selective recomputation of mlp replays every layer's FFN: each stage costs 6 d f FLOPs per
+    token more per application it runs (the head and Global KV nothing more), and the heavier
+    layers move the balanced split off the head's stage."""
+    model = ModelConfig(arch="asymloop", num_layers=6, iterations=2, seq_length=1024,
+                        vocab_size=8192, hidden_size=256, num_attention_heads=4,
+                        ffn_hidden_size=512)
+    plain, replayed = stage_costs(model, "none"), stage_costs(model, "selective", ["mlp"])
+    for stage in plan_stages(model, [4, 5]):
+        assert replayed.of(stage) - plain.of(stage) == stage.applications * 6 * 256 * 512
+    parallel = ParallelConfig(pipeline=2, recompute="selective", recompute_modules=["mlp"])
+    assert (balanced_split(model, 2), stage_counts(model, parallel)) == ([6, 3], [5, 4])
+    # MoE: router 2 d E and top-k experts 6 d f_e per token; the shared expert 6 d f_s, again
+    # within the MoE layer's replay.
+    moe = dataclasses.replace(model, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128,
+                              moe_shared_expert_size=384)
+    routed, shared = 2 * 256 * 8 + 2 * 6 * 256 * 128, 6 * 256 * 384
+    whole = plan_stages(moe, [chain_length(moe)])[0]
+    for modules, per_application in ((["moe"], routed + shared), (["shared_experts"], shared),
+                                     (["moe", "shared_experts"], routed + 2 * shared)):
+        extra = stage_costs(moe, "selective", modules).of(whole) - stage_costs(moe).of(whole)
+        assert extra == whole.applications * per_application, modules
