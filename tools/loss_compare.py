@@ -8,13 +8,14 @@ single); the first is the reference. Every layout runs ``megaloop.train`` under 
 from the same seed checkpoint, written first by one process. The tolerances are those of
 megaloop.scale.loss_compare. Prints JSON (curves and disagreements); exits 1 when the curves
 disagree, 2 on bad input (fewer than two layouts, one layout twice, an ``--out`` that holds an
-earlier comparison, an override of a setting the tool makes itself: the parallel section, the
+earlier comparison, an override of a setting the tool makes itself: the parallel layout, the
 run's length, directories and checkpoints, a ``parallel.pipeline_split`` that a pipelined layout
 cannot take or no layout pipelines; what megaloop-train refuses at start-up, such as a vocabulary
 smaller than the tokenizer's or data it cannot split, found before any layout runs). What a
---config sets that the tool replaces (its parallel section by each layout's, its
+--config sets that the tool replaces (its parallel layout and recomputation by each layout's, its
 train.train_steps by --steps, its checkpoint settings by the seed checkpoint's) is named in a
-note; its ``pipeline_split`` is kept for the layouts of as many stages.
+note; its ``pipeline_split`` is kept for the layouts of as many stages, and its other parallel
+settings (data-parallel overlap, bucket size, timeout) for every layout.
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ def set_by_the_tool() -> dict[str, str | None]:
     """For refuse_overrides_of: every field the tool sets (``run_settings``, the layouts' parallel
     section, ``seed_settings``) and what sets it; an override of one would be silently replaced.
     parallel.pipeline_split is kept (Layout.apply) or refused (check_pipeline_split)."""
+    import dataclasses
+
+    from megaloop.config import ParallelConfig
+    from megaloop.scale.layout import LAYOUT_FIELDS
     from megaloop.scale.loss_compare import seed_settings
 
     settings = {**run_settings("--steps"), **seed_settings("seed", "--out/layout")}
-    return {"parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)",
+    kept = {f"parallel.{f.name}": None for f in dataclasses.fields(ParallelConfig)
+            if f.name not in LAYOUT_FIELDS}  # Layout.apply keeps them (data-parallel overlap)
+    return {"parallel.*": "--layouts (e.g. tp2,sp or dp2,recompute)", **kept,
             "parallel.pipeline_split": None,
             **set_by(settings, ("--steps", "--out"),
                      "the tool for every layout (all start from one seed checkpoint)")}

@@ -66,6 +66,14 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     # CheckpointWithoutOutput (0.16.1) calls Transformer Engine's FP8 state unconditionally.
     needs_te = {"moe_act": "grouped-GEMM experts; recompute CPU experts with 'moe'",
                 "layernorm": "megatron-core's norm replay calls Transformer Engine"}
+    # Transformer Engine's spec fuses every pre-norm into the linear after it (specs.layer_spec):
+    # megatron-core then replays only a MoE layer's pre-FFN norm, which the router reads, and
+    # skips the fused ones without a word.
+    if "layernorm" in selective and not cfg.uses_moe:
+        raise ConfigError(f"parallel.recompute_modules={selective}: 'layernorm' replays nothing "
+                          "in a model without MoE layers (Transformer Engine, which the norm "
+                          "replay needs, fuses every pre-norm into the linear after it; only a "
+                          "MoE layer's pre-FFN norm stands alone)")
     for name in selective:
         if name in needs_te and not use_te:
             raise ConfigError(f"parallel.recompute_modules={selective}: {name!r} needs the "

@@ -59,24 +59,34 @@ class Layout:
         parts += [flag for flag, mode in _RECOMPUTE_FLAGS.items() if self.recompute == mode]
         return ",".join(parts) or "single"
 
+    def settings(self, pipeline_split: list[int] | None = None,
+                 recompute_modules: list[str] | None = None) -> dict:
+        """The parallel fields a layout decides (``LAYOUT_FIELDS``), by name."""
+        return dict(tensor=self.tensor, pipeline=self.pipeline, expert=self.expert,
+                    sequence_parallel=self.sequence_parallel, recompute=self.recompute,
+                    recompute_modules=list(recompute_modules or []),
+                    virtual_pipeline=self.virtual, pipeline_split=list(pipeline_split or []))
+
     def parallel_config(self, pipeline_split: list[int] | None = None,
                         recompute_modules: list[str] | None = None) -> ParallelConfig:
-        return ParallelConfig(tensor=self.tensor, pipeline=self.pipeline, expert=self.expert,
-                              sequence_parallel=self.sequence_parallel, recompute=self.recompute,
-                              recompute_modules=list(recompute_modules or []),
-                              virtual_pipeline=self.virtual,
-                              pipeline_split=list(pipeline_split or []))
+        return ParallelConfig(**self.settings(pipeline_split, recompute_modules))
 
     def apply(self, cfg: RunConfig) -> RunConfig:
-        """A copy of ``cfg`` with this layout's parallel section; ``cfg``'s
+        """A copy of ``cfg`` with this layout's parallel fields (``LAYOUT_FIELDS``); ``cfg``'s
         ``parallel.pipeline_split`` is kept when it has one count per stage of this layout, its
-        ``parallel.recompute_modules`` when both recompute selectively."""
+        ``parallel.recompute_modules`` when both recompute selectively, and its other parallel
+        settings (data-parallel overlap, timeout) as they are: the run under this layout is
+        ``cfg``'s, and the checks of those settings that depend on the layout apply to it."""
         split = cfg.parallel.pipeline_split
         keep = self.pipeline > 1 and len(split) == self.pipeline * self.virtual
         modules = (cfg.parallel.recompute_modules
                    if self.recompute == cfg.parallel.recompute == "selective" else None)
-        return dataclasses.replace(cfg, parallel=self.parallel_config(split if keep else None,
-                                                                      modules))
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, **self.settings(split if keep else None, modules)))
+
+
+# The ParallelConfig fields a Layout decides; Layout.apply keeps the others of a config.
+LAYOUT_FIELDS = tuple(Layout().settings())
 
 
 def parse_layout(text: str) -> Layout:

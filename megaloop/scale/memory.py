@@ -393,9 +393,10 @@ def _microbatches(cfg: RunConfig, layout: Layout) -> int:
 
 def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                     device: str = "gpu") -> list[tuple[Layout, MemoryEstimate]]:
-    """Layouts of ``world_size`` ranks (tensor parallel within 8 GPUs, sequence parallelism with
-    it, pipeline stages the architecture supports, a MoE model's experts split over 1 to 8 of the
-    data-parallel ranks, without, with selective and with full recomputation) whose estimate
+    """Layouts of ``world_size`` ranks that the run of ``cfg`` (a valid config) accepts
+    (tensor parallel within 8 GPUs, sequence parallelism with it, pipeline stages the
+    architecture supports, a MoE model's experts split over 1 to 8 of the data-parallel ranks,
+    without, with selective and with full recomputation) and whose estimate
     fits ``device_bytes``, cheapest first: no recomputation, then selective (the core attention
     again), then full (a third more compute); then the fewest model-parallel ranks (the least
     communication), then the fewest expert-parallel ranks."""
@@ -413,8 +414,8 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
             layout = Layout(tensor=tp, pipeline=pp, data=world_size // (tp * pp), expert=ep,
                             sequence_parallel=tp > 1, recompute=recompute)
             trial = layout.apply(cfg)
-            try:
-                trial.parallel.validate(trial.model)
+            try:  # what the run refuses at start-up under this layout does not fit either
+                trial.validate()
                 micro_batches_per_step(trial.train, trial.parallel, layout.data)
             except ValueError:
                 continue

@@ -229,6 +229,19 @@ def test_modules_megatron_core_replays_only_with_transformer_engine_are_refused_
                     use_te=False)
 
 
+@pytest.mark.parametrize("variant", ["dense", "asymloop"])
+def test_layernorm_recomputation_of_a_model_without_moe_layers_is_refused(seeded, variant):
+    """With Transformer Engine (which the norm replay needs) every pre-norm of a dense layer is
+    fused into the linear after it: megatron-core finds no norm module to replay and skips it
+    silently, so the setting would change nothing."""
+    with pytest.raises(ConfigError, match="'layernorm' replays nothing in a model without MoE "
+                                          "layers") as err:
+        build_model(small_config(variant),
+                    ParallelConfig(recompute="selective", recompute_modules=["layernorm"]),
+                    use_te=True)
+    assert "\n" not in str(err.value)
+
+
 def test_a_resume_applies_a_changed_recomputation_and_says_so(tmp_path, caplog):
     """Recomputation changes no weight, optimizer state or sample: a resume may switch it (here
     none -> selective of core_attn and mlp), each changed field one warning line."""

@@ -143,3 +143,25 @@ def test_a_fitting_layout_of_sizes_outside_the_search_is_listed_among_those_that
     lines = report(cfg, world_size=3).splitlines()
     assert lines[-2].endswith("-> fits")
     assert lines[-1].startswith("cheapest layouts that fit 3 GPUs of 80 GiB: pp3 ("), lines[-1]
+
+
+@pytest.mark.parametrize("settings", [
+    # Overlapped reduction with the loop's tied decoder copies on both pipeline stages.
+    {"parallel.overlap_grad_reduce": True},
+    # Test-time depths, which one stage alone runs.
+    {"train.eval_depths": [1, 3]},
+])
+def test_the_layouts_said_to_fit_are_ones_the_run_accepts(settings):
+    """Before: the search checked each layout's parallel section alone and dropped the config's
+    overlap settings, so the cheapest layouts it named included pp2, which the run (and the
+    dry run of that layout) refuses for this config."""
+    from megaloop.cli import with_settings
+    from megaloop.scale.memory import GIB, fitting_layouts
+
+    cfg = _run(eod_id=0)
+    cfg.model = dataclasses.replace(cfg.model, arch="asymloop", iterations=3)
+    cfg = with_settings(cfg, settings).validate()
+    found = [layout.name for layout, _ in fitting_layouts(cfg, 2, 80 * GIB)]
+    assert "dp2" in found and not [name for name in found if "pp2" in name], found
+    with pytest.raises(ConfigError):
+        with_settings(cfg, {"parallel.pipeline": 2}).validate()

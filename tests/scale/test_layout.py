@@ -66,6 +66,20 @@ def test_a_selective_layout_keeps_the_configs_recompute_modules():
     assert parse_layout("recompute").apply(cfg).parallel.recompute_modules == []
 
 
+def test_a_layout_keeps_the_configs_other_parallel_settings():
+    """Before: a layout's parallel section was a fresh one, so the data-parallel overlap, its
+    bucket size and the collective timeout of the config were dropped without a word (the run
+    under the layout, loss_compare's and the dry run's layout search, was another run)."""
+    from megaloop.config import RunConfig
+
+    cfg = RunConfig(parallel=ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=10**6,
+                                            distributed_timeout_minutes=90, tensor=2))
+    parallel = parse_layout("dp2,recompute").apply(cfg).parallel
+    assert (parallel.overlap_grad_reduce, parallel.ddp_bucket_size,
+            parallel.distributed_timeout_minutes) == (True, 10**6, 90)
+    assert (parallel.tensor, parallel.recompute) == (1, "full")
+
+
 def test_stage_layouts_name_what_each_stage_holds():
     asym = ModelConfig(arch="asymloop", num_layers=8, iterations=3)
     assert [s.describe() for s in stage_layout(asym, ParallelConfig())] == [

@@ -145,6 +145,14 @@ def test_loss_compare_refuses_overrides_of_what_it_sets(tmp_path, capsys, overri
     assert not (tmp_path / "out").exists()
 
 
+def test_loss_compare_takes_the_parallel_settings_every_layout_keeps():
+    from megaloop.cli import refuse_overrides_of
+    from tools import loss_compare
+
+    refuse_overrides_of(["parallel.overlap_grad_reduce=true", "parallel.ddp_bucket_size=8"],
+                        loss_compare.set_by_the_tool())
+
+
 @pytest.mark.parametrize("settings, message", [
     # Before: a traceback from the seed checkpoint's Trainer, exit 1 (after ~40 s under the tool).
     ([f"data.tokenizer_model={SP_MODEL}"], "model.vocab_size=4096: smaller than the tokenizer's "

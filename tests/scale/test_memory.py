@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megaloop.config import RunConfig
+from megaloop.config import DataConfig, RunConfig
 from megaloop.models.flops import parameter_count
 from megaloop.scale.layout import Layout, layout_of, parse_layout
 from megaloop.scale.memory import estimate
@@ -125,7 +125,7 @@ def test_a_moe_model_is_offered_expert_parallel_layouts_when_its_experts_do_not_
     from megaloop.presets import PRESETS
     from megaloop.scale.memory import GIB, fitting_layouts
 
-    cfg = RunConfig(model=PRESETS["moe-loop-7B"])
+    cfg = RunConfig(model=PRESETS["moe-loop-7B"], data=DataConfig(path=["x"], eod_id=0))
     cfg.train.global_batch_size = 32
     dp8 = Layout(data=8)
     assert estimate(cfg, dp8).parameters == parameter_count(cfg.model)
