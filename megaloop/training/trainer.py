@@ -255,19 +255,11 @@ class Trainer:
             self.tied = TiedCopies(self.models, par.pipeline,
                                    ps.get_pipeline_model_parallel_group())
             self.tied.sync_weights()
-        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer, par, chunk)
-                     for chunk, model in enumerate(self.models)]
+        tied = self.tied.params if self.tied is not None else set()
+        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer, par, chunk,
+                                       tied) for chunk, model in enumerate(self.models)]
         self.ddp = self.ddps[0]
-        configure_sync(self.model.config, self.ddps, self._finalize_grads)
-
-    def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
-        """megatron-core's finalize_model_grads, after summing the tied decoder copies' gradients
-        (megaloop.training.tied: before the data-parallel reduction)."""
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        if self.tied is not None:
-            self.tied.reduce_grads()
-        finalize_model_grads(model_chunks, num_tokens, **kwargs)
+        configure_sync(self.model.config, self.ddps, self.tied)
 
     def _build_alrs(self):
         if not self.cfg.train.use_alrs:
