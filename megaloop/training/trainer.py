@@ -41,7 +41,7 @@ from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
-from megaloop.training.resume import check_resume, resumed_progress
+from megaloop.training.resume import check_bucket_layout, check_resume, resumed_progress
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
@@ -172,6 +172,7 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         if self.resume_path is not None:
+            check_bucket_layout(self.resume_path, cfg, self.optimizer)
             if load_training_state(self, self.resume_path):  # no need to write it again
                 self._last_saved_step = self.saver.latest_step = self.step
             self._stop_point(f"loading {self.resume_path}")
