@@ -38,6 +38,7 @@ import torch
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
 from megaloop.training import checkpoint as ckpt
+from megaloop.training.checkpoint_files import one_line
 from megaloop.training.collective import first_error, rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -252,6 +253,7 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
         return
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.api import CheckpointException
 
     # The keys megatron-core's DistributedOptimizer and ChainedOptimizer save them under.
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -259,10 +261,14 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
              f"{part.data_parallel_group_idx}.per_bucket_numel_unpadded": part
              for i, part in enumerate(parts)}
     live = {key: part.per_bucket_numel_unpadded for key, part in keyed.items()}
-    recorded = dist_checkpointing.load(
-        {key: ShardedObject(key, None, (1,), (0,), replica_id=(
-            part.distributed_optimizer_instance_id, 0, part.data_parallel_group.rank()))
-         for key, part in keyed.items()}, str(path))
+    try:
+        recorded = dist_checkpointing.load(
+            {key: ShardedObject(key, None, (1,), (0,), replica_id=(
+                part.distributed_optimizer_instance_id, 0, part.data_parallel_group.rank()))
+             for key, part in keyed.items()}, str(path))
+    except (Exception, CheckpointException) as e:  # any failure to read them, in one line
+        raise ckpt.CheckpointError(f"{path}: cannot read the DDP bucket sizes of its "
+                                   f"distributed-optimizer state ({one_line(e)})") from None
 
     def sizes(layout):  # bucket sizes per grad buffer
         return [buckets for buffer in layout for buckets in buffer.values()]
