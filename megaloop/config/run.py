@@ -154,11 +154,8 @@ class ParallelConfig:
         if self.pipeline_split:
             check_split(model, self.pipeline_split, stages, f"{prefix}.pipeline_split")
 
-    def validate_overlap(self, model: ModelConfig, distributed_optimizer: bool,
-                         prefix: str = "parallel") -> None:
+    def validate_overlap(self, distributed_optimizer: bool, prefix: str = "parallel") -> None:
         """The data-parallel overlap settings (``ddp_bucket_size`` read only with overlap)."""
-        from megaloop.models.pipeline import plan_stages, stage_counts
-
         require(self.ddp_bucket_size >= 0, prefix, "ddp_bucket_size", self.ddp_bucket_size,
                 ">= 0")
         require(not self.ddp_bucket_size or self.overlap_grad_reduce, prefix, "ddp_bucket_size",
@@ -170,16 +167,6 @@ class ParallelConfig:
         require(not self.overlap_param_gather or self.overlap_grad_reduce, prefix,
                 "overlap_param_gather", True, "false unless parallel.overlap_grad_reduce=true "
                 "(megatron-core's parameter all-gather hooks expect overlapped reduction)")
-        if not self.overlap_grad_reduce or self.pipeline_stages == 1:
-            return
-        stages = plan_stages(model, stage_counts(model, self))
-        tied = any(sum(layer in s.held("decoder") for s in stages) > 1
-                   for layer in range(1, model.num_decoder_layers + 1))
-        require(not tied, prefix, "overlap_grad_reduce", True,
-                f"false with parallel.pipeline={self.pipeline} x virtual_pipeline="
-                f"{self.virtual_pipeline} for this looped model (its decoder layers are tied "
-                "copies on several stages, whose gradients are summed before the data-parallel "
-                "reduction, which overlap would start during the backward pass)")
 
 
 def _recompute_module_absent(model: ModelConfig, name: str) -> str | None:
@@ -532,7 +519,7 @@ class RunConfig:
                 f"a divisor of model.seq_length={model.seq_length} for training (whole latents in "
                 "every training sequence; a loaded model infers at any length)")
         self.parallel.validate(self.model)
-        self.parallel.validate_overlap(self.model, self.train.distributed_optimizer)
+        self.parallel.validate_overlap(self.train.distributed_optimizer)
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()

@@ -17,7 +17,16 @@ import weakref
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 from megatron.core.transformer.module import Float16Module
+
+
+class _AllReducedBucketGroup(_ParamAndGradBucketGroup):
+    """A bucket group the distributed optimizer all-reduces rather than reduce-scatters, as
+    megatron-core does with ``force_all_reduce``: every rank gets the whole reduced gradient."""
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        super().start_grad_sync(force_all_reduce=True)
 
 
 class CollectableDDP(DistributedDataParallel):
@@ -36,13 +45,14 @@ class CollectableDDP(DistributedDataParallel):
 
 
 def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_optimizer: bool,
-                      parallel, chunk: int) -> CollectableDDP:
+                      parallel, chunk: int, all_reduced: set = frozenset()) -> CollectableDDP:
     """``model`` (a chunk whose parameters are in ``dtype``) on the GPU when there is one, with
     per-token loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32), with
     ``parallel``'s overlap settings (megaloop.config.run.ParallelConfig). As in Megatron-LM, only
     the first of a rank's model chunks (``chunk`` 0) is cut into buckets: the interleaved
     schedule reduces each later chunk whole after its last backward, which other chunks' compute
-    still overlaps."""
+    still overlaps. The buckets holding a parameter of ``all_reduced`` (tied copies, summed after
+    the reduction: megaloop.training.tied) are all-reduced by the distributed optimizer too."""
     if torch.cuda.is_available():
         model.cuda()
     use_per_token_loss(model)
@@ -52,16 +62,29 @@ def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_op
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
         bucket_size=parallel.ddp_bucket_size or None)  # None: megatron-core's default
-    return CollectableDDP(model.config, config, wrapped, disable_bucketing=chunk > 0)
+    ddp = CollectableDDP(model.config, config, wrapped, disable_bucketing=chunk > 0)
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        if distributed_optimizer and group.params & all_reduced:
+            group.__class__ = _AllReducedBucketGroup
+    return ddp
 
 
-def configure_sync(config, ddps: list[CollectableDDP], finalize) -> None:
+def configure_sync(config, ddps: list[CollectableDDP], tied) -> None:
     """The hooks megatron-core's pipeline schedules call (read from the first chunk's
     ``config``), as Megatron-LM sets them: ``no_sync`` keeps every micro-batch but the last from
     reducing; with ``overlap_grad_reduce`` the interleaved schedule starts each chunk's reduction
-    after its last backward (``grad_sync_func``); ``finalize`` waits for the reductions."""
+    after its last backward (``grad_sync_func``); finalize_model_grads waits for the reductions,
+    after which the tied decoder copies' gradients are summed (``tied``, a
+    megaloop.training.tied.TiedCopies or None), as megatron-core sums a tied embedding's."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
     def per_chunk(funcs):
         return funcs if len(funcs) > 1 else funcs[0]
+
+    def finalize(model_chunks, num_tokens=None, **kwargs):
+        finalize_model_grads(model_chunks, num_tokens, **kwargs)
+        if tied is not None:
+            tied.reduce_grads()
 
     config.finalize_model_grads_func = finalize
     config.no_sync_func = per_chunk([ddp.no_sync for ddp in ddps])

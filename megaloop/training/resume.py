@@ -7,8 +7,10 @@ a new field has to be placed):
 - the LR schedule: applied by ``resume_schedule`` unless ``checkpoint.keep_schedule``, each
   change one warning line; what decides the sample order: ``report_sample_order``;
 - ``APPLIED``: in effect from the next step, each change one warning line;
-- ``BOOKKEEPING`` (logging, evaluation, saving): in effect, each change one info line
-  (``alrs.log_eigenvalues`` refused while the run's ALRS log was written otherwise). A
+- ``BOOKKEEPING`` (logging, evaluation, saving, communication overlap): in effect, each change
+  one info line (``alrs.log_eigenvalues`` refused while the run's ALRS log was written otherwise;
+  ``parallel.overlap_grad_reduce``/``ddp_bucket_size`` refused by ``check_bucket_layout`` once the
+  model is built, where they cut the DDP buckets of dp_reshardable optimizer state anew). A
   ``checkpoint.dir`` changed so that the run finds nothing there to resume, while the config the
   last run saved in ``train.out_dir`` names a directory holding checkpoints, is refused before
   this (``checkpoint.resume_source``): it would start that run over, metrics included (not so
@@ -36,7 +38,8 @@ import torch
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
 from megaloop.training import checkpoint as ckpt
-from megaloop.training.collective import rank0_decides
+from megaloop.training.checkpoint_files import one_line
+from megaloop.training.collective import first_error, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 
@@ -180,13 +183,6 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
             reason = "the multipliers saved in the checkpoint hold"
         elif name == "alrs.log_eigenvalues":
             reason = _eigenvalue_log_refusal(cfg)
-        elif (name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size")
-              and cfg.train.distributed_optimizer and saved.get("checkpoint", {}).get(
-                  "optimizer_format", "dp_reshardable") == "dp_reshardable"):
-            reason = ("the distributed-optimizer state it holds, in checkpoint.optimizer_format="
-                      "dp_reshardable, is laid out by megatron-core's DDP buckets, which this "
-                      "setting cuts differently; change it when resuming a fully_reshardable "
-                      "checkpoint")
         elif name == "model.iterations":  # the saved weights are those of a model with ``old``
             reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
         elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":
@@ -236,6 +232,69 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
     if window is not None:
         lines.append((logging.WARNING, f"{where}: {window}"))
     return False, lines
+
+
+def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
+    """Collective, before a resume loads distributed-optimizer state saved in
+    checkpoint.optimizer_format=dp_reshardable: that state is flat per megatron-core DDP bucket,
+    and reloads only into buckets cut as the saved ones (megatron-core asserts it after the load,
+    when the load itself has not already failed on a bucket's size). Where this run's ``optimizer``
+    cut them otherwise (a changed parallel.overlap_grad_reduce or ddp_bucket_size does, unless
+    every cut falls where it did: a model that fits one bucket either way, a pipeline rank after
+    the first, which megatron-core never cuts), every rank raises one line: a ConfigError naming
+    the changed setting, else a CheckpointError. The bucket sizes compared are those the
+    checkpoint records (megatron-core's ``per_bucket_numel_unpadded``), per pipeline rank."""
+    saved = ckpt.saved_config(path)
+    if (not cfg.train.distributed_optimizer
+            or (saved.get("checkpoint") or {}).get("optimizer_format",
+                                                   "dp_reshardable") != "dp_reshardable"
+            or not (cfg.checkpoint.load_optimizer or ckpt.is_own_checkpoint(path, cfg))
+            or not ckpt.holds_training_state(path)):
+        return
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # The keys megatron-core's DistributedOptimizer and ChainedOptimizer save them under.
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    keyed = {(f"chained_{i}." if len(parts) > 1 else "") + "optimizer.distributed.dp_group_idx_"
+             f"{part.data_parallel_group_idx}.per_bucket_numel_unpadded": part
+             for i, part in enumerate(parts)}
+    live = {key: part.per_bucket_numel_unpadded for key, part in keyed.items()}
+    try:
+        recorded = dist_checkpointing.load(
+            {key: ShardedObject(key, None, (1,), (0,), replica_id=(
+                part.distributed_optimizer_instance_id, 0, part.data_parallel_group.rank()))
+             for key, part in keyed.items()}, str(path))
+    except (Exception, CheckpointException) as e:  # any failure to read them, in one line
+        raise ckpt.CheckpointError(f"{path}: cannot read the DDP bucket sizes of its "
+                                   f"distributed-optimizer state ({one_line(e)})") from None
+
+    def sizes(layout):  # bucket sizes per grad buffer
+        return [buckets for buffer in layout for buckets in buffer.values()]
+
+    error = next((f"{path} holds distributed-optimizer state in checkpoint.optimizer_format="
+                  f"dp_reshardable, flat per megatron-core DDP bucket, of {sizes(recorded[key])} "
+                  f"elements on rank {torch.distributed.get_rank()}, where this run cuts "
+                  f"{sizes(layout)}" for key, layout in live.items()
+                  if recorded[key] != layout), None)
+    error = first_error(error)
+    if error is None:
+        return
+    before = {**to_dict(RunConfig())["parallel"], **(saved.get("parallel") or {})}
+    changed = [name for name in ("overlap_grad_reduce", "ddp_bucket_size")
+               if before[name] != getattr(cfg.parallel, name)]
+    if changed:
+        raise ConfigError(
+            ", ".join(f"parallel.{n}={getattr(cfg.parallel, n)!r}" for n in changed)
+            + f": differs from {', '.join(repr(before[n]) for n in changed)} in "
+            f"{path / 'config.yaml'}, and a resume cannot apply it ({error}); set it back, or "
+            "start a new run")
+    raise ckpt.CheckpointError(
+        f"{error} (another data-parallel size with megatron-core's default "
+        "parallel.ddp_bucket_size, or another megaloop or megatron-core version); resume as it "
+        "was saved, or start a new run from its weights (checkpoint.load, "
+        "checkpoint.load_optimizer=false)")
 
 
 def _allocation_window(cfg: RunConfig, before: dict, first: int | None) -> str | None:

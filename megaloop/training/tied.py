@@ -8,19 +8,24 @@ parameter:
 
 - ``sync_weights`` sets every copy to the primary copy's values (the first stage holding the
   layer), before training starts;
-- ``reduce_grads`` (inside ``finalize_model_grads``, before the data-parallel reduction) sums the
-  gradients of all copies of a layer: first the copies of one rank, then over the pipeline ranks
-  holding it, and writes the sum into every copy. All copies then take identical optimizer steps
-  (same values, gradients and optimizer states; with the distributed optimizer every element is
-  updated by the same arithmetic wherever its shard lies);
+- ``reduce_grads`` (after ``finalize_model_grads``, whose data-parallel reduction is linear)
+  sums the reduced gradients of all copies of a layer: first the copies of one rank, then over
+  the pipeline ranks holding it, and writes the sum into every copy. All copies then take
+  identical optimizer steps (same values, gradients and optimizer states);
 - the gradient norm counts each tied parameter once (the model marks the other copies
   ``shared``), and checkpoints hold one copy (``LoopedLM.sharded_state_dict``).
 
-The sum runs on each rank's accumulated gradients before the data-parallel reduce(-scatter), so it
-is exact for either optimizer whatever part of the buffer a data-parallel rank owns; it needs
-``overlap_grad_reduce`` off, which would start that reduction during the backward pass
-(``ParallelConfig.validate_overlap`` refuses it where a model has tied copies). The holders of each layer get a process group
-per pipeline group (all ranks create them together).
+The sum follows the data-parallel reduction, as megatron-core's sum of a tied embedding and
+output layer (``_allreduce_word_embedding_grads``) does, so ``overlap_grad_reduce`` may start that
+reduction during the backward pass; overlapped or not, the additions are the same, in the same
+order. The distributed optimizer reduce-scatters a bucket: a data-parallel rank then holds the
+reduced gradient of its shard only, and the copies on other stages, in other buckets, are cut into
+other shards. So the DDP bucket groups holding copies (``params``) are all-reduced instead
+(megatron-core's ``force_all_reduce``, ``ddp.wrap_for_training``): every rank holds every copy's
+whole reduced gradient, and the sums are exact whatever the bucket layout, which so stays that of
+checkpoints saved before. The cost is that of an all-reduce over a reduce-scatter (twice the
+bytes) for those buckets, as megatron-core pays for the tied embedding's all-reduce. The holders
+of each layer get a process group per pipeline group (all ranks create them together).
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ class TiedCopies:
                         self.primary[key] = param
         self.holders = {key: holders[key[0]] for key in self.copies}
         self.groups = _holder_groups(sorted(_every_holder_set(model, pipeline)), pipeline_group)
+
+    @property
+    def params(self) -> set[torch.nn.Parameter]:
+        """Every copy this rank holds."""
+        return {param for copies in self.copies.values() for param in copies}
 
     @torch.no_grad()
     def sync_weights(self) -> None:

@@ -41,7 +41,7 @@ from megaloop.training.collective import is_rank0
 from megaloop.training.data import MicroBatches, build_datasets
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
-from megaloop.training.resume import check_resume, resumed_progress
+from megaloop.training.resume import check_bucket_layout, check_resume, resumed_progress
 from megaloop.training.run_dir import RunDirs
 from megaloop.training.signals import StopSignals
 
@@ -172,6 +172,7 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         if self.resume_path is not None:
+            check_bucket_layout(self.resume_path, cfg, self.optimizer)
             if load_training_state(self, self.resume_path):  # no need to write it again
                 self._last_saved_step = self.saver.latest_step = self.step
             self._stop_point(f"loading {self.resume_path}")
@@ -255,19 +256,11 @@ class Trainer:
             self.tied = TiedCopies(self.models, par.pipeline,
                                    ps.get_pipeline_model_parallel_group())
             self.tied.sync_weights()
-        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer, par, chunk)
-                     for chunk, model in enumerate(self.models)]
+        tied = self.tied.params if self.tied is not None else set()
+        self.ddps = [wrap_for_training(model, dtype, cfg.train.distributed_optimizer, par, chunk,
+                                       tied) for chunk, model in enumerate(self.models)]
         self.ddp = self.ddps[0]
-        configure_sync(self.model.config, self.ddps, self._finalize_grads)
-
-    def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
-        """megatron-core's finalize_model_grads, after summing the tied decoder copies' gradients
-        (megaloop.training.tied: before the data-parallel reduction)."""
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        if self.tied is not None:
-            self.tied.reduce_grads()
-        finalize_model_grads(model_chunks, num_tokens, **kwargs)
+        configure_sync(self.model.config, self.ddps, self.tied)
 
     def _build_alrs(self):
         if not self.cfg.train.use_alrs:
