@@ -30,7 +30,8 @@ from typing import Callable
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.config import RunConfig, save_yaml
-from megaloop.platform.files import atomic_write_leftovers, write_text_atomic
+from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
+                                     write_text_atomic)
 from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpoint_name,
                                                 complete_checkpoints, latest_checkpoint, one_line)
 from megaloop.training.collective import is_rank0, rank0_decides
@@ -100,13 +101,20 @@ def _write_failed(save: _Save, error: BaseException, part: str = "") -> Checkpoi
 def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
     """Collective, once every rank's part is written: rank 0 adds the run config, renames
     ``iter_N.tmp`` to ``iter_N``, moves ``latest`` to it and deletes the checkpoints beyond
-    ``keep_last``; a failure is the same CheckpointError on every rank."""
+    ``keep_last``; a failure is the same CheckpointError on every rank.
+
+    Each step is on disk before the next: megatron-core syncs the shards (``*.distcp``, each
+    rank's writer) but not common.pt or metadata.json, nor any directory, and a power loss
+    after ``latest`` moved could otherwise leave it naming a checkpoint whose small files are
+    empty, or missing. All of them are rank 0's, as is every rename."""
 
     def finish() -> None:
         tmp, final = save.tmp, save.final
         try:
             save_yaml(cfg, tmp / "config.yaml")
+            sync_tree(tmp, durable=lambda path: path.suffix == ".distcp")
             os.replace(tmp, final)
+            sync_directory(save.directory)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{e.filename or tmp}: saving step {save.step} failed "
@@ -114,6 +122,7 @@ def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
                                   f"{save.still_latest}") from None
         try:
             write_text_atomic(save.directory / LATEST, final.name + "\n")
+            sync_directory(save.directory)
         except OSError as e:
             raise CheckpointError(f"{save.directory / LATEST}: not moved to {final.name} "
                                   f"({e.strerror or e}); it still names "
