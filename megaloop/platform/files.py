@@ -17,7 +17,7 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 _TOKEN_BYTES = 4  # of the temporary name's random part
 _TEMPORARY = re.compile(rf"\.(?P<target>.+)-\d+-[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
@@ -64,6 +64,32 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` through ``atomic_path``."""
     with atomic_open(path) as f:
         f.write(text)
+
+
+def sync_directory(path: str | os.PathLike) -> None:
+    """Makes the names in directory ``path`` durable: a file created, renamed into it or replaced
+    there (``atomic_path``'s rename included) is on disk only once its directory is synced; a
+    crash before leaves the old name, or none."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(directory: str | os.PathLike,
+              durable: Callable[[Path], bool] = lambda path: False) -> None:
+    """Syncs every file below ``directory`` but those ``durable`` says are synced already, then
+    every directory, the deepest first: after a crash, none of them is found empty or missing
+    once a later rename has made the tree visible. Another writer's data, on another host of a
+    shared filesystem, is synced only where it wrote it: ``durable`` must cover it."""
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            path = Path(root) / name
+            if not durable(path):
+                with open(path, "rb") as f:  # fsync syncs the file, whichever descriptor names it
+                    os.fsync(f.fileno())
+        sync_directory(root)
 
 
 def _remove_stale_temporaries(path: Path) -> None:

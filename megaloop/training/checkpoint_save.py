@@ -14,7 +14,8 @@ What the background write holds is the state of the step saved, however far trai
 megatron-core stages GPU tensors in host memory before it forks the writer process, and on the
 CPU the fork itself is the snapshot (the writer's pages are copied when training writes to them,
 so memory grows by up to the state's size while a write is in flight). A ``kill -9`` at any
-moment, a crash, or a write that fails leaves ``latest`` on the previous complete checkpoint.
+moment, a crash, or a write that fails leaves ``latest`` on the previous complete checkpoint; a
+writer process killed mid-write fails its save on every rank (checkpoint_writer).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from typing import Callable
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.config import RunConfig, save_yaml
-from megaloop.platform.files import atomic_write_leftovers, write_text_atomic
+from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
+                                     write_text_atomic)
 from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpoint_name,
                                                 complete_checkpoints, latest_checkpoint, one_line)
+from megaloop.training.checkpoint_writer import died_of, refuse_unguarded_main, watched
 from megaloop.training.collective import is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -46,6 +49,7 @@ class _Save:
     previous: Path | None
     blocked_s: float = 0.0  # the training loop's time spent on this save so far
     scheduled_at: float | None = None  # when its background write began (async_save)
+    writer: object = None  # the process of its background write, if this rank writes any
 
     @property
     def tmp(self) -> Path:
@@ -85,28 +89,36 @@ def _begin(directory: Path, step: int) -> _Save:
     return save
 
 
-def _write_failed(save: _Save, error: BaseException, part: str = "") -> CheckpointError:
+def _write_failed(save: _Save, error: BaseException | str, part: str = "") -> CheckpointError:
     """The one-line error of a write that failed on any rank (every rank sees it), ``part`` naming
     the part that failed; its files are removed, since they hold the space a full disk needs
     back."""
     free = _free_space(save.directory)
     if is_rank0():
         shutil.rmtree(save.tmp, ignore_errors=True)
+    cause = error if isinstance(error, str) else one_line(error)
     return CheckpointError(f"{save.tmp}: saving step {save.step} failed{part} "
-                           f"({one_line(error)}; {free} free on its filesystem); latest is still "
+                           f"({cause}; {free} free on its filesystem); latest is still "
                            f"{save.still_latest}")
 
 
 def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
     """Collective, once every rank's part is written: rank 0 adds the run config, renames
     ``iter_N.tmp`` to ``iter_N``, moves ``latest`` to it and deletes the checkpoints beyond
-    ``keep_last``; a failure is the same CheckpointError on every rank."""
+    ``keep_last``; a failure is the same CheckpointError on every rank.
+
+    Each step is on disk before the next: megatron-core syncs the shards (``*.distcp``, each
+    rank's writer) but not common.pt or metadata.json, nor any directory, and a power loss
+    after ``latest`` moved could otherwise leave it naming a checkpoint whose small files are
+    empty, or missing. All of them are rank 0's, as is every rename."""
 
     def finish() -> None:
         tmp, final = save.tmp, save.final
         try:
             save_yaml(cfg, tmp / "config.yaml")
+            sync_tree(tmp, durable=lambda path: path.suffix == ".distcp")
             os.replace(tmp, final)
+            sync_directory(save.directory)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{e.filename or tmp}: saving step {save.step} failed "
@@ -114,6 +126,7 @@ def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
                                   f"{save.still_latest}") from None
         try:
             write_text_atomic(save.directory / LATEST, final.name + "\n")
+            sync_directory(save.directory)
         except OSError as e:
             raise CheckpointError(f"{save.directory / LATEST}: not moved to {final.name} "
                                   f"({e.strerror or e}); it still names "
@@ -142,6 +155,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: R
     flat buffer: +1.0x (tools/bench/checkpoint_save_memory.py). Both are megatron-core's. On a
     GPU nothing is cloned: the writer stages every tensor (a view: its own elements) in host
     memory."""
+    refuse_unguarded_main()
     save = _begin(Path(directory), step)
     _write(save, state)
     return _finish(save, cfg, keep_last)
@@ -195,6 +209,7 @@ class CheckpointSaver:
 
     def __init__(self, directory: Path, cfg: RunConfig,
                  note: Callable[[str], None] = lambda text: None):
+        refuse_unguarded_main()  # before the run starts, not at its first save
         self.directory, self.cfg, self._note = Path(directory), cfg, note
         self.keep_last, self.asynchronous = cfg.checkpoint.keep_last, cfg.checkpoint.async_save
         self.latest_step: int | None = None
@@ -237,9 +252,10 @@ class CheckpointSaver:
             # weights that training goes on changing, not a snapshot.
             self._queue = AsyncCallsQueue(persistent=False)
         try:  # the writer process is forked here
-            self._queue.schedule_async_request(request)
+            self._queue.schedule_async_request(watched(request))
         except Exception as e:
             raise _write_failed(save, e) from None
+        save.writer = self._queue.async_calls[-1].async_caller.process
         save.scheduled_at = time.perf_counter()
         save.blocked_s = save.scheduled_at - started
         self._pending = save
@@ -287,7 +303,9 @@ class CheckpointSaver:
         except (Exception, CheckpointException) as e:  # raised on every rank
             self._pending = None
             self.noted()
-            raise _write_failed(save, e, " in its background write") from None
+            died = save.writer is not None and died_of(save.writer)
+            raise _write_failed(save, f"its writer process died of {died}" if died else e,
+                                " in its background write") from None
         if not done:
             save.blocked_s += time.perf_counter() - started
             return None

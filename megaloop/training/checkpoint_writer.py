@@ -1,0 +1,138 @@
+"""The processes a checkpoint save starts: the results-queue manager, and the background write
+(``checkpoint.async_save``) as a process tree that ends whole.
+
+megatron-core starts its results-queue manager with the spawn method, at a process's first save,
+and a spawned process re-imports the main script: code of it that is not under ``if __name__ ==
+"__main__":`` runs again there, and the save fails with a bare EOFError once the copy dies (of
+the run directory's lock, at best). ``refuse_unguarded_main`` finds that before the run starts.
+
+megatron-core forks a writer process for the write, which forks one worker per bucket of files
+and waits on a JoinableQueue until every worker has reported. Nothing watches them: a worker
+killed (the OOM killer's SIGKILL) never reports, the writer waits for ever, and so does every
+training rank at its next wait for the write; a writer killed leaves its workers orphaned, one
+blocked for ever on a pipe that nobody reads. ``watched`` makes the tree end whole and at once:
+a worker's death ends the writer (status 128 + the signal's number), and the writer's death, of
+any cause, SIGKILLs its workers (Linux's parent-death signal). The training ranks then see the
+writer ended, megatron-core's collective finalize fails the save on every rank (the writer's
+results are missing), and ``died_of`` names the signal on the rank whose writer died.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from functools import partial
+
+import psutil
+
+from megaloop.training.checkpoint_files import CheckpointError
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_WATCH_INTERVAL_S = 0.1
+_KILLED = (os.CLD_KILLED, os.CLD_DUMPED)
+
+
+def watched(request):
+    """megatron-core's AsyncRequest ``request``, its writer process watching its workers."""
+    if request.async_fn is None:  # nothing to write on this rank: no process
+        return request
+    return request._replace(async_fn=partial(_write_watched, request.async_fn))
+
+
+def died_of(process) -> str | None:
+    """The signal the writer ``process`` (joined) died of, itself or one of its workers, in words
+    (None when it was not killed)."""
+    code = process.exitcode
+    if code is None or 0 <= code <= 128:
+        return None
+    signum = -code if code < 0 else code - 128
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return name + (", out of memory?" if signum == signal.SIGKILL else "")
+
+
+def _write_watched(write, *args, **kwargs) -> None:
+    """Runs in the writer process: megatron-core's ``write``, with every worker it forks dying
+    with it and a thread that ends it when a worker is killed."""
+    # Looked up before any fork: a child of a threaded process must not take the loader's lock.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+    os.register_at_fork(after_in_child=partial(_die_with, os.getpid(), prctl))
+    threading.Thread(target=_end_when_a_worker_is_killed, name="megaloop-writer-watch",
+                     daemon=True).start()
+    write(*args, **kwargs)
+
+
+def _die_with(writer: int, prctl) -> None:
+    """In a worker, just forked: SIGKILLed when the writer ends."""
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != writer:  # the writer ended before the signal was set
+        os._exit(1)
+
+
+def _end_when_a_worker_is_killed() -> None:
+    """Ends this (writer) process as its killed worker did: it would wait for its report for ever.
+    Looks without reaping (WNOWAIT): the writer joins its workers itself."""
+    me = psutil.Process()
+    while True:
+        for worker in me.children():
+            try:
+                info = os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped meanwhile by the writer
+                continue
+            if info is not None and info.si_code in _KILLED:
+                os._exit(128 + info.si_status)
+        time.sleep(_WATCH_INTERVAL_S)
+
+
+def refuse_unguarded_main() -> None:
+    """Raises a CheckpointError naming the line when the code running now (a Trainer or a save
+    being made) is the main script's top-level code outside ``if __name__ == "__main__":`` and
+    this process has yet to start megatron-core's results-queue manager (spawn's rules for what
+    it re-imports: multiprocessing.spawn.get_preparation_data)."""
+    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if (getattr(writer, "_results_queue", None) is not None or path is None
+            or name == "__main__" or name.endswith(".__main__")):
+        return
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>"
+                                     and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is not None and not _under_main_guard(path, frame.f_lineno):
+        raise CheckpointError(
+            f"{path}: line {frame.f_lineno} runs outside 'if __name__ == \"__main__\":'; put the "
+            "script's code under it: checkpoint saves start a process with the spawn method, "
+            "which imports the script again and would run that code twice")
+
+
+@functools.lru_cache(maxsize=8)
+def _under_main_guard(path: str, line: int) -> bool:
+    """Whether ``line`` of Python file ``path`` is in the body of an ``if __name__ ==
+    "__main__":`` (True when the file cannot be read or parsed: nothing to refuse for sure)."""
+    try:
+        tree = ast.parse(open(path, "rb").read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    return any(isinstance(node, ast.If) and _is_main_test(node.test)
+               and node.body[0].lineno <= line <= node.body[-1].end_lineno
+               for node in ast.walk(tree))
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {ast.dump(side) for side in (test.left, *test.comparators)}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())),
+                     ast.dump(ast.Constant("__main__"))}

@@ -1,0 +1,242 @@
+"""Checkpoints that survive what the disk and the machine do: every file and directory of a
+checkpoint is on disk before ``latest`` names it, and a background write killed mid-way (the
+OOM killer) ends the run in one line instead of hanging it."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from megaloop.training import checkpoint as ckpt
+from megaloop.training.trainer import Trainer
+from tests.distributed import run_distributed
+from tests.training.conftest import one_line, tiny_run, train_losses
+
+
+def _record_syncs_and_renames(monkeypatch, log_path):
+    """Appends "fsync <path>" and "replace <src> <dst>" to ``log_path`` for every os.fsync and
+    os.replace, in this process and in those it forks (megatron-core's writers): one append per
+    event, so that their order is kept."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        os.write(log, f"fsync {os.readlink(f'/proc/self/fd/{fd}')}\n".encode())
+        return fsync(fd)
+
+    def recording_replace(src, dst, **kwargs):
+        os.write(log, f"replace {os.fspath(src)} {os.fspath(dst)}\n".encode())
+        return replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_is_on_disk_before_latest_names_it(mcore, pattern_data, tmp_path,
+                                                        monkeypatch, async_save):
+    events = tmp_path / "events"
+    cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 2},
+                   checkpoint={"save_interval": 2, "async_save": async_save})
+    with Trainer(cfg) as trainer:
+        _record_syncs_and_renames(monkeypatch, events)
+        trainer.train()
+    monkeypatch.undo()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    final = ckpt.latest_checkpoint(checkpoints)
+    tmp = final.with_name(final.name + ".tmp")
+    lines = events.read_text().splitlines()
+    moved = lines.index(f"replace {tmp} {final}")
+    pointed = next(i for i, line in enumerate(lines)
+                   if line.startswith("replace ") and line.endswith(f" {checkpoints / 'latest'}"))
+    synced_before = {line.split(" ", 1)[1] for line in lines[:pointed] if line.startswith("fsync ")}
+    files = sorted(p.name for p in final.iterdir())
+    assert {"common.pt", "metadata.json", "config.yaml", ".metadata"} <= set(files), files
+    assert [name for name in files if str(tmp / name) not in synced_before] == []
+    assert str(tmp) in synced_before, "the checkpoint directory (its entries)"
+    parent = f"fsync {checkpoints}"
+    assert parent in lines[moved:pointed], "the rename of iter_N.tmp, before latest moves"
+    assert parent in lines[pointed:], "the move of latest"
+    # megatron-core's writers sync the shards; they are not read back to be synced again.
+    shards = [line for line in lines if line.startswith("fsync ") and line.endswith(".distcp")]
+    assert len(shards) == len(set(shards)) == len(list(final.glob("*.distcp"))), shards
+
+
+def _slow_workers_naming_themselves(monkeypatch, pids_file, seconds: float) -> None:
+    """Each worker of a background write (forked by its writer process, forked from this one)
+    appends "<writer pid> <worker pid>" to ``pids_file``, then waits ``seconds`` and writes."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def slow(*args, **kwargs):
+        with open(pids_file, "a") as f:
+            f.write(f"{os.getppid()} {os.getpid()}\n")
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(slow))
+
+
+def _ended(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(120, method="thread")  # the old code waited for ever (for the report
+# of the killed worker), deaf to signals: the main thread sat in waitpid()
+@pytest.mark.parametrize("victim", ["writer", "worker"])
+def test_a_background_writer_killed_mid_write_fails_the_save_in_one_line(
+        mcore, pattern_data, tmp_path, monkeypatch, victim):
+    """The OOM killer's SIGKILL to the writer process of step 4's background write, or to one of
+    the workers it forked: the run ends at once (not at the next save, nor ever), naming the
+    checkpoint and the signal, the save is not finalized, and no process of the write is left
+    (megaloop-train exits 2 on a CheckpointError)."""
+    pids_file = tmp_path / "pids"
+    cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 8},
+                   checkpoint={"save_interval": 2, "async_save": True})
+    trainer = Trainer(cfg)
+    _slow_workers_naming_themselves(monkeypatch, pids_file, 1.5)
+    train_step, killed = trainer.train_step, {}
+
+    def killing_a_writer_at_step_5(data):
+        if trainer.step == 5:  # step 4's write is in flight, step 2's is complete
+            deadline = time.monotonic() + 30
+            while not killed and time.monotonic() < deadline:
+                pids = [list(map(int, line.split())) for line in
+                        pids_file.read_text().splitlines()] if pids_file.exists() else []
+                writers = {writer for writer, _ in pids}
+                if len(writers) == 2:  # step 2's writer, then step 4's
+                    writer = max(writers, key=[w for w, _ in pids].index)
+                    killed["writer"] = writer
+                    killed["worker"] = next(w for p, w in pids if p == writer)
+                    os.kill(killed[victim], signal.SIGKILL)
+                time.sleep(0.05)
+        return train_step(data)
+
+    trainer.train_step = killing_a_writer_at_step_5
+    with pytest.raises(ckpt.CheckpointError) as error:
+        trainer.train()
+    monkeypatch.undo()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert one_line(error) == (f"{checkpoints}/iter_0000004.tmp: saving step 4 failed in its "
+                               "background write (its writer process died of SIGKILL, out of "
+                               f"memory?; {one_line(error).split('; ')[1]}; latest is still "
+                               "iter_0000002")
+    assert max(train_losses(tmp_path / "run")) <= 6, "found by the next polls"
+    assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000002"
+    assert not (checkpoints / "iter_0000004").exists()
+    workers = [w for p, w in (map(int, line.split()) for line in
+                              pids_file.read_text().splitlines()) if p == killed["writer"]]
+    deadline = time.monotonic() + 5  # a worker orphaned by its writer's death is killed with it
+    while not all(map(_ended, [killed["writer"], *workers])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(_ended, [killed["writer"], *workers]))
+
+
+def _run_script(tmp_path, code: str):
+    import subprocess
+    import sys
+
+    from tests.training.test_preemption import _env
+
+    script = tmp_path / "user_script.py"
+    script.write_text(code)
+    return script, subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=300)
+
+
+def test_a_script_that_trains_outside_a_main_guard_is_refused_before_the_run(pattern_data,
+                                                                              tmp_path):
+    """megatron-core's first save spawns a process, which imports the script again: the
+    unguarded Trainer would be made (and trained) twice, and the save fail with a bare EOFError
+    from the copy's death."""
+    script, run = _run_script(tmp_path, (
+        "from pathlib import PosixPath\n"
+        "from tests.training.conftest import tiny_run\n"
+        "from megaloop.training.trainer import Trainer\n"
+        f"cfg = tiny_run({pattern_data!r}, {tmp_path / 'run'!r}, train={{'train_steps': 2}})\n"
+        "Trainer(cfg).train()\n"))
+    assert run.returncode != 0
+    assert run.stderr.splitlines()[-1].endswith(  # torch prefixes "[rank0]: "
+        f"megaloop.training.checkpoint_files.CheckpointError: {script}: line 5 runs outside "
+        "'if __name__ == \"__main__\":'; put the script's code under it: checkpoint saves start "
+        "a process with the spawn method, which imports the script again and would run that "
+        "code twice"), run.stderr[-3000:]
+    assert "EOFError" not in run.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before the first step"
+
+
+def test_code_under_a_main_guard_is_not_refused(tmp_path):
+    script, run = _run_script(tmp_path, (
+        "from megaloop.training.checkpoint_writer import refuse_unguarded_main\n"
+        "def main():\n"
+        "    refuse_unguarded_main()\n"
+        "if '__main__' == __name__:\n"
+        "    refuse_unguarded_main()\n"
+        "    main()\n"
+        "    print('not refused')\n"))
+    assert run.returncode == 0 and run.stdout == "not refused\n", run.stderr[-3000:]
+
+
+def _kill_rank_1s_worker(rank, world_size, data_prefix, out_dir):
+    from pathlib import Path
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    out = Path(out_dir)
+    pids_file = out / f"pids.{rank}"
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def slow(*args, **kwargs):
+        with open(pids_file, "a") as f:
+            f.write(f"{os.getppid()} {os.getpid()}\n")
+        time.sleep(1.5)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow)
+    try:
+        trainer = Trainer(tiny_run(data_prefix, out / "run", train={"train_steps": 8},
+                                   checkpoint={"save_interval": 2, "async_save": True}))
+        train_step = trainer.train_step
+
+        def killing_at_step_5(data):
+            if trainer.step == 5 and rank == 1:
+                while len({line.split()[0] for line in pids_file.read_text().splitlines()}) < 2:
+                    time.sleep(0.05)
+                os.kill(int(pids_file.read_text().splitlines()[-1].split()[1]), signal.SIGKILL)
+            return train_step(data)
+
+        trainer.train_step = killing_at_step_5
+        try:
+            trainer.train()
+        except ckpt.CheckpointError as e:
+            return str(e), trainer.step
+        return None, trainer.step
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = write
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_a_writer_killed_on_one_rank_fails_the_save_on_every_rank(mcore, pattern_data,
+                                                                  tmp_path):
+    """Two gloo ranks: rank 1's writer dies; megatron-core's collective finalize fails step 4's
+    save on both at the same step, rank 1 naming the signal (no rank waits for a peer until the
+    process-group timeout)."""
+    started = time.monotonic()
+    (rank0, step0), (rank1, step1) = run_distributed(
+        _kill_rank_1s_worker, world_size=2, data_prefix=pattern_data, out_dir=str(tmp_path))
+    tmp = tmp_path / "run" / "checkpoints" / "iter_0000004.tmp"
+    assert rank1.startswith(f"{tmp}: saving step 4 failed in its background write (its writer "
+                            "process died of SIGKILL, out of memory?"), rank1
+    assert rank0.startswith(f"{tmp}: saving step 4 failed in its background write ("), rank0
+    assert rank0.endswith("latest is still iter_0000002") and step0 == step1 <= 6
+    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000002"
+    assert time.monotonic() - started < 120
