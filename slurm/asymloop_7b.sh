@@ -31,11 +31,11 @@ source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
 megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
 megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
 RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"
+megaloop_mounted DATA TOKENIZER RUN_DIR
 
 TRAIN_ARGS=(
   --preset 7B --config examples/configs/asymloop_7b.yaml
   data.path="[$DATA]" data.tokenizer_model="$TOKENIZER"
   train.out_dir="$RUN_DIR"
 )
-[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RUN_DIR"  # a dry run writes nothing
 megaloop_train "${TRAIN_ARGS[@]}" "$@"

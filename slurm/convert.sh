@@ -22,5 +22,6 @@ source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
 megaloop_require CHECKPOINT "set CHECKPOINT to the checkpoint directory of a run, or one iter_NNNNNNN"
 megaloop_require OUT "set OUT to the Hugging Face output directory"
 megaloop_no_dry_run
+megaloop_mounted CHECKPOINT OUT
 
 megaloop_srun python tools/convert_checkpoint.py to-hf "$CHECKPOINT" "$OUT" "$@"

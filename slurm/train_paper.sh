@@ -43,6 +43,7 @@ if [ -z "${STEPS[$PRESET]:-}" ]; then
   exit 2
 fi
 RUN_DIR="${RUN_DIR:-runs/${ARCH}_${PRESET}}"
+megaloop_mounted DATA TOKENIZER RUN_DIR
 
 MODEL_ARGS=(--preset "$PRESET" model.arch="$ARCH")
 TRAINING_ARGS=(
@@ -57,5 +58,4 @@ fi
 DATA_ARGS=(data.path="[$DATA]" data.tokenizer_model="$TOKENIZER")
 OUTPUT_ARGS=(train.out_dir="$RUN_DIR" checkpoint.save_interval=500)
 
-[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RUN_DIR"  # a dry run writes nothing
 megaloop_train "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
