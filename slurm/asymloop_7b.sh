@@ -9,9 +9,12 @@
 #
 #   DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh
 #
-# Preemption and time limits: SLURM sends SIGUSR1 10 minutes before the time limit (--signal);
-# megaloop saves a checkpoint at the end of the current step and exits with 75, on which the job is
-# requeued; the next run resumes from its checkpoint directory. --requeue also covers node failures.
+# Time limits: SLURM sends SIGUSR1 10 minutes before the time limit (--signal); megaloop saves a
+# checkpoint at the end of the current step and exits with 75, on which the job is requeued; the
+# next run resumes from its checkpoint directory. --requeue also covers node failures. Preemption
+# sends SIGTERM, on which srun kills the tasks without a save (the requeued job resumes from the
+# last periodic checkpoint) unless the cluster sends --signal on preemption (PreemptParameters=
+# send_user_signal). `scancel --batch --signal=USR1 JOBID` stops the job with a save and requeues it.
 # Extra arguments are megaloop-train overrides (section.field=value).
 #SBATCH --job-name=asymloop-7b
 #SBATCH --nodes=16
