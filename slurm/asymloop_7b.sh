@@ -29,8 +29,15 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
+# sbatch runs a copy of this script: the checkout is found from the directory it was submitted from.
+ROOT="${MEGALOOP_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}"
+if [ ! -f "$ROOT/slurm/common.sh" ]; then
+  echo "error: $ROOT/slurm/common.sh not found: submit from the megaloop checkout" \
+       "(cd megaloop && sbatch slurm/...), or set MEGALOOP_ROOT to it" >&2
+  exit 2
+fi
 # shellcheck source=slurm/common.sh
-source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+source "$ROOT/slurm/common.sh"
 megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
 megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
 RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"

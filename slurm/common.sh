@@ -22,7 +22,8 @@ case "${DRY_RUN:-0}" in
 esac
 GPUS_PER_NODE_GIVEN="${GPUS_PER_NODE:-}"  # a job checks it against its allocation
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-MEGALOOP_ROOT="${MEGALOOP_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+# Absolute: it is the container's mount source.
+MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$MEGALOOP_ROOT" || exit 1
 
 # srun's container options (pyxis/enroot), none without IMAGE.

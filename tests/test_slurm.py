@@ -300,3 +300,14 @@ def test_a_job_with_other_than_one_task_per_gpu_is_refused_before_srun(env, mess
     allocation = {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42",
                   "SLURM_NTASKS_PER_NODE": "8"}
     assert _refusal("asymloop_7b.sh", tmp_path, **allocation, **env).startswith(message)
+
+
+@pytest.mark.parametrize("script", ["asymloop_7b.sh", "preprocess.sh"])
+def test_a_job_submitted_from_outside_the_checkout_says_how_to_find_it(script, tmp_path):
+    """sbatch runs a copy of the script, found by the submit directory. Before: "line 30:
+    /home/u/slurm/common.sh: No such file or directory", exit 1, once the nodes were allocated."""
+    assert _refusal(script, tmp_path, SLURM_SUBMIT_DIR=str(tmp_path)).startswith(
+        f"error: {tmp_path}/slurm/common.sh not found: submit from the megaloop checkout")
+    # MEGALOOP_ROOT names it: on to the next check.
+    assert _refusal("asymloop_7b.sh", tmp_path, SLURM_SUBMIT_DIR=str(tmp_path),
+                    MEGALOOP_ROOT=str(REPO)).startswith("error: not in a SLURM allocation")
