@@ -151,7 +151,7 @@ megaloop_train() {
   done
   if [ "$rc" -eq 75 ]; then  # stopped early with a checkpoint saved: continue in a new allocation
     echo "megaloop: the tasks stopped early and exited 75 (resumable): requeueing job" \
-         "$SLURM_JOB_ID, which resumes from its latest checkpoint" >&2
+         "$SLURM_JOB_ID; it resumes from the run's latest checkpoint, if it saved one" >&2
     if ! scontrol requeue "$SLURM_JOB_ID"; then
       echo "error: scontrol requeue $SLURM_JOB_ID failed: submit the job again to resume" >&2
       return 75
