@@ -133,6 +133,10 @@ megaloop_train() {
   export CUDA_DEVICE_MAX_CONNECTIONS=1  # tensor-parallel communication overlap in megatron-core
   export NCCL_IB_TIMEOUT=22 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+  # Where each run of the job starts in its log, which a requeued job appends to.
+  local restart="${SLURM_RESTART_COUNT:+, requeued (restart $SLURM_RESTART_COUNT)}"
+  echo "$(date '+%F %T') megaloop: job $SLURM_JOB_ID$restart: ${SLURM_NNODES:-1} node(s) x" \
+       "${SLURM_NTASKS_PER_NODE:-?} tasks, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
   # megaloop reads SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID itself.
   # Not --kill-on-bad-exit: after a stop signal every task exits 75 once the checkpoint is saved,
   # and srun would kill the tasks still exiting when the first one does; it then reports their

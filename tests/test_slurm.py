@@ -207,9 +207,12 @@ def test_a_long_node_list_starts_the_job(tmp_path):
 
 
 def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
-    job, log = _job(tmp_path, "crash")
+    """A requeued job's run begins with a line saying so in the log it appends to."""
+    job, log = _job(tmp_path, "crash", SLURM_RESTART_COUNT="2", SLURM_NNODES="1")
     assert job.wait(timeout=60) == 3
     assert "requeue" not in log.read_text()
+    assert re.search(r"^[\d-]+ [\d:]+ megaloop: job 42, requeued \(restart 2\): 1 node\(s\) x "
+                     r"\? tasks, rendezvous node1:20042$", (tmp_path / "job.out").read_text(), re.M)
 
 
 def _refusal(script, tmp_path, **env):
