@@ -35,7 +35,26 @@ fi
 
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
 megaloop_srun() {
+  megaloop_python_ready
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
+}
+
+# megaloop_python_ready: without IMAGE the tasks run the interpreter on this node's PATH (srun
+# passes the job's environment on): exits 2 in one line when it cannot import torch, megatron-core
+# and megaloop, as when IMAGE was forgotten, rather than a ModuleNotFoundError from every task.
+megaloop_python_ready() {
+  [ -z "${IMAGE:-}" ] || return 0
+  if ! python -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("torch", "megatron.core", "megaloop")))' 2>/dev/null
+  then
+    local found
+    found="$(command -v python)" || found=none
+    echo "error: IMAGE is not set, and the PATH's python, $found," \
+         "cannot import torch, megatron.core and megaloop: set IMAGE to the megaloop container" \
+         "image (e.g. IMAGE=/lustre/images/megaloop.sqsh), or activate the environment" \
+         "megaloop is installed in before sbatch" >&2
+    exit 2
+  fi
 }
 
 # megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
@@ -125,6 +144,7 @@ megaloop_train() {
     exit 2
   fi
   megaloop_one_task_per_gpu
+  megaloop_python_ready
   # sed reads every line: head would exit after the first, and scontrol, still writing a long
   # node list, would die of SIGPIPE, which pipefail and set -e turn into a silent exit 141.
   MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"

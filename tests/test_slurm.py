@@ -30,8 +30,8 @@ def test_scripts_pass_shellcheck():
 
 
 def test_scripts_call_only_megaloop_entry_points():
-    calls = [(script.name, call) for script in SCRIPTS
-             for call in re.findall(r"\bpython3?\s+(-m\s+\S+|\S+)", script.read_text())]
+    calls = [(script.name, call) for script in SCRIPTS  # not `python -c`, a check of imports
+             for call in re.findall(r"\bpython3?\s+(-m\s+\S+|(?!-c\s)\S+)", script.read_text())]
     assert calls
     for script, call in calls:
         if call.startswith("-m"):
@@ -314,3 +314,12 @@ def test_a_job_submitted_from_outside_the_checkout_says_how_to_find_it(script, t
     # MEGALOOP_ROOT names it: on to the next check.
     assert _refusal("asymloop_7b.sh", tmp_path, SLURM_SUBMIT_DIR=str(tmp_path),
                     MEGALOOP_ROOT=str(REPO)).startswith("error: not in a SLURM allocation")
+
+
+@pytest.mark.parametrize("script", ["asymloop_7b.sh", "convert.sh"])
+def test_a_job_without_image_or_megaloop_environment_is_refused_before_srun(script, tmp_path):
+    """Before: srun started every task on a python without megaloop (IMAGE forgotten): a
+    ModuleNotFoundError traceback per task, exit 1. The harness's PATH holds no such python."""
+    allocation = {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42"}
+    assert _refusal(script, tmp_path, **allocation).startswith(
+        "error: IMAGE is not set, and the PATH's python, none, cannot import torch")
