@@ -31,15 +31,18 @@ def log_to_stderr() -> None:
     process group is up, the notes come from rank 0 alone: every rank makes the same ones (the
     resume point, each setting a resume changes, the data), and srun gathers all ranks' stderr in
     one job log, where 128 ranks wrote each line 128 times. Warnings and errors, which may be one
-    rank's own, come from every rank."""
+    rank's own, come from every rank, and so do notes logged with ``extra=EVERY_RANK``."""
     if logging.getLogger().handlers:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger().handlers[0].addFilter(_notes_from_rank0)
 
 
+EVERY_RANK = {"every_rank": True}  # a note of this rank's own (what it alone did or wrote)
+
+
 def _notes_from_rank0(record: logging.LogRecord) -> bool:
-    if record.levelno >= logging.WARNING:
+    if record.levelno >= logging.WARNING or getattr(record, "every_rank", False):
         return True
     dist = sys.modules.get("torch.distributed")  # not imported here: the CLI starts without torch
     return dist is None or not dist.is_initialized() or dist.get_rank() == 0

@@ -101,7 +101,7 @@ def _log_lines(rank, world_size):
     import io
     import logging
 
-    from megaloop.cli import log_to_stderr
+    from megaloop.cli import EVERY_RANK, log_to_stderr
 
     root, stderr = logging.getLogger(), sys.stderr
     handlers, level = root.handlers[:], root.level
@@ -111,6 +111,7 @@ def _log_lines(rank, world_size):
         log_to_stderr()
         logging.getLogger("megaloop.train").info("resumed from iter_0000150 at step 150")
         logging.getLogger("megaloop.train").warning("rank %d: a warning", rank)
+        logging.getLogger("megaloop.train").info("rank %d: traced", rank, extra=EVERY_RANK)
         return sys.stderr.getvalue()
     finally:
         sys.stderr = stderr
@@ -125,3 +126,4 @@ def test_notes_come_from_rank_0_alone_and_warnings_from_every_rank():
     first, second = run_distributed(_log_lines, 2)
     assert "resumed from iter_0000150 at step 150" in first and "rank 0: a warning" in first
     assert "resumed from" not in second and "rank 1: a warning" in second
+    assert "rank 0: traced" in first and "rank 1: traced" in second  # a note of its own
