@@ -40,9 +40,10 @@ def build_config(argv: list[str] | None = None):
     from megaloop.presets import PRESETS, check_arch
 
     parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", help=f"model preset ({', '.join(PRESETS)})")
-    parser.add_argument("--config", help="YAML run config (sections model, parallel, train, data, "
-                                         "checkpoint, alrs)")
+    parser.add_argument("--preset", action=_Once, help=f"model preset ({', '.join(PRESETS)})")
+    parser.add_argument("--config", action=_Once,
+                        help="YAML run config (sections model, parallel, train, data, checkpoint, "
+                             "alrs)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, rank layout and memory estimate; no "
                              "training")
@@ -65,6 +66,21 @@ def build_config(argv: list[str] | None = None):
     if args.preset:
         check_arch(args.preset, cfg.model.arch)
     return cfg.validate(), args
+
+
+class _Once(argparse.Action):
+    """An option given at most once: argparse keeps the last of several, so a ``--config`` or
+    ``--preset`` added after a job script's own (slurm/ scripts pass theirs, then the user's
+    arguments) replaced it whole without a word, instead of layering on it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        from megaloop.config import ConfigError
+
+        first = getattr(namespace, self.dest)
+        if first is not None:
+            raise ConfigError(f"{option_string} given twice ({first}, then {value}): one is read; "
+                              "give further settings as section.field=value overrides")
+        setattr(namespace, self.dest, value)
 
 
 def bad_input_errors() -> tuple[type[Exception], ...]:

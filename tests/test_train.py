@@ -53,6 +53,11 @@ DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
     (DATA + ["--preset", "moe-loop-1.3B", "model.arch=dense"],
      "error: model.arch='dense': preset 'moe-loop-1.3B' is an arch='latentloop' model"),
     (DATA + ["--world-size", "2"], "error: --world-size 2: only read with --dry-run"),
+    # Before: the last one was read, silently replacing a job script's own (slurm/asymloop_7b.sh).
+    (DATA + ["--preset", "7B", "--preset", "tiny"],
+     "error: --preset given twice (7B, then tiny): one is read; give further settings as"),
+    (["--config", "examples/configs/asymloop_7b.yaml", "--config", "mine.yaml"] + DATA,
+     "error: --config given twice (examples/configs/asymloop_7b.yaml, then mine.yaml)"),
     (["data.path=[/nonexistent/prefix]", "data.eod_id=0", "train.out_dir=OUT"],
      "error: /nonexistent/prefix.idx: not found"),
     (["data.path=[DATA]", "data.tokenizer_model=/nonexistent/tok.model", "train.out_dir=OUT"],
