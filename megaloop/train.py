@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import signal
 import sys
 from typing import NoReturn
@@ -31,6 +32,7 @@ from typing import NoReturn
 from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
+log = logging.getLogger("megaloop.train")
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun continues the run
 
 
@@ -169,7 +171,12 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
         from megaloop.training.trainer import Trainer, TrainingAborted
 
         try:
-            result = Trainer(cfg, stop_signals).train()
+            trainer = Trainer(cfg, stop_signals)
+            if not (trainer.stopped_during_set_up or trainer.complete or trainer.resume_path):
+                # Said, not left to the step numbers: a requeued job pointed at another
+                # directory than its first run's would start over without a word.
+                log.info("no checkpoint in %s: the run starts at step 1", trainer.checkpoint_dir)
+            result = trainer.train()
         except TrainingAborted as e:
             print(f"error: {e}", file=sys.stderr)
             return 3
