@@ -14,7 +14,7 @@
 # next run resumes from its checkpoint directory. --requeue also covers node failures. Preemption
 # sends SIGTERM, on which srun kills the tasks without a save (the requeued job resumes from the
 # last periodic checkpoint) unless the cluster sends --signal on preemption (PreemptParameters=
-# send_user_signal). `scancel --batch --signal=USR1 JOBID` stops the job with a save and requeues it.
+# send_user_signal). `scancel --batch --signal=USR1 JOBID` stops the job with a save and a requeue.
 # Extra arguments are megaloop-train overrides (section.field=value).
 #SBATCH --job-name=asymloop-7b
 #SBATCH --nodes=16

@@ -185,8 +185,8 @@ def init_distributed(
     torch.manual_seed(seed)
     world = dist.get_world_size()
     if world > 1 and dist.get_rank() == 0:  # a job log's first line: how its ranks are laid out
-        log.info("%d ranks (%s launch, rendezvous %s:%d, %s) = tensor %d x pipeline %d x data %d%s%s",
-                 world, launch.launcher, launch.master_addr, launch.master_port,
+        log.info("%d ranks (%s launch, rendezvous %s:%d, %s) = tensor %d x pipeline %d x data "
+                 "%d%s%s", world, launch.launcher, launch.master_addr, launch.master_port,
                  dist.get_backend(), tensor_parallel, pipeline_parallel,
                  world // (tensor_parallel * pipeline_parallel),
                  f", expert {expert_parallel}" if expert_parallel > 1 else "",
