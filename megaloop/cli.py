@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -26,8 +27,25 @@ def quiet_third_party_warnings() -> None:
 
 def log_to_stderr() -> None:
     """megaloop's log lines (warnings, and the notes at INFO) on stderr, each naming its logger,
-    as megaloop-train writes them; a process that set up logging already keeps its own."""
+    as megaloop-train writes them; a process that set up logging already keeps its own. Once the
+    process group is up, the notes come from rank 0 alone: every rank makes the same ones (the
+    resume point, each setting a resume changes, the data), and srun gathers all ranks' stderr in
+    one job log, where 128 ranks wrote each line 128 times. Warnings and errors, which may be one
+    rank's own, come from every rank, and so do notes logged with ``extra=EVERY_RANK``."""
+    if logging.getLogger().handlers:
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger().handlers[0].addFilter(_notes_from_rank0)
+
+
+EVERY_RANK = {"every_rank": True}  # a note of this rank's own (what it alone did or wrote)
+
+
+def _notes_from_rank0(record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.WARNING or getattr(record, "every_rank", False):
+        return True
+    dist = sys.modules.get("torch.distributed")  # not imported here: the CLI starts without torch
+    return dist is None or not dist.is_initialized() or dist.get_rank() == 0
 
 
 def int_at_least(minimum: int):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import signal
 import sys
 from typing import NoReturn
@@ -31,6 +32,7 @@ from typing import NoReturn
 from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
+log = logging.getLogger("megaloop.train")
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun continues the run
 
 
@@ -40,9 +42,10 @@ def build_config(argv: list[str] | None = None):
     from megaloop.presets import PRESETS, check_arch
 
     parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", help=f"model preset ({', '.join(PRESETS)})")
-    parser.add_argument("--config", help="YAML run config (sections model, parallel, train, data, "
-                                         "checkpoint, alrs)")
+    parser.add_argument("--preset", action=_Once, help=f"model preset ({', '.join(PRESETS)})")
+    parser.add_argument("--config", action=_Once,
+                        help="YAML run config (sections model, parallel, train, data, checkpoint, "
+                             "alrs)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, rank layout and memory estimate; no "
                              "training")
@@ -65,6 +68,21 @@ def build_config(argv: list[str] | None = None):
     if args.preset:
         check_arch(args.preset, cfg.model.arch)
     return cfg.validate(), args
+
+
+class _Once(argparse.Action):
+    """An option given at most once: argparse keeps the last of several, so a ``--config`` or
+    ``--preset`` added after a job script's own (slurm/ scripts pass theirs, then the user's
+    arguments) replaced it whole without a word, instead of layering on it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        from megaloop.config import ConfigError
+
+        first = getattr(namespace, self.dest)
+        if first is not None:
+            raise ConfigError(f"{option_string} given twice ({first}, then {value}): one is read; "
+                              "give further settings as section.field=value overrides")
+        setattr(namespace, self.dest, value)
 
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
@@ -153,7 +171,12 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
         from megaloop.training.trainer import Trainer, TrainingAborted
 
         try:
-            result = Trainer(cfg, stop_signals).train()
+            trainer = Trainer(cfg, stop_signals)
+            if not (trainer.stopped_during_set_up or trainer.complete or trainer.resume_path):
+                # Said, not left to the step numbers: a requeued job pointed at another
+                # directory than its first run's would start over without a word.
+                log.info("no checkpoint in %s: the run starts at step 1", trainer.checkpoint_dir)
+            result = trainer.train()
         except TrainingAborted as e:
             print(f"error: {e}", file=sys.stderr)
             return 3

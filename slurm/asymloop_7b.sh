@@ -9,9 +9,12 @@
 #
 #   DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh
 #
-# Preemption and time limits: SLURM sends SIGUSR1 10 minutes before the time limit (--signal);
-# megaloop saves a checkpoint at the end of the current step and exits with 75, on which the job is
-# requeued; the next run resumes from its checkpoint directory. --requeue also covers node failures.
+# Time limits: SLURM sends SIGUSR1 10 minutes before the time limit (--signal); megaloop saves a
+# checkpoint at the end of the current step and exits with 75, on which the job is requeued; the
+# next run resumes from its checkpoint directory. --requeue also covers node failures. Preemption
+# sends SIGTERM, on which srun kills the tasks without a save (the requeued job resumes from the
+# last periodic checkpoint) unless the cluster sends --signal on preemption (PreemptParameters=
+# send_user_signal). `scancel --batch --signal=USR1 JOBID` stops the job with a save and a requeue.
 # Extra arguments are megaloop-train overrides (section.field=value).
 #SBATCH --job-name=asymloop-7b
 #SBATCH --nodes=16
@@ -26,16 +29,23 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
+# sbatch runs a copy of this script: the checkout is found from the directory it was submitted from.
+ROOT="${MEGALOOP_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}"
+if [ ! -f "$ROOT/slurm/common.sh" ]; then
+  echo "error: $ROOT/slurm/common.sh not found: submit from the megaloop checkout" \
+       "(cd megaloop && sbatch slurm/...), or set MEGALOOP_ROOT to it" >&2
+  exit 2
+fi
 # shellcheck source=slurm/common.sh
-source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+source "$ROOT/slurm/common.sh"
 megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
 megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
 RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"
+megaloop_mounted DATA TOKENIZER RUN_DIR
 
 TRAIN_ARGS=(
   --preset 7B --config examples/configs/asymloop_7b.yaml
   data.path="[$DATA]" data.tokenizer_model="$TOKENIZER"
   train.out_dir="$RUN_DIR"
 )
-[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RUN_DIR"  # a dry run writes nothing
 megaloop_train "${TRAIN_ARGS[@]}" "$@"

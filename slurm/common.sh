@@ -3,9 +3,11 @@
 # launch, the dry run and the requeue on preemption. Settings, all optional:
 #   IMAGE           container image for srun --container-image (pyxis/enroot); unset: no container
 #                   (training and conversion; preprocess.sh runs mpiexec and refuses it)
-#   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre
+#   MOUNTS          extra --container-mounts, e.g. /lustre:/lustre; the job's absolute paths
+#                   (DATA, TOKENIZER, RUN_DIR, ...) must lie under one (megaloop_mounted)
 #   GPUS_PER_NODE   GPUs per node in DRY_RUN's world size and rank table (default 8); a job's
 #                   own come from sbatch --ntasks-per-node / --gpus-per-node, one task per GPU
+#                   (a job given another GPUS_PER_NODE, or other counts of the two, is refused)
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g.
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
@@ -18,8 +20,10 @@ case "${DRY_RUN:-0}" in
   *) echo "error: DRY_RUN=$DRY_RUN: set DRY_RUN=1 for a dry run, or 0 (or unset) for the job" >&2
      exit 2 ;;
 esac
+GPUS_PER_NODE_GIVEN="${GPUS_PER_NODE:-}"  # a job checks it against its allocation
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-MEGALOOP_ROOT="${MEGALOOP_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+# Absolute: it is the container's mount source.
+MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$MEGALOOP_ROOT" || exit 1
 
 # srun's container options (pyxis/enroot), none without IMAGE.
@@ -31,7 +35,26 @@ fi
 
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
 megaloop_srun() {
+  megaloop_python_ready
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
+}
+
+# megaloop_python_ready: without IMAGE the tasks run the interpreter on this node's PATH (srun
+# passes the job's environment on): exits 2 in one line when it cannot import torch, megatron-core
+# and megaloop, as when IMAGE was forgotten, rather than a ModuleNotFoundError from every task.
+megaloop_python_ready() {
+  [ -z "${IMAGE:-}" ] || return 0
+  if ! python -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("torch", "megatron.core", "megaloop")))' 2>/dev/null
+  then
+    local found
+    found="$(command -v python)" || found=none
+    echo "error: IMAGE is not set, and the PATH's python, $found," \
+         "cannot import torch, megatron.core and megaloop: set IMAGE to the megaloop container" \
+         "image (e.g. IMAGE=/lustre/images/megaloop.sqsh), or activate the environment" \
+         "megaloop is installed in before sbatch" >&2
+    exit 2
+  fi
 }
 
 # megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
@@ -43,10 +66,64 @@ megaloop_require() {
   fi
 }
 
+# megaloop_mounted NAME...: with IMAGE, exits 2 naming the first variable holding an absolute path
+# (DATA may hold several, comma-separated) outside the container's mounts: the checkout
+# at /workspace/megaloop and MOUNTS' destinations (SRC[:DST[:FLAGS]]). Inside, such a path does
+# not exist: data would be "not found" although the host shows it, and a run directory would be
+# made in the container's own file system, its checkpoints lost when the job ends, so that every
+# requeued job would start over from step 0.
+megaloop_mounted() {
+  [ -n "${IMAGE:-}" ] || return 0
+  local entries entry src dst targets=(/workspace/megaloop) name words word target
+  IFS=, read -ra entries <<< "${MOUNTS:-}"
+  for entry in ${entries[@]+"${entries[@]}"}; do
+    IFS=: read -r src dst _ <<< "$entry"
+    dst="${dst:-$src}"
+    targets+=("${dst%/}")
+  done
+  for name in "$@"; do
+    IFS=, read -ra words <<< "${!name:-}"
+    for word in ${words[@]+"${words[@]}"}; do
+      word="${word#"${word%%[! ]*}"}"  # leading blanks, as in DATA='/a/x, /b/y'
+      [ "${word:0:1}" = / ] || continue  # relative: inside the checkout, the container's workdir
+      for target in "${targets[@]}"; do
+        if [ "$word" = "$target" ] || [ "${word#"$target"/}" != "$word" ]; then
+          continue 2
+        fi
+      done
+      echo "error: $name=${!name}: $word is not mounted in the container (IMAGE): add its file" \
+           "system to MOUNTS (now '${MOUNTS:-}'), e.g. MOUNTS=/lustre:/lustre, or give a path" \
+           "relative to the checkout (mounted at /workspace/megaloop)" >&2
+      exit 2
+    done
+  done
+}
+
 # megaloop_no_dry_run: for the scripts without a dry run, so that DRY_RUN=1 never starts a real job.
 megaloop_no_dry_run() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "error: DRY_RUN=1: $(basename "$0") has no dry run (the training scripts have one)" >&2
+    exit 2
+  fi
+}
+
+# megaloop_one_task_per_gpu: exits 2 when a job's tasks per node (--ntasks-per-node) differ from
+# its GPUs per node (--gpus-per-node), or from a GPUS_PER_NODE given for it (read by the dry run
+# only). Every task takes the GPU of its local rank: with more tasks than GPUs two ranks share
+# one, which NCCL refuses only once the process group is up, in a traceback per rank.
+megaloop_one_task_per_gpu() {
+  local tasks="${SLURM_NTASKS_PER_NODE:-}" gpus="${SLURM_GPUS_ON_NODE:-}"
+  [ -n "$tasks" ] || return 0
+  if [ -n "$gpus" ] && [ "$gpus" != "$tasks" ]; then
+    echo "error: $tasks tasks per node (--ntasks-per-node) for $gpus GPUs per node" \
+         "(SLURM_GPUS_ON_NODE): megaloop runs one task per GPU; submit with" \
+         "--ntasks-per-node=$gpus --gpus-per-node=$gpus" >&2
+    exit 2
+  fi
+  if [ -n "$GPUS_PER_NODE_GIVEN" ] && [ "$GPUS_PER_NODE_GIVEN" != "$tasks" ]; then
+    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE_GIVEN is read by DRY_RUN only, and this job runs" \
+         "$tasks tasks per node: submit with --ntasks-per-node=$GPUS_PER_NODE_GIVEN" \
+         "--gpus-per-node=$GPUS_PER_NODE_GIVEN, or unset GPUS_PER_NODE" >&2
     exit 2
   fi
 }
@@ -66,12 +143,20 @@ megaloop_train() {
          "DRY_RUN=1 to print the dry run" >&2
     exit 2
   fi
-  MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+  megaloop_one_task_per_gpu
+  megaloop_python_ready
+  # sed reads every line: head would exit after the first, and scontrol, still writing a long
+  # node list, would die of SIGPIPE, which pipefail and set -e turn into a silent exit 141.
+  MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
   export MASTER_ADDR
   export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
   export CUDA_DEVICE_MAX_CONNECTIONS=1  # tensor-parallel communication overlap in megatron-core
   export NCCL_IB_TIMEOUT=22 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+  # Where each run of the job starts in its log, which a requeued job appends to.
+  local restart="${SLURM_RESTART_COUNT:+, requeued (restart $SLURM_RESTART_COUNT)}"
+  echo "$(date '+%F %T') megaloop: job $SLURM_JOB_ID$restart: ${SLURM_NNODES:-1} node(s) x" \
+       "${SLURM_NTASKS_PER_NODE:-?} tasks, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
   # megaloop reads SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID itself.
   # Not --kill-on-bad-exit: after a stop signal every task exits 75 once the checkpoint is saved,
   # and srun would kill the tasks still exiting when the first one does; it then reports their
@@ -89,7 +174,12 @@ megaloop_train() {
     [ "$interrupted" = 1 ] || break
   done
   if [ "$rc" -eq 75 ]; then  # stopped early with a checkpoint saved: continue in a new allocation
-    scontrol requeue "$SLURM_JOB_ID"
+    echo "megaloop: the tasks stopped early and exited 75 (resumable): requeueing job" \
+         "$SLURM_JOB_ID; it resumes from the run's latest checkpoint, if it saved one" >&2
+    if ! scontrol requeue "$SLURM_JOB_ID"; then
+      echo "error: scontrol requeue $SLURM_JOB_ID failed: submit the job again to resume" >&2
+      return 75
+    fi
     return 0
   fi
   return "$rc"

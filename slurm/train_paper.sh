@@ -25,8 +25,15 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
+# sbatch runs a copy of this script: the checkout is found from the directory it was submitted from.
+ROOT="${MEGALOOP_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}"
+if [ ! -f "$ROOT/slurm/common.sh" ]; then
+  echo "error: $ROOT/slurm/common.sh not found: submit from the megaloop checkout" \
+       "(cd megaloop && sbatch slurm/...), or set MEGALOOP_ROOT to it" >&2
+  exit 2
+fi
 # shellcheck source=slurm/common.sh
-source "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}/slurm/common.sh"
+source "$ROOT/slurm/common.sh"
 if [ $# -lt 2 ]; then
   echo "error: usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH(dense|fullloop|asymloop) [overrides]" >&2
   exit 2
@@ -43,6 +50,7 @@ if [ -z "${STEPS[$PRESET]:-}" ]; then
   exit 2
 fi
 RUN_DIR="${RUN_DIR:-runs/${ARCH}_${PRESET}}"
+megaloop_mounted DATA TOKENIZER RUN_DIR
 
 MODEL_ARGS=(--preset "$PRESET" model.arch="$ARCH")
 TRAINING_ARGS=(
@@ -57,5 +65,4 @@ fi
 DATA_ARGS=(data.path="[$DATA]" data.tokenizer_model="$TOKENIZER")
 OUTPUT_ARGS=(train.out_dir="$RUN_DIR" checkpoint.save_interval=500)
 
-[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RUN_DIR"  # a dry run writes nothing
 megaloop_train "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -94,3 +94,36 @@ def test_a_failed_launch_is_named_with_its_workers_reason(tmp_path):
     assert child_failure(_child("-c", "import sys; sys.exit(3)"), "x") == (
         "x failed (exit 3): nothing on stderr")
     assert child_failure(_child("-c", "pass"), "x") is None
+
+
+def _log_lines(rank, world_size):
+    """What megaloop-train's logging writes on this rank for a note and a warning."""
+    import io
+    import logging
+
+    from megaloop.cli import EVERY_RANK, log_to_stderr
+
+    root, stderr = logging.getLogger(), sys.stderr
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    sys.stderr = io.StringIO()
+    try:
+        log_to_stderr()
+        logging.getLogger("megaloop.train").info("resumed from iter_0000150 at step 150")
+        logging.getLogger("megaloop.train").warning("rank %d: a warning", rank)
+        logging.getLogger("megaloop.train").info("rank %d: traced", rank, extra=EVERY_RANK)
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def test_notes_come_from_rank_0_alone_and_warnings_from_every_rank():
+    """Before: every rank wrote each note, so a job log held each line once per rank."""
+    from tests.distributed import run_distributed
+
+    first, second = run_distributed(_log_lines, 2)
+    assert "resumed from iter_0000150 at step 150" in first and "rank 0: a warning" in first
+    assert "resumed from" not in second and "rank 1: a warning" in second
+    assert "rank 0: traced" in first and "rank 1: traced" in second  # a note of its own

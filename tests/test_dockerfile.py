@@ -43,3 +43,27 @@ def test_dockerfile_builds_from_this_checkout_with_the_tested_versions():
     assert f'"megatron-core=={args["MEGATRON_CORE"]}"' in bootstrap
     torch_pin = re.search(r"torch==([\d.]+)", (REPO / "Dockerfile").read_text()).group(1)
     assert f'"torch=={torch_pin}"' in bootstrap
+
+
+def test_the_gpu_image_installs_nothing_over_ngcs_torch_apex_or_transformer_engine():
+    """The final stage's `pip install -e .[extras]` may add packages, never replace NGC's CUDA
+    builds: no extra it installs names apex (the PyPI `apex` is unrelated), Transformer Engine or
+    a torch requirement other than a lower bound, which NGC's own pre-release build meets."""
+    import ast
+
+    from packaging.requirements import Requirement
+
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    install = re.search(r'pip install [^\n]*-e "\.\[([\w,-]+)\]"[^\n]*', text)
+    assert "torch" not in install.group(0)
+    setup = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup")
+    given = {k.arg: ast.literal_eval(k.value) for k in setup.keywords
+             if k.arg in ("install_requires", "extras_require")}
+    requirements = [Requirement(r) for r in given["install_requires"] + [
+        r for extra in install.group(1).split(",") for r in given["extras_require"][extra]]]
+    assert not [r for r in requirements if r.name in ("apex", "transformer-engine",
+                                                      "transformer_engine")]
+    torch = next(r for r in requirements if r.name == "torch")
+    assert {s.operator for s in torch.specifier} == {">="}, torch
+    assert torch.specifier.contains("2.9.0a0+50eac811a6.nv25.9", prereleases=True)

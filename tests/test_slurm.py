@@ -30,8 +30,8 @@ def test_scripts_pass_shellcheck():
 
 
 def test_scripts_call_only_megaloop_entry_points():
-    calls = [(script.name, call) for script in SCRIPTS
-             for call in re.findall(r"\bpython3?\s+(-m\s+\S+|\S+)", script.read_text())]
+    calls = [(script.name, call) for script in SCRIPTS  # not `python -c`, a check of imports
+             for call in re.findall(r"\bpython3?\s+(-m\s+\S+|(?!-c\s)\S+)", script.read_text())]
     assert calls
     for script, call in calls:
         if call.startswith("-m"):
@@ -139,14 +139,15 @@ sys.exit(max(codes))
 '''
 SCONTROL = """#!/bin/bash
 case "$1" in
-  show) echo node1 ;;
-  requeue) echo "requeue $2" >> "$STUB_LOG" ;;
+  show) for i in $(seq 1 "${STUB_NODES:-1}"); do echo "node$i"; done ;;
+  requeue) echo "requeue $2" >> "$STUB_LOG"; [ -z "${STUB_REQUEUE_FAILS:-}" ] ;;
 esac
 """
 
 
-def _job(tmp_path, tasks):
-    """The 7B job script under stubbed srun and scontrol (STUB_TASKS: "stop" or "crash")."""
+def _job(tmp_path, tasks, **settings):
+    """The 7B job script under stubbed srun and scontrol (STUB_TASKS: "stop" or "crash";
+    ``settings``: more environment, e.g. STUB_NODES, the allocation's node count)."""
     import stat
 
     stubs = tmp_path / "bin"
@@ -158,7 +159,7 @@ def _job(tmp_path, tasks):
     log.touch()
     env = {**os.environ, "DATA": "/data/fwe", "TOKENIZER": "/data/tok.model",
            "RUN_DIR": str(tmp_path / "run"), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
-           "SLURM_SUBMIT_DIR": str(REPO), "STUB_TASKS": tasks, "STUB_LOG": str(log),
+           "SLURM_SUBMIT_DIR": str(REPO), "STUB_TASKS": tasks, "STUB_LOG": str(log), **settings,
            "PATH": os.pathsep.join([str(stubs), os.path.dirname(sys.executable),
                                     os.environ["PATH"]])}
     # Output to a file: a pipe would stay open in a stray srun after a failure.
@@ -168,11 +169,14 @@ def _job(tmp_path, tasks):
     return job, log
 
 
-def test_a_stop_signal_requeues_the_job_when_its_tasks_exit_75_one_after_another(tmp_path):
+@pytest.mark.parametrize("requeue_fails", [False, True])
+def test_a_stop_signal_requeues_the_job_when_its_tasks_exit_75_one_after_another(tmp_path,
+                                                                                 requeue_fails):
+    """A failed requeue (a cluster that refuses it) is said, and the job ends 75, not 0."""
     import signal
     import time
 
-    job, log = _job(tmp_path, "stop")
+    job, log = _job(tmp_path, "stop", **({"STUB_REQUEUE_FAILS": "1"} if requeue_fails else {}))
     deadline = time.monotonic() + 60
     while log.read_text().count("task up") < 2:  # both tasks are training
         assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.out").read_text()
@@ -182,19 +186,33 @@ def test_a_stop_signal_requeues_the_job_when_its_tasks_exit_75_one_after_another
     # srun and the tasks ran on untold); and srun's --kill-on-bad-exit=1 would have terminated
     # the slower task when the first one exited 75, reporting 143: no requeue either way.
     try:
-        assert job.wait(timeout=60) == 0, (tmp_path / "job.out").read_text()
+        assert job.wait(timeout=60) == (75 if requeue_fails else 0), \
+            (tmp_path / "job.out").read_text()
     finally:  # a stray srun (the bug) and its tasks
         try:
             os.kill(int((tmp_path / "log.srun_pid").read_text()), signal.SIGTERM)
         except ProcessLookupError:
             pass
     assert log.read_text().splitlines()[-1] == "requeue 42"
+    out = (tmp_path / "job.out").read_text()
+    assert "exited 75 (resumable): requeueing job 42" in out
+    assert ("error: scontrol requeue 42 failed: submit the job again" in out) == requeue_fails
+
+
+def test_a_long_node_list_starts_the_job(tmp_path):
+    """Before: `scontrol show hostnames | head -n 1` killed scontrol with SIGPIPE once the list
+    outgrew the pipe, and pipefail + set -e ended the job script with 141 and no word."""
+    job, log = _job(tmp_path, "crash", STUB_NODES="50000")
+    assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
 
 
 def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
-    job, log = _job(tmp_path, "crash")
+    """A requeued job's run begins with a line saying so in the log it appends to."""
+    job, log = _job(tmp_path, "crash", SLURM_RESTART_COUNT="2", SLURM_NNODES="1")
     assert job.wait(timeout=60) == 3
     assert "requeue" not in log.read_text()
+    assert re.search(r"^[\d-]+ [\d:]+ megaloop: job 42, requeued \(restart 2\): 1 node\(s\) x "
+                     r"\? tasks, rendezvous node1:20042$", (tmp_path / "job.out").read_text(), re.M)
 
 
 def _refusal(script, tmp_path, **env):
@@ -245,3 +263,63 @@ def test_a_missing_setting_is_bad_input_refused_in_one_line(script, missing, tmp
     assert err.startswith(f"error: {missing} is not set: set {missing} to " if missing
                           else "error: usage: train_paper.sh PRESET(60M|135M|350M|1B) ARCH")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script, env, refused", [
+    # Unmounted, the run directory would be made inside the container and its checkpoints lost
+    # with it: each requeued job would start over.
+    ("asymloop_7b.sh", {"RUN_DIR": "/scratch/run"}, "RUN_DIR"),
+    ("asymloop_7b.sh", {"DATA": "/lustre/a/fwe, /scratch/b/fwe", "MOUNTS": "/lustre"}, "DATA"),
+    ("train_paper.sh", {"TOKENIZER": "/scratch/tok.model", "MOUNTS": "/scratch/x:/scratch/x"},
+     "TOKENIZER"),
+    ("convert.sh", {"OUT": "/hf/a"}, "OUT"),
+    # Mounted (a destination other than the source, flags): on to the next check.
+    ("asymloop_7b.sh", {"RUN_DIR": "/data/run", "DATA": "/data/fwe, fwe_local",
+                        "TOKENIZER": "/tok/t.model", "MOUNTS": "/lustre/p:/data:ro,/tok/"}, None),
+])
+def test_container_paths_outside_its_mounts_are_refused(script, env, refused, tmp_path):
+    args = ["60M", "dense"] if script == "train_paper.sh" else []
+    variables = {"DATA": "fwe", "TOKENIZER": "tok.model", "CHECKPOINT": "runs/a/checkpoints",
+                 "OUT": "hf/a", "RUN_DIR": "runs/x", "IMAGE": "/images/megaloop.sqsh", **env}
+    result = subprocess.run(["bash", str(REPO / "slurm" / script), *args], cwd="/", text=True,
+                            capture_output=True, env={**os.environ, **variables,
+                                                      "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    if refused:
+        assert result.stderr.startswith(f"error: {refused}="), result.stderr
+        assert "is not mounted in the container (IMAGE): add its file system to MOUNTS" \
+            in result.stderr
+    else:
+        assert result.stderr.startswith("error: not in a SLURM allocation"), result.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SLURM_GPUS_ON_NODE": "4"},
+     "error: 8 tasks per node (--ntasks-per-node) for 4 GPUs per node"),
+    ({"GPUS_PER_NODE": "4"}, "error: GPUS_PER_NODE=4 is read by DRY_RUN only"),
+])
+def test_a_job_with_other_than_one_task_per_gpu_is_refused_before_srun(env, message, tmp_path):
+    """Before: two ranks per GPU, refused by NCCL in a traceback per rank; GPUS_PER_NODE ignored."""
+    allocation = {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42",
+                  "SLURM_NTASKS_PER_NODE": "8"}
+    assert _refusal("asymloop_7b.sh", tmp_path, **allocation, **env).startswith(message)
+
+
+@pytest.mark.parametrize("script", ["asymloop_7b.sh", "preprocess.sh"])
+def test_a_job_submitted_from_outside_the_checkout_says_how_to_find_it(script, tmp_path):
+    """sbatch runs a copy of the script, found by the submit directory. Before: "line 30:
+    /home/u/slurm/common.sh: No such file or directory", exit 1, once the nodes were allocated."""
+    assert _refusal(script, tmp_path, SLURM_SUBMIT_DIR=str(tmp_path)).startswith(
+        f"error: {tmp_path}/slurm/common.sh not found: submit from the megaloop checkout")
+    # MEGALOOP_ROOT names it: on to the next check.
+    assert _refusal("asymloop_7b.sh", tmp_path, SLURM_SUBMIT_DIR=str(tmp_path),
+                    MEGALOOP_ROOT=str(REPO)).startswith("error: not in a SLURM allocation")
+
+
+@pytest.mark.parametrize("script", ["asymloop_7b.sh", "convert.sh"])
+def test_a_job_without_image_or_megaloop_environment_is_refused_before_srun(script, tmp_path):
+    """Before: srun started every task on a python without megaloop (IMAGE forgotten): a
+    ModuleNotFoundError traceback per task, exit 1. The harness's PATH holds no such python."""
+    allocation = {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42"}
+    assert _refusal(script, tmp_path, **allocation).startswith(
+        "error: IMAGE is not set, and the PATH's python, none, cannot import torch")

@@ -53,6 +53,11 @@ DATA = ["data.path=[DATA]", "data.eod_id=0", "train.out_dir=OUT"]
     (DATA + ["--preset", "moe-loop-1.3B", "model.arch=dense"],
      "error: model.arch='dense': preset 'moe-loop-1.3B' is an arch='latentloop' model"),
     (DATA + ["--world-size", "2"], "error: --world-size 2: only read with --dry-run"),
+    # Before: the last one was read, silently replacing a job script's own (slurm/asymloop_7b.sh).
+    (DATA + ["--preset", "7B", "--preset", "tiny"],
+     "error: --preset given twice (7B, then tiny): one is read; give further settings as"),
+    (["--config", "examples/configs/asymloop_7b.yaml", "--config", "mine.yaml"] + DATA,
+     "error: --config given twice (examples/configs/asymloop_7b.yaml, then mine.yaml)"),
     (["data.path=[/nonexistent/prefix]", "data.eod_id=0", "train.out_dir=OUT"],
      "error: /nonexistent/prefix.idx: not found"),
     (["data.path=[DATA]", "data.tokenizer_model=/nonexistent/tok.model", "train.out_dir=OUT"],
@@ -85,7 +90,9 @@ def test_config_file_errors_name_the_file(capsys, tmp_path):
     assert "model.hidden_size=130: must be a multiple of num_attention_heads" in capsys.readouterr().err
 
 
-def test_a_run_saves_its_resolved_config_readable_by_others(tmp_path, pattern_data):
+def test_a_run_saves_its_resolved_config_readable_by_others(tmp_path, pattern_data, caplog):
+    """... and says it starts at step 1 when there is no checkpoint (before: nothing said)."""
+    import logging
     import os
     import stat
 
@@ -96,10 +103,16 @@ def test_a_run_saves_its_resolved_config_readable_by_others(tmp_path, pattern_da
             "model.ffn_hidden_size=64", "model.seq_length=32", "train.train_steps=1",
             "train.eval_iters=1", "train.tensorboard=false"]
     previous = os.umask(0o022)
+    caplog.set_level(logging.INFO, logger="megaloop.train")
     try:
         assert main(argv) == 0
     finally:
         os.umask(previous)
+    fresh = f"no checkpoint in {tmp_path / 'checkpoints'}: the run starts at step 1"
+    assert fresh in caplog.text
+    caplog.clear()
+    assert main(argv) == 0 and "the run is complete at step 1" in caplog.text  # relaunched
+    assert fresh not in caplog.text
     expected, _ = build_config(argv)
     assert load_yaml(tmp_path / "config.yaml") == expected
     assert expected.model.encoder_layers == 2, "saved resolved"

@@ -183,6 +183,14 @@ def init_distributed(
     )
     mcore_tp.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+    world = dist.get_world_size()
+    if world > 1 and dist.get_rank() == 0:  # a job log's first line: how its ranks are laid out
+        log.info("%d ranks (%s launch, rendezvous %s:%d, %s) = tensor %d x pipeline %d x data "
+                 "%d%s%s", world, launch.launcher, launch.master_addr, launch.master_port,
+                 dist.get_backend(), tensor_parallel, pipeline_parallel,
+                 world // (tensor_parallel * pipeline_parallel),
+                 f", expert {expert_parallel}" if expert_parallel > 1 else "",
+                 f", {virtual_pipeline} virtual stages a rank" if virtual_pipeline > 1 else "")
     return launch
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaloop.cli import EVERY_RANK
 from megaloop.config import ConfigError, RunConfig
 from megaloop.platform.files import atomic_path, write_text_atomic
 
@@ -166,4 +167,4 @@ class StepProfiler:
                 torch.cuda.memory._dump_snapshot(str(tmp))
             written.append(memory)
         log.info("rank %d: steps %d-%d traced: %s", self.rank, self._traced[0], self._traced[-1],
-                 ", ".join(str(p) for p in written))
+                 ", ".join(str(p) for p in written), extra=EVERY_RANK)

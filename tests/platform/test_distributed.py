@@ -82,17 +82,29 @@ def test_single_process_default():
 
 
 def _ranks_and_groups(rank, world_size):
+    import logging
+
     from megatron.core import parallel_state
 
     from megaloop.platform.distributed import init_distributed
 
-    init_distributed(tensor_parallel=2, timeout_minutes=7)
+    logger, lines = logging.getLogger("megaloop.platform"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        init_distributed(tensor_parallel=2, timeout_minutes=7)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     value = torch.tensor([float(rank + 1)])
     torch.distributed.all_reduce(value, group=parallel_state.get_tensor_model_parallel_group())
     timeouts = {group_timeout(group) for group in (
         torch.distributed.group.WORLD, parallel_state.get_tensor_model_parallel_group(),
         parallel_state.get_data_parallel_group())}
-    return parallel_state.get_tensor_model_parallel_rank(), value.item(), timeouts
+    return parallel_state.get_tensor_model_parallel_rank(), value.item(), timeouts, lines
 
 
 def group_timeout(group):
@@ -102,10 +114,13 @@ def group_timeout(group):
 def test_model_parallel_groups_on_gloo():
     """... with parallel.distributed_timeout_minutes in every group: the default group made by the
     test harness included (before: gloo's 30 minutes and NCCL's 10 there, megatron-core's 30 in
-    its groups, whatever the setting)."""
+    its groups, whatever the setting). Rank 0 logs the layout in one line (before: none)."""
     seven = {datetime.timedelta(minutes=7)}
-    assert run_distributed(_ranks_and_groups, world_size=2) == [(0, 3.0, seven),
-                                                                (1, 3.0, seven)]
+    first, second = run_distributed(_ranks_and_groups, world_size=2)
+    assert first[:3] == (0, 3.0, seven) and second[:3] == (1, 3.0, seven)
+    assert len(first[3]) == 1 and second[3] == []
+    assert first[3][0].startswith("2 ranks (torchrun launch, rendezvous 127.0.0.1:")
+    assert first[3][0].endswith(", gloo) = tensor 2 x pipeline 1 x data 1"), first[3]
 
 
 def _init_with(rank, world_size, settings):
