@@ -126,9 +126,10 @@ def _check_own_pieces(built: dict) -> None:
             by_key[entry.key].append(entry)
 
 
-def _refusal(state: dict) -> str | None:
-    """Collective: the first refusal of ``state`` by megatron-core's load checks on any rank
-    (its own pieces on each rank, the sharding of all on rank 0), on every rank; None if none."""
+def _prepare(state: dict) -> tuple[list, str | None]:
+    """Collective: leaves one entry per piece in ``state`` (``_read_each_piece_once``'s twins);
+    then the first refusal of it by megatron-core's load checks on any rank (its own pieces on
+    each rank, the sharding of all on rank 0), on every rank (None if none)."""
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
     from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
@@ -136,8 +137,9 @@ def _refusal(state: dict) -> str | None:
 
     from megaloop.training.checkpoint_files import one_line
 
-    problem, built = None, {}
+    problem, built, twins = None, {}, []
     try:  # the factories built, as the load will see them (load_preprocess copies)
+        twins = _read_each_piece_once(state)
         built = extract_sharded_base(load_preprocess(state)[0])[0]
         _check_own_pieces(built)
     except Exception as e:
@@ -148,7 +150,7 @@ def _refusal(state: dict) -> str | None:
             validate_sharding_integrity(every_rank)  # raises on rank 0 only
         except Exception as e:
             problem = one_line(e)
-    return first_error(problem)
+    return twins, first_error(problem)
 
 
 def load_sharded(state: dict, path: Path) -> dict:
@@ -157,8 +159,7 @@ def load_sharded(state: dict, path: Path) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    twins = _read_each_piece_once(state)
-    refusal = _refusal(state)
+    twins, refusal = _prepare(state)
     if refusal:
         raise CheckpointingException(refusal)
     loaded = dist_checkpointing.load(state, str(path), validate_access_integrity=False)

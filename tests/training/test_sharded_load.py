@@ -68,7 +68,7 @@ def _load_refused_on_one_rank(rank, world_size, path, refusal):
 @pytest.mark.parametrize("refusal, says", [
     ("overlap", "rank 0 requests overlapping pieces of w"),
     ("sharding", "Invalid access pattern for ShardedTensor(key='w'"),
-])
+], ids=["own_pieces_overlap", "sharding_refused_on_rank0"])
 def test_a_load_one_rank_refuses_is_refused_on_every_rank(tmp_path, refusal, says):
     # Before, the refusing rank raised while the other waited in the load's next collective
     # until the process-group timeout.
