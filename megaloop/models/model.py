@@ -256,7 +256,8 @@ class LoopedLM(LanguageModule):
                            metadata: dict | None = None):
         """megatron-core's, with the tied decoder copies other than the primary one marked as
         replicas: every copy maps to the same key and a checkpoint holds one (saved by the primary
-        holder; loading fills every copy)."""
+        holder; loading fills every copy, several on one rank under the interleaved schedule:
+        megaloop.training.sharded_load)."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.decoder is None:
             return state

@@ -148,8 +148,7 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
     """Collective: loads ``path`` into the layout of ``sharded_state`` (resharding as needed).
     Tensors are loaded into those of ``sharded_state``: the loaded state holds them, the model's
     own parameters, SwiGLU input projections included (weight_loading.merge_swiglu_in_place)."""
-    from megatron.core import dist_checkpointing
-
+    from megaloop.training.sharded_load import load_sharded
     from megaloop.training.weight_loading import merge_swiglu_in_place
 
     if not (path / "metadata.json").is_file():
@@ -159,7 +158,7 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
     try:
         # A local-spec (CPU) checkpoint lacks Transformer Engine's _extra_state entries.
         sharded_state = load_absent_extra_state_as_fresh(sharded_state, str(path))
-        return dist_checkpointing.load(merge_swiglu_in_place(sharded_state), str(path))
+        return load_sharded(merge_swiglu_in_place(sharded_state), path)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{path}: cannot be loaded into this run ({one_line(e)})") from None
 

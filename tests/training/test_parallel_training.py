@@ -31,7 +31,8 @@ DENSE = {"arch": "dense", "iterations": 1}
 @pytest.mark.parametrize("model, layouts", [
     # AsymLoop (E 2, K 2 x D 2): pp2 [3, 3] and pp4 [2, 1, 2, 1] cut iterations, tied copies.
     ({}, ["dp2", "pp2", "tp2", "pp4"]),
-    ({"arch": "fullloop", "iterations": 2}, ["pp2", "pp4"]),
+    # pp2,vp2: each rank holds two tied copies of two decoder layers (chunks 0 and 2, 1 and 3)
+    ({"arch": "fullloop", "iterations": 2}, ["pp2", "pp4", "pp2,vp2"]),
     (DENSE, ["pp2", "pp4", "pp2,vp2"]),
     # MoE: each EP rank holds half the experts; dense weights data-parallel with the distributed
     # optimizer.

@@ -1,7 +1,9 @@
 """Training behaviour users rely on: learning, exact resume, faults, and the data/config guards."""
 
+import functools
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,26 +29,58 @@ def test_loss_falls_for_every_architecture(mcore, pattern_data, tmp_path, arch, 
     assert (tmp_path / "checkpoints" / "iter_0000030").is_dir()
 
 
+def _straight_then_resumed(rank, world_size, data_prefix, out_dir, model, parallel, train):
+    """Trains 4 steps saving at 2, then resumes a copy of the step-2 checkpoint elsewhere to
+    step 4: (step and samples the resume starts from, losses straight, losses resumed)."""
+    import torch.distributed as dist
+
+    out = Path(out_dir)
+    run = functools.partial(tiny_run, data_prefix, model=model, parallel=parallel,
+                            train={"train_steps": 4, **train})
+    with Trainer(run(out / "straight", checkpoint={"save_interval": 2})) as straight:
+        straight.train()
+    if rank == 0:
+        (out / "resumed" / "checkpoints").mkdir(parents=True)
+        shutil.copytree(out / "straight" / "checkpoints" / "iter_0000002",
+                        out / "resumed" / "checkpoints" / "iter_0000002")
+        (out / "resumed" / "checkpoints" / "latest").write_text("iter_0000002\n")
+    dist.barrier()
+    with Trainer(run(out / "resumed")) as resumed:
+        start = (resumed.step, resumed.consumed_samples)
+        resumed.train()  # saves at the end
+    dist.barrier()  # every rank's metrics written
+    return start, train_losses(out / "straight"), train_losses(out / "resumed")
+
+
+FULL_LOOP = {"arch": "fullloop", "iterations": 2, "num_layers": 4}
+INTERLEAVED = {"pipeline": 2, "virtual_pipeline": 2}
+
+
 # Without the distributed optimizer, megatron-core paired the per-matrix param groups by their
 # shared (wd_mult, lr_mult) on load: the Adam state was scrambled and the next save failed.
-@pytest.mark.parametrize("distributed_optimizer", [True, False])
+# PP=2 x VP=2: a pipeline rank holds two tied copies of a decoder layer (Full Loop: layers 1-2 in
+# chunks 0 and 2); megatron-core refused their two requests for one piece as overlapping shards.
+@pytest.mark.parametrize("model, parallel, train", [
+    (None, None, {"distributed_optimizer": True}),
+    (None, None, {"distributed_optimizer": False}),
+    (FULL_LOOP, INTERLEAVED, {"distributed_optimizer": True}),
+    (FULL_LOOP, INTERLEAVED, {"distributed_optimizer": False}),
+    ({"iterations": 3}, INTERLEAVED, {"distributed_optimizer": True}),  # AsymLoop E2, K3 x D2
+], ids=["distopt", "plain_adam", "fullloop_pp2vp2", "fullloop_pp2vp2_plain_adam",
+        "asymloop_pp2vp2"])
 def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(mcore, pattern_data, tmp_path,
-                                                                distributed_optimizer):
-    train = dict(distributed_optimizer=distributed_optimizer)
-    straight = tmp_path / "straight"
-    Trainer(tiny_run(pattern_data, straight, train=train,
-                     checkpoint=dict(save_interval=4))).train()
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "iter_0000004",
-                    resumed / "checkpoints" / "iter_0000004")
-    (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
-    trainer = Trainer(tiny_run(pattern_data, resumed, train=train))
-    assert trainer.step == 4 and trainer.consumed_samples == 16
-    trainer.train()  # saves at the end
-    a, b = train_losses(straight), train_losses(resumed)
-    assert sorted(b) == [5, 6, 7, 8]
-    assert [a[s] for s in b] == [b[s] for s in b]
+                                                                model, parallel, train):
+    kwargs = dict(data_prefix=pattern_data, out_dir=str(tmp_path), model=model,
+                  parallel=parallel, train=train)
+    if parallel:
+        from tests.distributed import run_distributed
+
+        outcomes = run_distributed(_straight_then_resumed, world_size=2, **kwargs)
+    else:
+        outcomes = [_straight_then_resumed(0, 1, **kwargs)]
+    for start, a, b in outcomes:
+        assert start == (2, 8) and sorted(b) == [3, 4]
+        assert [a[s] for s in b] == [b[s] for s in b]
 
 
 def test_nonfinite_losses_are_skipped_then_abort_keeps_last_good_checkpoint(mcore, pattern_data,
