@@ -145,23 +145,40 @@ def test_a_fitting_layout_of_sizes_outside_the_search_is_listed_among_those_that
     assert lines[-1].startswith("cheapest layouts that fit 3 GPUs of 80 GiB: pp3 ("), lines[-1]
 
 
-@pytest.mark.parametrize("settings", [
-    # Overlapped reduction with the loop's tied decoder copies on both pipeline stages.
-    {"parallel.overlap_grad_reduce": True},
+@pytest.mark.parametrize("settings, refused", [
     # Test-time depths, which one stage alone runs.
-    {"train.eval_depths": [1, 3]},
+    ({"train.eval_depths": [1, 3]}, {"parallel.pipeline": 2}),
+    # Delayed FP8 scaling, which full recomputation of a looped model would replay wrongly.
+    ({"train.precision": "fp8", "train.fp8_recipe": "delayed"}, {"parallel.recompute": "full"}),
 ])
-def test_the_layouts_said_to_fit_are_ones_the_run_accepts(settings):
-    """Before: the search checked each layout's parallel section alone and dropped the config's
-    overlap settings, so the cheapest layouts it named included pp2, which the run (and the
-    dry run of that layout) refuses for this config."""
+def test_the_layouts_said_to_fit_are_ones_the_run_accepts(settings, refused):
+    """Before: the search checked each layout's parallel section alone, so the cheapest layouts
+    it named included ones that the run (and the dry run of that layout) refuses for this
+    config."""
     from megaloop.cli import with_settings
     from megaloop.scale.memory import GIB, fitting_layouts
 
     cfg = _run(eod_id=0)
     cfg.model = dataclasses.replace(cfg.model, arch="asymloop", iterations=3)
     cfg = with_settings(cfg, settings).validate()
-    found = [layout.name for layout, _ in fitting_layouts(cfg, 2, 80 * GIB)]
-    assert "dp2" in found and not [name for name in found if "pp2" in name], found
+    found = [layout.apply(cfg).parallel for layout, _ in fitting_layouts(cfg, 2, 80 * GIB)]
+    (field, value), = refused.items()
+    name = field.removeprefix("parallel.")
+    assert found and not [p for p in found if getattr(p, name) == value], found
     with pytest.raises(ConfigError):
-        with_settings(cfg, {"parallel.pipeline": 2}).validate()
+        with_settings(cfg, refused).validate()
+
+
+def test_the_layouts_said_to_fit_keep_the_overlap_that_pipelines_accept():
+    """Overlapped reduction with the loop's tied decoder copies on both pipeline stages is a run
+    the trainer accepts (tied copies summed after the data-parallel reduction): pp2 is offered,
+    with the config's overlap."""
+    from megaloop.cli import with_settings
+    from megaloop.scale.memory import GIB, fitting_layouts
+
+    cfg = _run(eod_id=0)
+    cfg.model = dataclasses.replace(cfg.model, arch="asymloop", iterations=3)
+    cfg = with_settings(cfg, {"parallel.overlap_grad_reduce": True}).validate()
+    found = {layout.name: layout.apply(cfg).parallel for layout, _ in fitting_layouts(cfg, 2,
+                                                                                      80 * GIB)}
+    assert "pp2" in found and all(p.overlap_grad_reduce for p in found.values()), found
