@@ -51,8 +51,9 @@ def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_op
     ``parallel``'s overlap settings (megaloop.config.run.ParallelConfig). As in Megatron-LM, only
     the first of a rank's model chunks (``chunk`` 0) is cut into buckets: the interleaved
     schedule reduces each later chunk whole after its last backward, which other chunks' compute
-    still overlaps. The buckets holding a parameter of ``all_reduced`` (tied copies, summed after
-    the reduction: megaloop.training.tied) are all-reduced by the distributed optimizer too."""
+    still overlaps. With ``overlap_grad_reduce``, the buckets holding a parameter of
+    ``all_reduced`` (tied copies, then summed after the reduction: megaloop.training.tied) are
+    all-reduced by the distributed optimizer too."""
     if torch.cuda.is_available():
         model.cuda()
     use_per_token_loss(model)
@@ -64,7 +65,7 @@ def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_op
         bucket_size=parallel.ddp_bucket_size or None)  # None: megatron-core's default
     ddp = CollectableDDP(model.config, config, wrapped, disable_bucketing=chunk > 0)
     for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        if distributed_optimizer and group.params & all_reduced:
+        if distributed_optimizer and parallel.overlap_grad_reduce and group.params & all_reduced:
             group.__class__ = _AllReducedBucketGroup
     return ddp
 
@@ -73,22 +74,26 @@ def configure_sync(config, ddps: list[CollectableDDP], tied) -> None:
     """The hooks megatron-core's pipeline schedules call (read from the first chunk's
     ``config``), as Megatron-LM sets them: ``no_sync`` keeps every micro-batch but the last from
     reducing; with ``overlap_grad_reduce`` the interleaved schedule starts each chunk's reduction
-    after its last backward (``grad_sync_func``); finalize_model_grads waits for the reductions,
-    after which the tied decoder copies' gradients are summed (``tied``, a
-    megaloop.training.tied.TiedCopies or None), as megatron-core sums a tied embedding's."""
+    after its last backward (``grad_sync_func``). The tied decoder copies' gradients (``tied``, a
+    megaloop.training.tied.TiedCopies or None) are summed before finalize_model_grads's reduction,
+    or after it with ``overlap_grad_reduce``, which starts the reduction in the backward pass."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     def per_chunk(funcs):
         return funcs if len(funcs) > 1 else funcs[0]
 
+    overlap = ddps[0].ddp_config.overlap_grad_reduce
+
     def finalize(model_chunks, num_tokens=None, **kwargs):
+        if tied is not None and not overlap:
+            tied.reduce_grads()
         finalize_model_grads(model_chunks, num_tokens, **kwargs)
-        if tied is not None:
+        if tied is not None and overlap:
             tied.reduce_grads()
 
     config.finalize_model_grads_func = finalize
     config.no_sync_func = per_chunk([ddp.no_sync for ddp in ddps])
-    if ddps[0].ddp_config.overlap_grad_reduce:
+    if overlap:
         config.grad_sync_func = per_chunk([ddp.start_grad_sync for ddp in ddps])
 
 

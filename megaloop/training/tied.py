@@ -8,23 +8,26 @@ parameter:
 
 - ``sync_weights`` sets every copy to the primary copy's values (the first stage holding the
   layer), before training starts;
-- ``reduce_grads`` (after ``finalize_model_grads``, whose data-parallel reduction is linear)
-  sums the reduced gradients of all copies of a layer: first the copies of one rank, then over
-  the pipeline ranks holding it, and writes the sum into every copy. All copies then take
-  identical optimizer steps (same values, gradients and optimizer states);
+- ``reduce_grads`` sums the gradients of all copies of a layer: first the copies of one rank,
+  then over the pipeline ranks holding it, and writes the sum into every copy. All copies then
+  take identical optimizer steps (same values, gradients and optimizer states);
 - the gradient norm counts each tied parameter once (the model marks the other copies
   ``shared``), and checkpoints hold one copy (``LoopedLM.sharded_state_dict``).
 
-The sum follows the data-parallel reduction, as megatron-core's sum of a tied embedding and
-output layer (``_allreduce_word_embedding_grads``) does, so ``overlap_grad_reduce`` may start that
-reduction during the backward pass; overlapped or not, the additions are the same, in the same
-order. The distributed optimizer reduce-scatters a bucket: a data-parallel rank then holds the
-reduced gradient of its shard only, and the copies on other stages, in other buckets, are cut into
-other shards. So the DDP bucket groups holding copies (``params``) are all-reduced instead
-(megatron-core's ``force_all_reduce``, ``ddp.wrap_for_training``): every rank holds every copy's
-whole reduced gradient, and the sums are exact whatever the bucket layout, which so stays that of
-checkpoints saved before. The cost is that of an all-reduce over a reduce-scatter (twice the
-bytes) for those buckets, as megatron-core pays for the tied embedding's all-reduce. The holders
+Without ``overlap_grad_reduce`` the sum runs on each rank's accumulated gradients before the
+data-parallel reduce(-scatter) (``finalize_model_grads``), so it is exact for either optimizer
+whatever part of a bucket a data-parallel rank owns, and costs no extra data-parallel traffic.
+With it, that reduction starts during the backward pass, before the copies are complete; the sum
+then follows it (the reduction is linear), as megatron-core's sum of a tied embedding and output
+layer (``_allreduce_word_embedding_grads``) does. The distributed optimizer reduce-scatters a
+bucket: a data-parallel rank then holds the reduced gradient of its shard only, and the copies on
+other stages, in other buckets, are cut into other shards. So under overlap the DDP bucket groups
+holding copies (``params``) are all-reduced instead (megatron-core's ``force_all_reduce``,
+``ddp.wrap_for_training``): every rank holds every copy's whole reduced gradient, and the sums
+are exact whatever the bucket layout, which so stays that of checkpoints saved before. That costs
+an all-reduce over a reduce-scatter (twice the gradient bytes) for those buckets; megatron-core
+leaves the later pipeline stages in one bucket, so there it is the stage's whole gradient. The
+two orders add the same numbers in another order: overlap on and off agree to rounding. The holders
 of each layer get a process group per pipeline group (all ranks create them together).
 """
 
