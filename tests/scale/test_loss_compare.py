@@ -35,7 +35,7 @@ def test_selective_recompute_across_pipeline_stages_trains_to_its_twins_losses(m
 
 def test_four_rank_layouts_train_to_the_single_process_losses(mcore, run):
     # dp2,pp2: the distributed optimizer over the data-parallel ranks of each stage, whose tied
-    # decoder copies' gradients are summed after the data-parallel reduction.
+    # decoder copies' gradients are summed before the data-parallel reduce-scatter.
     assert compare_curves(run("single", "tp2,pp2", "dp2,tp2,sp", "dp2,pp2")) == []
 
 
