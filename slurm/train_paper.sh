@@ -27,11 +27,8 @@ set -euo pipefail
 
 # sbatch runs a copy of this script: the checkout is found from the directory it was submitted from.
 ROOT="${MEGALOOP_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}"
-if [ ! -f "$ROOT/slurm/common.sh" ]; then
-  echo "error: $ROOT/slurm/common.sh not found: submit from the megaloop checkout" \
-       "(cd megaloop && sbatch slurm/...), or set MEGALOOP_ROOT to it" >&2
-  exit 2
-fi
+[ -f "$ROOT/slurm/common.sh" ] || { echo "error: $ROOT/slurm/common.sh not found: submit from the megaloop" \
+  "checkout (cd megaloop && sbatch slurm/...), or set MEGALOOP_ROOT to it" >&2; exit 2; }
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"
 if [ $# -lt 2 ]; then
