@@ -1,6 +1,7 @@
 """A small learnable indexed dataset and tiny run configs for the training tests."""
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,15 @@ def tiny_run(data_prefix: str, out_dir: Path, *, model=None, train=None, checkpo
     if parallel:
         cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
     return cfg
+
+
+def resume_from(source_run: Path, run: Path, step: int) -> None:
+    """Gives ``run`` (a run directory) the checkpoint of ``step`` from ``source_run`` as its
+    latest, so that a run there resumes from it, as after a stop just after that save."""
+    name = f"iter_{step:07d}"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source_run / "checkpoints" / name, run / "checkpoints" / name)
+    (run / "checkpoints" / "latest").write_text(name + "\n")
 
 
 def train_losses(out_dir: Path) -> dict[int, float]:

@@ -4,7 +4,6 @@ one line)."""
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from megaloop.alrs import ALRSConfig, read_log
 from megaloop.config import ConfigError, save_yaml
 from megaloop.training.trainer import Trainer
-from tests.training.conftest import tiny_run, train_losses
+from tests.training.conftest import resume_from, tiny_run, train_losses
 
 ALRS = ALRSConfig(interval=2, fraction=0.5, transition=2)  # allocations at steps 1, 2, 4
 
@@ -65,10 +64,7 @@ def test_resume_with_alrs_is_exact(mcore, pattern_data, tmp_path):
     straight = tmp_path / "straight"
     Trainer(_run(pattern_data, straight)).train()
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "iter_0000004",
-                    resumed / "checkpoints" / "iter_0000004")
-    (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
+    resume_from(straight, resumed, 4)
     # As saved before the schedule kept the length of its ramp (in progress: steps 4 to 6).
     common = resumed / "checkpoints" / "iter_0000004" / "common.pt"
     state = torch.load(common, weights_only=True)

@@ -5,7 +5,6 @@ a write in flight first. A kill -9 mid-write and a failing write: test_preemptio
 test_checkpoint.py."""
 
 import logging
-import shutil
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from megaloop.config import ConfigError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.training.conftest import one_line, tiny_run, train_losses
+from tests.training.conftest import one_line, resume_from, tiny_run, train_losses
 
 
 def _slow_background_writes(monkeypatch, seconds: float) -> None:
@@ -56,10 +55,7 @@ def test_a_checkpoint_written_while_training_goes_on_resumes_bit_for_bit(
     assert all(t["background_s"] >= 0.9 for t in trainer.saver.timings), trainer.saver.timings
 
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "iter_0000004",
-                    resumed / "checkpoints" / "iter_0000004")
-    (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
+    resume_from(straight, resumed, 4)
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
         # The checkpoint was saved with async_save=true: a resume may turn it off (or on).
         trainer = Trainer(tiny_run(pattern_data, resumed, checkpoint={"save_interval": 4}))
@@ -111,10 +107,7 @@ def _two_ranks_async(rank, world_size, data_prefix, out_dir):
     Trainer(tiny_run(data_prefix, out / "async", train=steps,
                      checkpoint={"save_interval": 2, "async_save": True})).train()
     if rank == 0:
-        (out / "resumed" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(out / "async" / "checkpoints" / "iter_0000002",
-                        out / "resumed" / "checkpoints" / "iter_0000002")
-        (out / "resumed" / "checkpoints" / "latest").write_text("iter_0000002\n")
+        resume_from(out / "async", out / "resumed", 2)
     import torch.distributed as dist
 
     dist.barrier()

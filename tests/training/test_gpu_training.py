@@ -2,13 +2,12 @@
 Float16Module, the fused joint attention on CUDA and, with Transformer Engine, each FP8 recipe the
 GPU runs; a save and resume reproduces the uninterrupted losses."""
 
-import shutil
 
 import pytest
 
 from megaloop.training.trainer import Trainer
 from tests.models.test_gpu import record
-from tests.training.conftest import tiny_run, train_losses
+from tests.training.conftest import resume_from, tiny_run, train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -39,10 +38,7 @@ def test_training_resumes_exactly_on_gpu(mcore, pattern_data, tmp_path, precisio
     straight, repeat, resumed = (tmp_path / name for name in ("straight", "repeat", "resumed"))
     Trainer(_run(pattern_data, straight, train, save_interval=4)).train()
     Trainer(_run(pattern_data, repeat, train)).train()
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "iter_0000004",
-                    resumed / "checkpoints" / "iter_0000004")
-    (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
+    resume_from(straight, resumed, 4)
     trainer = Trainer(_run(pattern_data, resumed, train))
     assert trainer.step == 4  # loaded model, optimizer (and FP8 scaling state) on the GPU
     trainer.train()

@@ -5,12 +5,11 @@ test_parallel_training.py.)"""
 
 import contextlib
 import itertools
-import shutil
 
 import pytest
 
 from megaloop.training.monitor import read_metrics
-from tests.training.conftest import tiny_run, train_losses, write_pattern_dataset
+from tests.training.conftest import resume_from, tiny_run, train_losses, write_pattern_dataset
 
 MOE = {"num_experts": 4, "moe_top_k": 2}
 
@@ -35,10 +34,7 @@ def test_moe_resume_reproduces_the_uninterrupted_losses_bit_for_bit(mcore, data,
     straight = tmp_path / "straight"
     Trainer(tiny_run(data, straight, model=model, checkpoint={"save_interval": 4})).train()
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "iter_0000004",
-                    resumed / "checkpoints" / "iter_0000004")
-    (resumed / "checkpoints" / "latest").write_text("iter_0000004\n")
+    resume_from(straight, resumed, 4)
     Trainer(tiny_run(data, resumed, model=model)).train()
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]

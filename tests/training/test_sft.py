@@ -3,7 +3,6 @@ solution tokens only, and a fine-tuning run started from another checkpoint's we
 exactly."""
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
 from megaloop.training.trainer import Trainer
 from tests.sft import PROMPT, SOLUTION, arithmetic_records, train_tokenizer, write_jsonl
-from tests.training.conftest import train_losses
+from tests.training.conftest import resume_from, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +90,7 @@ def test_finetuning_from_loaded_weights_resumes_bit_for_bit(mcore, sft_files, tm
     Trainer(sft_run(sft_files, straight,
                     checkpoint={**start, "save_interval": 2})).train()
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "iter_0000002",
-                    resumed / "checkpoints" / "iter_0000002")
-    (resumed / "checkpoints" / "latest").write_text("iter_0000002\n")
+    resume_from(straight, resumed, 2)
     trainer = Trainer(sft_run(sft_files, resumed, checkpoint=start))
     assert trainer.step == 2 and trainer.consumed_samples == 8  # not a fresh start from "load"
     trainer.train()

@@ -12,7 +12,7 @@ from megaloop.config import ConfigError
 from megaloop.data import DataError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.trainer import Trainer, TrainingAborted
-from tests.training.conftest import tiny_run, train_losses
+from tests.training.conftest import resume_from, tiny_run, train_losses
 
 
 @pytest.mark.parametrize("arch, iterations, layers", [("dense", 1, 4), ("fullloop", 2, 2),
@@ -40,10 +40,7 @@ def _straight_then_resumed(rank, world_size, data_prefix, out_dir, model, parall
     with Trainer(run(out / "straight", checkpoint={"save_interval": 2})) as straight:
         straight.train()
     if rank == 0:
-        (out / "resumed" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(out / "straight" / "checkpoints" / "iter_0000002",
-                        out / "resumed" / "checkpoints" / "iter_0000002")
-        (out / "resumed" / "checkpoints" / "latest").write_text("iter_0000002\n")
+        resume_from(out / "straight", out / "resumed", 2)
     dist.barrier()
     with Trainer(run(out / "resumed")) as resumed:
         start = (resumed.step, resumed.consumed_samples)
