@@ -3,19 +3,23 @@
 A save writes into ``iter_N.tmp``; only once every rank's part is written does the finalize run:
 rank 0 writes ``config.yaml`` into it, renames it to ``iter_N``, moves ``latest`` and prunes to
 ``keep_last``, and every rank takes its outcome (``rank0_decides``). ``save_checkpoint`` does both
-in one call. ``CheckpointSaver`` is a run's saver: with ``checkpoint.async_save`` the write runs
-in the background through megatron-core's asynchronous save (``dist_checkpointing.save(...,
-async_sharded_save=True)`` scheduled on an ``AsyncCallsQueue``, as Megatron-LM's ``--async-save``),
-and the finalize runs when every rank's write has completed: found by ``poll`` (non-blocking, each
-step) or waited for by ``wait`` (before the next save, at the end, on a stop signal, on close);
-after an error that ends training, maybe on one rank alone, ``abandon`` leaves it as its ``.tmp``.
+in one call. Every write runs in a writer process through megatron-core's asynchronous save
+(``dist_checkpointing.save(..., async_sharded_save=True)`` scheduled on an ``AsyncCallsQueue``, as
+Megatron-LM's ``--async-save``), one that ends whole when any of its processes is killed
+(checkpoint_writer); a synchronous save waits for it at once, in place of megatron-core's own
+synchronous save, which writes in the trainer and would wait for a killed worker for ever.
+``CheckpointSaver`` is a run's saver: with ``checkpoint.async_save`` the write runs in the
+background and the finalize runs when every rank's write has completed: found by ``poll``
+(non-blocking, each step) or waited for by ``wait`` (before the next save, at the end, on a stop
+signal, on close); after an error that ends training, maybe on one rank alone, ``abandon`` leaves
+it as its ``.tmp``.
 
 What the background write holds is the state of the step saved, however far training has gone:
 megatron-core stages GPU tensors in host memory before it forks the writer process, and on the
 CPU the fork itself is the snapshot (the writer's pages are copied when training writes to them,
 so memory grows by up to the state's size while a write is in flight). A ``kill -9`` at any
 moment, a crash, or a write that fails leaves ``latest`` on the previous complete checkpoint; a
-writer process killed mid-write fails its save on every rank (checkpoint_writer).
+writer process killed mid-write fails its save on every rank, synchronous or not.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class _Save:
     previous: Path | None
     blocked_s: float = 0.0  # the training loop's time spent on this save so far
     scheduled_at: float | None = None  # when its background write began (async_save)
-    writer: object = None  # the process of its background write, if this rank writes any
+    writer: object = None  # the process of its write, if this rank writes any
 
     @property
     def tmp(self) -> Path:
@@ -157,18 +161,48 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: R
     memory."""
     refuse_unguarded_main()
     save = _begin(Path(directory), step)
-    _write(save, state)
+    queue = _writer_queue()
+    _write(save, state, queue)
+    _written(save, queue, blocking=True)
     return _finish(save, cfg, keep_last)
 
 
-def _write(save: _Save, state: dict) -> None:
-    """Collective: megatron-core writes every rank's part of ``save``, returning when all are."""
+def _writer_queue():
+    """megatron-core's AsyncCallsQueue for a saver's writes.
+
+    Not megatron-core's persistent worker: without a GPU it dies as it starts
+    (torch.cuda.set_device(rank % device_count()), a division by zero) and the save waits for it
+    forever; and it would receive CPU tensors through shared memory, the weights that training
+    goes on changing, not a snapshot."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=False)
+
+
+def _write(save: _Save, state: dict, queue) -> None:
+    """Collective: stages this rank's part of ``save`` (``state``) and starts its write on
+    ``queue``, in a writer process forked from this one (``watched``)."""
     from megatron.core import dist_checkpointing
 
     try:
-        dist_checkpointing.save(state, str(save.tmp))
-    except (Exception, CheckpointException) as e:  # every rank sees the failure of any rank
+        request = dist_checkpointing.save(state, str(save.tmp), async_sharded_save=True)
+        queue.schedule_async_request(watched(request))
+    except (Exception, CheckpointException) as e:
         raise _write_failed(save, e) from None
+    save.writer = queue.async_calls[-1].async_caller.process
+
+
+def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
+    """Collective: whether every rank's write of ``save`` on ``queue`` is complete, waiting for
+    them if ``blocking``. A write failed on any rank fails on every rank (megatron-core's
+    finalize gathers every rank's results), naming the signal on the rank whose writer process
+    was killed; ``part``: what ``_write_failed`` says failed."""
+    try:
+        return bool(queue.maybe_finalize_async_calls(blocking=blocking))
+    except (Exception, CheckpointException) as e:
+        died = save.writer is not None and died_of(save.writer)
+        raise _write_failed(save, f"its writer process died of {died}" if died else e,
+                            part) from None
 
 
 def left_by_an_exit(directory: Path, latest_step: int | None, saving_step: int | None) -> str:
@@ -215,7 +249,7 @@ class CheckpointSaver:
         self.latest_step: int | None = None
         self.timings: list[dict] = []
         self._pending: _Save | None = None
-        self._queue = None  # megatron-core's AsyncCallsQueue, made by the first async save
+        self._queue = None  # megatron-core's AsyncCallsQueue, made by the first save
 
     @property
     def pending_step(self) -> int | None:
@@ -230,32 +264,16 @@ class CheckpointSaver:
         """Saves ``state`` (every rank's sharded state dict) as checkpoint ``step``, after the
         save in flight is finalized. Returns its path, complete when synchronous or ``wait``;
         else it is complete once a later ``poll`` or ``wait`` has finalized it."""
-        from megatron.core import dist_checkpointing
-
         self.wait()
         started = time.perf_counter()
         self.noted(saving=step)
         save = _begin(self.directory, step)
-        if not self.asynchronous:
-            _write(save, state)
-            return self._finished(save, started)
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-        try:
-            request = dist_checkpointing.save(state, str(save.tmp), async_sharded_save=True)
-        except (Exception, CheckpointException) as e:
-            raise _write_failed(save, e) from None
         if self._queue is None:
-            # Not megatron-core's persistent worker: without a GPU it dies as it starts
-            # (torch.cuda.set_device(rank % device_count()), a division by zero) and the save
-            # waits for it forever; and it would receive CPU tensors through shared memory, the
-            # weights that training goes on changing, not a snapshot.
-            self._queue = AsyncCallsQueue(persistent=False)
-        try:  # the writer process is forked here
-            self._queue.schedule_async_request(watched(request))
-        except Exception as e:
-            raise _write_failed(save, e) from None
-        save.writer = self._queue.async_calls[-1].async_caller.process
+            self._queue = _writer_queue()
+        _write(save, state, self._queue)
+        if not self.asynchronous:
+            _written(save, self._queue, blocking=True)
+            return self._finished(save, started)
         save.scheduled_at = time.perf_counter()
         save.blocked_s = save.scheduled_at - started
         self._pending = save
@@ -299,13 +317,11 @@ class CheckpointSaver:
             return None
         started = time.perf_counter()
         try:
-            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
-        except (Exception, CheckpointException) as e:  # raised on every rank
+            done = _written(save, self._queue, blocking, " in its background write")
+        except CheckpointError:  # raised on every rank
             self._pending = None
             self.noted()
-            died = save.writer is not None and died_of(save.writer)
-            raise _write_failed(save, f"its writer process died of {died}" if died else e,
-                                " in its background write") from None
+            raise
         if not done:
             save.blocked_s += time.perf_counter() - started
             return None

@@ -1,5 +1,6 @@
-"""The processes a checkpoint save starts: the results-queue manager, and the background write
-(``checkpoint.async_save``) as a process tree that ends whole.
+"""The processes a checkpoint save starts: the results-queue manager, and the write (in the
+background with ``checkpoint.async_save``, else waited for at once) as a process tree that ends
+whole.
 
 megatron-core starts its results-queue manager with the spawn method, at a process's first save,
 and a spawned process re-imports the main script: code of it that is not under ``if __name__ ==
@@ -7,14 +8,16 @@ and a spawned process re-imports the main script: code of it that is not under `
 the run directory's lock, at best). ``refuse_unguarded_main`` finds that before the run starts.
 
 megatron-core forks a writer process for the write, which forks one worker per bucket of files
-and waits on a JoinableQueue until every worker has reported. Nothing watches them: a worker
-killed (the OOM killer's SIGKILL) never reports, the writer waits for ever, and so does every
-training rank at its next wait for the write; a writer killed leaves its workers orphaned, one
-blocked for ever on a pipe that nobody reads. ``watched`` makes the tree end whole and at once:
-a worker's death ends the writer (status 128 + the signal's number), and the writer's death, of
-any cause, SIGKILLs its workers (Linux's parent-death signal). The training ranks then see the
-writer ended, megatron-core's collective finalize fails the save on every rank (the writer's
-results are missing), and ``died_of`` names the signal on the rank whose writer died.
+and waits on a JoinableQueue until every worker has reported (its synchronous save runs the same
+writer in the trainer itself). Nothing watches them: a worker killed (the OOM killer's SIGKILL)
+never reports, the writer waits for ever, and so does every training rank at its next wait for
+the write; a writer killed leaves its workers orphaned, one blocked for ever on a pipe that
+nobody reads. Hence every save's write runs in a writer process (checkpoint_save), and
+``watched`` makes the tree end whole and at once: a worker's death ends the writer (status 128 +
+the signal's number), and the writer's death, of any cause, SIGKILLs its workers (Linux's
+parent-death signal). The training ranks then see the writer ended, megatron-core's collective
+finalize fails the save on every rank (the writer's results are missing), and ``died_of`` names
+the signal on the rank whose writer died.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoints that survive what the disk and the machine do: every file and directory of a
-checkpoint is on disk before ``latest`` names it, and a background write killed mid-way (the
-OOM killer) ends the run in one line instead of hanging it."""
+checkpoint is on disk before ``latest`` names it, and a write killed mid-way (the OOM killer),
+synchronous or in the background, ends the run in one line instead of hanging it."""
 
 import os
 import signal
@@ -64,8 +64,9 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(mcore, pattern_data, tmp
 
 
 def _slow_workers_naming_themselves(monkeypatch, pids_file, seconds: float) -> None:
-    """Each worker of a background write (forked by its writer process, forked from this one)
-    appends "<writer pid> <worker pid>" to ``pids_file``, then waits ``seconds`` and writes."""
+    """Each worker of a save's write (forked by its writer process, forked from this one)
+    appends "<writer pid> <worker pid> <file it writes>" to ``pids_file``, then waits
+    ``seconds`` and writes."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
 
@@ -73,11 +74,39 @@ def _slow_workers_naming_themselves(monkeypatch, pids_file, seconds: float) -> N
 
     def slow(*args, **kwargs):
         with open(pids_file, "a") as f:
-            f.write(f"{os.getppid()} {os.getpid()}\n")
+            f.write(f"{os.getppid()} {os.getpid()} {kwargs['write_bucket'][0]}\n")
         time.sleep(seconds)
         return write(*args, **kwargs)
 
     monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(slow))
+
+
+def _step_4s_write(pids_file) -> list[tuple[int, int]]:
+    """(writer pid, worker pid) of each worker of step 4's write named so far."""
+    lines = pids_file.read_text().splitlines() if pids_file.exists() else []
+    return [(int(writer), int(worker)) for writer, worker, path in map(str.split, lines)
+            if "iter_0000004.tmp" in path]
+
+
+def _kill_in_step_4s_write(pids_file, victim: str) -> dict:
+    """A thread SIGKILLs the writer process (``victim`` "writer") or a worker ("worker") of step
+    4's write once its first worker has named itself (``_slow_workers_naming_themselves``); the
+    dict returned gets the pids of both, once known."""
+    import threading
+
+    killed = {}
+
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while not _step_4s_write(pids_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _step_4s_write(pids_file):
+            killed["writer"], killed["worker"] = _step_4s_write(pids_file)[0]
+            if killed[victim] != os.getpid():  # a write without a writer process: not us
+                os.kill(killed[victim], signal.SIGKILL)
+
+    threading.Thread(target=kill, name="test-killer", daemon=True).start()
+    return killed
 
 
 def _ended(pid: int) -> bool:
@@ -89,51 +118,41 @@ def _ended(pid: int) -> bool:
         return True
 
 
+def _failed_in(async_save: bool) -> str:
+    """What a failed write of a save, with or without checkpoint.async_save, says it failed in."""
+    return " in its background write" if async_save else ""
+
+
 @pytest.mark.timeout(120, method="thread")  # the old code waited for ever (for the report
-# of the killed worker), deaf to signals: the main thread sat in waitpid()
+# of the killed worker), deaf to signals: the main thread sat in waitpid() or, saving
+# synchronously, in the JoinableQueue of the workers it forked itself
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("victim", ["writer", "worker"])
-def test_a_background_writer_killed_mid_write_fails_the_save_in_one_line(
-        mcore, pattern_data, tmp_path, monkeypatch, victim):
-    """The OOM killer's SIGKILL to the writer process of step 4's background write, or to one of
-    the workers it forked: the run ends at once (not at the next save, nor ever), naming the
-    checkpoint and the signal, the save is not finalized, and no process of the write is left
-    (megaloop-train exits 2 on a CheckpointError)."""
+def test_a_writer_killed_mid_write_fails_the_save_in_one_line(
+        mcore, pattern_data, tmp_path, monkeypatch, victim, async_save):
+    """The OOM killer's SIGKILL to the writer process of step 4's write, or to one of the
+    workers it forked: the run ends at once (with async_save within a step, not at the next save,
+    nor ever), naming the checkpoint and the signal, the save is not finalized, and no process of
+    the write is left (megaloop-train exits 2 on a CheckpointError)."""
     pids_file = tmp_path / "pids"
     cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 8},
-                   checkpoint={"save_interval": 2, "async_save": True})
+                   checkpoint={"save_interval": 2, "async_save": async_save})
     trainer = Trainer(cfg)
     _slow_workers_naming_themselves(monkeypatch, pids_file, 1.5)
-    train_step, killed = trainer.train_step, {}
-
-    def killing_a_writer_at_step_5(data):
-        if trainer.step == 5:  # step 4's write is in flight, step 2's is complete
-            deadline = time.monotonic() + 30
-            while not killed and time.monotonic() < deadline:
-                pids = [list(map(int, line.split())) for line in
-                        pids_file.read_text().splitlines()] if pids_file.exists() else []
-                writers = {writer for writer, _ in pids}
-                if len(writers) == 2:  # step 2's writer, then step 4's
-                    writer = max(writers, key=[w for w, _ in pids].index)
-                    killed["writer"] = writer
-                    killed["worker"] = next(w for p, w in pids if p == writer)
-                    os.kill(killed[victim], signal.SIGKILL)
-                time.sleep(0.05)
-        return train_step(data)
-
-    trainer.train_step = killing_a_writer_at_step_5
+    killed = _kill_in_step_4s_write(pids_file, victim)
     with pytest.raises(ckpt.CheckpointError) as error:
         trainer.train()
     monkeypatch.undo()
     checkpoints = tmp_path / "run" / "checkpoints"
-    assert one_line(error) == (f"{checkpoints}/iter_0000004.tmp: saving step 4 failed in its "
-                               "background write (its writer process died of SIGKILL, out of "
-                               f"memory?; {one_line(error).split('; ')[1]}; latest is still "
-                               "iter_0000002")
-    assert max(train_losses(tmp_path / "run")) <= 6, "found by the next polls"
+    assert one_line(error) == (f"{checkpoints}/iter_0000004.tmp: saving step 4 failed"
+                               f"{_failed_in(async_save)} (its writer process died of SIGKILL, "
+                               f"out of memory?; {one_line(error).split('; ')[1]}; latest is "
+                               "still iter_0000002")
+    assert max(train_losses(tmp_path / "run")) <= (6 if async_save else 4), \
+        "found by the next polls, or by the save itself"
     assert ckpt.latest_checkpoint(checkpoints).name == "iter_0000002"
     assert not (checkpoints / "iter_0000004").exists()
-    workers = [w for p, w in (map(int, line.split()) for line in
-                              pids_file.read_text().splitlines()) if p == killed["writer"]]
+    workers = [worker for writer, worker in _step_4s_write(pids_file)]
     deadline = time.monotonic() + 5  # a worker orphaned by its writer's death is killed with it
     while not all(map(_ended, [killed["writer"], *workers])) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -185,58 +204,40 @@ def test_code_under_a_main_guard_is_not_refused(tmp_path):
     assert run.returncode == 0 and run.stdout == "not refused\n", run.stderr[-3000:]
 
 
-def _kill_rank_1s_worker(rank, world_size, data_prefix, out_dir):
+def _kill_rank_1s_worker(rank, world_size, data_prefix, out_dir, async_save):
     from pathlib import Path
 
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
-
     out = Path(out_dir)
-    pids_file = out / f"pids.{rank}"
-    write = FileSystemWriterAsync.write_preloaded_data
-
-    def slow(*args, **kwargs):
-        with open(pids_file, "a") as f:
-            f.write(f"{os.getppid()} {os.getpid()}\n")
-        time.sleep(1.5)
-        return write(*args, **kwargs)
-
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow)
-    try:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        pids_file = out / f"pids.{rank}"
+        _slow_workers_naming_themselves(monkeypatch, pids_file, 1.5)
         trainer = Trainer(tiny_run(data_prefix, out / "run", train={"train_steps": 8},
-                                   checkpoint={"save_interval": 2, "async_save": True}))
-        train_step = trainer.train_step
-
-        def killing_at_step_5(data):
-            if trainer.step == 5 and rank == 1:
-                while len({line.split()[0] for line in pids_file.read_text().splitlines()}) < 2:
-                    time.sleep(0.05)
-                os.kill(int(pids_file.read_text().splitlines()[-1].split()[1]), signal.SIGKILL)
-            return train_step(data)
-
-        trainer.train_step = killing_at_step_5
+                                   checkpoint={"save_interval": 2, "async_save": async_save}))
+        if rank == 1:
+            _kill_in_step_4s_write(pids_file, "worker")
         try:
             trainer.train()
         except ckpt.CheckpointError as e:
             return str(e), trainer.step
         return None, trainer.step
-    finally:
-        FileSystemWriterAsync.write_preloaded_data = write
 
 
 @pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_writer_killed_on_one_rank_fails_the_save_on_every_rank(mcore, pattern_data,
-                                                                  tmp_path):
+                                                                  tmp_path, async_save):
     """Two gloo ranks: rank 1's writer dies; megatron-core's collective finalize fails step 4's
     save on both at the same step, rank 1 naming the signal (no rank waits for a peer until the
     process-group timeout)."""
     started = time.monotonic()
     (rank0, step0), (rank1, step1) = run_distributed(
-        _kill_rank_1s_worker, world_size=2, data_prefix=pattern_data, out_dir=str(tmp_path))
+        _kill_rank_1s_worker, world_size=2, data_prefix=pattern_data, out_dir=str(tmp_path),
+        async_save=async_save)
     tmp = tmp_path / "run" / "checkpoints" / "iter_0000004.tmp"
-    assert rank1.startswith(f"{tmp}: saving step 4 failed in its background write (its writer "
-                            "process died of SIGKILL, out of memory?"), rank1
-    assert rank0.startswith(f"{tmp}: saving step 4 failed in its background write ("), rank0
-    assert rank0.endswith("latest is still iter_0000002") and step0 == step1 <= 6
+    failed = f"{tmp}: saving step 4 failed{_failed_in(async_save)} ("
+    assert rank1.startswith(failed + "its writer process died of SIGKILL, out of memory?"), rank1
+    assert rank0.startswith(failed), rank0
+    assert rank0.endswith("latest is still iter_0000002")
+    assert step0 == step1 <= (6 if async_save else 4)
     assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000002"
     assert time.monotonic() - started < 120

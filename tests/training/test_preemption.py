@@ -86,19 +86,19 @@ def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumab
 
 KILL_DURING_SECOND_SAVE = textwrap.dedent("""
     import os, signal, sys
-    from megatron.core import dist_checkpointing
     from megaloop.config import load_yaml
+    from megaloop.training import checkpoint_save
     from megaloop.training.trainer import Trainer
 
-    original, calls = dist_checkpointing.save, []
+    original, calls = checkpoint_save._finish, []
 
-    def save_then_die(state, directory, *args, **kwargs):
-        calls.append(directory)
-        original(state, directory, *args, **kwargs)  # every file of the checkpoint is written...
-        if len(calls) == 2:
+    def die_before_the_second_finalize(save, *args):
+        calls.append(save)
+        if len(calls) == 2:  # every file of the checkpoint is written...
             os.kill(os.getpid(), signal.SIGKILL)  # ...but the rename never happens
+        return original(save, *args)
 
-    dist_checkpointing.save = save_then_die
+    checkpoint_save._finish = die_before_the_second_finalize
     if __name__ == "__main__":
         Trainer(load_yaml(sys.argv[1])).train()
 """)
