@@ -188,6 +188,8 @@ def test_kill_9_while_a_background_write_is_in_flight_leaves_the_previous_checkp
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
+        # The writer, which holds the run directory's lock too (a fork), may die after the trainer.
+        wait_until_group_ends(proc.pid)
     finally:
         end_group(proc.pid)
     checkpoints = tmp_path / "checkpoints"
