@@ -12,6 +12,7 @@ permissions a plain ``open`` gives (0666 less the umask: 0644 under umask 022), 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -26,6 +27,10 @@ _TEMPORARY = re.compile(rf"\.(?P<target>.+)-\d+-[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
 # not the pid, decides: the writer may be on another node of a shared filesystem, where a pid
 # means nothing here, and a dead writer's pid may have been reused.
 STALE_TEMPORARY_SECONDS = 15 * 60
+# What fsync of a directory says on a filesystem that has none for directories (CIFS, 9p; POSIX
+# allows it): there the server makes names durable, or nothing can, and a save that failed on it
+# would lose the checkpoint rather than make it safer (PostgreSQL's fsync_fname does the same).
+_NO_DIRECTORY_SYNC = (errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF)
 
 
 @contextlib.contextmanager
@@ -69,10 +74,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 def sync_directory(path: str | os.PathLike) -> None:
     """Makes the names in directory ``path`` durable: a file created, renamed into it or replaced
     there (``atomic_path``'s rename included) is on disk only once its directory is synced; a
-    crash before leaves the old name, or none."""
+    crash before leaves the old name, or none. A filesystem without directory syncs is left to
+    its own (``_NO_DIRECTORY_SYNC``)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _NO_DIRECTORY_SYNC:
+            raise
     finally:
         os.close(fd)
 

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import psutil
 
@@ -112,7 +113,9 @@ def refuse_unguarded_main() -> None:
     while frame is not None and not (frame.f_code.co_name == "<module>"
                                      and frame.f_globals is vars(main)):
         frame = frame.f_back
-    if frame is not None and not _under_main_guard(path, frame.f_lineno):
+    # Code exec'd from the script (another file name) has line numbers of its own: no verdict.
+    if (frame is not None and frame.f_code.co_filename == path
+            and not _under_main_guard(path, frame.f_lineno)):
         raise CheckpointError(
             f"{path}: line {frame.f_lineno} runs outside 'if __name__ == \"__main__\":'; put the "
             "script's code under it: checkpoint saves start a process with the spawn method, "
@@ -124,7 +127,7 @@ def _under_main_guard(path: str, line: int) -> bool:
     """Whether ``line`` of Python file ``path`` is in the body of an ``if __name__ ==
     "__main__":`` (True when the file cannot be read or parsed: nothing to refuse for sure)."""
     try:
-        tree = ast.parse(open(path, "rb").read(), path)
+        tree = ast.parse(Path(path).read_bytes(), path)
     except (OSError, SyntaxError, ValueError):
         return True
     return any(isinstance(node, ast.If) and _is_main_test(node.test)
@@ -133,6 +136,10 @@ def _under_main_guard(path: str, line: int) -> bool:
 
 
 def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round, or an ``and`` of it with other conditions
+    (the spawned copy, named ``__mp_main__``, never enters either)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(map(_is_main_test, test.values))
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1
             and isinstance(test.ops[0], ast.Eq)):
         return False

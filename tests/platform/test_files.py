@@ -1,6 +1,7 @@
 """Atomic writes: the target is the old file or the new one, never half of one, and no temporary
 outlives a failed write."""
 
+import errno
 import os
 import re
 import stat
@@ -9,7 +10,8 @@ import time
 import pytest
 
 from megaloop.platform.files import (STALE_TEMPORARY_SECONDS, atomic_open, atomic_path,
-                                     atomic_write_leftovers, temporaries_in, write_text_atomic)
+                                     atomic_write_leftovers, sync_tree, temporaries_in,
+                                     write_text_atomic)
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
@@ -98,3 +100,33 @@ def test_temporaries_in_a_directory_by_the_suffix_of_their_target(tmp_path):
     assert [p.name for p in temporaries_in(tmp_path, ".npy")] == names[:2]
     assert [p.name for p in temporaries_in(tmp_path)] == names[:3]
     assert temporaries_in(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_filesystem_that_cannot_sync_a_directory_still_syncs_the_files(tmp_path, monkeypatch,
+                                                                         code):
+    # Some network filesystems (CIFS, 9p) have no fsync for a directory: os.fsync says EINVAL or
+    # EOPNOTSUPP, as POSIX allows. Their directories are made durable by the server or never;
+    # failing every checkpoint save there would lose the checkpoints, not make them safer.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "common.pt").write_bytes(b"x")
+    synced, fsync = [], os.fsync
+
+    def no_directory_sync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_directory_sync)
+    sync_tree(tmp_path)
+    assert synced == [str(tmp_path / "sub" / "common.pt")]
+
+
+def test_a_directory_sync_that_fails_otherwise_is_an_error(tmp_path, monkeypatch):
+    def failing(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        sync_tree(tmp_path)

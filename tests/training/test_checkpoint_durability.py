@@ -192,15 +192,28 @@ def test_a_script_that_trains_outside_a_main_guard_is_refused_before_the_run(pat
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before the first step"
 
 
-def test_code_under_a_main_guard_is_not_refused(tmp_path):
-    script, run = _run_script(tmp_path, (
-        "from megaloop.training.checkpoint_writer import refuse_unguarded_main\n"
-        "def main():\n"
-        "    refuse_unguarded_main()\n"
-        "if '__main__' == __name__:\n"
-        "    refuse_unguarded_main()\n"
-        "    main()\n"
-        "    print('not refused')\n"))
+_REFUSE = "from megaloop.training.checkpoint_writer import refuse_unguarded_main\n"
+
+
+@pytest.mark.parametrize("code", [
+    _REFUSE + "def main():\n"
+    "    refuse_unguarded_main()\n"
+    "if '__main__' == __name__:\n"
+    "    refuse_unguarded_main()\n"
+    "    main()\n"
+    "    print('not refused')\n",
+    # A guard with a further condition: the spawned copy never enters it either.
+    "import os\n" + _REFUSE + "if __name__ == '__main__' and not os.environ.get('DRY_RUN'):\n"
+    "    refuse_unguarded_main()\n"
+    "    print('not refused')\n",
+    # A guarded launcher exec'ing a training script: the line is the exec'd code's, not the
+    # launcher's (the copy imports the launcher, whose guard keeps the exec from running).
+    "import os\n\nif __name__ == '__main__':\n"
+    "    exec(" + repr("\n\n\n" + _REFUSE + "refuse_unguarded_main()\nprint('not refused')\n")
+    + ")\n",
+], ids=["guard", "guard_and_condition", "exec_under_guard"])
+def test_code_under_a_main_guard_is_not_refused(tmp_path, code):
+    script, run = _run_script(tmp_path, code)
     assert run.returncode == 0 and run.stdout == "not refused\n", run.stderr[-3000:]
 
 
