@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy
 
 from megaloop.data.readers import DataError
+from megaloop.platform.files import sync_file
 
 _HEADER = b"MMIDIDX\x00\x00"
 _PREAMBLE = len(_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence and document counts
@@ -91,8 +92,7 @@ class AtomicIndexedWriter:
     def commit(self) -> None:
         self.builder.finalize(idx_path(self.tmp_prefix))
         for path in (bin_path(self.tmp_prefix), idx_path(self.tmp_prefix)):
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
+            sync_file(path)
         # .idx last: a reader needs both, and the .idx is what marks a dataset complete.
         os.replace(bin_path(self.tmp_prefix), bin_path(self.prefix))
         os.replace(idx_path(self.tmp_prefix), idx_path(self.prefix))

@@ -43,8 +43,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(_TOKEN_BYTES)}")
     try:
         yield tmp
-        with open(tmp, "rb") as written:  # fsync syncs the file, whichever descriptor names it
-            os.fsync(written.fileno())
+        sync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -69,6 +68,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` through ``atomic_path``."""
     with atomic_open(path) as f:
         f.write(text)
+
+
+def sync_file(path: str | os.PathLike) -> None:
+    """Makes the data of file ``path`` durable (fsync syncs the file whichever descriptor of it
+    is synced, so one opened for reading does)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def sync_directory(path: str | os.PathLike) -> None:
@@ -96,8 +102,7 @@ def sync_tree(directory: str | os.PathLike,
         for name in files:
             path = Path(root) / name
             if not durable(path):
-                with open(path, "rb") as f:  # fsync syncs the file, whichever descriptor names it
-                    os.fsync(f.fileno())
+                sync_file(path)
         sync_directory(root)
 
 
