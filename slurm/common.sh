@@ -128,6 +128,16 @@ megaloop_one_task_per_gpu() {
   fi
 }
 
+# The tasks run python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train ..., which is
+# python -m megaloop.train ... started with SIGTERM and SIGUSR1 blocked (the -I -S interpreter
+# takes about 10 ms), for megaloop.train's handlers to take once installed
+# (megaloop.training.signals): a signal during the seconds of the interpreter's start and imports
+# before them waits for them and stops set-up (exit 75, requeued), rather than killing the task
+# (138: no requeue, no word). Not `env --block-signal`: coreutils 8.30 (RHEL 8) lacks it.
+MEGALOOP_STOP_SIGNALS_BLOCKED='import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])'
+
 # megaloop_train ARGS...: one task per GPU runs megaloop.train with ARGS; with DRY_RUN=1 one
 # local process prints the dry run instead. SIGUSR1 from SLURM (--signal) is forwarded to the
 # tasks, which save a checkpoint and exit 75; the job is then requeued and resumes.
@@ -164,8 +174,9 @@ megaloop_train() {
   # after its first task ends instead (a crashed rank's peers would otherwise hang in NCCL).
   # srun itself in the background, not megaloop_srun: $! would be the subshell running the
   # function, which SIGUSR1 kills (exit 138, srun orphaned, the tasks never told, no requeue).
+  # The tasks start with the stop signals blocked (MEGALOOP_STOP_SIGNALS_BLOCKED, above).
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} --kill-on-bad-exit=0 --wait=120 \
-    python -m megaloop.train "$@" &
+    python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train "$@" &
   local srun_pid=$! rc=0 interrupted=0
   trap 'interrupted=1; kill -USR1 "$srun_pid" 2>/dev/null' USR1
   while :; do  # wait returns early (128 + 10) when the trap runs: then wait again
