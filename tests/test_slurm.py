@@ -295,6 +295,15 @@ def test_a_training_script_outside_an_allocation_says_so(tmp_path):
         "error: not in a SLURM allocation (no SLURM_JOB_NODELIST): submit with sbatch")
 
 
+def test_every_script_asks_at_most_the_cores_of_a_dgx_h100_node():
+    """Before: 8 tasks x 16 CPUs = 128 per node, more than a DGX H100's 112 cores (2 x 56), where
+    SLURM counts cores: the job was refused or never scheduled."""
+    for script in SCRIPTS:
+        options = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script.read_text(), re.M))
+        tasks = int(options.get("ntasks-per-node", options.get("ntasks", 1)))
+        assert tasks * int(options.get("cpus-per-task", 1)) <= 112, (script.name, options)
+
+
 def test_requeued_jobs_append_to_their_log():
     """A requeued job keeps its id, hence its %j output file, which SLURM truncates by default."""
     requeued = [s for s in SCRIPTS if "#SBATCH --requeue" in s.read_text()]
