@@ -11,7 +11,8 @@
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g.
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
-#                   (training scripts; preprocess.sh and convert.sh refuse it)
+#                   (training scripts; preprocess.sh and convert.sh refuse it); with IMAGE, in
+#                   the image inside an allocation, with the host's python outside one
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
@@ -39,20 +40,27 @@ megaloop_srun() {
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
 }
 
-# megaloop_python_ready: without IMAGE the tasks run the interpreter on this node's PATH (srun
-# passes the job's environment on): exits 2 in one line when it cannot import torch, megatron-core
-# and megaloop, as when IMAGE was forgotten, rather than a ModuleNotFoundError from every task.
+# megaloop_python_ready [--host]: without IMAGE the tasks run the interpreter on this node's PATH
+# (srun passes the job's environment on), and so does a dry run outside an allocation whatever
+# IMAGE (--host): exits 2 in one line when it cannot import torch, megatron-core and megaloop, as
+# when IMAGE was forgotten, rather than a ModuleNotFoundError from every task.
 megaloop_python_ready() {
-  [ -z "${IMAGE:-}" ] || return 0
+  [ -z "${IMAGE:-}" ] || [ "${1:-}" = --host ] || return 0
   if ! python -c 'import importlib.util as u, sys
 sys.exit(not all(u.find_spec(m) for m in ("torch", "megatron.core", "megaloop")))' 2>/dev/null
   then
     local found
     found="$(command -v python)" || found=none
-    echo "error: IMAGE is not set, and the PATH's python, $found," \
-         "cannot import torch, megatron.core and megaloop: set IMAGE to the megaloop container" \
-         "image (e.g. IMAGE=/lustre/images/megaloop.sqsh), or activate the environment" \
-         "megaloop is installed in before sbatch" >&2
+    if [ -n "${IMAGE:-}" ]; then
+      echo "error: DRY_RUN=1 outside an allocation runs the PATH's python, $found, not IMAGE's," \
+           "and it cannot import torch, megatron.core and megaloop: run the dry run in an" \
+           "allocation (salloc), or activate the environment megaloop is installed in" >&2
+    else
+      echo "error: IMAGE is not set, and the PATH's python, $found," \
+           "cannot import torch, megatron.core and megaloop: set IMAGE to the megaloop container" \
+           "image (e.g. IMAGE=/lustre/images/megaloop.sqsh), or activate the environment" \
+           "megaloop is installed in before sbatch" >&2
+    fi
     exit 2
   fi
 }
@@ -138,14 +146,34 @@ MEGALOOP_STOP_SIGNALS_BLOCKED='import os, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
 os.execv(sys.executable, [sys.executable, *sys.argv[1:]])'
 
+# megaloop_dry_run ARGS...: megaloop-train --dry-run with ARGS in one process. With IMAGE it runs
+# in the image, as the job's tasks do (srun, one task), inside an allocation; outside one srun
+# would queue a job of its own, so this host's interpreter runs it, and a line says so.
+megaloop_dry_run() {
+  local nodes="${SLURM_NNODES:-${NODES:-1}}"
+  local command=(python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@")
+  export LOCAL_WORLD_SIZE="$GPUS_PER_NODE"
+  if [ -n "${IMAGE:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    srun --nodes=1 --ntasks=1 "${CONTAINER[@]}" "${command[@]}"
+    return
+  fi
+  if [ -n "${IMAGE:-}" ]; then
+    local found
+    found="$(command -v python)" || found=none
+    echo "megaloop: DRY_RUN=1 outside an allocation: the dry run uses this host's python," \
+         "$found, not IMAGE=$IMAGE; run it in an allocation (salloc) to use the image" >&2
+  fi
+  megaloop_python_ready --host
+  "${command[@]}"
+}
+
 # megaloop_train ARGS...: one task per GPU runs megaloop.train with ARGS; with DRY_RUN=1 one
-# local process prints the dry run instead. SIGUSR1 from SLURM (--signal) is forwarded to the
-# tasks, which save a checkpoint and exit 75; the job is then requeued and resumes.
+# process prints the dry run instead (megaloop_dry_run). SIGUSR1 from SLURM (--signal) is
+# forwarded to the tasks, which save a checkpoint and exit 75; the job is then requeued and
+# resumes.
 megaloop_train() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    local nodes="${SLURM_NNODES:-${NODES:-1}}"
-    LOCAL_WORLD_SIZE="$GPUS_PER_NODE" \
-      python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@"
+    megaloop_dry_run "$@"
     return
   fi
   if [ -z "${SLURM_JOB_NODELIST:-}" ]; then

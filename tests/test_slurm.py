@@ -111,6 +111,7 @@ if os.environ["STUB_TASKS"] == "exec":  # one task, this process: the job's own 
         command.pop(0)
     os.environ.update(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_LOCALID="0")
     open(os.environ["STUB_LOG"] + ".srun_pid", "w").write(str(os.getpid()))
+    open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
     os.execvp(command[0], command)
 TASK = """
 import os, signal, sys, time
@@ -247,6 +248,26 @@ def test_a_stop_signal_while_the_tasks_interpreter_starts_stops_set_up_and_reque
     assert log.read_text().splitlines()[-1] == "requeue 42"
     assert ("stopped by signal 10 during set-up, after joining the process group; nothing to save"
             in (tmp_path / "job.out").read_text())
+
+
+def test_a_dry_run_with_image_runs_in_the_image_in_an_allocation_and_says_so_outside(tmp_path):
+    """Before: DRY_RUN=1 ran the host's python whatever IMAGE, without a word. The override
+    typo makes megaloop-train fail at once, wherever it runs."""
+    image = {"IMAGE": "/images/megaloop.sqsh", "MOUNTS": "/data,/tmp"}
+    job, log = _job(tmp_path, "exec", "60M", "dense", "train.lrr=1", script="train_paper.sh",
+                    DRY_RUN="1", **image)
+    assert job.wait(timeout=60) == 2
+    out = (tmp_path / "job.out").read_text()
+    srun = (tmp_path / "log.srun_args").read_text().splitlines()
+    assert "--container-image=/images/megaloop.sqsh" in srun, srun
+    assert srun[srun.index("-m"):][:3] == ["-m", "megaloop.train", "--dry-run"], srun
+    assert "train.lrr" in out and "host's python" not in out, out
+
+    outside = _dry_run("train_paper.sh", "60M", "dense", "train.lrr=1", **image,
+                       RUN_DIR=str(tmp_path / "run"))
+    assert outside.returncode == 2
+    assert outside.stderr.startswith("megaloop: DRY_RUN=1 outside an allocation: the dry run "
+                                     "uses this host's python"), outside.stderr
 
 
 def test_a_long_node_list_starts_the_job(tmp_path):
