@@ -27,11 +27,22 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$MEGALOOP_ROOT" || exit 1
 
-# srun's container options (pyxis/enroot), none without IMAGE.
+# srun's container options (pyxis/enroot), none without IMAGE. MEGALOOP_CONTAINER_MOUNTS, the
+# mount points inside the container (the checkout's, MOUNTS' destinations: SRC[:DST[:FLAGS]]),
+# colon-separated, goes to the tasks: megaloop-train refuses a run directory outside them, such
+# as one a --config file names (megaloop.training.run_dir); megaloop_mounted checks the script's.
 CONTAINER=()
 if [ -n "${IMAGE:-}" ]; then
   CONTAINER=(--container-image="$IMAGE" --container-workdir=/workspace/megaloop
              --container-mounts="$MEGALOOP_ROOT:/workspace/megaloop${MOUNTS:+,$MOUNTS}")
+  MEGALOOP_CONTAINER_MOUNTS=/workspace/megaloop
+  IFS=, read -ra MEGALOOP_ENTRIES <<< "${MOUNTS:-}"
+  for MEGALOOP_ENTRY in ${MEGALOOP_ENTRIES[@]+"${MEGALOOP_ENTRIES[@]}"}; do
+    IFS=: read -r MEGALOOP_SRC MEGALOOP_DST _ <<< "$MEGALOOP_ENTRY"
+    MEGALOOP_DST="${MEGALOOP_DST:-$MEGALOOP_SRC}"
+    MEGALOOP_CONTAINER_MOUNTS+=":${MEGALOOP_DST%/}"
+  done
+  export MEGALOOP_CONTAINER_MOUNTS
 fi
 
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
@@ -82,13 +93,8 @@ megaloop_require() {
 # requeued job would start over from step 0.
 megaloop_mounted() {
   [ -n "${IMAGE:-}" ] || return 0
-  local entries entry src dst targets=(/workspace/megaloop) name words word target
-  IFS=, read -ra entries <<< "${MOUNTS:-}"
-  for entry in ${entries[@]+"${entries[@]}"}; do
-    IFS=: read -r src dst _ <<< "$entry"
-    dst="${dst:-$src}"
-    targets+=("${dst%/}")
-  done
+  local targets name words word target
+  IFS=: read -ra targets <<< "$MEGALOOP_CONTAINER_MOUNTS"
   for name in "$@"; do
     IFS=, read -ra words <<< "${!name:-}"
     for word in ${words[@]+"${words[@]}"}; do

@@ -270,6 +270,22 @@ def test_a_dry_run_with_image_runs_in_the_image_in_an_allocation_and_says_so_out
                                      "uses this host's python"), outside.stderr
 
 
+def test_a_run_directory_a_config_file_puts_outside_the_containers_mounts_is_refused(tmp_path):
+    """The job script checks the paths it sets itself; before, a --config file's checkpoint.dir
+    outside MOUNTS was made inside the container and lost with it: each requeue restarted."""
+    elsewhere = f"{tmp_path}-elsewhere/checkpoints"
+    (tmp_path / "run.yaml").write_text(f"checkpoint:\n  dir: {elsewhere}\n")
+    job, log = _job(tmp_path, "exec", "60M", "dense", "train.precision=fp32", "--config",
+                    str(tmp_path / "run.yaml"), script="train_paper.sh", STUB_HOST="127.0.0.1",
+                    MASTER_PORT="0", OMP_NUM_THREADS="1", IMAGE="/images/megaloop.sqsh",
+                    MOUNTS=f"/data,{tmp_path}:{tmp_path}:rw", PYTHONPATH=str(REPO))
+    assert job.wait(timeout=120) == 2, (tmp_path / "job.out").read_text()
+    out = (tmp_path / "job.out").read_text()
+    assert (f"error: checkpoint.dir='{elsewhere}': not on a file system mounted in the container"
+            f" (mounted: /workspace/megaloop, /data, {tmp_path})") in out, out
+    assert not os.path.exists(f"{tmp_path}-elsewhere")
+
+
 def test_a_long_node_list_starts_the_job(tmp_path):
     """Before: `scontrol show hostnames | head -n 1` killed scontrol with SIGPIPE once the list
     outgrew the pipe, and pipefail + set -e ended the job script with 141 and no word."""
