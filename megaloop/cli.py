@@ -83,7 +83,7 @@ def _rank() -> int | None:
     if dist is not None and dist.is_initialized():
         return dist.get_rank()
     from megaloop.config import ConfigError
-    from megaloop.platform.distributed import detect_launch_env  # imports torch: errors only
+    from megaloop.platform.launch import detect_launch_env
 
     try:
         return detect_launch_env().rank

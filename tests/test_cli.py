@@ -175,3 +175,15 @@ def test_an_error_every_rank_has_comes_from_rank_0_and_one_ranks_own_from_that_r
             assert second_err == "", second_err
         else:  # rank 1's own error is not left to rank 0, whose error is another
             assert second_err == f"error: config file {tmp_path / 'absent.yaml'}: not found\n"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_argument_error_before_the_process_group_is_up_comes_from_rank_0(rank, tmp_path):
+    """The launcher's rank decides, before torch is loaded (srun: every task fails alike)."""
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "megaloop.train", "train.lrr=1"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == ("error: unknown field train.lrr (did you mean lr?)\n" if rank == 0
+                           else ""), done.stderr
