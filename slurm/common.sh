@@ -12,7 +12,7 @@
 #                   outside an allocation, e.g.
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it); with IMAGE, in
-#                   the image inside an allocation, with the host's python outside one
+#                   the image inside an allocation, on the host's interpreter outside one
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
