@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megaloop.config import ConfigError
-from megaloop.platform.distributed import detect_launch_env, expand_slurm_nodelist
+from megaloop.platform.launch import detect_launch_env, expand_slurm_nodelist
 from tests.distributed import run_distributed
 
 
