@@ -270,3 +270,47 @@ def test_an_output_directory_that_cannot_be_created_or_filled_meanwhile_is_one_l
         export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["theirs"]
+
+
+def test_a_full_disk_mid_export_is_one_line_through_the_tool_and_leaves_nothing(
+        exports, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as SafetensorError, not OSError: it was a traceback."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from tools import convert_checkpoint
+
+    checkpoint = exports.get("dense").checkpoint  # exported before the disk fills
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    out = tmp_path / "out"
+    assert convert_checkpoint.main(["to-hf", str(checkpoint), str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"error: {out}: the conversion stopped, nothing was written (No space "
+                            "left on device; ") and error.endswith(" MiB free there)"), error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_the_tokenizer_is_written_is_one_line(exports, tmp_path, monkeypatch):
+    """An OSError (the tokenizer files, config.json) was a traceback too."""
+    import errno
+
+    from megaloop.hf import to_hf
+
+    checkpoint = exports.get("dense").checkpoint
+
+    def full_disk(path, tokenizer, with_tokenizer, staging):
+        (staging / "tokenizer.json").write_text("{")
+        raise OSError(errno.ENOSPC, "No space left on device", str(staging / "tokenizer.json"))
+
+    monkeypatch.setattr(to_hf, "_write_tokenizer", full_disk)
+    with pytest.raises(ConversionError, match=r"out: the conversion stopped, nothing was written "
+                                              r"\(No space left on device: .*tokenizer.json; "
+                                              r"[0-9.]+ MiB free there\)$"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
