@@ -29,6 +29,11 @@ def checkpoint_path(path: str | Path) -> Path:
                               f"directory, or the directory holding '{ckpt.LATEST}')")
     if not path.is_dir():
         raise ConversionError(f"{path}: no such checkpoint directory")
+    complete = [p for p in ckpt.complete_checkpoints(path) if (p / "config.yaml").is_file()]
+    if complete and not (path / ckpt.LATEST).exists():
+        # A resume takes the newest then, saying so; a conversion names it instead of guessing.
+        raise ConversionError(f"{path}: no '{ckpt.LATEST}' pointer beside its checkpoints; give "
+                              f"the one to convert, e.g. the newest, {complete[-1]}")
     return ckpt.find_checkpoint(path)
 
 

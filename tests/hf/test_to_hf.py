@@ -314,3 +314,16 @@ def test_a_full_disk_while_the_tokenizer_is_written_is_one_line(exports, tmp_pat
                                               r"[0-9.]+ MiB free there\)$"):
         export_checkpoint(checkpoint, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_directory_without_latest_names_its_newest_checkpoint(exports, tmp_path):
+    checkpoint = exports.get("dense").checkpoint
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(checkpoint, directory / "iter_0000003")
+    shutil.copytree(checkpoint, directory / "iter_0000006")
+    (directory / "iter_0000009.tmp").mkdir()  # an interrupted save is not one to name
+    with pytest.raises(ConversionError, match=rf"^{directory}: no 'latest' pointer beside its "
+                                              rf"checkpoints; give the one to convert, e.g. the "
+                                              rf"newest, {directory}/iter_0000006$"):
+        export_checkpoint(directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
