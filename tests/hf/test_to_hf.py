@@ -327,3 +327,29 @@ def test_a_checkpoint_directory_without_latest_names_its_newest_checkpoint(expor
                                               rf"newest, {directory}/iter_0000006$"):
         export_checkpoint(directory, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_pruned_by_its_run_while_exported_is_named_as_such(exports, tmp_path,
+                                                                         monkeypatch):
+    """A run still training saves iter_6 and prunes iter_3 (keep_last=1) while iter_3 is being
+    exported: that was 'iter_0000003: no such checkpoint directory', as if mistyped."""
+    from megaloop.hf import to_hf
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(exports.get("dense").checkpoint, directory / "iter_0000003")
+    (directory / "latest").write_text("iter_0000003\n")
+    write_tokenizer = to_hf._write_tokenizer
+
+    def the_run_saves_and_prunes(*args):
+        written = write_tokenizer(*args)
+        os.replace(directory / "iter_0000003", directory / "iter_0000006")
+        (directory / "latest").write_text("iter_0000006\n")
+        return written
+
+    monkeypatch.setattr(to_hf, "_write_tokenizer", the_run_saves_and_prunes)
+    with pytest.raises(ConversionError, match=rf"^{directory}/iter_0000003: removed while it was "
+                                              r"being read \(a run still writing .* prunes older "
+                                              r"checkpoints, checkpoint.keep_last\); 'latest' now "
+                                              r"names iter_0000006: convert again"):
+        export_checkpoint(directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
