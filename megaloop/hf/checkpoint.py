@@ -39,12 +39,11 @@ def checkpoint_path(path: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def still_there(path: Path, given: str | Path):
-    """Reading checkpoint ``path`` (resolved from ``given``): an error once ``path`` is gone is a
-    ConversionError saying so. A run still writing ``given`` removes its older checkpoints
-    (checkpoint.keep_last) while a conversion reads one, which otherwise fails on whichever file
-    went first ("iter_N: no such checkpoint directory", a missing .distcp), as if the user had
-    named a wrong one."""
+def still_there(path: Path):
+    """Reading checkpoint ``path``: an error once ``path`` is gone is a ConversionError saying so.
+    A run still writing its directory removes its older checkpoints (checkpoint.keep_last) while
+    a conversion reads one, which otherwise fails on whichever file went first ("iter_N: no such
+    checkpoint directory", a missing .distcp), as if the user had named a wrong one."""
     try:
         yield
     except (ConversionError, ckpt.CheckpointError, OSError):
@@ -52,11 +51,11 @@ def still_there(path: Path, given: str | Path):
             raise
         now = None
         with contextlib.suppress(ckpt.CheckpointError, OSError):
-            now = ckpt.named_checkpoint(given)
+            now = ckpt.latest_checkpoint(path.parent)
         latest = f"; '{ckpt.LATEST}' now names {now.name}" if now is not None else ""
         raise ConversionError(f"{path}: removed while it was being read (a run still writing "
-                              f"{given} prunes older checkpoints, checkpoint.keep_last){latest}: "
-                              "convert again, or copy a checkpoint out of the run "
+                              f"{path.parent} prunes older checkpoints, checkpoint.keep_last)"
+                              f"{latest}: convert again, or copy a checkpoint out of the run "
                               "first") from None
 
 

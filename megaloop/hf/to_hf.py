@@ -150,7 +150,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         path = checkpoint_path(checkpoint)
-        with still_there(path, checkpoint):  # its last read is stored_dtype's
+        with still_there(path):  # its last read is stored_dtype's
             changed = {} if requested is None else requested_settings(path, requested)
             tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
             model, run, path = load_checkpoint_model(
