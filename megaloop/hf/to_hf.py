@@ -23,7 +23,7 @@ import torch
 
 from megaloop.config import ModelConfig
 from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, requested_settings,
-                                    stored_dtype, weights)
+                                    still_there, stored_dtype, weights)
 from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compare_logits,
                                 export_dtype, probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import (FAMILIES, native_config, native_family, note_router_losses,
@@ -150,11 +150,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         path = checkpoint_path(checkpoint)
-        changed = {} if requested is None else requested_settings(path, requested)
-        tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
-        model, run, path = load_checkpoint_model(
-            path, **{name: value for name, (_, value) in changed.items()})
-        chosen = stored_dtype(path, model) if chosen is None else chosen
+        with still_there(path):  # its last read is stored_dtype's
+            changed = {} if requested is None else requested_settings(path, requested)
+            tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
+            model, run, path = load_checkpoint_model(
+                path, **{name: value for name, (_, value) in changed.items()})
+            chosen = stored_dtype(path, model) if chosen is None else chosen
         cfg = run.model
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         exact = probe_logits(model, ids)
@@ -204,11 +205,13 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
             "the run's data.tokenizer_model"
         raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                               "--tokenizer PATH, or --no-tokenizer")
-    from megaloop.hf.tokenizer import check_encodes_like, write_tokenizer
+    from megaloop.hf.tokenizer import check_against_data, check_encodes_like, write_tokenizer
 
     if data.tokenizer_model is not None and Path(data.tokenizer_model).exists():
         check_encodes_like(tokenizer, data.tokenizer_model, tokenizer_type=data.tokenizer_type,
                            original_type=data.tokenizer_type, legacy=data.legacy_tokenizer)
+    elif data.tokenizer_model is not None:  # moved or deleted: ``tokenizer`` is its stand-in
+        check_against_data(tokenizer, data, tokenizer_type=data.tokenizer_type)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     special_tokens = write_tokenizer(tokenizer, staging, vocab_size, data.tokenizer_type,
                                      data.legacy_tokenizer)
