@@ -40,7 +40,8 @@ from megaloop.platform.files import (atomic_write_leftovers, sync_directory, syn
                                      write_text_atomic)
 from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpoint_name,
                                                 complete_checkpoints, latest_checkpoint, one_line)
-from megaloop.training.checkpoint_writer import died_of, refuse_unguarded_main, watched
+from megaloop.training.checkpoint_writer import (died_of, refuse_unguarded_main,
+                                                 start_results_queue, watched)
 from megaloop.training.collective import any_rank, first_error, is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -177,6 +178,7 @@ def _writer_queue():
     goes on changing, not a snapshot."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+    start_results_queue()
     return AsyncCallsQueue(persistent=False)
 
 

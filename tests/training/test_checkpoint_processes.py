@@ -4,6 +4,10 @@ be started on one rank fails the save on every rank at once, and a trainer kille
 
 import errno
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,6 +18,8 @@ from megaloop.training import checkpoint as ckpt
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
+from tests.training.process_groups import end_group, processes_in_group
+from tests.training.test_preemption import _env
 
 
 def _refuse_the_second_fork(monkeypatch) -> None:
@@ -74,3 +80,61 @@ def test_a_writer_that_cannot_start_on_one_rank_fails_the_save_on_every_rank(
     assert not (checkpoints / "iter_0000004").exists()
     assert writers0 == writers1 == [], "rank 0's write, started, is killed"
     assert time.monotonic() - started < 60
+
+
+SLOW_WRITE_OF_STEP_4 = textwrap.dedent("""
+    import sys, time
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+
+    def slow(*args, **kwargs):  # in a worker of the forked writer
+        if "iter_0000004.tmp" in kwargs["write_bucket"][0]:
+            print("writing step 4", flush=True)
+            time.sleep(120)
+        return write(*args, **kwargs)
+
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow)
+    if __name__ == "__main__":
+        from megaloop.train import cli
+
+        sys.argv = ["megaloop-train", "--config", sys.argv[1]]
+        cli()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_no_process_of_a_run_survives_a_kill_9_of_its_trainer(mcore, pattern_data, tmp_path):
+    """kill -9 of the trainer alone (no cgroup, no process group kill) while step 4's write is in
+    flight: its writer, the writer's workers and megatron-core's results-queue manager (spawned
+    by the first save) die with it. The old code left the manager orphaned for good, and the
+    writer writing on (holding the run directory's lock, a fork's copy)."""
+    from megaloop.config import save_yaml
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 8},
+                   checkpoint={"save_interval": 2, "async_save": True})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    (tmp_path / "slow.py").write_text(SLOW_WRITE_OF_STEP_4)
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        # A session of its own, only to find (and end, whatever the test's outcome) its processes.
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "slow.py"),
+                                 str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "writing step 4" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert len(processes_in_group(proc.pid)) >= 4, "trainer, manager, writer, worker"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while (left := processes_in_group(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, "left alive: " + " | ".join(left)
+    finally:
+        end_group(proc.pid)

@@ -123,11 +123,10 @@ def main(argv=None):
 
     quiet_third_party_warnings()
     log_to_stderr()
-    # megatron-core starts it at a process's first save (a spawned process: seconds).
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        _get_write_results_queue)
+    # A process's first save starts it (a spawned process: seconds).
+    from megaloop.training.checkpoint_writer import start_results_queue
 
-    _get_write_results_queue()
+    start_results_queue()
     with tempfile.TemporaryDirectory(prefix="megaloop-async-save-") as workdir:
         work = Path(workdir)
         data = _write_data(work / "random")
