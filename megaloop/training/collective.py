@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from megaloop.cli import decided_on_every_rank
@@ -40,6 +41,19 @@ def rank0_decides(compute: Callable[[], T], errors: tuple[type[Exception], ...])
     if kind is None:
         return value
     raise errors[kind](decided_on_every_rank(value))
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank; one all-reduce of one number, cheap
+    enough for every checkpoint save (object collectives pickle, and send twice)."""
+    if _world() == 1:
+        return flag
+    # NCCL only takes CUDA tensors, gloo CPU ones.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def first_error(error: str | None) -> str | None:

@@ -537,18 +537,12 @@ def test_every_rank_takes_rank_zeros_verdict_on_a_resume(tmp_path):
 
 
 def test_a_changed_optimizer_format_reads_the_checkpoint_in_its_own(run_stopped_at_step_4,
-                                                                    pattern_data, tmp_path,
-                                                                    monkeypatch):
+                                                                    pattern_data, tmp_path):
     """checkpoint.optimizer_format is that of the saves from the resume on. Before: the resume
     read the dp_reshardable checkpoint as fully_reshardable, a CheckpointError holding
     megatron-core's list of every missing key."""
-    from megaloop.training import optimizer
     from megaloop.training.checkpoint import saved_config
     from tests.training.conftest import train_losses
-
-    # As where Transformer Engine is installed: here a fully_reshardable save is refused, since
-    # torch's Adam could not load it (test_checkpoint); this run only saves it.
-    monkeypatch.setattr(optimizer, "fully_reshardable_loads", lambda: True)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
