@@ -5,8 +5,6 @@ be started on one rank fails the save on every rank at once, and a trainer kille
 import errno
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -18,8 +16,8 @@ from megaloop.training import checkpoint as ckpt
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
-from tests.training.process_groups import end_group, processes_in_group
-from tests.training.test_preemption import _env
+from tests.training.process_groups import (end_group, processes_in_group, start_in_own_session,
+                                          wait_for_log)
 
 
 def _refuse_the_second_fork(monkeypatch) -> None:
@@ -118,17 +116,11 @@ def test_no_process_of_a_run_survives_a_kill_9_of_its_trainer(mcore, pattern_dat
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "slow.py").write_text(SLOW_WRITE_OF_STEP_4)
     log = tmp_path / "train.log"
-    with open(log, "w") as out:
-        # A session of its own, only to find (and end, whatever the test's outcome) its processes.
-        proc = subprocess.Popen([sys.executable, str(tmp_path / "slow.py"),
-                                 str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    # A session of its own, only to find (and end, whatever the test's outcome) its processes.
+    proc = start_in_own_session([str(tmp_path / "slow.py"), str(tmp_path / "run.yaml")],
+                                tmp_path, log)
     try:
-        deadline = time.monotonic() + 240
-        while "writing step 4" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.1)
+        wait_for_log(proc, log, lambda text: "writing step 4" in text, timeout_s=240)
         assert len(processes_in_group(proc.pid)) >= 4, "trainer, manager, writer, worker"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
