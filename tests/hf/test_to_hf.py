@@ -185,6 +185,21 @@ def test_a_depth_the_config_changes_is_exported_with_one_warning_naming_both(exp
         f"trained with: model.iterations={trained + 2} (trained: {trained})"]
 
 
+def test_a_hugging_face_directory_given_to_convert_names_from_hf(exports, tmp_path):
+    """Before: only "no checkpoint there", for a directory that is the other direction's input."""
+    hf_dir = exports.get("dense").hf_dir
+    with pytest.raises(CheckpointError) as error:
+        export_checkpoint(hf_dir, tmp_path / "out")
+    message = str(error.value)
+    assert message.startswith(f"{hf_dir}: no checkpoint there") and "\n" not in message
+    assert message.endswith("; it holds config.json and *.safetensors, as a Hugging Face model "
+                            "does: tools/convert_checkpoint.py from-hf converts that direction")
+    _assert_nothing_written(tmp_path / "out")
+    with pytest.raises(CheckpointError) as error:  # an empty directory: no such hint
+        export_checkpoint(tmp_path, tmp_path / "other")
+    assert "Hugging Face" not in str(error.value)
+
+
 def test_refuses_an_incomplete_checkpoint_naming_the_file(exports, tmp_path):
     checkpoint = _copy(exports.get("asymloop").checkpoint, tmp_path)
     shard = sorted(checkpoint.glob("*.distcp"))[0]
