@@ -499,13 +499,17 @@ def test_latentloop_iterations_are_refused_before_the_model_is_built(tmp_path, c
                           "from step 5")]
 
 
-def test_another_runs_checkpoint_is_compared_only_when_its_optimizer_state_is_loaded(tmp_path,
-                                                                                    caplog):
+def test_another_runs_checkpoint_is_compared_whole_only_when_its_optimizer_state_is_loaded(
+        tmp_path, caplog):
     path, cfg = _checkpoint(tmp_path)
     elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path),
                          load_optimizer=False)
     elsewhere.model.init_std = 0.5
-    assert _check(path, elsewhere, caplog) == []  # a new run from the weights
+    # A new run from the weights: only its model settings are compared, each noted.
+    assert _check(path, elsewhere, caplog) == [
+        (logging.INFO, f"start from the weights of {path}: model.init_std changed from 0.02 to "
+                       "0.5; no effect (it initialises weights, and these come from the "
+                       "checkpoint)")]
     elsewhere.checkpoint.load_optimizer = True
     elsewhere.model.init_std = cfg.model.init_std
     elsewhere.train.clip_grad = 0.5
