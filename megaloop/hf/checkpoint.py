@@ -35,7 +35,16 @@ def checkpoint_path(path: str | Path) -> Path:
         # A resume takes the newest then, saying so; a conversion names it instead of guessing.
         raise ConversionError(f"{path}: no '{ckpt.LATEST}' pointer beside its checkpoints; give "
                               f"the one to convert, e.g. the newest, {complete[-1]}")
-    return ckpt.find_checkpoint(path)
+    try:
+        return ckpt.find_checkpoint(path)
+    except ckpt.CheckpointError as e:
+        # The other direction's input given to this one: say so, not only that nothing is there.
+        hf_files = [name for name in ("config.json", "*.safetensors") if any(path.glob(name))]
+        if not hf_files:
+            raise
+        raise ckpt.CheckpointError(
+            f"{e}; it holds {' and '.join(hf_files)}, as a Hugging Face model does: "
+            "tools/convert_checkpoint.py from-hf converts that direction") from None
 
 
 @contextlib.contextmanager

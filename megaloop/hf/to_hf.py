@@ -15,6 +15,7 @@ weights rounded as the file holds them (``--dtype bfloat16`` or ``float16``).
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -28,6 +29,8 @@ from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compar
                                 export_dtype, probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import (FAMILIES, native_config, native_family, note_router_losses,
                                 to_native_state_dict)
+
+log = logging.getLogger("megaloop.hf")
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 # Shipped as remote code: the configuration and every modeling file (they import one another).
@@ -133,8 +136,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
 
     ``requested`` (a run config's model): refuse a checkpoint of another architecture, and export
     with its settings that a loaded checkpoint lets change (``requested_settings``: the test-time
-    depth, the context, ...), each listed in the report's ``settings_from_config``. ``tokenizer``: a tokenizer file in
-    place of the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. ``dtype``
+    depth, the context, ...), named in one warning line (trained and exported values) and
+    listed in the report's ``settings_from_config``. ``tokenizer``: a tokenizer file in place of
+    the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. ``dtype``
     (a DTYPES name): what the safetensors hold and config.json's ``dtype`` says, the dtype
     ``from_pretrained`` loads in; by default the one the checkpoint holds its weights in, which
     loses nothing. Returns a report (class, remote code or not and why, dtype, file size, probe
@@ -152,6 +156,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         path = checkpoint_path(checkpoint)
         with still_there(path):  # its last read is stored_dtype's
             changed = {} if requested is None else requested_settings(path, requested)
+            if changed:  # config.json will hold them, not the values the weights were trained at
+                log.warning("%s: exported with the config's model settings, not those it was "
+                            "trained with: %s", path, ", ".join(
+                                f"model.{name}={new!r} (trained: {old!r})"
+                                for name, (old, new) in changed.items()))
             tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
             model, run, path = load_checkpoint_model(
                 path, **{name: value for name, (_, value) in changed.items()})

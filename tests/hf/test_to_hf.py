@@ -3,6 +3,7 @@ architecture and ablation, native classes where they fit, self-contained remote 
 and every bad input refused in one line with nothing left in the output directory."""
 
 import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -165,6 +166,38 @@ def test_refuses_a_checkpoint_of_another_architecture(exports, tmp_path):
     with pytest.raises(CheckpointError, match=r"model.num_layers=4 in the checkpoint, 6 now"):
         export_checkpoint(exported.checkpoint, tmp_path / "out", requested=ModelConfig(**other))
     _assert_nothing_written(tmp_path / "out")
+
+
+def test_a_depth_the_config_changes_is_exported_with_one_warning_naming_both(exports, tmp_path,
+                                                                             caplog):
+    """Before: config.json got the config's iterations without a word (only the JSON report's
+    settings_from_config listed it)."""
+    import logging
+
+    exported = exports.get("asymloop")
+    trained = exported.cfg.num_iterations
+    requested = dataclasses.replace(exported.cfg, iterations=trained + 2)
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["iterations"] == trained + 2
+    assert [r.getMessage() for r in caplog.records if r.name == "megaloop.hf"] == [
+        f"{exported.checkpoint}: exported with the config's model settings, not those it was "
+        f"trained with: model.iterations={trained + 2} (trained: {trained})"]
+
+
+def test_a_hugging_face_directory_given_to_convert_names_from_hf(exports, tmp_path):
+    """Before: only "no checkpoint there", for a directory that is the other direction's input."""
+    hf_dir = exports.get("dense").hf_dir
+    with pytest.raises(CheckpointError) as error:
+        export_checkpoint(hf_dir, tmp_path / "out")
+    message = str(error.value)
+    assert message.startswith(f"{hf_dir}: no checkpoint there") and "\n" not in message
+    assert message.endswith("; it holds config.json and *.safetensors, as a Hugging Face model "
+                            "does: tools/convert_checkpoint.py from-hf converts that direction")
+    _assert_nothing_written(tmp_path / "out")
+    with pytest.raises(CheckpointError) as error:  # an empty directory: no such hint
+        export_checkpoint(tmp_path, tmp_path / "other")
+    assert "Hugging Face" not in str(error.value)
 
 
 def test_refuses_an_incomplete_checkpoint_naming_the_file(exports, tmp_path):
