@@ -184,7 +184,7 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
         elif name == "model.iterations":  # the saved weights are those of a model with ``old``
             reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
         elif name == "model.residual_scale_init":
-            reason = _replaced_by_weights(cfg.model).get("residual_scale_init")
+            reason = cfg.model.replaced_by_loaded_weights().get("residual_scale_init")
         elif name == "checkpoint.load":
             reason = (f"{path.parent} holds this run's own checkpoints, which a resume continues; "
                       "to start from another checkpoint use another checkpoint.dir")
@@ -250,21 +250,12 @@ def _change_line(where: str, name: str, old, new, effect: str) -> str:
     return f"{where}: {name} changed from {old!r} to {new!r}; {effect}"
 
 
-def _replaced_by_weights(model) -> dict[str, str]:
-    """{model field: why} for the initial values that loaded weights replace."""
-    replaced = {"init_std": "it initialises weights, and these come from the checkpoint"}
-    if model.residual_scale == "learned":
-        replaced["residual_scale_init"] = ("learned residual scales are weights, restored from "
-                                           "the checkpoint")
-    return replaced
-
-
 def _weight_load_notes(path: Path, cfg: RunConfig) -> list[tuple[int, str]]:
     """One line per model setting of a run starting from the weights of another run's checkpoint
     ``path`` that differs from its config.yaml: the run's own applies (a depth other than the
     trained one, say), or has no effect where the weights replace it. The architecture is
     refused before this (``check_compatible``); the other sections are the new run's own."""
-    where, replaced = f"start from the weights of {path}", _replaced_by_weights(cfg.model)
+    where, replaced = f"start from the weights of {path}", cfg.model.replaced_by_loaded_weights()
     lines = []
     for name, (old, new) in _differences(path, cfg, ("model",))[1].items():
         field = name.removeprefix("model.")
