@@ -43,6 +43,8 @@ if [ -n "${IMAGE:-}" ]; then
     MEGALOOP_CONTAINER_MOUNTS+=":${MEGALOOP_DST%/}"
   done
   export MEGALOOP_CONTAINER_MOUNTS
+else  # one from the submitting shell (sbatch exports it) would refuse the host's run directories
+  unset MEGALOOP_CONTAINER_MOUNTS
 fi
 
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
