@@ -311,6 +311,23 @@ def test_a_job_without_image_passes_no_container_mounts_on_whatever_it_inherits(
         shutil.rmtree(tmp_path / "job")
 
 
+def test_a_dry_run_in_an_allocation_is_of_the_nodes_given(tmp_path):
+    """Before: in an allocation (salloc, where a dry run with IMAGE runs in the image) its node
+    count replaced NODES without a word: NODES=16 in a one-node allocation printed the dry run of
+    8 ranks, not 128."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ECHO_MOUNTS)
+    for nodes, world in (({"NODES": "16"}, "128"), ({}, "8")):
+        (tmp_path / "job").mkdir()
+        job, log = _job(tmp_path / "job", "exec", DRY_RUN="1", SLURM_NNODES="1",
+                        IMAGE="/images/megaloop.sqsh", MOUNTS="/data,/tmp",
+                        PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}", **nodes)
+        assert job.wait(timeout=60) == 0, (tmp_path / "job" / "job.out").read_text()
+        srun = (tmp_path / "job" / "log.srun_args").read_text().splitlines()
+        assert srun[srun.index("--world-size") + 1] == world, srun
+        shutil.rmtree(tmp_path / "job")
+
+
 def test_a_long_node_list_starts_the_job(tmp_path):
     """Before: `scontrol show hostnames | head -n 1` killed scontrol with SIGPIPE once the list
     outgrew the pipe, and pipefail + set -e ended the job script with 141 and no word."""
