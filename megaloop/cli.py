@@ -64,14 +64,22 @@ def decided_on_every_rank(message: str) -> str:
     return message
 
 
-def print_error(error: BaseException, *, alike: bool = False) -> None:
+def print_error(error: BaseException, *, alike: bool = False,
+                alike_on_its_node: bool = False) -> None:
     """``error: <error>`` on stderr, a command's one-line report of why it failed. From rank 0
     alone when every rank fails alike: ``alike`` (the caller knows), or a message the ranks
     decided together (``decided_on_every_rank``); srun gathers every rank's stderr in one job
-    log, which held the line once per rank. Any other error may be this rank's own (a file its
-    node cannot read, a fault in its part of the model), and every rank that has one says it."""
+    log, which held the line once per rank. From the first rank of each node (its local rank 0)
+    when the ranks of a node fail alike, but those of another node may not
+    (``alike_on_its_node``: a file each node reads for itself), so that no node's error is left
+    unsaid. Any other error may be this rank's own (a file its node cannot read, a fault in its
+    part of the model), and every rank that has one says it."""
     if alike or str(error) in _DECIDED_ON_EVERY_RANK:
         if _rank() not in (0, None):
+            return
+    elif alike_on_its_node:
+        launch = _launch_env()
+        if launch is not None and launch.local_rank != 0:
             return
     print(f"error: {error}", file=sys.stderr)
 
@@ -82,11 +90,18 @@ def _rank() -> int | None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
         return dist.get_rank()
+    launch = _launch_env()
+    return None if launch is None else launch.rank
+
+
+def _launch_env():
+    """The launcher's environment (megaloop.platform.launch.LaunchEnv), None when megaloop refuses
+    it."""
     from megaloop.config import ConfigError
     from megaloop.platform.launch import detect_launch_env
 
     try:
-        return detect_launch_env().rank
+        return detect_launch_env()
     except ConfigError:
         return None
 

@@ -62,12 +62,18 @@ def build_config(argv: list[str] | None = None):
         if args.preset not in PRESETS:
             raise ConfigError(f"--preset {args.preset!r}: unknown; choose one of {', '.join(PRESETS)}")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(PRESETS[args.preset]))
-    if args.config:
-        cfg = load_yaml(args.config, base=cfg)
-    cfg = apply_overrides(cfg, args.overrides)
-    if args.preset:
-        check_arch(args.preset, cfg.model.arch)
-    return cfg.validate(), args
+    try:
+        if args.config:
+            cfg = load_yaml(args.config, base=cfg)
+        cfg = apply_overrides(cfg, args.overrides)
+        if args.preset:
+            check_arch(args.preset, cfg.model.arch)
+        return cfg.validate(), args
+    except ConfigError as e:
+        # Each node reads the --config file for itself, and may see another one at its path (a
+        # node-local copy, a stale one) or none: a refusal of its settings may be its own.
+        e.config_file_read_on_each_node = bool(args.config)
+        raise
 
 
 class _Once(argparse.Action):
@@ -163,9 +169,12 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
     try:
         cfg, args = build_config(argv)
     except ConfigError as e:
-        # Every rank reads the same arguments, so fails alike on them, unless a file could not
-        # be read: that may be one node's own fault.
-        print_error(e, alike=not isinstance(e.__context__, OSError))
+        # Every rank reads the same arguments, so fails alike on them; with a --config file,
+        # every rank of a node (which all read the same file there).
+        if getattr(e, "config_file_read_on_each_node", False):
+            print_error(e, alike_on_its_node=True)
+        else:
+            print_error(e, alike=True)
         return 2
     try:
         if args.dry_run:

@@ -13,7 +13,7 @@
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it); with IMAGE, in
 #                   the image inside an allocation, on the host's interpreter outside one
-#   NODES           node count for DRY_RUN outside an allocation (default 1)
+#   NODES           node count for DRY_RUN (default: the allocation's, outside one 1)
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
 case "${DRY_RUN:-0}" in
@@ -43,6 +43,8 @@ if [ -n "${IMAGE:-}" ]; then
     MEGALOOP_CONTAINER_MOUNTS+=":${MEGALOOP_DST%/}"
   done
   export MEGALOOP_CONTAINER_MOUNTS
+else  # one from the submitting shell (sbatch exports it) would refuse the host's run directories
+  unset MEGALOOP_CONTAINER_MOUNTS
 fi
 
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
@@ -156,7 +158,8 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])'
 # in the image, as the job's tasks do (srun, one task), inside an allocation; outside one srun
 # would queue a job of its own, so this host's interpreter runs it, and a line says so.
 megaloop_dry_run() {
-  local nodes="${SLURM_NNODES:-${NODES:-1}}"
+  # NODES first: a dry run in a small allocation (salloc, for IMAGE) is of the job NODES says.
+  local nodes="${NODES:-${SLURM_NNODES:-1}}"
   local command=(python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@")
   export LOCAL_WORLD_SIZE="$GPUS_PER_NODE"
   if [ -n "${IMAGE:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then

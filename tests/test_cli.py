@@ -144,10 +144,13 @@ def _errors_of_train(rank, world_size, argv_of_rank):
     handlers, level = root.handlers[:], root.level
     root.handlers.clear()
     sys.stderr = io.StringIO()
+    local_rank = os.environ["LOCAL_RANK"]
+    os.environ["LOCAL_RANK"] = "0"  # each rank on a node of its own, with its own files
     try:
         status = main(argv_of_rank[rank])
         return status, sys.stderr.getvalue()
     finally:
+        os.environ["LOCAL_RANK"] = local_rank
         sys.stderr = stderr
         root.handlers[:] = handlers
         root.setLevel(level)
@@ -187,3 +190,19 @@ def test_an_argument_error_before_the_process_group_is_up_comes_from_rank_0(rank
     assert done.returncode == 2
     assert done.stderr == ("error: unknown field train.lrr (did you mean lr?)\n" if rank == 0
                            else ""), done.stderr
+
+
+@pytest.mark.parametrize("rank,local_rank", [(0, 0), (1, 0), (1, 1)])
+def test_an_error_of_the_config_file_comes_from_the_first_rank_of_each_node(rank, local_rank,
+                                                                           tmp_path):
+    """Each node reads the --config file for itself (a node-local or stale copy may differ from
+    rank 0's): before, an error in it came from rank 0 alone, and a node whose copy alone was
+    wrong exited 2 without a word (rank 0 then waited for it at the rendezvous)."""
+    (tmp_path / "run.yaml").write_text("train:\n  lrr: 1\n")
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "megaloop.train", "--config", "run.yaml"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == ("error: config file run.yaml: unknown field train.lrr (did you mean "
+                           "lr?)\n" if local_rank == 0 else ""), done.stderr

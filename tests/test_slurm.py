@@ -286,6 +286,48 @@ def test_a_run_directory_a_config_file_puts_outside_the_containers_mounts_is_ref
     assert not os.path.exists(f"{tmp_path}-elsewhere")
 
 
+ECHO_MOUNTS = """
+import os, sys
+if sys.orig_argv[1:3] == ["-m", "megaloop.train"]:  # the task: what it was given, then no run
+    open(os.environ["STUB_LOG"], "a").write(f"{os.environ.get('MEGALOOP_CONTAINER_MOUNTS')}\\n")
+    os._exit(0)
+"""
+
+
+def test_a_job_without_image_passes_no_container_mounts_on_whatever_it_inherits(tmp_path):
+    """Before: a MEGALOOP_CONTAINER_MOUNTS in the submitting shell (sbatch exports it: a job
+    submitted from one that had IMAGE) reached the tasks of a job run on the host, which refused
+    its run directory as "not on a file system mounted in the container"."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ECHO_MOUNTS)
+    for image in ({}, {"IMAGE": "/images/megaloop.sqsh", "MOUNTS": "/data,/tmp,/scratch:/mnt/scratch/:ro"}):
+        (tmp_path / "job").mkdir()
+        job, log = _job(tmp_path / "job", "exec", "60M", "dense", script="train_paper.sh",
+                        STUB_HOST="127.0.0.1", MEGALOOP_CONTAINER_MOUNTS="/workspace/megaloop",
+                        PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}", **image)
+        assert job.wait(timeout=60) == 0, (tmp_path / "job" / "job.out").read_text()
+        given = log.read_text().splitlines()[-1]
+        assert given == ("/workspace/megaloop:/data:/tmp:/mnt/scratch" if image else "None"), given
+        shutil.rmtree(tmp_path / "job")
+
+
+def test_a_dry_run_in_an_allocation_is_of_the_nodes_given(tmp_path):
+    """Before: in an allocation (salloc, where a dry run with IMAGE runs in the image) its node
+    count replaced NODES without a word: NODES=16 in a one-node allocation printed the dry run of
+    8 ranks, not 128."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ECHO_MOUNTS)
+    for nodes, world in (({"NODES": "16"}, "128"), ({}, "8")):
+        (tmp_path / "job").mkdir()
+        job, log = _job(tmp_path / "job", "exec", DRY_RUN="1", SLURM_NNODES="1",
+                        IMAGE="/images/megaloop.sqsh", MOUNTS="/data,/tmp",
+                        PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}", **nodes)
+        assert job.wait(timeout=60) == 0, (tmp_path / "job" / "job.out").read_text()
+        srun = (tmp_path / "job" / "log.srun_args").read_text().splitlines()
+        assert srun[srun.index("--world-size") + 1] == world, srun
+        shutil.rmtree(tmp_path / "job")
+
+
 def test_a_long_node_list_starts_the_job(tmp_path):
     """Before: `scontrol show hostnames | head -n 1` killed scontrol with SIGPIPE once the list
     outgrew the pipe, and pipefail + set -e ended the job script with 141 and no word."""
