@@ -107,9 +107,10 @@ def print_measured_table(results: list[dict]) -> None:
         f"{r['counted']:>11.4g} {r['analytical']:>11.4g} | {r['rel_diff_pct']:>+9.2f}%"
         for result in results for r in result["measured"]))
     for result in results:
-        for skipped in result.get("skipped", ()):
-            print(f"{result['model']}: selective {'+'.join(skipped['modules'])} not measured: "
-                  f"{skipped['reason']}")
+        if result["skipped"]:
+            print(f"{result['model']}: not measured: "
+                  f"{', '.join('+'.join(s['modules']) for s in result['skipped'])} (not in this "
+                  "model, or not on this backend: --json gives each reason)")
 
 
 # The recomputations --measure counts: none, full, and selective of each module megatron-core
