@@ -156,3 +156,16 @@ def test_pipeline_balance_stopped_ends_its_launcher_and_workers(tmp_path):
         assert open(f"/proc/{worker}/stat").read().split(")")[1].split()[0] == "Z"
     except FileNotFoundError:
         pass
+
+
+def test_train_throughput_prints_json_alone_with_cpu_time_ratios(load_tool, capsys):
+    """Before: the Trainer's progress lines went to stdout before the JSON, and only wall-time
+    ratios were given, which waits for a core on a shared machine swing either way."""
+    import json
+
+    load_tool("bench/train_throughput").main([
+        "--rows", "dense", "--hidden", "32", "--heads", "2", "--layers", "1", "--seq", "32",
+        "--vocab", "256", "--steps", "1", "--rounds", "1"])
+    dense = json.loads(capsys.readouterr().out)["dense"]
+    for loop in ("sdpa", "local_spec"):
+        assert dense[f"cpu_ratio_vs_plain_mcore_{loop}"] > 0
