@@ -16,7 +16,9 @@ megatron-core GPTDataset. They run in alternating blocks of ``--steps`` steps so
 hits both; the figure is the median step time. The megaloop side includes its per-step monitoring.
 The plain GPTModel is measured twice: with megatron-core's own local spec (DotProductAttention,
 which builds the full score matrix) and with the same SDPA core attention megaloop's local spec
-uses, so that the second ratio isolates framework overhead. Goal: ratio >= 0.95.
+uses, so that the second ratio isolates framework overhead. Goal: ratio >= 0.95. The
+``cpu_ratio_*`` fields are the same ratios by the process's CPU time per step, which waits for a
+core on a shared machine do not inflate.
 """
 
 from __future__ import annotations
