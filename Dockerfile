@@ -25,7 +25,19 @@ COPY megaloop ./megaloop
 COPY tools ./tools
 COPY slurm ./slurm
 COPY examples ./examples
-RUN pip install --no-cache-dir -e ".[mpi,hf,eval]" "megatron-core==${MEGATRON_CORE}" \
- && python -c "import megaloop.models.model, megatron.core as m; assert m.__version__ == '${MEGATRON_CORE}', m.__version__" \
- && if [ "${DEVICE}" = gpu ]; then python -c "import transformer_engine"; fi
+# MPI for tools/preprocess_data.py: the `mpi` extra is mpi4py with MPICH's wheel, which brings an
+# MPI where the image has none (CPU). NGC's image has its own, HPC-X (Open MPI, its mpirun first on
+# PATH): there the wheel's libmpi and mpiexec would shadow it, and ranks that HPC-X's mpirun starts
+# would each be a world of one under MPICH's library. mpi4py is built from source against the
+# image's MPI instead (its mpicc), and checked to run on Open MPI.
+RUN if [ "${DEVICE}" = gpu ]; then \
+      pip install --no-cache-dir -e ".[hf,eval]" "megatron-core==${MEGATRON_CORE}" \
+      && mpicc="$(command -v mpicc)" \
+      && MPICC="${mpicc}" pip install --no-cache-dir --no-binary=mpi4py "mpi4py==4.1.2" \
+      && python -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'Open MPI' in v, v" \
+      && python -c "import transformer_engine"; \
+    else \
+      pip install --no-cache-dir -e ".[mpi,hf,eval]" "megatron-core==${MEGATRON_CORE}"; \
+    fi \
+ && python -c "import megaloop.models.model, megatron.core as m; assert m.__version__ == '${MEGATRON_CORE}', m.__version__"
 ENV PYTHONUNBUFFERED=1

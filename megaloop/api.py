@@ -88,11 +88,8 @@ def load_with(build, checkpoint: str | os.PathLike, *, export: bool = False, **o
     problem = None if depth is None else cfg.depth_refusal(depth)
     if problem:  # a MoE Loop's fixed scales are no weights: nothing else would notice
         raise ConfigError(f"model.iterations={depth}: {path}: {problem}")
-    replaced = {"init_std": "it initialises weights, and a loaded model's come from the checkpoint"}
-    if cfg.residual_scale == "learned":
-        replaced["residual_scale_init"] = ("learned residual scales are weights, restored from "
-                                           "the checkpoint")
-    for name, why in replaced.items():  # taken, they would change model.cfg, not the model
+    # Taken, they would change model.cfg, not the model.
+    for name, why in cfg.replaced_by_loaded_weights().items():
         if not export and name in overrides and overrides[name] != getattr(cfg, name):
             raise ConfigError(f"model.{name}={overrides[name]!r}: {path}: without effect on a "
                               f"loaded model ({why})")

@@ -31,7 +31,8 @@ def log_to_stderr() -> None:
     process group is up, the notes come from rank 0 alone: every rank makes the same ones (the
     resume point, each setting a resume changes, the data), and srun gathers all ranks' stderr in
     one job log, where 128 ranks wrote each line 128 times. Warnings and errors, which may be one
-    rank's own, come from every rank, and so do notes logged with ``extra=EVERY_RANK``."""
+    rank's own, come from every rank, and so do notes logged with ``extra=EVERY_RANK``; warnings
+    logged with ``extra=ALIKE_ON_EVERY_RANK`` come from rank 0 alone."""
     if logging.getLogger().handlers:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -39,13 +40,55 @@ def log_to_stderr() -> None:
 
 
 EVERY_RANK = {"every_rank": True}  # a note of this rank's own (what it alone did or wrote)
+# A warning that every rank logs alike after a decision they took together (the stop on a
+# signal, which all ranks agree on): rank 0's line says it for all.
+ALIKE_ON_EVERY_RANK = {"alike_on_every_rank": True}
 
 
 def _notes_from_rank0(record: logging.LogRecord) -> bool:
+    if getattr(record, "alike_on_every_rank", False):
+        return _rank() in (0, None)
     if record.levelno >= logging.WARNING or getattr(record, "every_rank", False):
         return True
     dist = sys.modules.get("torch.distributed")  # not imported here: the CLI starts without torch
     return dist is None or not dist.is_initialized() or dist.get_rank() == 0
+
+
+_DECIDED_ON_EVERY_RANK: set[str] = set()
+
+
+def decided_on_every_rank(message: str) -> str:
+    """``message``, recorded as an error that every rank raises alike, having decided it together
+    (megaloop.training.collective): ``print_error`` leaves it to rank 0."""
+    _DECIDED_ON_EVERY_RANK.add(message)
+    return message
+
+
+def print_error(error: BaseException, *, alike: bool = False) -> None:
+    """``error: <error>`` on stderr, a command's one-line report of why it failed. From rank 0
+    alone when every rank fails alike: ``alike`` (the caller knows), or a message the ranks
+    decided together (``decided_on_every_rank``); srun gathers every rank's stderr in one job
+    log, which held the line once per rank. Any other error may be this rank's own (a file its
+    node cannot read, a fault in its part of the model), and every rank that has one says it."""
+    if alike or str(error) in _DECIDED_ON_EVERY_RANK:
+        if _rank() not in (0, None):
+            return
+    print(f"error: {error}", file=sys.stderr)
+
+
+def _rank() -> int | None:
+    """This process's rank: the process group's, else the launcher's (torchrun, srun, mpiexec);
+    None when unknown (a launch environment megaloop refuses)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        return dist.get_rank()
+    from megaloop.config import ConfigError
+    from megaloop.platform.launch import detect_launch_env
+
+    try:
+        return detect_launch_env().rank
+    except ConfigError:
+        return None
 
 
 def int_at_least(minimum: int):

@@ -29,7 +29,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings
+from megaloop.cli import int_at_least, log_to_stderr, print_error, quiet_third_party_warnings
 from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
@@ -156,10 +156,18 @@ def cli() -> NoReturn:
 
 
 def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
+    from megaloop.config import ConfigError
+
     quiet_third_party_warnings()
     log_to_stderr()
     try:
         cfg, args = build_config(argv)
+    except ConfigError as e:
+        # Every rank reads the same arguments, so fails alike on them, unless a file could not
+        # be read: that may be one node's own fault.
+        print_error(e, alike=not isinstance(e.__context__, OSError))
+        return 2
+    try:
         if args.dry_run:
             from megaloop.platform.distributed import detect_launch_env
             from megaloop.scale.dry_run import report
@@ -178,10 +186,12 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
                 log.info("no checkpoint in %s: the run starts at step 1", trainer.checkpoint_dir)
             result = trainer.train()
         except TrainingAborted as e:
-            print(f"error: {e}", file=sys.stderr)
+            # Decided alike on every rank: by the all-reduced loss, or the all-reduced check of
+            # the weights.
+            print_error(e, alike=True)
             return 3
     except bad_input_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)  # from rank 0 alone when the ranks decided it together
         return 2
     # A relaunched finished run (result["complete"]) exits 0 as well, as Megatron-LM and
     # torchtitan do when the checkpoint they load is at the last step: what was asked for, a run

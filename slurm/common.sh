@@ -11,7 +11,8 @@
 #   DRY_RUN=1       print megaloop-train --dry-run (config, rank layout, memory) and exit; works
 #                   outside an allocation, e.g.
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
-#                   (training scripts; preprocess.sh and convert.sh refuse it)
+#                   (training scripts; preprocess.sh and convert.sh refuse it); with IMAGE, in
+#                   the image inside an allocation, on the host's interpreter outside one
 #   NODES           node count for DRY_RUN outside an allocation (default 1)
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
@@ -26,11 +27,22 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$MEGALOOP_ROOT" || exit 1
 
-# srun's container options (pyxis/enroot), none without IMAGE.
+# srun's container options (pyxis/enroot), none without IMAGE. MEGALOOP_CONTAINER_MOUNTS, the
+# mount points inside the container (the checkout's, MOUNTS' destinations: SRC[:DST[:FLAGS]]),
+# colon-separated, goes to the tasks: megaloop-train refuses a run directory outside them, such
+# as one a --config file names (megaloop.training.run_dir); megaloop_mounted checks the script's.
 CONTAINER=()
 if [ -n "${IMAGE:-}" ]; then
   CONTAINER=(--container-image="$IMAGE" --container-workdir=/workspace/megaloop
              --container-mounts="$MEGALOOP_ROOT:/workspace/megaloop${MOUNTS:+,$MOUNTS}")
+  MEGALOOP_CONTAINER_MOUNTS=/workspace/megaloop
+  IFS=, read -ra MEGALOOP_ENTRIES <<< "${MOUNTS:-}"
+  for MEGALOOP_ENTRY in ${MEGALOOP_ENTRIES[@]+"${MEGALOOP_ENTRIES[@]}"}; do
+    IFS=: read -r MEGALOOP_SRC MEGALOOP_DST _ <<< "$MEGALOOP_ENTRY"
+    MEGALOOP_DST="${MEGALOOP_DST:-$MEGALOOP_SRC}"
+    MEGALOOP_CONTAINER_MOUNTS+=":${MEGALOOP_DST%/}"
+  done
+  export MEGALOOP_CONTAINER_MOUNTS
 fi
 
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
@@ -39,20 +51,27 @@ megaloop_srun() {
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
 }
 
-# megaloop_python_ready: without IMAGE the tasks run the interpreter on this node's PATH (srun
-# passes the job's environment on): exits 2 in one line when it cannot import torch, megatron-core
-# and megaloop, as when IMAGE was forgotten, rather than a ModuleNotFoundError from every task.
+# megaloop_python_ready [--host]: without IMAGE the tasks run the interpreter on this node's PATH
+# (srun passes the job's environment on), and so does a dry run outside an allocation whatever
+# IMAGE (--host): exits 2 in one line when it cannot import torch, megatron-core and megaloop, as
+# when IMAGE was forgotten, rather than a ModuleNotFoundError from every task.
 megaloop_python_ready() {
-  [ -z "${IMAGE:-}" ] || return 0
+  [ -z "${IMAGE:-}" ] || [ "${1:-}" = --host ] || return 0
   if ! python -c 'import importlib.util as u, sys
 sys.exit(not all(u.find_spec(m) for m in ("torch", "megatron.core", "megaloop")))' 2>/dev/null
   then
     local found
     found="$(command -v python)" || found=none
-    echo "error: IMAGE is not set, and the PATH's python, $found," \
-         "cannot import torch, megatron.core and megaloop: set IMAGE to the megaloop container" \
-         "image (e.g. IMAGE=/lustre/images/megaloop.sqsh), or activate the environment" \
-         "megaloop is installed in before sbatch" >&2
+    if [ -n "${IMAGE:-}" ]; then
+      echo "error: DRY_RUN=1 outside an allocation runs the PATH's python, $found, not IMAGE's," \
+           "and it cannot import torch, megatron.core and megaloop: run the dry run in an" \
+           "allocation (salloc), or activate the environment megaloop is installed in" >&2
+    else
+      echo "error: IMAGE is not set, and the PATH's python, $found," \
+           "cannot import torch, megatron.core and megaloop: set IMAGE to the megaloop container" \
+           "image (e.g. IMAGE=/lustre/images/megaloop.sqsh), or activate the environment" \
+           "megaloop is installed in before sbatch" >&2
+    fi
     exit 2
   fi
 }
@@ -74,13 +93,8 @@ megaloop_require() {
 # requeued job would start over from step 0.
 megaloop_mounted() {
   [ -n "${IMAGE:-}" ] || return 0
-  local entries entry src dst targets=(/workspace/megaloop) name words word target
-  IFS=, read -ra entries <<< "${MOUNTS:-}"
-  for entry in ${entries[@]+"${entries[@]}"}; do
-    IFS=: read -r src dst _ <<< "$entry"
-    dst="${dst:-$src}"
-    targets+=("${dst%/}")
-  done
+  local targets name words word target
+  IFS=: read -ra targets <<< "$MEGALOOP_CONTAINER_MOUNTS"
   for name in "$@"; do
     IFS=, read -ra words <<< "${!name:-}"
     for word in ${words[@]+"${words[@]}"}; do
@@ -128,14 +142,44 @@ megaloop_one_task_per_gpu() {
   fi
 }
 
+# The tasks run python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train ..., which is
+# python -m megaloop.train ... started with SIGTERM and SIGUSR1 blocked (the -I -S interpreter
+# takes about 10 ms), for megaloop.train's handlers to take once installed
+# (megaloop.training.signals): a signal during the seconds of the interpreter's start and imports
+# before them waits for them and stops set-up (exit 75, requeued), rather than killing the task
+# (138: no requeue, no word). Not `env --block-signal`: coreutils 8.30 (RHEL 8) lacks it.
+MEGALOOP_STOP_SIGNALS_BLOCKED='import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])'
+
+# megaloop_dry_run ARGS...: megaloop-train --dry-run with ARGS in one process. With IMAGE it runs
+# in the image, as the job's tasks do (srun, one task), inside an allocation; outside one srun
+# would queue a job of its own, so this host's interpreter runs it, and a line says so.
+megaloop_dry_run() {
+  local nodes="${SLURM_NNODES:-${NODES:-1}}"
+  local command=(python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@")
+  export LOCAL_WORLD_SIZE="$GPUS_PER_NODE"
+  if [ -n "${IMAGE:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    srun --nodes=1 --ntasks=1 "${CONTAINER[@]}" "${command[@]}"
+    return
+  fi
+  if [ -n "${IMAGE:-}" ]; then
+    local found
+    found="$(command -v python)" || found=none
+    echo "megaloop: DRY_RUN=1 outside an allocation: the dry run uses this host's python," \
+         "$found, not IMAGE=$IMAGE; run it in an allocation (salloc) to use the image" >&2
+  fi
+  megaloop_python_ready --host
+  "${command[@]}"
+}
+
 # megaloop_train ARGS...: one task per GPU runs megaloop.train with ARGS; with DRY_RUN=1 one
-# local process prints the dry run instead. SIGUSR1 from SLURM (--signal) is forwarded to the
-# tasks, which save a checkpoint and exit 75; the job is then requeued and resumes.
+# process prints the dry run instead (megaloop_dry_run). SIGUSR1 from SLURM (--signal) is
+# forwarded to the tasks, which save a checkpoint and exit 75; the job is then requeued and
+# resumes.
 megaloop_train() {
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    local nodes="${SLURM_NNODES:-${NODES:-1}}"
-    LOCAL_WORLD_SIZE="$GPUS_PER_NODE" \
-      python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@"
+    megaloop_dry_run "$@"
     return
   fi
   if [ -z "${SLURM_JOB_NODELIST:-}" ]; then
@@ -164,8 +208,9 @@ megaloop_train() {
   # after its first task ends instead (a crashed rank's peers would otherwise hang in NCCL).
   # srun itself in the background, not megaloop_srun: $! would be the subshell running the
   # function, which SIGUSR1 kills (exit 138, srun orphaned, the tasks never told, no requeue).
+  # The tasks start with the stop signals blocked (MEGALOOP_STOP_SIGNALS_BLOCKED, above).
   srun ${CONTAINER[@]+"${CONTAINER[@]}"} --kill-on-bad-exit=0 --wait=120 \
-    python -m megaloop.train "$@" &
+    python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train "$@" &
   local srun_pid=$! rc=0 interrupted=0
   trap 'interrupted=1; kill -USR1 "$srun_pid" 2>/dev/null' USR1
   while :; do  # wait returns early (128 + 10) when the trap runs: then wait again

@@ -17,7 +17,10 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=16
+# 8 tasks x 12 CPUs = 96 of a DGX H100's 112 cores (2 x 56; SLURM allocates cores where it
+# counts cores, not threads): 16 each (128) never scheduled; 14 (all 112) would not either on a
+# cluster that keeps cores for its own daemons (CoreSpecCount).
+#SBATCH --cpus-per-task=12
 #SBATCH --time=24:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@600

@@ -101,7 +101,7 @@ def _log_lines(rank, world_size):
     import io
     import logging
 
-    from megaloop.cli import EVERY_RANK, log_to_stderr
+    from megaloop.cli import ALIKE_ON_EVERY_RANK, EVERY_RANK, log_to_stderr
 
     root, stderr = logging.getLogger(), sys.stderr
     handlers, level = root.handlers[:], root.level
@@ -112,6 +112,8 @@ def _log_lines(rank, world_size):
         logging.getLogger("megaloop.train").info("resumed from iter_0000150 at step 150")
         logging.getLogger("megaloop.train").warning("rank %d: a warning", rank)
         logging.getLogger("megaloop.train").info("rank %d: traced", rank, extra=EVERY_RANK)
+        logging.getLogger("megaloop.train").warning("stopped by signal 10",
+                                                    extra=ALIKE_ON_EVERY_RANK)
         return sys.stderr.getvalue()
     finally:
         sys.stderr = stderr
@@ -127,3 +129,61 @@ def test_notes_come_from_rank_0_alone_and_warnings_from_every_rank():
     assert "resumed from iter_0000150 at step 150" in first and "rank 0: a warning" in first
     assert "resumed from" not in second and "rank 1: a warning" in second
     assert "rank 0: traced" in first and "rank 1: traced" in second  # a note of its own
+    # A warning every rank logs alike (the stop all ranks agreed on), once.
+    assert "stopped by signal 10" in first and "stopped by signal 10" not in second
+
+
+def _errors_of_train(rank, world_size, argv_of_rank):
+    """What megaloop-train writes on stderr, and its exit status, on this rank."""
+    import io
+    import logging
+
+    from megaloop.train import main
+
+    root, stderr = logging.getLogger(), sys.stderr
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    sys.stderr = io.StringIO()
+    try:
+        status = main(argv_of_rank[rank])
+        return status, sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def test_an_error_every_rank_has_comes_from_rank_0_and_one_ranks_own_from_that_rank(tmp_path):
+    """Before: every rank printed every error, 128 copies of a config error in a job log."""
+    from tests.distributed import run_distributed
+
+    small = ["model.arch=dense", "model.num_layers=2", "model.hidden_size=32",
+             "model.ffn_hidden_size=64", "model.num_attention_heads=4", "model.vocab_size=128",
+             "model.seq_length=32", "train.micro_batch_size=1", "train.global_batch_size=2",
+             "train.tensorboard=false", f"train.out_dir={tmp_path / 'run'}", "data.eod_id=0"]
+    missing_data = [*small, f"data.path=[{tmp_path / 'absent'}]"]  # found by rank 0 for all
+    typo = [*small, "train.lrr=1"]
+    missing_config = ["--config", str(tmp_path / "absent.yaml")]  # one node does not see it
+    for argv, alike, said in ((missing_data, True, "absent"), (typo, True, "train.lrr"),
+                              ([typo, missing_config], False, "train.lrr")):
+        argv_of_rank = argv if not alike else [argv, argv]
+        (first, first_err), (second, second_err) = run_distributed(
+            _errors_of_train, 2, argv_of_rank=argv_of_rank)
+        assert first == second == 2, (first_err, second_err)
+        assert first_err.count("error: ") == 1 and said in first_err, first_err
+        if alike:
+            assert second_err == "", second_err
+        else:  # rank 1's own error is not left to rank 0, whose error is another
+            assert second_err == f"error: config file {tmp_path / 'absent.yaml'}: not found\n"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_argument_error_before_the_process_group_is_up_comes_from_rank_0(rank, tmp_path):
+    """The launcher's rank decides, before torch is loaded (srun: every task fails alike)."""
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "megaloop.train", "train.lrr=1"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == ("error: unknown field train.lrr (did you mean lr?)\n" if rank == 0
+                           else ""), done.stderr

@@ -30,8 +30,13 @@ def test_scripts_pass_shellcheck():
 
 
 def test_scripts_call_only_megaloop_entry_points():
-    calls = [(script.name, call) for script in SCRIPTS  # not `python -c`, a check of imports
-             for call in re.findall(r"\bpython3?\s+(-m\s+\S+|(?!-c\s)\S+)", script.read_text())]
+    # Not `python -c`, a check of imports; through the tasks' interpreter with the stop signals
+    # blocked (slurm/common.sh), `python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m MODULE`.
+    blocked = r'(?:-I\s+-S\s+-c\s+"\$MEGALOOP_STOP_SIGNALS_BLOCKED"\s+)?'
+    calls = [(script.name, call) for script in SCRIPTS
+             for call in re.findall(rf"\bpython3?\s+{blocked}(-m\s+\S+|(?!-c\s)\S+)",
+                                    script.read_text())]
+    assert ("common.sh", "-m megaloop.train") in calls
     assert calls
     for script, call in calls:
         if call.startswith("-m"):
@@ -100,6 +105,14 @@ def test_7b_recipe_dry_run_and_bad_input():
 # is the highest of the tasks', a task ended by signal n counting as 128 + n.
 SRUN = r'''#!/usr/bin/env python3
 import os, signal, subprocess, sys, time
+if os.environ["STUB_TASKS"] == "exec":  # one task, this process: the job's own command
+    command = sys.argv[1:]
+    while command[0].startswith("-"):
+        command.pop(0)
+    os.environ.update(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_LOCALID="0")
+    open(os.environ["STUB_LOG"] + ".srun_pid", "w").write(str(os.getpid()))
+    open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
+    os.execvp(command[0], command)
 TASK = """
 import os, signal, sys, time
 if os.environ["STUB_TASKS"] == "crash":
@@ -139,15 +152,16 @@ sys.exit(max(codes))
 '''
 SCONTROL = """#!/bin/bash
 case "$1" in
-  show) for i in $(seq 1 "${STUB_NODES:-1}"); do echo "node$i"; done ;;
+  show) for i in $(seq 1 "${STUB_NODES:-1}"); do echo "${STUB_HOST:-node$i}"; done ;;
   requeue) echo "requeue $2" >> "$STUB_LOG"; [ -z "${STUB_REQUEUE_FAILS:-}" ] ;;
 esac
 """
 
 
-def _job(tmp_path, tasks, **settings):
-    """The 7B job script under stubbed srun and scontrol (STUB_TASKS: "stop" or "crash";
-    ``settings``: more environment, e.g. STUB_NODES, the allocation's node count)."""
+def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
+    """A job script (the 7B one) under stubbed srun and scontrol (STUB_TASKS: "stop", "crash",
+    or "exec": srun runs the job's command as one task; ``settings``: more environment, e.g.
+    STUB_NODES, the allocation's node count)."""
     import stat
 
     stubs = tmp_path / "bin"
@@ -164,7 +178,7 @@ def _job(tmp_path, tasks, **settings):
                                     os.environ["PATH"]])}
     # Output to a file: a pipe would stay open in a stray srun after a failure.
     with open(tmp_path / "job.out", "w") as out:
-        job = subprocess.Popen(["bash", str(REPO / "slurm" / "asymloop_7b.sh")], env=env,
+        job = subprocess.Popen(["bash", str(REPO / "slurm" / script), *args], env=env,
                                cwd="/", stdout=out, stderr=subprocess.STDOUT)
     return job, log
 
@@ -197,6 +211,79 @@ def test_a_stop_signal_requeues_the_job_when_its_tasks_exit_75_one_after_another
     out = (tmp_path / "job.out").read_text()
     assert "exited 75 (resumable): requeueing job 42" in out
     assert ("error: scontrol requeue 42 failed: submit the job again" in out) == requeue_fails
+
+
+SLOW_START = """
+import os, sys, time
+if sys.orig_argv[1:3] == ["-m", "megaloop.train"]:  # a slow file system, a loaded node: the signal comes now
+    open(os.environ["STUB_LOG"], "a").write("interpreter starting\\n")
+    time.sleep(1)
+"""
+
+
+def test_a_stop_signal_while_the_tasks_interpreter_starts_stops_set_up_and_requeues(tmp_path):
+    """Before: a SIGUSR1 before megaloop.train had installed its handlers (interpreter start,
+    imports) killed the task (the job exited 138, not requeued, progress since the last save
+    lost without a word). Now it waits, blocked, for them: set-up stops, exit 75, requeue."""
+    import signal
+    import time
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_START)
+    job, log = _job(tmp_path, "exec", "60M", "dense", "train.precision=fp32",
+                    script="train_paper.sh", STUB_HOST="127.0.0.1", MASTER_PORT="0",
+                    OMP_NUM_THREADS="1", PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}")
+    deadline = time.monotonic() + 60
+    while "interpreter starting" not in log.read_text():
+        assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.out").read_text()
+        time.sleep(0.02)
+    job.send_signal(signal.SIGUSR1)
+    try:
+        assert job.wait(timeout=120) == 0, (tmp_path / "job.out").read_text()
+    finally:
+        try:
+            os.kill(int((tmp_path / "log.srun_pid").read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert log.read_text().splitlines()[-1] == "requeue 42"
+    assert ("stopped by signal 10 during set-up, after joining the process group; nothing to save"
+            in (tmp_path / "job.out").read_text())
+
+
+def test_a_dry_run_with_image_runs_in_the_image_in_an_allocation_and_says_so_outside(tmp_path):
+    """Before: DRY_RUN=1 ran the host's python whatever IMAGE, without a word. The override
+    typo makes megaloop-train fail at once, wherever it runs."""
+    image = {"IMAGE": "/images/megaloop.sqsh", "MOUNTS": "/data,/tmp"}
+    job, log = _job(tmp_path, "exec", "60M", "dense", "train.lrr=1", script="train_paper.sh",
+                    DRY_RUN="1", **image)
+    assert job.wait(timeout=60) == 2
+    out = (tmp_path / "job.out").read_text()
+    srun = (tmp_path / "log.srun_args").read_text().splitlines()
+    assert "--container-image=/images/megaloop.sqsh" in srun, srun
+    assert srun[srun.index("-m"):][:3] == ["-m", "megaloop.train", "--dry-run"], srun
+    assert "train.lrr" in out and "host's python" not in out, out
+
+    outside = _dry_run("train_paper.sh", "60M", "dense", "train.lrr=1", **image,
+                       RUN_DIR=str(tmp_path / "run"))
+    assert outside.returncode == 2
+    assert outside.stderr.startswith("megaloop: DRY_RUN=1 outside an allocation: the dry run "
+                                     "uses this host's python"), outside.stderr
+
+
+def test_a_run_directory_a_config_file_puts_outside_the_containers_mounts_is_refused(tmp_path):
+    """The job script checks the paths it sets itself; before, a --config file's checkpoint.dir
+    outside MOUNTS was made inside the container and lost with it: each requeue restarted."""
+    elsewhere = f"{tmp_path}-elsewhere/checkpoints"
+    (tmp_path / "run.yaml").write_text(f"checkpoint:\n  dir: {elsewhere}\n")
+    job, log = _job(tmp_path, "exec", "60M", "dense", "train.precision=fp32", "--config",
+                    str(tmp_path / "run.yaml"), script="train_paper.sh", STUB_HOST="127.0.0.1",
+                    MASTER_PORT="0", OMP_NUM_THREADS="1", IMAGE="/images/megaloop.sqsh",
+                    MOUNTS=f"/data,{tmp_path}:{tmp_path}:rw", PYTHONPATH=str(REPO))
+    assert job.wait(timeout=120) == 2, (tmp_path / "job.out").read_text()
+    out = (tmp_path / "job.out").read_text()
+    assert (f"error: checkpoint.dir='{elsewhere}': not on a file system mounted in the container"
+            f" (mounted: /workspace/megaloop, /data, {tmp_path})") in out, out
+    assert not os.path.exists(f"{tmp_path}-elsewhere")
 
 
 def test_a_long_node_list_starts_the_job(tmp_path):
@@ -243,6 +330,15 @@ def test_a_training_script_outside_an_allocation_says_so(tmp_path):
     """Before: "common.sh: line 47: SLURM_JOB_NODELIST: unbound variable"."""
     assert _refusal("asymloop_7b.sh", tmp_path).startswith(
         "error: not in a SLURM allocation (no SLURM_JOB_NODELIST): submit with sbatch")
+
+
+def test_every_script_asks_at_most_the_cores_of_a_dgx_h100_node():
+    """Before: 8 tasks x 16 CPUs = 128 per node, more than a DGX H100's 112 cores (2 x 56), where
+    SLURM counts cores: the job was refused or never scheduled."""
+    for script in SCRIPTS:
+        options = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script.read_text(), re.M))
+        tasks = int(options.get("ntasks-per-node", options.get("ntasks", 1)))
+        assert tasks * int(options.get("cpus-per-task", 1)) <= 112, (script.name, options)
 
 
 def test_requeued_jobs_append_to_their_log():

@@ -13,7 +13,9 @@ transformers class where one fits, every other one as remote code:
 ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``. --config (its model section):
 refuses a checkpoint of another architecture than that run config's, naming each field; its
 settings that a loaded checkpoint lets change (model.iterations for another test-time depth,
-seq_length, rotary_base, ...) are exported, each listed in the report's settings_from_config.
+seq_length, rotary_base, ...) are exported, named with the trained values in one warning line on
+stderr and listed in the report's settings_from_config. A Hugging Face directory given is named
+as such (from-hf converts that direction).
 --dtype: what the safetensors hold and config.json's ``dtype`` (what ``from_pretrained`` loads in);
 by default the dtype the checkpoint holds its weights in (bfloat16 after a bf16 run), which loses
 nothing.

@@ -89,6 +89,9 @@ fi
 # 4. GPU-marked tests
 step pytest_gpu 210 python -m pytest -q -m gpu -rA -p no:cacheprovider \
   --junitxml "$out/pytest_gpu.xml" tests/models/test_gpu.py tests/training/test_gpu_training.py
+if ! grep -qE "[0-9]+ passed" "$out/pytest_gpu.txt"; then  # all skipped (no CUDA device) is no check
+  echo "FAILED pytest_gpu_ran: no GPU-marked test passed"; failed+=(pytest_gpu_ran)
+fi
 
 # 5. benches (JSON on stdout)
 step bench_joint_attention_n1024 60 python tools/bench/joint_attention.py --device cuda \

@@ -166,6 +166,15 @@ class ModelConfig:
                     "(each has its own scales)")
         return None
 
+    def replaced_by_loaded_weights(self) -> dict[str, str]:
+        """{field: why} for the initial values that weights loaded from a checkpoint replace, so
+        that a value of them other than the checkpoint's has no effect on a loaded model."""
+        replaced = {"init_std": "it initialises weights, and these come from the checkpoint"}
+        if self.residual_scale == "learned":
+            replaced["residual_scale_init"] = ("learned residual scales are weights, restored "
+                                               "from the checkpoint")
+        return replaced
+
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads

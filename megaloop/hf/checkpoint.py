@@ -8,6 +8,7 @@ global shapes and keys that do not depend on the layout).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -29,7 +30,42 @@ def checkpoint_path(path: str | Path) -> Path:
                               f"directory, or the directory holding '{ckpt.LATEST}')")
     if not path.is_dir():
         raise ConversionError(f"{path}: no such checkpoint directory")
-    return ckpt.find_checkpoint(path)
+    complete = [p for p in ckpt.complete_checkpoints(path) if (p / "config.yaml").is_file()]
+    if complete and not (path / ckpt.LATEST).exists():
+        # A resume takes the newest then, saying so; a conversion names it instead of guessing.
+        raise ConversionError(f"{path}: no '{ckpt.LATEST}' pointer beside its checkpoints; give "
+                              f"the one to convert, e.g. the newest, {complete[-1]}")
+    try:
+        return ckpt.find_checkpoint(path)
+    except ckpt.CheckpointError as e:
+        # The other direction's input given to this one: say so, not only that nothing is there.
+        hf_files = [name for name in ("config.json", "*.safetensors") if any(path.glob(name))]
+        if not hf_files:
+            raise
+        raise ckpt.CheckpointError(
+            f"{e}; it holds {' and '.join(hf_files)}, as a Hugging Face model does: "
+            "tools/convert_checkpoint.py from-hf converts that direction") from None
+
+
+@contextlib.contextmanager
+def still_there(path: Path):
+    """Reading checkpoint ``path``: an error once ``path`` is gone is a ConversionError saying so.
+    A run still writing its directory removes its older checkpoints (checkpoint.keep_last) while
+    a conversion reads one, which otherwise fails on whichever file went first ("iter_N: no such
+    checkpoint directory", a missing .distcp), as if the user had named a wrong one."""
+    try:
+        yield
+    except (ConversionError, ckpt.CheckpointError, OSError):
+        if path.is_dir():
+            raise
+        now = None
+        with contextlib.suppress(ckpt.CheckpointError, OSError):
+            now = ckpt.latest_checkpoint(path.parent)
+        latest = f"; '{ckpt.LATEST}' now names {now.name}" if now is not None else ""
+        raise ConversionError(f"{path}: removed while it was being read (a run still writing "
+                              f"{path.parent} prunes older checkpoints, checkpoint.keep_last)"
+                              f"{latest}: convert again, or copy a checkpoint out of the run "
+                              "first") from None
 
 
 def build_single_process_model(cfg: ModelConfig, initialize: bool = True):

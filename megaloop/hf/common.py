@@ -4,6 +4,7 @@ probe."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -74,9 +75,33 @@ def staged_output(out: str | os.PathLike):
         except OSError as e:  # another process wrote it meanwhile
             raise ConversionError(f"{out}: cannot move the conversion there ({e.strerror}); "
                                   "choose a new output directory") from None
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        failure = _io_failure(out, e)
+        if failure is None:
+            raise
+        raise ConversionError(failure) from None
+
+
+def _io_failure(out: Path, error: BaseException) -> str | None:
+    """The line for a conversion into ``out`` stopped by the I/O error ``error`` (a full disk, a
+    checkpoint file removed while it was read, ...): its cause, the file, and for a full disk or
+    quota the room left beside ``out`` once the partial conversion is gone; None for any other
+    error."""
+    if isinstance(error, OSError):
+        cause, filename, code = error.strerror or str(error), error.filename, error.errno
+    else:
+        # safetensors reports its I/O errors as SafetensorError ("I/O error: No space left on
+        # device (os error 28)"), not OSError.
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(error))
+        if type(error).__name__ != "SafetensorError" or found is None:
+            return None
+        cause, filename, code = found.group(1), None, int(found.group(2))
+    line = f"{out}: the conversion stopped, nothing was written ({cause}"
+    line += f": {filename}" if filename else ""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        line += f"; {shutil.disk_usage(out.parent).free / 2**20:.1f} MiB free there"
+    return line + ")"
 
 
 def _readable_as_plain_files(directory: Path) -> None:

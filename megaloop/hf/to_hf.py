@@ -15,6 +15,7 @@ weights rounded as the file holds them (``--dtype bfloat16`` or ``float16``).
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -23,11 +24,13 @@ import torch
 
 from megaloop.config import ModelConfig
 from megaloop.hf.checkpoint import (checkpoint_path, load_checkpoint_model, requested_settings,
-                                    stored_dtype, weights)
+                                    still_there, stored_dtype, weights)
 from megaloop.hf.common import (ConversionError, ProbeMismatch, by_layer, compare_logits,
                                 export_dtype, probe_ids, probe_logits, staged_output)
 from megaloop.hf.native import (FAMILIES, native_config, native_family, note_router_losses,
                                 to_native_state_dict)
+
+log = logging.getLogger("megaloop.hf")
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 # Shipped as remote code: the configuration and every modeling file (they import one another).
@@ -133,8 +136,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
 
     ``requested`` (a run config's model): refuse a checkpoint of another architecture, and export
     with its settings that a loaded checkpoint lets change (``requested_settings``: the test-time
-    depth, the context, ...), each listed in the report's ``settings_from_config``. ``tokenizer``: a tokenizer file in
-    place of the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. ``dtype``
+    depth, the context, ...), named in one warning line (trained and exported values) and
+    listed in the report's ``settings_from_config``. ``tokenizer``: a tokenizer file in place of
+    the run's ``data.tokenizer_model``; ``with_tokenizer=False`` writes none. ``dtype``
     (a DTYPES name): what the safetensors hold and config.json's ``dtype`` says, the dtype
     ``from_pretrained`` loads in; by default the one the checkpoint holds its weights in, which
     loses nothing. Returns a report (class, remote code or not and why, dtype, file size, probe
@@ -150,11 +154,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
     chosen = None if dtype is None else export_dtype(dtype)
     with staged_output(out) as staging:  # first: an unusable output directory fails at once
         path = checkpoint_path(checkpoint)
-        changed = {} if requested is None else requested_settings(path, requested)
-        tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
-        model, run, path = load_checkpoint_model(
-            path, **{name: value for name, (_, value) in changed.items()})
-        chosen = stored_dtype(path, model) if chosen is None else chosen
+        with still_there(path):  # its last read is stored_dtype's
+            changed = {} if requested is None else requested_settings(path, requested)
+            if changed:  # config.json will hold them, not the values the weights were trained at
+                log.warning("%s: exported with the config's model settings, not those it was "
+                            "trained with: %s", path, ", ".join(
+                                f"model.{name}={new!r} (trained: {old!r})"
+                                for name, (old, new) in changed.items()))
+            tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
+            model, run, path = load_checkpoint_model(
+                path, **{name: value for name, (_, value) in changed.items()})
+            chosen = stored_dtype(path, model) if chosen is None else chosen
         cfg = run.model
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))
         exact = probe_logits(model, ids)
@@ -204,11 +214,13 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
             "the run's data.tokenizer_model"
         raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                               "--tokenizer PATH, or --no-tokenizer")
-    from megaloop.hf.tokenizer import check_encodes_like, write_tokenizer
+    from megaloop.hf.tokenizer import check_against_data, check_encodes_like, write_tokenizer
 
     if data.tokenizer_model is not None and Path(data.tokenizer_model).exists():
         check_encodes_like(tokenizer, data.tokenizer_model, tokenizer_type=data.tokenizer_type,
                            original_type=data.tokenizer_type, legacy=data.legacy_tokenizer)
+    elif data.tokenizer_model is not None:  # moved or deleted: ``tokenizer`` is its stand-in
+        check_against_data(tokenizer, data, tokenizer_type=data.tokenizer_type)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     special_tokens = write_tokenizer(tokenizer, staging, vocab_size, data.tokenizer_type,
                                      data.legacy_tokenizer)

@@ -10,6 +10,7 @@ them), or the conversion fails.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -147,3 +148,37 @@ def check_encodes_like(path: str | Path, original: str | Path, *, tokenizer_type
             raise ConversionError(f"{name}: encodes {text!r} as {ours[:8]}..., {run} as "
                                   f"{expected[:8]}... (not the tokenizer this model was trained "
                                   "with)")
+
+
+def check_against_data(path: str | Path, data, *, tokenizer_type: str | None) -> None:
+    """The tokenizer at ``path`` (read as ``tokenizer_type``) given in place of a run's whose file
+    (``data.tokenizer_model`` of the run's data section ``data``) is gone, so that
+    ``check_encodes_like`` cannot compare the two: checked against what the run's data says it was
+    tokenized with instead, the sidecar tools/preprocess_data.py wrote beside each ``data.path``
+    prefix still there. Its file (sha256) passes; another must have the sidecar's vocabulary size
+    and EOD id, or is a ConversionError naming the sidecar (a tokenizer of 2,000 pieces would be
+    exported for a model trained on 32,000 without a word). With no sidecar to read (data moved
+    too, Megatron-LM's data, SFT records) one warning line says it went unchecked."""
+    from megaloop.data.datasets import parse_blend
+    from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+
+    prefixes = parse_blend(data.path)[0] if data.format == "indexed" and data.path else []
+    sidecars = [(prefix, found) for prefix in prefixes if (found := read_sidecar(prefix))]
+    if not sidecars:
+        logging.getLogger("megaloop.hf").warning(
+            "tokenizer %s: not checked against the run's (its data.tokenizer_model %s is gone, and "
+            "no data.path prefix has a tokenizer sidecar to compare with)", path,
+            data.tokenizer_model)
+        return
+    sha256 = file_sha256(path) if Path(path).is_file() else None
+    given, _ = _megaloop_tokenizer(Path(path), tokenizer_type, data.legacy_tokenizer)
+    for prefix, record in sidecars:
+        if record.get("tokenizer_sha256") == sha256:
+            continue
+        for key, value in (("vocab_size", given.vocab_size), ("eod_id", given.eod)):
+            if key in record and record[key] != value:
+                raise ConversionError(
+                    f"--tokenizer {path}: {key}={value}, but {sidecar_path(prefix)} says the run's "
+                    f"data was tokenized with {key}={record[key]} (by "
+                    f"{record.get('tokenizer_model')!r}; not the tokenizer this model was trained "
+                    "with)")

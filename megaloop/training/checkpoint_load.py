@@ -104,12 +104,6 @@ def check_optimizer_state(path: Path, cfg: RunConfig) -> None:
             f"which megatron-core does not reload into parallel.expert={cfg.parallel.expert}; "
             f"resume with {before.get('expert', 1)}, or {way_out}")
     format_ = saved.get("checkpoint", {}).get("optimizer_format", "dp_reshardable")
-    from megaloop.training import optimizer
-
-    if distributed and format_ == "fully_reshardable" and not optimizer.fully_reshardable_loads():
-        raise CheckpointError(f"{path} holds distributed-optimizer state in checkpoint."
-                              f"optimizer_format=fully_reshardable, {optimizer.UNLOADABLE}; "
-                              f"resume where they are installed, or {way_out}")
     if format_ != "dp_reshardable" or not distributed or same_parallel_layout(saved, cfg):
         return
     raise CheckpointError(

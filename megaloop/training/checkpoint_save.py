@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.config import RunConfig, save_yaml
@@ -39,8 +40,9 @@ from megaloop.platform.files import (atomic_write_leftovers, sync_directory, syn
                                      write_text_atomic)
 from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpoint_name,
                                                 complete_checkpoints, latest_checkpoint, one_line)
-from megaloop.training.checkpoint_writer import died_of, refuse_unguarded_main, watched
-from megaloop.training.collective import is_rank0, rank0_decides
+from megaloop.training.checkpoint_writer import (died_of, refuse_unguarded_main,
+                                                 start_results_queue, watched)
+from megaloop.training.collective import any_rank, first_error, is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 
@@ -176,20 +178,42 @@ def _writer_queue():
     goes on changing, not a snapshot."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+    start_results_queue()
     return AsyncCallsQueue(persistent=False)
 
 
 def _write(save: _Save, state: dict, queue) -> None:
     """Collective: stages this rank's part of ``save`` (``state``) and starts its write on
-    ``queue``, in a writer process forked from this one (``watched``)."""
+    ``queue``, in a writer process forked from this one (``watched``).
+
+    Whether every rank started its write is agreed on (one all-reduce of one number): a fork
+    refused on one rank alone (ENOMEM under strict overcommit, EAGAIN at a pids cgroup's limit)
+    would otherwise leave the others waiting in the finalize's collectives until the
+    process-group timeout. Then the save fails on every rank, naming the rank and its error, and
+    the writes that did start are killed."""
     from megatron.core import dist_checkpointing
 
+    started, call_idx, error = len(queue.async_calls), queue.call_idx, None
     try:
         request = dist_checkpointing.save(state, str(save.tmp), async_sharded_save=True)
-        queue.schedule_async_request(watched(request))
     except (Exception, CheckpointException) as e:
-        raise _write_failed(save, e) from None
-    save.writer = queue.async_calls[-1].async_caller.process
+        error = one_line(e)
+    else:
+        try:
+            queue.schedule_async_request(watched(request))
+        except (Exception, CheckpointException) as e:
+            error = f"its writer process did not start: {one_line(e)}"
+    if error is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        error = f"rank {dist.get_rank()}: {error}"
+    if not any_rank(error is not None):
+        save.writer = queue.async_calls[-1].async_caller.process
+        return
+    if len(queue.async_calls) > started:  # this rank's write started: it would write on
+        queue.async_calls.pop().async_caller.close(abort=True)
+        _drop_results()
+    queue.call_idx = call_idx  # counted on the ranks that got as far: the finalize compares them
+    # Also the barrier that keeps rank 0 from removing iter_N.tmp before every write is killed.
+    raise _write_failed(save, first_error(error)) from None
 
 
 def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
@@ -203,6 +227,16 @@ def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
         died = save.writer is not None and died_of(save.writer)
         raise _write_failed(save, f"its writer process died of {died}" if died else e,
                             part) from None
+
+
+def _drop_results() -> None:
+    """Empties megatron-core's results queue of a write that will not be finalized: its result
+    would be taken by this process's next save as its own."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results = filesystem_async._results_queue
+    while results is not None and not results.empty():
+        results.get_nowait()
 
 
 def left_by_an_exit(directory: Path, latest_step: int | None, saving_step: int | None) -> str:
@@ -301,14 +335,9 @@ class CheckpointSaver:
         save, self._pending = self._pending, None
         if save is None:
             return
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
         while self._queue.async_calls:  # this rank's writer, joined: no write outlives the run
             self._queue.async_calls.popleft().async_caller.close()
-        # The result it reported would be taken by this process's next save as its own.
-        results = filesystem_async._results_queue
-        while results is not None and not results.empty():
-            results.get_nowait()
+        _drop_results()
         self.noted()
 
     def _finalize(self, blocking: bool) -> Path | None:

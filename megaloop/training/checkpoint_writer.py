@@ -17,7 +17,9 @@ nobody reads. Hence every save's write runs in a writer process (checkpoint_save
 the signal's number), and the writer's death, of any cause, SIGKILLs its workers (Linux's
 parent-death signal). The training ranks then see the writer ended, megatron-core's collective
 finalize fails the save on every rank (the writer's results are missing), and ``died_of`` names
-the signal on the rank whose writer died.
+the signal on the rank whose writer died. Both the writer and the results-queue manager end
+when the training process does (``exit_when_orphaned``): nothing of a trainer killed with
+``kill -9`` is left, in a cgroup or not.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from megaloop.platform.orphans import exit_when_orphaned
 from megaloop.training.checkpoint_files import CheckpointError
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -43,10 +46,28 @@ _KILLED = (os.CLD_KILLED, os.CLD_DUMPED)
 
 
 def watched(request):
-    """megatron-core's AsyncRequest ``request``, its writer process watching its workers."""
+    """megatron-core's AsyncRequest ``request``, its writer process watching its workers and
+    this (the training) process."""
     if request.async_fn is None:  # nothing to write on this rank: no process
         return request
-    return request._replace(async_fn=partial(_write_watched, request.async_fn))
+    return request._replace(async_fn=partial(_write_watched, os.getpid(), request.async_fn))
+
+
+def start_results_queue() -> None:
+    """Starts megatron-core's results-queue manager, if this process has none yet, as megatron-core
+    would at its first save (``_get_write_results_queue``: a spawned SyncManager), but ending
+    when this process ends: the manager does not watch it, and a ``kill -9`` of the trainer left
+    it orphaned for good."""
+    from multiprocessing import get_context
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=get_context("spawn"))
+        manager.start(exit_when_orphaned, (os.getpid(),))
+        # The queue's proxy holds the manager, which shuts it down at this process's exit.
+        filesystem_async._results_queue = manager.Queue()
 
 
 def died_of(process) -> str | None:
@@ -63,9 +84,12 @@ def died_of(process) -> str | None:
     return name + (", out of memory?" if signum == signal.SIGKILL else "")
 
 
-def _write_watched(write, *args, **kwargs) -> None:
+def _write_watched(trainer: int, write, *args, **kwargs) -> None:
     """Runs in the writer process: megatron-core's ``write``, with every worker it forks dying
-    with it and a thread that ends it when a worker is killed."""
+    with it, a thread that ends it when a worker is killed, and another when the ``trainer``
+    process that forked it has ended: its write can no longer be finalized, and it would hold
+    the run directory's lock (a fork's copy) until it completed."""
+    exit_when_orphaned(trainer)
     # Looked up before any fork: a child of a threaded process must not take the loader's lock.
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
     os.register_at_fork(after_in_child=partial(_die_with, os.getpid(), prctl))

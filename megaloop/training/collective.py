@@ -1,11 +1,16 @@
 """Decisions that every rank must share: a check that fails on one rank alone would leave the others
-waiting in the next collective until the process-group timeout (30 minutes by default)."""
+waiting in the next collective until the process-group timeout (30 minutes by default). The errors
+they raise alike on every rank are recorded (``cli.decided_on_every_rank``): megaloop-train prints
+them from rank 0 alone."""
 
 from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+import torch
 import torch.distributed as dist
+
+from megaloop.cli import decided_on_every_rank
 
 T = TypeVar("T")
 
@@ -35,7 +40,20 @@ def rank0_decides(compute: Callable[[], T], errors: tuple[type[Exception], ...])
     kind, value = outcome[0]
     if kind is None:
         return value
-    raise errors[kind](value)
+    raise errors[kind](decided_on_every_rank(value))
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank; one all-reduce of one number, cheap
+    enough for every checkpoint save (object collectives pickle, and send twice)."""
+    if _world() == 1:
+        return flag
+    # NCCL only takes CUDA tensors, gloo CPU ones.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def first_error(error: str | None) -> str | None:
@@ -44,7 +62,8 @@ def first_error(error: str | None) -> str | None:
         return error
     gathered: list[str | None] = [None] * _world()
     dist.all_gather_object(gathered, error)
-    return next((e for e in gathered if e), None)
+    first = next((e for e in gathered if e), None)
+    return first if first is None else decided_on_every_rank(first)
 
 
 def same_on_every_rank(settings: dict[str, object]) -> None:
@@ -60,5 +79,6 @@ def same_on_every_rank(settings: dict[str, object]) -> None:
     for name, value in gathered[0].items():
         for rank, other in enumerate(gathered):
             if other.get(name) != value:
-                raise ConfigError(f"{name}={other.get(name)!r} on rank {rank} but {value!r} on "
-                                  "rank 0: every rank must be launched with the same settings")
+                raise ConfigError(decided_on_every_rank(
+                    f"{name}={other.get(name)!r} on rank {rank} but {value!r} on rank 0: every "
+                    "rank must be launched with the same settings"))

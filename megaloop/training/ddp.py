@@ -13,6 +13,7 @@ live wrapper behaves exactly as before.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -27,6 +28,22 @@ class _AllReducedBucketGroup(_ParamAndGradBucketGroup):
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
         super().start_grad_sync(force_all_reduce=True)
+
+
+_FORCED_ALL_REDUCE = "Performing reduction using all_reduce because force_all_reduce=True"
+
+
+def _not_forced_all_reduce(record: logging.LogRecord) -> bool:
+    """megatron-core logs ``_FORCED_ALL_REDUCE`` at INFO on rank 0 at every reduction of an
+    ``_AllReducedBucketGroup``: a line per step wherever its logger is at INFO (api.py users,
+    notebooks). Only that line is dropped; the logger's other lines stay."""
+    return record.getMessage() != _FORCED_ALL_REDUCE
+
+
+def _quiet_forced_all_reduce() -> None:
+    logger = logging.getLogger(_ParamAndGradBucketGroup.__module__)
+    if _not_forced_all_reduce not in logger.filters:
+        logger.addFilter(_not_forced_all_reduce)
 
 
 class CollectableDDP(DistributedDataParallel):
@@ -67,6 +84,7 @@ def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_op
     for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
         if distributed_optimizer and parallel.overlap_grad_reduce and group.params & all_reduced:
             group.__class__ = _AllReducedBucketGroup
+            _quiet_forced_all_reduce()
     return ddp
 
 

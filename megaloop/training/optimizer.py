@@ -236,16 +236,29 @@ class LRMultipliers:
         self.multipliers = dict(state["multipliers"])
 
 
-# megatron-core 0.16.1 without Transformer Engine or Apex steps torch's Adam, whose per-parameter
-# "step" its fully_reshardable load expects in what it reads and does not find there.
-UNLOADABLE = ("which megatron-core cannot load with torch's Adam (Transformer Engine and Apex are "
-              "not installed here; KeyError 'step')")
-
-
-def fully_reshardable_loads() -> bool:
+def load_fully_reshardable_into_torch_adam() -> None:
+    """Lets megatron-core 0.16.1 load ``fully_reshardable`` distributed-optimizer state into
+    torch's Adam (without Transformer Engine or Apex). Its ``load_state_dict`` first loads the
+    step from the param groups into every parameter's Adam state, then
+    ``load_parameter_state_from_fully_reshardable`` reads the parameter state leaving "step" out
+    and ``_set_main_param_and_optimizer_states`` copies every key of the Adam state from it, "step"
+    too: KeyError 'step'. Here a parameter's step, already loaded, stays as it is."""
     from megatron.core.optimizer import distrib_optimizer
 
-    return distrib_optimizer.HAVE_APEX_OR_TE
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    original = optimizer_class._set_main_param_and_optimizer_states
+    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(original, "keeps_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    set_states.keeps_step = True
+    optimizer_class._set_main_param_and_optimizer_states = set_states
 
 
 def decay_arguments(train: TrainConfig) -> dict:
@@ -270,10 +283,7 @@ def build_optimizer(model_chunks: list, models: list[torch.nn.Module], cfg: RunC
     from megatron.core import parallel_state as ps
 
     train = cfg.train
-    if (train.distributed_optimizer and cfg.checkpoint.optimizer_format == "fully_reshardable"
-            and not fully_reshardable_loads()):  # every resume of the run would fail
-        raise ConfigError(f"checkpoint.optimizer_format='fully_reshardable': distributed-"
-                          f"optimizer state saved so, {UNLOADABLE}; use 'dp_reshardable' here")
+    load_fully_reshardable_into_torch_adam()
     opt_config = OptimizerConfig(
         optimizer="adam", lr=train.lr, min_lr=train.lr * train.min_lr_ratio,
         weight_decay=train.weight_decay, adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2,

@@ -22,7 +22,8 @@ a new field has to be placed):
   the new depth, ``ModelConfig.depth_refusal``): rules of their own below.
 
 A run that takes only the weights of another run's checkpoint (``checkpoint.load`` with
-``load_optimizer=false``) starts afresh: only the architecture is compared. One that continues
+``load_optimizer=false``) starts afresh: the architecture is compared, and each other model
+setting that differs from the checkpoint's is one line (``_weight_load_notes``). One that continues
 another run's checkpoint with its optimizer is a resume, except that its checkpoint section and
 ``train.out_dir`` are its own.
 """
@@ -143,15 +144,12 @@ def _check_resume(path: Path, cfg: RunConfig, report: bool) -> bool:
 def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int, str]]]:
     """(complete, the log lines of the accepted changes); a ConfigError for one refused."""
     own = ckpt.is_own_checkpoint(path, cfg)
-    if not own and not cfg.checkpoint.load_optimizer or not ckpt.holds_training_state(path):
-        return False, []  # a fresh run from the checkpoint's weights (or Trainer._load's refusal)
-    saved = ckpt.saved_config(path)
-    defaults, now = to_dict(RunConfig()), to_dict(cfg)
-    before, after = {}, {}
-    for section in ("model", "parallel", "train", "data", "checkpoint", "alrs"):
-        before.update(_flat({**defaults[section], **(saved.get(section) or {})}, section))
-        after.update(_flat(now[section], section))
-    changed = {k: (before[k], after[k]) for k in after if before.get(k) != after[k]}
+    if not own and not cfg.checkpoint.load_optimizer:
+        return False, _weight_load_notes(path, cfg)
+    if not ckpt.holds_training_state(path):
+        return False, []  # Trainer._load's refusal
+    before, changed = _differences(path, cfg, ("model", "parallel", "train", "data",
+                                               "checkpoint", "alrs"))
     if not own:  # another run's checkpoint: its directory options and out_dir are its own
         changed = {k: v for k, v in changed.items()
                    if not k.startswith("checkpoint.") and k != "train.out_dir"}
@@ -185,8 +183,8 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
             reason = _eigenvalue_log_refusal(cfg)
         elif name == "model.iterations":  # the saved weights are those of a model with ``old``
             reason = dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)
-        elif name == "model.residual_scale_init" and cfg.model.residual_scale == "learned":
-            reason = "learned residual scales are weights, restored from the checkpoint"
+        elif name == "model.residual_scale_init":
+            reason = cfg.model.replaced_by_loaded_weights().get("residual_scale_init")
         elif name == "checkpoint.load":
             reason = (f"{path.parent} holds this run's own checkpoints, which a resume continues; "
                       "to start from another checkpoint use another checkpoint.dir")
@@ -220,18 +218,56 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
         if name in REPORTED_BY_TRAINER:
             continue
         if name in unread:
-            lines.append((logging.INFO, f"{where}: {name} changed from {old!r} to {new!r}; "
-                          f"{cfg.alrs.reader()} does not read it (no effect on this run)"))
+            lines.append((logging.INFO, _change_line(
+                where, name, old, new,
+                f"{cfg.alrs.reader()} does not read it (no effect on this run)")))
             continue
         when = f"from step {step + 1}"
         if name in AT_NEXT_ALLOCATION or (name == "train.use_alrs" and cfg.alrs.mode == "alrs"):
             when = f"from ALRS's next allocation, at step {first}"
         lines.append((logging.INFO if name in BOOKKEEPING else logging.WARNING,
-                      f"{where}: {name} changed from {old!r} to {new!r}; in effect {when}"))
+                      _change_line(where, name, old, new, f"in effect {when}")))
     window = _allocation_window(cfg, before, first) if alrs_on else None
     if window is not None:
         lines.append((logging.WARNING, f"{where}: {window}"))
     return False, lines
+
+
+def _differences(path: Path, cfg: RunConfig, sections: tuple[str, ...]) -> tuple[dict, dict]:
+    """({"section.field": value} of checkpoint ``path``'s config.yaml, {"section.field": (saved,
+    this run's)} for each that differs), over ``sections``. A field the saved config lacks
+    (saved before it existed) had its default."""
+    saved = ckpt.saved_config(path)
+    defaults, now = to_dict(RunConfig()), to_dict(cfg)
+    before, after = {}, {}
+    for section in sections:
+        before.update(_flat({**defaults[section], **(saved.get(section) or {})}, section))
+        after.update(_flat(now[section], section))
+    return before, {k: (before[k], after[k]) for k in after if before.get(k) != after[k]}
+
+
+def _change_line(where: str, name: str, old, new, effect: str) -> str:
+    return f"{where}: {name} changed from {old!r} to {new!r}; {effect}"
+
+
+def _weight_load_notes(path: Path, cfg: RunConfig) -> list[tuple[int, str]]:
+    """One line per model setting of a run starting from the weights of another run's checkpoint
+    ``path`` that differs from its config.yaml: the run's own applies (a depth other than the
+    trained one, say), or has no effect where the weights replace it. The architecture is
+    refused before this (``check_compatible``); the other sections are the new run's own."""
+    where, replaced = f"start from the weights of {path}", cfg.model.replaced_by_loaded_weights()
+    lines = []
+    for name, (old, new) in _differences(path, cfg, ("model",))[1].items():
+        field = name.removeprefix("model.")
+        if field not in ckpt.RESUMABLE_MODEL_FIELDS:  # equal once resolved (check_compatible)
+            continue
+        if field in replaced:
+            lines.append((logging.INFO, _change_line(where, name, old, new,
+                                                     f"no effect ({replaced[field]})")))
+        else:
+            lines.append((logging.WARNING, _change_line(where, name, old, new,
+                                                        "this run's value applies")))
+    return lines
 
 
 def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:

@@ -89,6 +89,7 @@ def _open_or_create(path: Path):
 
 def _prepare(directory: Path, field: str) -> None:
     """Creates ``directory`` and writes a probe file in it; ConfigError naming the field."""
+    _check_mounted(directory, field)
     blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()),
                    None)
     if blocker is not None:
@@ -104,6 +105,23 @@ def _prepare(directory: Path, field: str) -> None:
     except OSError as e:
         raise ConfigError(f"{field}={str(directory)!r}: not writable ({e.strerror or e}: "
                           f"{e.filename})") from None
+
+
+def _check_mounted(directory: Path, field: str) -> None:
+    """ConfigError when the job runs in a container (slurm/common.sh with IMAGE lists its mount
+    points, colon-separated, in MEGALOOP_CONTAINER_MOUNTS) and ``directory`` (resolved) is not on
+    one: it would be made in the container's own file system and lost with it, so that every
+    requeued job started over. The job script checks the paths it sets; this one catches those
+    of a --config file or an override too."""
+    mounts = os.environ.get("MEGALOOP_CONTAINER_MOUNTS")
+    if not mounts:
+        return
+    points = [Path(point or "/").resolve() for point in mounts.split(":")]
+    if not any(point == directory or point in directory.parents for point in points):
+        raise ConfigError(f"{field}={str(directory)!r}: not on a file system mounted in the "
+                          f"container (mounted: {', '.join(map(str, points))}); it would be "
+                          "lost with the container, and a requeued job would start over: mount "
+                          "its file system (slurm/ scripts: MOUNTS) or choose a directory there")
 
 
 class RunDirs:

@@ -85,14 +85,17 @@ def _read_each_piece_once(state: dict) -> list[tuple[tuple, tuple, object]]:
 
 def _own_copy(entry, value):
     """``value`` (what was loaded for ``entry``'s piece) in ``entry``'s own tensor if it has one of
-    that shape, else a copy."""
+    that shape, else a copy. An entry whose tensor is the kept entry's (the same elements) holds
+    it already: copying it again would only cost the time, cloning it the memory too."""
     if not isinstance(value, torch.Tensor):
         return copy.deepcopy(value)
     own = getattr(entry, "data", None)
-    if isinstance(own, torch.Tensor) and own.shape == value.shape and own is not value:
-        with torch.no_grad():
-            return own.copy_(value)
-    return value.clone()
+    if not (isinstance(own, torch.Tensor) and own.shape == value.shape):
+        return value.clone()
+    if own.data_ptr() == value.data_ptr() and own.stride() == value.stride():
+        return own
+    with torch.no_grad():
+        return own.copy_(value)
 
 
 def _overlap(a, b) -> bool:

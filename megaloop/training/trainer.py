@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -33,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megaloop.cli import ALIKE_ON_EVERY_RANK
 from megaloop.config import (RunConfig, flat_settings, micro_batches_per_step, save_yaml,
                              to_dict)
 from megaloop.training import checkpoint as ckpt
@@ -118,7 +118,7 @@ class Trainer:
             if not isinstance(e, _StoppedDuringSetUp):
                 raise
             log.warning("stopped by signal %d during set-up, after %s; nothing to save",
-                        self.stop_signals.received, e)
+                        self.stop_signals.received, e, extra=ALIKE_ON_EVERY_RANK)
             self.stopped_during_set_up = True
 
     def _set_up(self) -> None:
@@ -387,7 +387,7 @@ class Trainer:
         try:
             if self.stop_requested():  # after the last set-up boundary: nothing new to save
                 log.warning("stopped by signal %d before the first step; nothing to save",
-                            self.stop_signals.received)
+                            self.stop_signals.received, extra=ALIKE_ON_EVERY_RANK)
                 return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
             first = self.step + 1
             while self.step < cfg.train_steps:
@@ -420,7 +420,7 @@ class Trainer:
                     self.profiler.close()  # the steps traced, without the save after them
                     self.save()
                     log.warning("stopped by signal %d after step %d; checkpoint saved",
-                                self.stop_signals.received, self.step)
+                                self.stop_signals.received, self.step, extra=ALIKE_ON_EVERY_RANK)
                     return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
                 # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
                 if interval and self.step % interval == 0 and not self._consecutive_nonfinite:
@@ -485,13 +485,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ signals
     def stop_requested(self) -> bool:
-        """Agreed by all ranks, since each may have seen the signal at a different moment."""
+        """Agreed by all ranks, since each may have seen the signal at a different moment. A rank
+        that has not takes a signal one that has received (the stop is said by rank 0 alone)."""
         signals = self.stop_signals
-        flag = torch.tensor([1.0 if signals.received is not None else 0.0], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and signals.received is None:
-            signals.received = signal.SIGTERM
-        return bool(flag.item())
+        received = torch.tensor([float(signals.received or 0)], device=_device())
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        if received.item() and signals.received is None:
+            signals.received = int(received.item())
+        return bool(received.item())
 
     def _stop_point(self, done: str) -> None:
         """A set-up phase boundary (collective): a stop signal any rank has received ends set-up

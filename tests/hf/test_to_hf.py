@@ -3,6 +3,7 @@ architecture and ablation, native classes where they fit, self-contained remote 
 and every bad input refused in one line with nothing left in the output directory."""
 
 import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -167,6 +168,38 @@ def test_refuses_a_checkpoint_of_another_architecture(exports, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
+def test_a_depth_the_config_changes_is_exported_with_one_warning_naming_both(exports, tmp_path,
+                                                                             caplog):
+    """Before: config.json got the config's iterations without a word (only the JSON report's
+    settings_from_config listed it)."""
+    import logging
+
+    exported = exports.get("asymloop")
+    trained = exported.cfg.num_iterations
+    requested = dataclasses.replace(exported.cfg, iterations=trained + 2)
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["iterations"] == trained + 2
+    assert [r.getMessage() for r in caplog.records if r.name == "megaloop.hf"] == [
+        f"{exported.checkpoint}: exported with the config's model settings, not those it was "
+        f"trained with: model.iterations={trained + 2} (trained: {trained})"]
+
+
+def test_a_hugging_face_directory_given_to_convert_names_from_hf(exports, tmp_path):
+    """Before: only "no checkpoint there", for a directory that is the other direction's input."""
+    hf_dir = exports.get("dense").hf_dir
+    with pytest.raises(CheckpointError) as error:
+        export_checkpoint(hf_dir, tmp_path / "out")
+    message = str(error.value)
+    assert message.startswith(f"{hf_dir}: no checkpoint there") and "\n" not in message
+    assert message.endswith("; it holds config.json and *.safetensors, as a Hugging Face model "
+                            "does: tools/convert_checkpoint.py from-hf converts that direction")
+    _assert_nothing_written(tmp_path / "out")
+    with pytest.raises(CheckpointError) as error:  # an empty directory: no such hint
+        export_checkpoint(tmp_path, tmp_path / "other")
+    assert "Hugging Face" not in str(error.value)
+
+
 def test_refuses_an_incomplete_checkpoint_naming_the_file(exports, tmp_path):
     checkpoint = _copy(exports.get("asymloop").checkpoint, tmp_path)
     shard = sorted(checkpoint.glob("*.distcp"))[0]
@@ -270,3 +303,86 @@ def test_an_output_directory_that_cannot_be_created_or_filled_meanwhile_is_one_l
         export_checkpoint(exports.get("dense").checkpoint, tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["theirs"]
+
+
+def test_a_full_disk_mid_export_is_one_line_through_the_tool_and_leaves_nothing(
+        exports, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as SafetensorError, not OSError: it was a traceback."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from tools import convert_checkpoint
+
+    checkpoint = exports.get("dense").checkpoint  # exported before the disk fills
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    out = tmp_path / "out"
+    assert convert_checkpoint.main(["to-hf", str(checkpoint), str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"error: {out}: the conversion stopped, nothing was written (No space "
+                            "left on device; ") and error.endswith(" MiB free there)"), error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_the_tokenizer_is_written_is_one_line(exports, tmp_path, monkeypatch):
+    """An OSError (the tokenizer files, config.json) was a traceback too."""
+    import errno
+
+    from megaloop.hf import to_hf
+
+    checkpoint = exports.get("dense").checkpoint
+
+    def full_disk(path, tokenizer, with_tokenizer, staging):
+        (staging / "tokenizer.json").write_text("{")
+        raise OSError(errno.ENOSPC, "No space left on device", str(staging / "tokenizer.json"))
+
+    monkeypatch.setattr(to_hf, "_write_tokenizer", full_disk)
+    with pytest.raises(ConversionError, match=r"out: the conversion stopped, nothing was written "
+                                              r"\(No space left on device: .*tokenizer.json; "
+                                              r"[0-9.]+ MiB free there\)$"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_directory_without_latest_names_its_newest_checkpoint(exports, tmp_path):
+    checkpoint = exports.get("dense").checkpoint
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(checkpoint, directory / "iter_0000003")
+    shutil.copytree(checkpoint, directory / "iter_0000006")
+    (directory / "iter_0000009.tmp").mkdir()  # an interrupted save is not one to name
+    with pytest.raises(ConversionError, match=rf"^{directory}: no 'latest' pointer beside its "
+                                              rf"checkpoints; give the one to convert, e.g. the "
+                                              rf"newest, {directory}/iter_0000006$"):
+        export_checkpoint(directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_pruned_by_its_run_while_exported_is_named_as_such(exports, tmp_path,
+                                                                         monkeypatch):
+    """A run still training saves iter_6 and prunes iter_3 (keep_last=1) while iter_3 is being
+    exported: that was 'iter_0000003: no such checkpoint directory', as if mistyped."""
+    from megaloop.hf import to_hf
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(exports.get("dense").checkpoint, directory / "iter_0000003")
+    (directory / "latest").write_text("iter_0000003\n")
+    write_tokenizer = to_hf._write_tokenizer
+
+    def the_run_saves_and_prunes(*args):
+        written = write_tokenizer(*args)
+        os.replace(directory / "iter_0000003", directory / "iter_0000006")
+        (directory / "latest").write_text("iter_0000006\n")
+        return written
+
+    monkeypatch.setattr(to_hf, "_write_tokenizer", the_run_saves_and_prunes)
+    with pytest.raises(ConversionError, match=rf"^{directory}/iter_0000003: removed while it was "
+                                              r"being read \(a run still writing .* prunes older "
+                                              r"checkpoints, checkpoint.keep_last\); 'latest' now "
+                                              r"names iter_0000006: convert again"):
+        export_checkpoint(directory, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -185,3 +185,32 @@ def test_a_conversion_that_encodes_otherwise_is_refused_naming_the_text(tmp_path
                                             r"\]\.\.\. \(data.legacy_tokenizer=true\)$"):
         hf_tokenizer.write_tokenizer(_sentencepiece(tmp_path), tmp_path / "out", 128,
                                      "SentencePieceTokenizer", legacy=True)
+
+
+def test_a_tokenizer_in_place_of_a_moved_one_is_checked_against_the_datas_sidecar(
+        exports, tmp_path, caplog):
+    """The run's tokenizer file is gone, so nothing could compare --tokenizer with it: another
+    model's tokenizer (about 100 tokens, fitting the 128 rows) was exported for it without a word. The
+    data's sidecar still says what the ids were made with."""
+    from megaloop.data.preprocess import file_sha256, write_sidecar
+
+    run_tokenizer = _sentencepiece(tmp_path)
+    trained = load_tokenizer("SentencePieceTokenizer", run_tokenizer)
+    prefix = str(tmp_path / "data_text_document")
+    checkpoint = _with_tokenizer(exports, tmp_path, tmp_path / "moved.model", path=[prefix])
+    other = _json_tokenizer(tmp_path)
+    without_sidecar = export_checkpoint(checkpoint, tmp_path / "unchecked", tokenizer=str(other))
+    assert without_sidecar["tokenizer"] == str(other)  # nothing to check it with: said, not refused
+    assert "not checked against the run's" in caplog.text
+    write_sidecar(prefix, {"tokenizer_type": "SentencePieceTokenizer",
+                           "tokenizer_model": "tok.model",
+                           "tokenizer_sha256": file_sha256(run_tokenizer),
+                           "eod_id": trained.eod, "vocab_size": trained.vocab_size})
+    with pytest.raises(ConversionError, match=rf"^--tokenizer {other}: vocab_size=\d+, but "
+                                              rf"{prefix}.tokenizer.json says the run's data was "
+                                              rf"tokenized with vocab_size={trained.vocab_size}"):
+        export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(other))
+    assert not (tmp_path / "out").exists()
+    copy = Path(shutil.copy(run_tokenizer, tmp_path / "copy.model"))
+    assert export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(copy))["tokenizer"] == \
+        str(copy)

@@ -76,3 +76,28 @@ def test_a_tokenizer_ending_documents_otherwise_or_a_test_file_as_output_is_refu
     assert capsys.readouterr().err == (f"error: --predictions {test_file}: cannot be written (it "
                                        "is a --test file, which the predictions would replace)\n")
     assert not (tmp_path / "p.jsonl").exists() and "#### 2" in test_file.read_text()
+
+
+def test_a_tokenizer_in_place_of_a_moved_one_must_match_the_datas_sidecar(mcore, tmp_path,
+                                                                          capsys):
+    """Before: with the run's tokenizer file gone, any --tokenizer of at most vocab_size pieces
+    was decoded with, unchecked."""
+    from megaloop.data.preprocess import write_sidecar
+
+    run_tokenizer = _sentencepiece(tmp_path / "run.model", ("cat", "dog", "emu"))
+    trained = load_tokenizer("SentencePieceTokenizer", run_tokenizer)
+    prefix = str(tmp_path / "data_text_document")
+    write_sidecar(prefix, {"tokenizer_model": "run.model", "tokenizer_sha256": "0" * 64,
+                           "eod_id": trained.eod, "vocab_size": trained.vocab_size + 7})
+    base = tmp_path / "base" / "checkpoints"
+    _save_tiny(base, data={"tokenizer_model": str(tmp_path / "moved.model")}, vocab_size=512)
+    config = next(base.glob("iter_*")) / "config.yaml"
+    config.write_text(config.read_text().replace("- x\n", f"- {prefix}\n"))
+    assert load_tool("eval_gsm8k").main(
+        [str(base), "--test", "t.jsonl", "--predictions", str(tmp_path / "p.jsonl"),
+         "--tokenizer", str(run_tokenizer), "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --tokenizer {run_tokenizer}: vocab_size={trained.vocab_size}, but "
+        f"{prefix}.tokenizer.json says the run's data was tokenized with vocab_size="
+        f"{trained.vocab_size + 7} (by 'run.model'; not the tokenizer this model was trained "
+        "with)\n")

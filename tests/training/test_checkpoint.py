@@ -167,7 +167,7 @@ def test_a_background_write_that_fails_ends_the_run_in_one_line(saved_run, patte
     import subprocess
     import sys
 
-    from tests.training.test_preemption import _env
+    from tests.training.process_groups import script_env
 
     one_checkpoint = sum(f.stat().st_size for f in (saved_run / "checkpoints" /
                                                     "iter_0000004").iterdir())
@@ -178,7 +178,7 @@ def test_a_background_write_that_fails_ends_the_run_in_one_line(saved_run, patte
                        checkpoint={"save_interval": 2, "async_save": True, "dir": str(disk)})
         save_yaml(cfg, tmp_path / "run.yaml")
         run = subprocess.run([sys.executable, "-m", "megaloop.train", "--config",
-                              str(tmp_path / "run.yaml")], env=_env(), capture_output=True,
+                              str(tmp_path / "run.yaml")], env=script_env(), capture_output=True,
                              text=True, timeout=600)
         assert run.returncode == 2, run.stderr[-2000:]
         errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]

@@ -151,17 +151,13 @@ def _equal(a, b) -> bool:
 
 
 def test_a_fully_reshardable_background_write_writes_what_a_synchronous_save_writes(
-        mcore, pattern_data, tmp_path, monkeypatch):
+        mcore, pattern_data, tmp_path):
     """checkpoint.optimizer_format=fully_reshardable gathers the optimizer state into new tensors
-    when the state dict is made. Its checkpoints load only with Transformer Engine or Apex
-    (megaloop.training.optimizer refuses the format without them, as here), so its save is
-    compared alone. (dp_reshardable's flat buffers hold uninitialised padding, different in
-    any two saves: its background writes are held to the bit-exact resume above.)"""
-    from megaloop.training import optimizer
+    when the state dict is made. (dp_reshardable's flat buffers hold uninitialised padding,
+    different in any two saves: its background writes are held to the bit-exact resume above.)"""
     from megaloop.training.checkpoint_state import sharded_state
     from megaloop.training.data import MicroBatches
 
-    monkeypatch.setattr(optimizer, "fully_reshardable_loads", lambda: True)
     cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 2},
                    checkpoint={"save_interval": 2, "optimizer_format": "fully_reshardable"})
     with Trainer(cfg) as trainer:  # one step: optimizer state that is not all zeros

@@ -3,11 +3,9 @@ and those that may change, and the optimizer state's layouts and kinds."""
 
 import pytest
 
-from megaloop.config import ConfigError, ModelConfig, RunConfig, save_yaml
+from megaloop.config import ModelConfig, RunConfig, save_yaml
 from megaloop.training import checkpoint as ckpt
-from megaloop.training import optimizer
-from megaloop.training.trainer import Trainer
-from tests.training.conftest import one_line, tiny_run
+from tests.training.conftest import one_line
 
 
 # ----------------------------------------------------------------------- architecture (13.6)
@@ -146,11 +144,9 @@ def _saved_moe(tmp_path, **train) -> RunConfig:
 
 @pytest.mark.parametrize("optimizer_format", ["dp_reshardable", "fully_reshardable"])
 def test_optimizer_state_resumes_only_into_its_own_expert_parallel_size(tmp_path,
-                                                                         optimizer_format,
-                                                                         monkeypatch):
+                                                                         optimizer_format):
     import dataclasses
 
-    monkeypatch.setattr(optimizer, "fully_reshardable_loads", lambda: True)  # as with TE installed
     saved = _saved_moe(tmp_path)
     saved.checkpoint.optimizer_format = optimizer_format
     path = tmp_path / "iter_0000001"
@@ -185,28 +181,3 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(tmp_path, distri
         f"{distributed}, or set checkpoint.load_optimizer=false to start from its weights")
     ckpt.check_optimizer_state(path, dataclasses.replace(now, checkpoint=dataclasses.replace(
         now.checkpoint, load_optimizer=False)))
-
-
-def test_fully_reshardable_state_is_refused_where_torch_adam_cannot_load_it(mcore, tmp_path,
-                                                                              pattern_data):
-    """Without Transformer Engine or Apex, megatron-core 0.16.1 loads fully_reshardable state
-    with a KeyError 'step' traceback. Before: such a run saved it, and every resume failed so."""
-    if optimizer.fully_reshardable_loads():
-        pytest.skip("Transformer Engine or Apex installed: fully_reshardable state loads")
-    saved = _saved_moe(tmp_path)
-    saved.checkpoint.optimizer_format = "fully_reshardable"
-    path = tmp_path / "iter_0000001"
-    save_yaml(saved, path / "config.yaml")
-    with pytest.raises(ckpt.CheckpointError) as error:
-        ckpt.check_optimizer_state(path, saved)
-    assert one_line(error) == (
-        f"{path} holds distributed-optimizer state in checkpoint.optimizer_format="
-        "fully_reshardable, which megatron-core cannot load with torch's Adam (Transformer "
-        "Engine and Apex are not installed here; KeyError 'step'); resume where they are "
-        "installed, or set checkpoint.load_optimizer=false to start from its weights")
-    cfg = tiny_run(pattern_data, tmp_path / "run",
-                   checkpoint={"optimizer_format": "fully_reshardable"})
-    with pytest.raises(ConfigError, match="^checkpoint.optimizer_format='fully_reshardable': "
-                                          "distributed-optimizer state saved so, which "):
-        Trainer(cfg)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["cache"]  # indices only

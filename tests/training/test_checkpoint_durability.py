@@ -163,11 +163,11 @@ def _run_script(tmp_path, code: str):
     import subprocess
     import sys
 
-    from tests.training.test_preemption import _env
+    from tests.training.process_groups import script_env
 
     script = tmp_path / "user_script.py"
     script.write_text(code)
-    return script, subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path,
+    return script, subprocess.run([sys.executable, str(script)], env=script_env(), cwd=tmp_path,
                                   capture_output=True, text=True, timeout=300)
 
 

@@ -232,3 +232,44 @@ def test_overlap_with_tied_copies_on_several_stages(data, tmp_path, layout, dist
         assert max(len(c) for c in copies.values()) == (6 if model else 4)
         for key, tensors in copies.items():
             assert all(torch.equal(t, tensors[0]) for t in tensors), key
+
+
+def test_the_forced_all_reduce_line_is_dropped_and_the_loggers_other_lines_kept(mcore, caplog):
+    """megatron-core logs "Performing reduction using all_reduce because force_all_reduce=True"
+    at INFO at every reduction of a bucket holding tied copies (distributed optimizer with
+    overlap_grad_reduce): a line per step where its logger is at INFO (api.py, notebooks)."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    from megaloop.training import ddp as ddp_module
+
+    class Tied(MegatronModule):
+        def __init__(self):
+            super().__init__(TransformerConfig(num_layers=1, hidden_size=8,
+                                               num_attention_heads=1))
+            self.copy = torch.nn.Linear(8, 8)
+
+    model = Tied()
+    parallel = SimpleNamespace(overlap_grad_reduce=True, overlap_param_gather=False,
+                               ddp_bucket_size=None)
+    wrapped = ddp_module.wrap_for_training(model, torch.float32, True, parallel, chunk=0,
+                                           all_reduced=set(model.parameters()))
+    name = "megatron.core.distributed.param_and_grad_buffer"
+    caplog.set_level(logging.INFO, logger=name)
+
+    def reduced() -> list[str]:
+        caplog.clear()
+        wrapped.start_grad_sync()
+        wrapped.finish_grad_sync()
+        logging.getLogger(name).info("another line")
+        return [record.getMessage() for record in caplog.records if record.name == name]
+
+    assert reduced() == ["another line"]
+    logging.getLogger(name).removeFilter(ddp_module._not_forced_all_reduce)
+    try:  # what megatron-core logs without the filter: the test sees the forced reduction
+        assert reduced() == [ddp_module._FORCED_ALL_REDUCE, "another line"]
+    finally:
+        logging.getLogger(name).addFilter(ddp_module._not_forced_all_reduce)

@@ -21,14 +21,9 @@ from megaloop.training import checkpoint as ckpt
 from megaloop.training.signals import StopSignals
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
-from tests.training.process_groups import end_group, processes_in_group, wait_until_group_ends
-
-REPO = Path(__file__).parents[2]
-
-
-def _env():
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
+from tests.training.process_groups import (end_group, processes_in_group, script_env,
+                                          start_in_own_session, wait_for_log,
+                                          wait_until_group_ends)
 
 def _train_lines(out_dir: Path) -> list[dict]:
     path = out_dir / "metrics.jsonl"
@@ -40,11 +35,8 @@ def _train_lines(out_dir: Path) -> list[dict]:
 
 def _train(tmp_path: Path, *overrides: str, log: str = "train.log") -> subprocess.Popen:
     """megaloop-train on ``tmp_path/run.yaml``, leader of a process group of its own."""
-    with open(tmp_path / log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "megaloop.train", "--config",
-                                 str(tmp_path / "run.yaml"), *overrides], env=_env(),
-                                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    return start_in_own_session(["-m", "megaloop.train", "--config", str(tmp_path / "run.yaml"),
+                                 *overrides], tmp_path, tmp_path / log)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
@@ -113,16 +105,14 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(mcore, pat
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "crash.py").write_text(KILL_DURING_SECOND_SAVE)
     log = tmp_path / "crash.log"
-    with open(log, "w") as out:
-        # Own session: the killed trainer's helper processes (dist_checkpointing's writer
-        # manager) are orphaned, and killing the group cleans them up.
-        proc = subprocess.Popen([sys.executable, str(tmp_path / "crash.py"),
-                                 str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=300)
-        finally:
-            end_group(proc.pid)
+    # Own session: the killed trainer's helper processes (dist_checkpointing's writer manager)
+    # are orphaned, and killing the group cleans them up.
+    proc = start_in_own_session([str(tmp_path / "crash.py"), str(tmp_path / "run.yaml")],
+                                tmp_path, log)
+    try:
+        returncode = proc.wait(timeout=300)
+    finally:
+        end_group(proc.pid)
     assert returncode == -signal.SIGKILL, log.read_text()[-2000:]
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "iter_0000004.tmp").is_dir()
@@ -175,17 +165,11 @@ def test_kill_9_while_a_background_write_is_in_flight_leaves_the_previous_checkp
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "hang.py").write_text(HANG_AFTER_WRITING_STEP_4)
     log = tmp_path / "hang.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(tmp_path / "hang.py"),
-                                 str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_in_own_session([str(tmp_path / "hang.py"), str(tmp_path / "run.yaml")],
+                                tmp_path, log)
     try:
-        deadline = time.time() + 300
-        while not ("completion not reported" in log.read_text()
-                   and any(line["step"] == 5 for line in _train_lines(tmp_path))):
-            assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.time() < deadline, log.read_text()[-2000:]
-            time.sleep(0.2)
+        wait_for_log(proc, log, lambda text: "completion not reported" in text and any(
+            line["step"] == 5 for line in _train_lines(tmp_path)), timeout_s=300)
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
         # The writer, which holds the run directory's lock too (a fork), may die after the trainer.
@@ -227,7 +211,7 @@ def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_da
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "start_up.py").write_text(SIGTERM_DURING_START_UP)
     proc = subprocess.run([sys.executable, str(tmp_path / "start_up.py"),
-                           str(tmp_path / "run.yaml")], env=_env(), cwd=tmp_path,
+                           str(tmp_path / "run.yaml")], env=script_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert "importing torch; SIGTERM handled: True" in proc.stdout, proc.stdout
     assert proc.returncode == EXIT_RESUMABLE, proc.stderr[-2000:]
@@ -341,7 +325,7 @@ def _two_stop_signals_while_hung(tmp_path: Path, cfg, hang: tuple[str, str, int]
     out, err = tmp_path / "hang.out", tmp_path / "hang.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen([sys.executable, str(tmp_path / "hang.py"),
-                                 str(tmp_path / "run.yaml"), *map(str, hang)], env=_env(),
+                                 str(tmp_path / "run.yaml"), *map(str, hang)], env=script_env(),
                                 cwd=tmp_path, stdout=stdout, stderr=stderr,
                                 start_new_session=True)
     try:

@@ -285,6 +285,24 @@ def test_a_change_a_resume_applies_is_one_line(tmp_path, caplog, section, field,
                 "in effect from step 5")]
 
 
+def test_a_start_from_another_runs_weights_names_each_changed_model_setting(tmp_path, caplog):
+    """checkpoint.load with load_optimizer=false: before, a checkpoint trained at iterations=6
+    loaded into a run of iterations=3 without a word (a resume logs each change)."""
+    from megaloop.training.checkpoint import CheckpointError
+
+    path, cfg = _checkpoint(tmp_path, model={"iterations": 6, "init_std": 0.02})
+    fresh = _changed(_changed(cfg, "checkpoint", load=str(path), load_optimizer=False),
+                     "train", out_dir=str(tmp_path / "new"), clip_grad=0.5)  # train: its own
+    assert _check(path, fresh, caplog) == []
+    where = f"start from the weights of {path}: model"
+    assert _check(path, _changed(fresh, "model", iterations=3, init_std=0.5), caplog) == [
+        (logging.WARNING, f"{where}.iterations changed from 6 to 3; this run's value applies"),
+        (logging.INFO, f"{where}.init_std changed from 0.02 to 0.5; no effect (it initialises "
+                       "weights, and these come from the checkpoint)")]
+    with pytest.raises(CheckpointError, match="different architecture: model.hidden_size"):
+        _check(path, _changed(fresh, "model", hidden_size=64), caplog)
+
+
 def test_check_resume_without_report_refuses_alike_and_logs_nothing(tmp_path, caplog):
     """megaloop.gsm8k checks a rerun before writing anything; its trainer logs the changes. Before:
     it silenced the megaloop.train logger around the trainer's checks, repeated there."""
@@ -481,13 +499,17 @@ def test_latentloop_iterations_are_refused_before_the_model_is_built(tmp_path, c
                           "from step 5")]
 
 
-def test_another_runs_checkpoint_is_compared_only_when_its_optimizer_state_is_loaded(tmp_path,
-                                                                                    caplog):
+def test_another_runs_checkpoint_is_compared_whole_only_when_its_optimizer_state_is_loaded(
+        tmp_path, caplog):
     path, cfg = _checkpoint(tmp_path)
     elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path),
                          load_optimizer=False)
     elsewhere.model.init_std = 0.5
-    assert _check(path, elsewhere, caplog) == []  # a new run from the weights
+    # A new run from the weights: only its model settings are compared, each noted.
+    assert _check(path, elsewhere, caplog) == [
+        (logging.INFO, f"start from the weights of {path}: model.init_std changed from 0.02 to "
+                       "0.5; no effect (it initialises weights, and these come from the "
+                       "checkpoint)")]
     elsewhere.checkpoint.load_optimizer = True
     elsewhere.model.init_std = cfg.model.init_std
     elsewhere.train.clip_grad = 0.5
@@ -537,18 +559,12 @@ def test_every_rank_takes_rank_zeros_verdict_on_a_resume(tmp_path):
 
 
 def test_a_changed_optimizer_format_reads_the_checkpoint_in_its_own(run_stopped_at_step_4,
-                                                                    pattern_data, tmp_path,
-                                                                    monkeypatch):
+                                                                    pattern_data, tmp_path):
     """checkpoint.optimizer_format is that of the saves from the resume on. Before: the resume
     read the dp_reshardable checkpoint as fully_reshardable, a CheckpointError holding
     megatron-core's list of every missing key."""
-    from megaloop.training import optimizer
     from megaloop.training.checkpoint import saved_config
     from tests.training.conftest import train_losses
-
-    # As where Transformer Engine is installed: here a fully_reshardable save is refused, since
-    # torch's Adam could not load it (test_checkpoint); this run only saves it.
-    monkeypatch.setattr(optimizer, "fully_reshardable_loads", lambda: True)
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -76,3 +76,25 @@ def test_a_load_one_rank_refuses_is_refused_on_every_rank(tmp_path, refusal, say
                              refusal=refusal)
     assert errors[0] == errors[1] and says in errors[0], errors
     assert "\n" not in errors[0]
+
+
+
+
+def test_a_piece_requested_twice_with_one_tensor_is_loaded_into_it_once(mcore, tmp_path):
+    """Two requests for one piece that share their tensor (one state reached by two paths): the
+    second gets that tensor as loaded, written no more times than by a load of one request (its
+    version counter: every in-place write bumps it). Before, it was copied onto itself."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megaloop.training.checkpoint_load import load_checkpoint
+
+    _save(tmp_path)
+    once, shared = torch.zeros(8), torch.zeros(8)
+    load_checkpoint(tmp_path, {"w": ShardedTensor.from_rank_offsets("w", once)})
+    loaded = load_checkpoint(tmp_path, {
+        "chunk0": {"w": ShardedTensor.from_rank_offsets("w", shared)},
+        "chunk2": {"w": ShardedTensor.from_rank_offsets("w", shared, replica_id=1)}})
+    assert torch.equal(shared, torch.arange(8.0))
+    assert loaded["chunk2"]["w"].data_ptr() == loaded["chunk0"]["w"].data_ptr() == \
+        shared.data_ptr()
+    assert shared._version == once._version > 0

@@ -1,6 +1,10 @@
 """checkpoint.async_save off and on, side by side: the same small training run (the same data,
-seed and saves) with each, alternately (sync first in even rounds, async in odd ones), in one
-process on the CPU. Prints JSON.
+seed and saves) with each, alternately (in order in even rounds, reversed in odd ones), in one
+process on the CPU. Prints JSON. A third mode, ``sync_in_trainer``, saves synchronously as
+megatron-core's own synchronous save does, the write in the training process (the workers forked
+from it), not in megaloop's watched writer process: what that process costs a synchronous save
+(``sync_writer_process_s_per_save``); megaloop does not save so, since a worker killed mid-write
+would leave the save waiting for ever (megaloop.training.checkpoint_writer).
 
     OMP_NUM_THREADS=1 python tools/bench/async_save.py [--steps 24 --save-interval 4 --rounds 2]
 
@@ -24,10 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from megaloop.cli import int_at_least
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "sync_in_trainer")
 
 
 def _write_data(prefix: Path, documents: int = 400, vocab: int = 1024, seed: int = 0) -> str:
@@ -63,10 +68,26 @@ def _config(args, data: str, out_dir: Path, asynchronous: bool):
                                     async_save=asynchronous))
 
 
+def _write_in_trainer(save, state, queue) -> None:
+    """In place of checkpoint_save._write: megatron-core's own synchronous save (the request
+    executed in this process), after the same agreement that every rank got this far."""
+    from megatron.core import dist_checkpointing
+
+    from megaloop.training.collective import any_rank
+
+    request = dist_checkpointing.save(state, str(save.tmp), async_sharded_save=True)
+    any_rank(False)
+    request.execute_sync()
+
+
 def _run(args, data: str, out_dir: Path, mode: str) -> dict:
+    from megaloop.training import checkpoint_save
     from megaloop.training.trainer import Trainer
 
-    with contextlib.redirect_stdout(sys.stderr):  # the progress lines: stdout is the JSON's
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # stdout is the JSON's
+        if mode == "sync_in_trainer":
+            stack.enter_context(mock.patch.object(checkpoint_save, "_write", _write_in_trainer))
         trainer = Trainer(_config(args, data, out_dir, mode == "async"))
         started = time.perf_counter()
         result = trainer.train()
@@ -97,6 +118,9 @@ def _summary(runs: list[dict], steps: int) -> dict:
     summary["async_over_sync_blocked"] = round(
         summary["async"]["blocked_s_per_save_median"]
         / summary["sync"]["blocked_s_per_save_median"], 3)
+    summary["sync_writer_process_s_per_save"] = round(
+        summary["sync"]["blocked_s_per_save_median"]
+        - summary["sync_in_trainer"]["blocked_s_per_save_median"], 3)
     return summary
 
 
@@ -123,11 +147,10 @@ def main(argv=None):
 
     quiet_third_party_warnings()
     log_to_stderr()
-    # megatron-core starts it at a process's first save (a spawned process: seconds).
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        _get_write_results_queue)
+    # A process's first save starts it (a spawned process: seconds).
+    from megaloop.training.checkpoint_writer import start_results_queue
 
-    _get_write_results_queue()
+    start_results_queue()
     with tempfile.TemporaryDirectory(prefix="megaloop-async-save-") as workdir:
         work = Path(workdir)
         data = _write_data(work / "random")
