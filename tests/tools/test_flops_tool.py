@@ -29,8 +29,9 @@ def test_a_measured_count_off_the_analytical_one_names_it(load_tool, monkeypatch
 
     def measure(cfg):
         diff = next(measured)
-        return [dict(phase="backward", recompute="full", counted=100 + diff, analytical=100.0,
-                     rel_diff_pct=diff)]
+        return dict(measured=[dict(phase="backward", recompute="full", modules=[],
+                                   counted=100 + diff, analytical=100.0, rel_diff_pct=diff)],
+                    skipped=[])
 
     monkeypatch.setattr(tool, "measure", measure)
     assert tool.main(["--measure"]) == 1
@@ -51,9 +52,30 @@ def test_json_means_json_with_measure_too(load_tool, monkeypatch, capsys):
     import json
 
     tool = load_tool("flops")
-    monkeypatch.setattr(tool, "measure", lambda cfg: [dict(
-        phase="forward", recompute="none", counted=100.0, analytical=100.0, rel_diff_pct=0.0)])
+    monkeypatch.setattr(tool, "measure", lambda cfg: dict(measured=[dict(
+        phase="forward", recompute="none", modules=[], counted=100.0, analytical=100.0,
+        rel_diff_pct=0.0)], skipped=[]))
     assert tool.main(["--measure", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["model"] for r in results] == ["asymloop", "asymloop_moe", "latentloop"]
     assert results[0]["measured"][0]["counted"] == 100.0
+
+
+def test_measure_counts_every_selective_module_the_model_has(load_tool, mcore):
+    """Before: --measure ran selective recomputation of core_attn only, so the replays of mlp,
+    moe and shared_experts (and the shared expert's third run under both) went unchecked."""
+    tool = load_tool("flops")
+    cfg = preset("tiny", arch="asymloop", iterations=2, num_layers=2, hidden_size=32,
+                 ffn_hidden_size=64, num_attention_heads=2, seq_length=16, vocab_size=64,
+                 num_experts=2, moe_top_k=2, moe_layers="decoder", moe_shared_expert_size=32)
+    result = tool.measure(cfg)
+    backward = {tool.recompute_label(r): r for r in result["measured"] if r["phase"] == "backward"}
+    assert set(backward) == {"none", "core_attn", "mlp", "moe", "shared_experts",
+                             "moe+shared_experts", "full"}
+    assert all(r["counted"] == r["analytical"] for r in result["measured"])
+    # each replay costs FLOPs, the shared expert's third run under moe+shared_experts included
+    assert (backward["none"]["counted"] < backward["shared_experts"]["counted"]
+            < backward["moe"]["counted"] < backward["moe+shared_experts"]["counted"])
+    skipped = {"+".join(s["modules"]): s["reason"] for s in result["skipped"]}
+    assert set(skipped) == {"layernorm", "moe_act"}  # Transformer Engine only, not on this CPU
+    assert all("Transformer Engine" in reason for reason in skipped.values())
