@@ -158,6 +158,16 @@ esac
 """
 
 
+def _free_port() -> str:
+    """A rendezvous port of the job's own: the job-derived one (20000 + SLURM_JOB_ID, 42 in every
+    test) collides when two of these jobs run at once, under pytest-xdist or beside another run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
     """A job script (the 7B one) under stubbed srun and scontrol (STUB_TASKS: "stop", "crash",
     or "exec": srun runs the job's command as one task; ``settings``: more environment, e.g.
@@ -231,7 +241,7 @@ def test_a_stop_signal_while_the_tasks_interpreter_starts_stops_set_up_and_reque
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_START)
     job, log = _job(tmp_path, "exec", "60M", "dense", "train.precision=fp32",
-                    script="train_paper.sh", STUB_HOST="127.0.0.1", MASTER_PORT="0",
+                    script="train_paper.sh", STUB_HOST="127.0.0.1", MASTER_PORT=_free_port(),
                     OMP_NUM_THREADS="1", PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}")
     deadline = time.monotonic() + 60
     while "interpreter starting" not in log.read_text():
@@ -277,7 +287,7 @@ def test_a_run_directory_a_config_file_puts_outside_the_containers_mounts_is_ref
     (tmp_path / "run.yaml").write_text(f"checkpoint:\n  dir: {elsewhere}\n")
     job, log = _job(tmp_path, "exec", "60M", "dense", "train.precision=fp32", "--config",
                     str(tmp_path / "run.yaml"), script="train_paper.sh", STUB_HOST="127.0.0.1",
-                    MASTER_PORT="0", OMP_NUM_THREADS="1", IMAGE="/images/megaloop.sqsh",
+                    MASTER_PORT=_free_port(), OMP_NUM_THREADS="1", IMAGE="/images/megaloop.sqsh",
                     MOUNTS=f"/data,{tmp_path}:{tmp_path}:rw", PYTHONPATH=str(REPO))
     assert job.wait(timeout=120) == 2, (tmp_path / "job.out").read_text()
     out = (tmp_path / "job.out").read_text()
