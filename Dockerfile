@@ -29,12 +29,14 @@ COPY examples ./examples
 # MPI where the image has none (CPU). NGC's image has its own, HPC-X (Open MPI, its mpirun first on
 # PATH): there the wheel's libmpi and mpiexec would shadow it, and ranks that HPC-X's mpirun starts
 # would each be a world of one under MPICH's library. mpi4py is built from source against the
-# image's MPI instead (its mpicc), and checked to run on Open MPI.
+# image's MPI instead (its mpicc), and checked to link Open MPI: without starting MPI, which the
+# standard allows MPI_Get_library_version before, and which as root in a build may be refused.
 RUN if [ "${DEVICE}" = gpu ]; then \
       pip install --no-cache-dir -e ".[hf,eval]" "megatron-core==${MEGATRON_CORE}" \
       && mpicc="$(command -v mpicc)" \
       && MPICC="${mpicc}" pip install --no-cache-dir --no-binary=mpi4py "mpi4py==4.1.2" \
-      && python -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'Open MPI' in v, v" \
+      && python -c "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; \
+                    v = MPI.Get_library_version(); assert 'Open MPI' in v, v" \
       && python -c "import transformer_engine"; \
     else \
       pip install --no-cache-dir -e ".[mpi,hf,eval]" "megatron-core==${MEGATRON_CORE}"; \
