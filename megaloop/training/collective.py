@@ -43,17 +43,25 @@ def rank0_decides(compute: Callable[[], T], errors: tuple[type[Exception], ...])
     raise errors[kind](decided_on_every_rank(value))
 
 
-def any_rank(flag: bool) -> bool:
-    """Collective: whether ``flag`` is true on any rank; one all-reduce of one number, cheap
-    enough for every checkpoint save (object collectives pickle, and send twice)."""
-    if _world() == 1:
-        return flag
-    # NCCL only takes CUDA tensors, gloo CPU ones.
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+def collective_device() -> torch.device:
+    """Where collectives' tensors live: NCCL only takes CUDA tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+
+
+def max_over_ranks(value: int) -> int:
+    """Collective: the largest of every rank's ``value``; one all-reduce of one number, cheap
+    enough for every step and every checkpoint save (object collectives pickle, and send twice)."""
+    if _world() == 1:
+        return value
+    largest = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank."""
+    return bool(max_over_ranks(int(flag)))
 
 
 def first_error(error: str | None) -> str | None:

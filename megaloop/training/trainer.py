@@ -37,7 +37,7 @@ from megaloop.config import (RunConfig, flat_settings, micro_batches_per_step, s
                              to_dict)
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_state import load_training_state, sharded_state
-from megaloop.training.collective import is_rank0
+from megaloop.training.collective import any_rank, collective_device, is_rank0, max_over_ranks
 from megaloop.training.data import MicroBatches, build_datasets
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
@@ -66,12 +66,6 @@ class StepOutcome(NamedTuple):
 
 class _StoppedDuringSetUp(Exception):
     """A stop signal was agreed at a set-up phase boundary; the message names the phase done."""
-
-
-def _device() -> torch.device:
-    """Where collectives' tensors live: NCCL only takes CUDA tensors, gloo CPU ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
 
 
 def _precision(cfg: RunConfig) -> str:
@@ -338,7 +332,7 @@ class Trainer:
         )
         # Loss sums exist on the last pipeline stage only: reduce them so that every rank (all
         # stages, all data-parallel replicas) agrees on the loss and on whether it is finite.
-        totals = torch.zeros(2, device=_device())
+        totals = torch.zeros(2, device=collective_device())
         for out in outputs:
             totals += out["lm loss"].float().to(totals.device)
         if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -456,9 +450,7 @@ class Trainer:
         for ddp in self.ddps:  # all-gathers deferred to the next forward (so before any save)
             ddp.gather_params()
         finite = all(bool(torch.isfinite(p).all()) for m in self.models for p in m.parameters())
-        flag = torch.tensor([1.0 if finite else 0.0], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return not any_rank(not finite)
 
     def current_lr(self) -> float:
         """The base LR (multiplier 1) the next optimizer step will use."""
@@ -488,11 +480,10 @@ class Trainer:
         """Agreed by all ranks, since each may have seen the signal at a different moment. A rank
         that has not takes a signal one that has received (the stop is said by rank 0 alone)."""
         signals = self.stop_signals
-        received = torch.tensor([float(signals.received or 0)], device=_device())
-        dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        if received.item() and signals.received is None:
-            signals.received = int(received.item())
-        return bool(received.item())
+        received = max_over_ranks(signals.received or 0)
+        if received and signals.received is None:
+            signals.received = received
+        return bool(received)
 
     def _stop_point(self, done: str) -> None:
         """A set-up phase boundary (collective): a stop signal any rank has received ends set-up
