@@ -209,7 +209,10 @@ def _write(save: _Save, state: dict, queue) -> None:
         save.writer = queue.async_calls[-1].async_caller.process
         return
     if len(queue.async_calls) > started:  # this rank's write started: it would write on
-        queue.async_calls.pop().async_caller.close(abort=True)
+        caller = queue.async_calls.pop().async_caller
+        writer = caller.process
+        caller.close(abort=True)  # a SIGKILL, not waited for (and forgets the process)
+        writer.join()  # gone, not exiting, once the save's failure is reported
         _drop_results()
     queue.call_idx = call_idx  # counted on the ranks that got as far: the finalize compares them
     # Also the barrier that keeps rank 0 from removing iter_N.tmp before every write is killed.

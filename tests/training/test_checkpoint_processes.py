@@ -35,11 +35,17 @@ def _refuse_the_second_fork(monkeypatch) -> None:
     monkeypatch.setattr(os, "fork", refused)
 
 
-def _forks(process: psutil.Process) -> list[psutil.Process]:
+def _forks(process: psutil.Process) -> list[str]:
     """The children of ``process`` forked from it (a writer), not spawned (the results-queue
-    manager runs another command line)."""
-    return [child for child in process.children()
-            if child.status() != psutil.STATUS_ZOMBIE and child.cmdline() == process.cmdline()]
+    manager), each as its pid and command line: what a rank can send back (a psutil.Process
+    holds a lock, which does not pickle). Not told apart by their command lines: a spawned
+    child's names its descriptors, which can be the numbers in its parent's own."""
+    import multiprocessing.context
+
+    spawned = {child.pid for child in multiprocessing.active_children()
+               if isinstance(child, multiprocessing.context.SpawnProcess)}
+    return [f"{child.pid}: {' '.join(child.cmdline())}" for child in process.children()
+            if child.status() != psutil.STATUS_ZOMBIE and child.pid not in spawned]
 
 
 def _fork_refused_on_rank_1(rank, world_size, data_prefix, out_dir, async_save):
