@@ -45,15 +45,12 @@ def check_tokenizer(tokenizer, given: str | None, tokenizer_type: str, data: dic
     of the model's embedding (ConfigError): else the accuracy would be computed from ids the model
     never learned, or fail at the embedding."""
     from megaloop.config import ConfigError, DataConfig, from_dict
-    from megaloop.hf.tokenizer import check_against_data, check_encodes_like
+    from megaloop.hf.tokenizer import check_stands_in_for_runs
 
     run_tokenizer, eod_id = data.get("tokenizer_model"), data.get("eod_id")
-    if run_tokenizer is not None and Path(run_tokenizer).exists():
-        check_encodes_like(given or run_tokenizer, run_tokenizer, tokenizer_type=tokenizer_type,
-                           original_type=run_tokenizer_type(data),
-                           legacy=bool(data.get("legacy_tokenizer")))
-    elif run_tokenizer is not None and given is not None:  # the run's moved: ``given`` for it
-        check_against_data(given, from_dict(DataConfig, data), tokenizer_type=tokenizer_type)
+    if run_tokenizer is not None:  # ``given`` is None only where the run's was found and read
+        check_stands_in_for_runs(given or run_tokenizer, from_dict(DataConfig, data),
+                                 tokenizer_type=tokenizer_type)
     if run_tokenizer is None and eod_id is not None and tokenizer.eod != eod_id:
         # A run on pre-tokenized data names only its EOD: decoding would not stop at it.
         raise ConfigError(f"--tokenizer {given}: ends documents with id {tokenizer.eod}, the "

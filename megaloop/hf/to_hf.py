@@ -214,13 +214,9 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
             "the run's data.tokenizer_model"
         raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                               "--tokenizer PATH, or --no-tokenizer")
-    from megaloop.hf.tokenizer import check_against_data, check_encodes_like, write_tokenizer
+    from megaloop.hf.tokenizer import check_stands_in_for_runs, write_tokenizer
 
-    if data.tokenizer_model is not None and Path(data.tokenizer_model).exists():
-        check_encodes_like(tokenizer, data.tokenizer_model, tokenizer_type=data.tokenizer_type,
-                           original_type=data.tokenizer_type, legacy=data.legacy_tokenizer)
-    elif data.tokenizer_model is not None:  # moved or deleted: ``tokenizer`` is its stand-in
-        check_against_data(tokenizer, data, tokenizer_type=data.tokenizer_type)
+    check_stands_in_for_runs(tokenizer, data, tokenizer_type=data.tokenizer_type)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     special_tokens = write_tokenizer(tokenizer, staging, vocab_size, data.tokenizer_type,
                                      data.legacy_tokenizer)

@@ -182,3 +182,17 @@ def check_against_data(path: str | Path, data, *, tokenizer_type: str | None) ->
                     f"data was tokenized with {key}={record[key]} (by "
                     f"{record.get('tokenizer_model')!r}; not the tokenizer this model was trained "
                     "with)")
+
+
+def check_stands_in_for_runs(path: str | Path, data, *, tokenizer_type: str | None) -> None:
+    """The tokenizer at ``path`` (read as ``tokenizer_type``) in place of the run's (``data``, the
+    run's DataConfig): where the run's ``data.tokenizer_model`` is still there, it must encode as
+    that does (``check_encodes_like``); where it is gone, match what the run's data says it was
+    tokenized with (``check_against_data``). Nothing to compare with for a run without one."""
+    if data.tokenizer_model is None:
+        return
+    if Path(data.tokenizer_model).exists():
+        check_encodes_like(path, data.tokenizer_model, tokenizer_type=tokenizer_type,
+                           original_type=data.tokenizer_type, legacy=data.legacy_tokenizer)
+    else:
+        check_against_data(path, data, tokenizer_type=tokenizer_type)
