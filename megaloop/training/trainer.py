@@ -239,6 +239,11 @@ class Trainer:
                                               fp8=cfg.train.resolved_fp8_recipe,
                                               stage=chunk * par.pipeline + rank)
                        for chunk in range(par.virtual_pipeline)]
+        # On the device before anything reads their tensors, as Megatron-LM's get_model moves
+        # them: megatron-core's MoE routers and megaloop's local-spec norms are made on the CPU,
+        # and the tied copies' first sync below is a collective, which NCCL runs on CUDA only.
+        for model in self.models:
+            model.to(collective_device())
         self.model = self.models[0]
         if par.pipeline > 1 and dist.get_rank() == 0:
             counts = stage_counts(cfg.model, par)
