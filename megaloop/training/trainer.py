@@ -70,9 +70,10 @@ class _StoppedDuringSetUp(Exception):
 
 def _precision(cfg: RunConfig) -> str:
     if cfg.train.precision == "fp8":
-        from megaloop.platform.fp8 import check_fp8_support
+        from megaloop.platform.fp8 import check_fp8_shapes, check_fp8_support
 
         check_fp8_support(cfg.train.resolved_fp8_recipe)
+        check_fp8_shapes(cfg)
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if torch.cuda.is_available() else "fp32"
