@@ -8,6 +8,8 @@ naming the setting, before any process group or model exists.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megaloop.config import ConfigError
 
 # megaloop's recipe name -> the Transformer Engine recipe class it needs.
@@ -54,7 +56,7 @@ def _gemm_dims(cfg) -> list[tuple[str, int, str]]:
     Transformer Engine's linears inside the layers' forward, where megatron-core enters FP8 (not
     the output layer, the routers, LatentLoop's width projections, nor the Global K/V projection,
     which runs before the decoder's layers). Grouped-GEMM experts pad their tokens themselves."""
-    model, par, train = cfg.model, cfg.parallel, cfg.train
+    model, par, train = dataclasses.replace(cfg.model).resolve(), cfg.parallel, cfg.train
     tp = par.tensor
     split = " / parallel.tensor" if tp > 1 else ""
     tokens = train.micro_batch_size * model.seq_length // (tp if par.sequence_parallel else 1)
