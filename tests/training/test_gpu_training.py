@@ -1,6 +1,7 @@
 """GPU checks of the trainer (marker ``gpu``; skipped without CUDA): one-GPU training over NCCL with
 Float16Module, the fused joint attention on CUDA and, with Transformer Engine, each FP8 recipe the
-GPU runs; a save and resume reproduces the uninterrupted losses."""
+GPU runs; a save and resume reproduces the uninterrupted losses; a background checkpoint write
+holds the values saved while the trainer goes on pinning host memory."""
 
 
 import pytest
