@@ -67,8 +67,8 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
     what the run would refuse at start-up without reading the data: a layout the world cannot
     hold, a global batch that does not split into its micro-batches, a tokenizer larger than
     ``model.vocab_size`` or that cannot be loaded, a ``data.eod_id`` no token can have, a
-    malformed ``data.path`` blend, FP8 with sizes its GEMMs refuse. A tokenizer or data file absent here (a cluster recipe sized
-    on another machine) is noted, not refused."""
+    malformed ``data.path`` blend, FP8 with sizes its GEMMs refuse. A tokenizer or data file
+    absent here (a cluster recipe sized on another machine) is noted, not refused."""
     from megaloop.training.data import dataset_tokenizer
 
     gpus_per_node = gpus_per_node or processes_per_node()
