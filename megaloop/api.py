@@ -19,11 +19,12 @@ def build(preset_name: str = "tiny", *, seed: int = 1234, **overrides):
     """Builds preset ``preset_name`` with ``ModelConfig`` field overrides in this process.
 
     Sets up a one-process group (gloo on CPU) and megatron-core's parallel state unless a process
-    group already exists, in which case the caller's setup is used as it is.
+    group already exists, in which case the caller's setup is used as it is. On a GPU the model
+    is on the current device (its inputs go there too).
     """
     from megaloop.presets import preset
 
-    return _build(preset(preset_name, **overrides), seed)
+    return _on_device(_build(preset(preset_name, **overrides), seed))
 
 
 def _build(cfg, seed: int, initialize: bool = True):
@@ -58,8 +59,15 @@ def load(checkpoint: str | os.PathLike, **overrides):
 
 
 def _build_on_device(cfg):
-    model = _build(cfg, seed=0, initialize=False)  # every weight comes from the checkpoint
-    return model.cuda() if torch.cuda.is_available() else model
+    return _on_device(_build(cfg, seed=0, initialize=False))  # every weight is loaded next
+
+
+def _on_device(model):
+    """``model`` on this process's device, whole: on a GPU megatron-core makes its layers there,
+    but megaloop's local-spec norms, LatentLoop's scales and the MoE routers on the CPU."""
+    from megaloop.training.collective import collective_device
+
+    return model.to(collective_device())
 
 
 def load_with(build, checkpoint: str | os.PathLike, *, export: bool = False, **overrides):

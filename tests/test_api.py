@@ -24,6 +24,17 @@ def test_build_is_reproducible_per_seed_and_takes_any_field(mcore):
     assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
 
 
+def test_build_puts_the_whole_model_on_the_process_device(mcore, monkeypatch):
+    """On a GPU megatron-core makes its layers there and megaloop's norms, LatentLoop's scales
+    and the MoE routers on the CPU: build() returned a model split between the two, which no
+    input could run. Here the process device is the meta device, which nothing is made on."""
+    from megaloop.training import collective
+
+    monkeypatch.setattr(collective, "collective_device", lambda: torch.device("meta"))
+    model = ml.build("tiny", arch="latentloop", num_experts=4, seq_length=32, vocab_size=256)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def test_build_rejects_bad_fields_in_one_line(mcore):
     with pytest.raises(ConfigError, match="model.encoder_layers=9: must be in"):
         ml.build("tiny", arch="asymloop", encoder_layers=9)

@@ -23,8 +23,9 @@
 #   3. does megaloop import without zarr? (zarr is installed only if it does not);
 #   4. the GPU-marked tests: fused joint attention on megatron-core's layouts and the local-spec
 #      model against float64 references, causality, host syncs per step, one-GPU NCCL training
-#      with save and exact resume; with Transformer Engine also the TE spec (causality, parity),
-#      FP8 recompute, delayed-scaling amax against scales, and local <-> TE checkpoints.
+#      with save and exact resume, MoE's alltoall dispatch against the reference; with
+#      Transformer Engine also the TE spec (causality, parity), grouped-GEMM experts, FP8
+#      recompute, delayed-scaling amax against scales, and local <-> TE checkpoints.
 #      Measured numbers: gpu_record.jsonl;
 #   5. benches: fused vs masked joint attention on CUDA; tokens/s and MFU of the 1B preset.
 set -uo pipefail
@@ -87,8 +88,9 @@ else
 fi
 
 # 4. GPU-marked tests
-step pytest_gpu 210 python -m pytest -q -m gpu -rA -p no:cacheprovider \
-  --junitxml "$out/pytest_gpu.xml" tests/models/test_gpu.py tests/training/test_gpu_training.py
+step pytest_gpu 240 python -m pytest -q -m gpu -rA -p no:cacheprovider \
+  --junitxml "$out/pytest_gpu.xml" tests/models/test_gpu.py tests/models/test_moe_gpu.py \
+  tests/training/test_gpu_training.py
 if ! grep -qE "[0-9]+ passed" "$out/pytest_gpu.txt"; then  # all skipped (no CUDA device) is no check
   echo "FAILED pytest_gpu_ran: no GPU-marked test passed"; failed+=(pytest_gpu_ran)
 fi

@@ -1,11 +1,14 @@
-"""Whether this machine can train in FP8 with a given Transformer Engine recipe.
+"""Whether this machine can train a run in FP8 with a given Transformer Engine recipe.
 
 FP8 needs Transformer Engine and a GPU whose tensor cores take FP8 (Hopper, Ada, Blackwell);
-MXFP8 block scaling needs Blackwell, current scaling Transformer Engine >= 2.2. Each missing piece
-is one ConfigError line naming the setting, before any process group or model exists.
+MXFP8 block scaling needs Blackwell, current scaling Transformer Engine >= 2.2; and every FP8 GEMM
+needs sizes its kernels take (``check_fp8_shapes``). Each missing piece is one ConfigError line
+naming the setting, before any process group or model exists.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from megaloop.config import ConfigError
 
@@ -40,3 +43,64 @@ def check_fp8_support(recipe: str) -> None:
                          else manager.is_fp8_available())
     if not available:
         raise ConfigError(f"{setting}: not supported on this GPU ({reason})")
+
+
+# Transformer Engine's FP8 GEMMs (utils.assert_dim_for_fp8_exec, asserted in every FP8 linear's
+# forward): each operand's rows (tokens; a weight's output features) a multiple of 8, the inner
+# dimension they reduce over of 16. MXFP8's 32-element scaling blocks need 32 for both.
+_GEMM_MULTIPLES = {"current": (8, 16), "delayed": (8, 16), "mxfp8": (32, 32)}
+
+
+def _gemm_dims(cfg) -> list[tuple[str, int, str]]:
+    """(what, size on one rank, "rows" or "inner") of every GEMM that runs in FP8: those of
+    Transformer Engine's linears inside the layers' forward, where megatron-core enters FP8 (not
+    the output layer, the routers, LatentLoop's width projections, nor the Global K/V projection,
+    which runs before the decoder's layers). Grouped-GEMM experts pad their tokens themselves."""
+    model, par, train = dataclasses.replace(cfg.model).resolve(), cfg.parallel, cfg.train
+    tp = par.tensor
+    split = " / parallel.tensor" if tp > 1 else ""
+    tokens = train.micro_batch_size * model.seq_length // (tp if par.sequence_parallel else 1)
+    dims = [(f"train.micro_batch_size x model.seq_length"
+             f"{split if par.sequence_parallel else ''}", tokens, "rows")]
+    blocks = [("model", model)]
+    if model.arch == "latentloop":
+        for visit in range(1, model.iterations + 1):
+            block = model.visit_block_config(visit)
+            if block != model:
+                blocks.append((f"visit {visit}'s (model.latent_reduction="
+                               f"{model.latent_reduction!r})", block))
+            if model.visit_reduction(visit) == "sequence":
+                dims.append(("train.micro_batch_size x (model.seq_length // model.latent_stride)",
+                             train.micro_batch_size * (model.seq_length // model.latent_stride),
+                             "rows"))
+    for label, m in blocks:
+        heads, groups, kv = m.num_attention_heads, m.num_query_groups, m.kv_channels
+        dims += [(f"{label} hidden_size", m.hidden_size, "inner"),
+                 (f"{label} num_attention_heads x head dim{split}", heads * kv // tp, "inner"),
+                 (f"{label} (num_attention_heads + 2 x num_query_groups) x head dim{split}",
+                  (heads + 2 * groups) * kv // tp, "rows")]
+        if not m.uses_moe or (m.arch == "asymloop" and m.moe_layers != "all"):
+            dims += [(f"{label} {name}{split}", getattr(m, name) // tp, "inner")
+                     for name in ("ffn_hidden_size", "decoder_ffn_hidden_size")]
+        if m.uses_moe:
+            dims.append((f"{label} moe_ffn_hidden_size{split}", m.moe_ffn_hidden_size // tp,
+                         "inner"))
+            if m.moe_shared_expert_size:
+                dims.append((f"{label} moe_shared_expert_size{split}",
+                             m.moe_shared_expert_size // tp, "inner"))
+    return dims
+
+
+def check_fp8_shapes(cfg) -> None:
+    """Raises ConfigError, naming the setting, when a GEMM of run config ``cfg`` (precision fp8)
+    has a shape Transformer Engine's FP8 GEMMs refuse: they assert it in the first forward pass,
+    after the model is built (the 60M and 1B presets' FFN widths, 1512 and 5461, are such)."""
+    recipe = cfg.train.resolved_fp8_recipe
+    multiples = dict(zip(("rows", "inner"), _GEMM_MULTIPLES[recipe]))
+    for what, size, role in _gemm_dims(cfg):
+        if size % multiples[role]:
+            raise ConfigError(
+                f"train.precision='fp8' (fp8_recipe={recipe!r}): {what} = {size} is a GEMM "
+                f"{'row count' if role == 'rows' else 'inner dimension'}, which Transformer "
+                f"Engine's FP8 GEMMs need to be a multiple of {multiples[role]}; use "
+                "train.precision=bf16, or sizes that are")

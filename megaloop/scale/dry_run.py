@@ -67,12 +67,16 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
     what the run would refuse at start-up without reading the data: a layout the world cannot
     hold, a global batch that does not split into its micro-batches, a tokenizer larger than
     ``model.vocab_size`` or that cannot be loaded, a ``data.eod_id`` no token can have, a
-    malformed ``data.path`` blend. A tokenizer or data file absent here (a cluster recipe sized
-    on another machine) is noted, not refused."""
+    malformed ``data.path`` blend, FP8 with sizes its GEMMs refuse. A tokenizer or data file
+    absent here (a cluster recipe sized on another machine) is noted, not refused."""
     from megaloop.training.data import dataset_tokenizer
 
     gpus_per_node = gpus_per_node or processes_per_node()
     layout = layout_of(cfg.parallel, world_size)
+    if cfg.train.precision == "fp8":  # sizes Transformer Engine's FP8 GEMMs refuse
+        from megaloop.platform.fp8 import check_fp8_shapes
+
+        check_fp8_shapes(cfg)
     tokenizer = cfg.data.tokenizer_model
     notes = []
     if tokenizer is None or os.path.exists(tokenizer):

@@ -15,7 +15,8 @@ signal, on close); after an error that ends training, maybe on one rank alone, `
 it as its ``.tmp``.
 
 What the background write holds is the state of the step saved, however far training has gone:
-megatron-core stages GPU tensors in host memory before it forks the writer process, and on the
+megatron-core stages GPU tensors in host memory before it forks the writer process (the trainer
+holds those copies until the write has ended: ``checkpoint_writer.watched``), and on the
 CPU the fork itself is the snapshot (the writer's pages are copied when training writes to them,
 so memory grows by up to the state's size while a write is in flight). A ``kill -9`` at any
 moment, a crash, or a write that fails leaves ``latest`` on the previous complete checkpoint; a
@@ -28,7 +29,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -56,6 +57,8 @@ class _Save:
     blocked_s: float = 0.0  # the training loop's time spent on this save so far
     scheduled_at: float | None = None  # when its background write began (async_save)
     writer: object = None  # the process of its write, if this rank writes any
+    # The host copies its write reads (pinned on a GPU), held until it has ended (``watched``).
+    staged: list = field(default_factory=list)
 
     @property
     def tmp(self) -> Path:
@@ -200,7 +203,7 @@ def _write(save: _Save, state: dict, queue) -> None:
         error = one_line(e)
     else:
         try:
-            queue.schedule_async_request(watched(request))
+            queue.schedule_async_request(watched(request, save.staged))
         except (Exception, CheckpointException) as e:
             error = f"its writer process did not start: {one_line(e)}"
     if error is not None and dist.is_initialized() and dist.get_world_size() > 1:

@@ -45,12 +45,27 @@ _WATCH_INTERVAL_S = 0.1
 _KILLED = (os.CLD_KILLED, os.CLD_DUMPED)
 
 
-def watched(request):
+def watched(request, staged: list):
     """megatron-core's AsyncRequest ``request``, its writer process watching its workers and
-    this (the training) process."""
+    this (the training) process, and the host copies its preload stages appended to ``staged``,
+    which the caller holds until the write has ended.
+
+    On a GPU the preload copies every tensor into pinned host memory (``non_blocking``), then the
+    writer is forked, and megatron-core 0.16.1 drops its copies at once. Pinned memory is shared
+    with the fork, not copied on write: the trainer's next pinned allocations (a MoE dispatcher's
+    token counts, the next step's copies) could reuse it while the writer still reads it, and the
+    checkpoint would hold their bytes (megatron-core holds them since 0.17, PR #2288)."""
     if request.async_fn is None:  # nothing to write on this rank: no process
         return request
-    return request._replace(async_fn=partial(_write_watched, os.getpid(), request.async_fn))
+    preload = request.preload_fn
+
+    def preload_and_hold():
+        buckets = preload()
+        staged.append(buckets)
+        return buckets
+
+    return request._replace(async_fn=partial(_write_watched, os.getpid(), request.async_fn),
+                            preload_fn=preload_and_hold if preload is not None else None)
 
 
 def start_results_queue() -> None:

@@ -63,16 +63,14 @@ class CollectableDDP(DistributedDataParallel):
 
 def wrap_for_training(model: torch.nn.Module, dtype: torch.dtype, distributed_optimizer: bool,
                       parallel, chunk: int, all_reduced: set = frozenset()) -> CollectableDDP:
-    """``model`` (a chunk whose parameters are in ``dtype``) on the GPU when there is one, with
-    per-token loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32), with
+    """``model`` (a chunk whose parameters are in ``dtype``, on its device), with per-token
+    loss scaling, in Float16Module for bf16 and in DDP (gradients reduced in fp32), with
     ``parallel``'s overlap settings (megaloop.config.run.ParallelConfig). As in Megatron-LM, only
     the first of a rank's model chunks (``chunk`` 0) is cut into buckets: the interleaved
     schedule reduces each later chunk whole after its last backward, which other chunks' compute
     still overlaps. With ``overlap_grad_reduce``, the buckets holding a parameter of
     ``all_reduced`` (tied copies, then summed after the reduction: megaloop.training.tied) are
     all-reduced by the distributed optimizer too."""
-    if torch.cuda.is_available():
-        model.cuda()
     use_per_token_loss(model)
     wrapped = Float16Module(model.config, model) if dtype == torch.bfloat16 else model
     config = DistributedDataParallelConfig(

@@ -70,9 +70,10 @@ class _StoppedDuringSetUp(Exception):
 
 def _precision(cfg: RunConfig) -> str:
     if cfg.train.precision == "fp8":
-        from megaloop.platform.fp8 import check_fp8_support
+        from megaloop.platform.fp8 import check_fp8_shapes, check_fp8_support
 
         check_fp8_support(cfg.train.resolved_fp8_recipe)
+        check_fp8_shapes(cfg)
     if cfg.train.precision != "auto":
         return cfg.train.precision
     return "bf16" if torch.cuda.is_available() else "fp32"
@@ -239,6 +240,11 @@ class Trainer:
                                               fp8=cfg.train.resolved_fp8_recipe,
                                               stage=chunk * par.pipeline + rank)
                        for chunk in range(par.virtual_pipeline)]
+        # On the device before anything reads their tensors, as Megatron-LM's get_model moves
+        # them: megatron-core's MoE routers and megaloop's local-spec norms are made on the CPU,
+        # and the tied copies' first sync below is a collective, which NCCL runs on CUDA only.
+        for model in self.models:
+            model.to(collective_device())
         self.model = self.models[0]
         if par.pipeline > 1 and dist.get_rank() == 0:
             counts = stage_counts(cfg.model, par)

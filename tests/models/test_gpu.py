@@ -311,6 +311,28 @@ def test_selective_core_attention_recompute_keeps_delayed_scaling_per_iteration(
     assert distance["delayed"] <= max(2 * distance["bf16"], 1e-3), distance
 
 
+@pytest.mark.parametrize("ffn, refused", [(256, False), (264, True)])
+def test_fp8_gemm_shape_check_agrees_with_transformer_engine(seeded, ffn, refused):
+    """megaloop's set-up check (platform.fp8.check_fp8_shapes) refuses exactly the FFN width
+    Transformer Engine's FP8 forward asserts on (264 = 16 x 16.5), and takes one it runs."""
+    _fp8("current")
+    from megaloop.config import ConfigError, RunConfig, TrainConfig
+    from megaloop.platform.fp8 import check_fp8_shapes
+
+    cfg = small_config("asymloop", hidden_size=128, ffn_hidden_size=ffn, seq_length=128)
+    x = _tokens(cfg)  # 2 x 128 tokens
+    run = RunConfig(model=cfg, train=TrainConfig(precision="fp8", micro_batch_size=x.shape[0]))
+    model = build_model(cfg, use_te=True, params_dtype=torch.bfloat16, fp8="current").cuda()
+    if not refused:
+        check_fp8_shapes(run)
+        model(x)
+        return
+    with pytest.raises(ConfigError, match=f"ffn_hidden_size = {ffn} is a GEMM inner"):
+        check_fp8_shapes(run)
+    with pytest.raises(AssertionError, match="FP8 execution requires"):
+        model(x)
+
+
 def _roundtrip(source, target):
     from megatron.core import dist_checkpointing
 

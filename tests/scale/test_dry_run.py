@@ -182,3 +182,15 @@ def test_the_layouts_said_to_fit_keep_the_overlap_that_pipelines_accept():
     found = {layout.name: layout.apply(cfg).parallel for layout, _ in fitting_layouts(cfg, 2,
                                                                                       80 * GIB)}
     assert "pp2" in found and all(p.overlap_grad_reduce for p in found.values()), found
+
+
+def test_fp8_sizes_the_gpu_run_refuses_are_refused_by_the_dry_run():
+    """The 60M preset's FFN (1512) is no FP8 GEMM width: the GPU run refuses it at set-up, and
+    the dry run, which plans that run on any machine, said nothing."""
+    cfg = _run(eod_id=0)
+    cfg.model = preset("60M")
+    cfg.train = dataclasses.replace(cfg.train, precision="fp8")
+    with pytest.raises(ConfigError, match=r"model ffn_hidden_size = 1512 is a GEMM inner"):
+        report(cfg, world_size=1)
+    cfg.train = dataclasses.replace(cfg.train, precision="bf16")
+    assert report(cfg, world_size=1)

@@ -219,3 +219,43 @@ def test_a_failure_in_a_with_block_leaves_a_write_in_flight_unfinalized(mcore, p
     checkpoints = tmp_path / "checkpoints"
     assert ckpt.latest_checkpoint(checkpoints) is None
     assert list((checkpoints / "iter_0000000.tmp").glob("*.distcp")), "its write was joined"
+
+
+def test_the_host_copies_a_write_reads_live_until_it_has_ended(mcore, tmp_path, monkeypatch):
+    """On a GPU megatron-core stages every tensor in pinned host memory and forks the writer;
+    0.16.1 then drops the copies. Pinned memory is shared with a fork, not copied on write, so
+    the trainer's next pinned allocations could reuse it while the writer reads it. Staging
+    here makes fresh copies as a GPU's does: they must live until the write is finalized."""
+    import gc
+    import weakref
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    from megaloop.config import CheckpointConfig, RunConfig
+
+    copies = []
+
+    def staging(write_buckets, non_blocking=True):
+        staged = []
+        for path, key, (byte_data, tensor_data) in write_buckets:
+            tensor_data = [(item, tensor.clone()) for item, tensor in tensor_data]
+            copies.extend(weakref.ref(tensor) for _, tensor in tensor_data)
+            staged.append((path, key, (byte_data, tensor_data)))
+        return staged
+
+    monkeypatch.setattr(FileSystemWriterAsync, "preload_tensors", staticmethod(staging))
+    _slow_background_writes(monkeypatch, 0.5)
+    saver = ckpt.CheckpointSaver(tmp_path, RunConfig(checkpoint=CheckpointConfig(
+        async_save=True)))
+    state = {"weight": ShardedTensor.from_rank_offsets("weight", torch.arange(64.0))}
+    saver.save(1, state, wait=False)
+    gc.collect()
+    assert saver.pending_step == 1 and copies
+    assert all(ref() is not None for ref in copies), "freed while the writer reads them"
+    saver.wait()
+    gc.collect()
+    assert all(ref() is None for ref in copies), "held after the write"
+    assert ckpt.latest_checkpoint(tmp_path).name == "iter_0000001"

@@ -1,6 +1,7 @@
 """GPU checks of the trainer (marker ``gpu``; skipped without CUDA): one-GPU training over NCCL with
 Float16Module, the fused joint attention on CUDA and, with Transformer Engine, each FP8 recipe the
-GPU runs; a save and resume reproduces the uninterrupted losses."""
+GPU runs; a save and resume reproduces the uninterrupted losses; a background checkpoint write
+holds the values saved while the trainer goes on pinning host memory."""
 
 
 import pytest
@@ -78,3 +79,33 @@ def test_profiled_steps_hold_cuda_kernels_and_the_memory_history(mcore, pattern_
     assert snapshot["device_traces"] and any(snapshot["device_traces"])
     record("profile_on_gpu", kernels=len(kernels),
            allocation_events=sum(len(t) for t in snapshot["device_traces"]))
+
+
+def test_a_background_write_reads_the_values_saved_while_the_trainer_pins_memory(
+        mcore, tmp_path, monkeypatch):
+    """megatron-core stages a write's CUDA tensors in pinned host memory, then forks the writer;
+    pinned memory is shared with the fork, not copied on write. While the (slowed) write runs,
+    the trainer makes pinned copies of the same sizes, as non-blocking copies to the host do: the
+    checkpoint must still hold the values saved (megaloop holds the staged copies meanwhile)."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megaloop.config import CheckpointConfig, RunConfig
+    from megaloop.training import checkpoint as ckpt
+    from tests.training.test_checkpoint_async import _slow_background_writes
+
+    def sharded(tensors):
+        return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}
+
+    _slow_background_writes(monkeypatch, 1.0)
+    saved = {f"t{i}": torch.full((1 << 16,), float(i), device="cuda") for i in range(4)}
+    saver = ckpt.CheckpointSaver(tmp_path, RunConfig(checkpoint=CheckpointConfig(
+        async_save=True)))
+    saver.save(1, sharded(saved), wait=False)
+    scribbles = [torch.full_like(v, -1.0).to("cpu", non_blocking=True) for v in saved.values()]
+    torch.cuda.synchronize()
+    assert saver.pending_step == 1 and all(s.is_pinned() for s in scribbles)
+    saver.wait()
+    loaded = ckpt.load_checkpoint(tmp_path / "iter_0000001",
+                                  sharded({k: torch.empty_like(v) for k, v in saved.items()}))
+    assert [k for k, v in saved.items() if not torch.equal(loaded[k], v)] == []
