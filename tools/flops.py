@@ -137,6 +137,7 @@ def measure(cfg: ModelConfig, batch: int = 2) -> dict:
 
     from megaloop.config import ParallelConfig
     from megaloop.models.flops import register_cpu_flash_flop_formulas
+    from megaloop.models.build_device import built_on_cpu
     from megaloop.models.model import build_model
     from megaloop.platform.distributed import init_distributed
 
@@ -147,8 +148,9 @@ def measure(cfg: ModelConfig, batch: int = 2) -> dict:
     measured, skipped = [], []
     for recompute, modules in RECOMPUTATIONS:
         try:
-            model = build_model(cfg, ParallelConfig(recompute=recompute,
-                                                    recompute_modules=list(modules)))
+            with built_on_cpu():  # the count runs on the CPU, on a GPU machine too
+                model = build_model(cfg, ParallelConfig(recompute=recompute,
+                                                        recompute_modules=list(modules)))
         except ConfigError as e:  # a module this model or backend does not have
             if recompute != "selective":  # the config itself is wrong: not a skip
                 raise

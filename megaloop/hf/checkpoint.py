@@ -69,10 +69,12 @@ def still_there(path: Path):
 
 
 def build_single_process_model(cfg: ModelConfig, initialize: bool = True):
-    """A TP=PP=EP=1 model of ``cfg`` on the local (CPU) spec, torch.distributed initialised for one
-    process if it is not already; ``initialize=False``: weights left unset, to be loaded."""
+    """A TP=PP=EP=1 model of ``cfg``, wholly on the CPU with megatron-core's local spec (also on a
+    GPU machine: a conversion is a CPU job), torch.distributed initialised for one process if it
+    is not already; ``initialize=False``: weights left unset, to be loaded."""
     from megatron.core import parallel_state as ps
 
+    from megaloop.models.build_device import built_on_cpu
     from megaloop.models.model import build_model
     from megaloop.platform.distributed import init_distributed
 
@@ -83,7 +85,8 @@ def build_single_process_model(cfg: ModelConfig, initialize: bool = True):
     if sizes != (1, 1, 1):
         raise ConversionError(f"conversions run in one process; this one has tensor/pipeline/"
                               f"expert parallel sizes {sizes}")
-    model = build_model(cfg, ParallelConfig(), use_te=False, initialize=initialize)
+    with built_on_cpu():
+        model = build_model(cfg, ParallelConfig(), use_te=False, initialize=initialize)
     return model.eval()
 
 

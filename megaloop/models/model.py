@@ -34,6 +34,7 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 from megaloop.config import ConfigError, ModelConfig, ParallelConfig
 from megaloop.models import moe, pipeline, specs
+from megaloop.models.build_device import builds_on_gpu
 from megaloop.models.joint_attention import runs_masked_formula
 from megaloop.models.layers import LayerBlock
 from megaloop.models.recurrence import Segment, run_segments
@@ -59,7 +60,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
     from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM
     experts. ``initialize=False`` leaves the weights megatron-core allocates uninitialised
     (``perform_initialization``): for a model every weight of which is loaded next."""
-    on_gpu = torch.cuda.is_available()
+    on_gpu = builds_on_gpu()
     full = parallel.recompute == "full"
     selective = parallel.selective_modules
     # moe_act: megatron-core replays only grouped-GEMM experts' activation; layernorm: its
@@ -384,7 +385,9 @@ class LoopedLM(LanguageModule):
             state, encoding = self.embedding(input_ids=input_ids, position_ids=position_ids), None
         else:
             state, encoding = self._unpack(self.stage_input)
-        rope = self.rotary_pos_emb(input_ids.shape[1])
+        # megatron-core moves RoPE's frequencies to the GPU at the first forward wherever there is
+        # one; a model built on the CPU (build_device.built_on_cpu) takes its RoPE there.
+        rope = self.rotary_pos_emb(input_ids.shape[1]).to(state.device)
         padding_mask = self.routing_padding(padding_mask, input_ids)
         if self.encoder is not None:
             with self.applying(self.first_group):
@@ -427,7 +430,7 @@ def note_fp32_joint_attention(cfg: ModelConfig, params_dtype: torch.dtype) -> No
     """Logs the one case where joint_attention=fused runs another kernel (``runs_masked_formula``:
     fp32 on a GPU, where the exact masked formula runs). The model's tensors live on the GPU when
     there is one and carry ``params_dtype``."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if builds_on_gpu() else "cpu")
     if (cfg.decoder_attention == "joint" and cfg.joint_attention == "fused"
             and runs_masked_formula(device, params_dtype)):
         log.warning("model.joint_attention='fused' in fp32 on CUDA runs the masked formula (the "
@@ -443,7 +446,7 @@ def note_flash_core_attention_recompute(cfg: ModelConfig, parallel: ParallelConf
     fused attention). Only the joint attention's masked formula keeps [N, 2N] probabilities."""
     if "core_attn" not in parallel.selective_modules:
         return
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if builds_on_gpu() else "cpu")
     if cfg.decoder_attention == "joint" and (cfg.joint_attention == "masked"
                                              or runs_masked_formula(device, params_dtype)):
         return

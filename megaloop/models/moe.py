@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megaloop.config import ModelConfig
+from megaloop.models.build_device import builds_on_gpu
 
 
 def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool) -> dict:
@@ -51,7 +52,7 @@ def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool) -> dict:
         # token is dropped, a leak across positions.
         moe_expert_capacity_factor=None,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size or None,
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_token_dispatcher_type="alltoall" if builds_on_gpu() else "allgather",
         moe_grouped_gemm=grouped_gemm,
     )
 

@@ -24,6 +24,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megaloop.config import ModelConfig
 from megaloop.models import moe as moe_specs
+from megaloop.models.build_device import builds_on_gpu
 from megaloop.models.norms import RMSNorm
 from megaloop.models.layers import (
     CausalCoreAttention,
@@ -44,9 +45,7 @@ def transformer_engine_available() -> bool:
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
-    import torch
-
-    return torch.cuda.is_available()
+    return builds_on_gpu()
 
 
 class _LocalBackend(LocalSpecProvider):

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megaloop.config import ModelConfig, RunConfig, micro_batches_per_step
+from megaloop.platform.fp8 import check_fp8_shapes
 from megaloop.scale.layout import Layout, Stage, stage_layout
 
 GIB = 1024**3
@@ -394,7 +395,8 @@ def _microbatches(cfg: RunConfig, layout: Layout) -> int:
 def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
                     device: str = "gpu") -> list[tuple[Layout, MemoryEstimate]]:
     """Layouts of ``world_size`` ranks that the run of ``cfg`` (a valid config) accepts
-    (tensor parallel within 8 GPUs, sequence parallelism with it, pipeline stages the
+    (tensor parallel within 8 GPUs, under FP8 only where every GEMM split keeps the sizes
+    Transformer Engine's FP8 GEMMs take, sequence parallelism with it, pipeline stages the
     architecture supports, a MoE model's experts split over 1 to 8 of the data-parallel ranks,
     without, with selective and with full recomputation) and whose estimate
     fits ``device_bytes``, cheapest first: no recomputation, then selective (the core attention
@@ -417,6 +419,8 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
             try:  # what the run refuses at start-up under this layout does not fit either
                 trial.validate()
                 micro_batches_per_step(trial.train, trial.parallel, layout.data)
+                if trial.train.precision == "fp8":  # tensor parallelism splits the GEMMs
+                    check_fp8_shapes(trial)
             except ValueError:
                 continue
             mem = estimate(trial, layout, device=device)

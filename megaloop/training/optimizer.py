@@ -352,12 +352,32 @@ def materialise_optimizer_state(optimizer) -> None:
     """Without apex / Transformer Engine, megatron-core's DistributedOptimizer.state_dict() reads
     the step counter from torch Adam's per-parameter state, which exists only after a first step;
     a fresh optimizer (about to be loaded into, or saved at step 0) gets megatron-core's own
-    zero-gradient dummy step, at the scheduler's initial LR of 0 so that no weight moves."""
+    zero-gradient dummy step. That step must move and count nothing, or a run that saved a seed
+    checkpoint would train differently from one that did not: it runs with LR and weight decay 0
+    in every group (the scheduler's LR is the peak LR at step 0 without warmup, and decoupled
+    decay shrinks the weights even with zero gradients; L2 decay would fill Adam's moments), and
+    the step counts it advanced (torch Adam's per parameter, fused Adam's per group) are set back
+    to 0, where a first real step then counts 1 as in a fresh optimizer."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+        if not isinstance(inner, DistributedOptimizer) or inner.optimizer.state:
+            continue
+        groups = inner.optimizer.param_groups
+        saved = [(group["lr"], group["weight_decay"]) for group in groups]
+        for group in groups:
+            group["lr"] = group["weight_decay"] = 0.0
+        try:
             inner._init_optimizer_states_with_dummy_values()
+        finally:
+            for group, (lr, weight_decay) in zip(groups, saved):
+                group["lr"], group["weight_decay"] = lr, weight_decay
+        for group in groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.zeros_like(state["step"])
 
 
 def restore_torch_adam_steps(optimizer, optimizer_state: dict) -> None:

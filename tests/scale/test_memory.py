@@ -250,3 +250,18 @@ def test_memory_tool_says_that_data_overrides_play_no_part(capsys):
     assert capsys.readouterr().err == ("note: data.path=[corpus], data={format: sft}: ignored, "
                                        "replaced by a placeholder (the data section plays no "
                                        "part in a memory estimate)\n")
+
+
+def test_fp8_layouts_offered_are_only_those_whose_gemm_sizes_fp8_takes():
+    """The 350M preset's FFN width, 2736, is a multiple of 16, but split over 2, 4 or 8
+    tensor-parallel ranks it is not, and the run refuses those layouts in fp8 at start-up; the
+    layout search offered them."""
+    from megaloop.presets import preset
+    from megaloop.scale.memory import GIB, fitting_layouts
+
+    cfg = RunConfig(model=preset("350M"), data=DataConfig(path=["x"], eod_id=0))
+    cfg.train.precision, cfg.train.global_batch_size = "fp8", 64
+    fitting = [layout for layout, _ in fitting_layouts(cfg, 8, 80 * GIB)]
+    assert fitting and {layout.tensor for layout in fitting} == {1}
+    cfg.train.precision = "bf16"  # the same search without FP8 offers them
+    assert {layout.tensor for layout, _ in fitting_layouts(cfg, 8, 80 * GIB)} > {1}

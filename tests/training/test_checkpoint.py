@@ -14,7 +14,7 @@ from megaloop.config import ConfigError, RunConfig, save_yaml
 from megaloop.training import checkpoint as ckpt
 from megaloop.training import checkpoint_save
 from megaloop.training.trainer import Trainer
-from tests.training.conftest import one_line, tiny_run, train_losses
+from tests.training.conftest import one_line, resume_from, tiny_run, train_losses
 
 STEPS = 4
 
@@ -466,3 +466,41 @@ def test_latest_and_config_are_readable_by_others_like_the_shards(saved_run, pat
     assert mode(checkpoint / "__0_0.distcp") == 0o644
     for path in (tmp_path / "checkpoints" / "latest", checkpoint / "config.yaml"):
         assert mode(path) == 0o644, path
+
+
+# ----------------------------------------------------------------------- seed checkpoints
+
+def _weights_and_adam_state(trainer) -> dict:
+    state = {f"w.{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()
+             if hasattr(v, "is_floating_point") and v.is_floating_point()}
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for i, param_state in enumerate(inner.optimizer.state.values()):
+            state.update({f"adam{i}.{k}": v.detach().clone() for k, v in param_state.items()})
+    return state
+
+
+def test_a_seed_checkpoint_changes_nothing_in_the_training_after_it(mcore, pattern_data, tmp_path):
+    """Saving at step 0 materialises the optimizer state by a dummy step; without warmup the
+    scheduler's LR at step 0 is the peak LR, and that step must still move no weight (decoupled
+    weight decay) and count no step (Adam's bias correction): the run that saved a seed, and a run
+    resumed from that seed, end bit-exactly where the run without a seed ends."""
+    import torch
+
+    def cfg(name):
+        return tiny_run(pattern_data, tmp_path / name,
+                        train={"train_steps": 2, "warmup_fraction": 0.0})
+
+    plain = Trainer(cfg("plain"))
+    plain.train()
+    seeded = Trainer(cfg("seeded"))
+    seeded.save()
+    seeded.train()
+    resume_from(tmp_path / "seeded", tmp_path / "resumed", 0)
+    resumed = Trainer(cfg("resumed"))
+    resumed.train()
+    expected = _weights_and_adam_state(plain)
+    assert any(k.endswith(".step") for k in expected)
+    for trainer in (seeded, resumed):
+        got = _weights_and_adam_state(trainer)
+        assert got.keys() == expected.keys()
+        assert [k for k in got if not torch.equal(got[k], expected[k])] == []
