@@ -86,12 +86,17 @@ def prepare_data(inputs: list[str], data_dir: Path, pieces: list[str]) -> tuple[
     indexed dataset; returns (dataset prefix, tokenizer model path)."""
     from megaloop.data.preprocess import PreprocessOptions, output_prefix, preprocess, whole_files
     from megaloop.data.readers import BadRecords, DataError, RecordFilter
-    from megaloop.data.tokenizer_training import document_lines, train_sentencepiece
+    from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
     record_filter = RecordFilter(TEXT_FIELDS)
     tokenizer = data_dir / "tokenizer.model"
-    train_sentencepiece(document_lines(inputs, record_filter, None, BadRecords()), tokenizer,
-                        vocab_size=VOCAB, hard_vocab_limit=False, special_tokens=pieces)
+    try:
+        train_sentencepiece(document_lines(inputs, record_filter, None, BadRecords()), tokenizer,
+                            vocab_size=VOCAB, hard_vocab_limit=False, special_tokens=pieces)
+    except EmptyCorpus:  # its own words name no file: "no text to train the tokenizer on"
+        raise DataError(f"--input {' '.join(inputs)}: no text (no records, or only empty or "
+                        f"blank texts); the quickstart needs at least {MIN_DOCUMENTS} "
+                        "documents") from None
     prefix = str(data_dir / "corpus")
     options = PreprocessOptions("SentencePieceTokenizer", str(tokenizer), record_filter,
                                 append_eod=True, workers=0)

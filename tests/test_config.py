@@ -548,6 +548,8 @@ def test_a_wider_decoder_ffn_is_kept_where_the_decoder_is_dense():
      "model.moe_top_k=1: must be in [2, num_experts=4] (top-1 routing would give the router no "
      "gradient)"),
     (["model.num_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5: must be in [2, "),
+    # Was a ZeroDivisionError traceback: the expert width FFN / k was derived before the check.
+    (["model.num_experts=4", "model.moe_top_k=0"], "model.moe_top_k=0: must be in [2, "),
     (["model.num_experts=4", "model.moe_shared_expert_size=51", "parallel.tensor=2"],
      "parallel.tensor=2: must be a divisor of model.moe_shared_expert_size=51"),
 ])

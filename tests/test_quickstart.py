@@ -312,6 +312,18 @@ def test_own_data_too_small_to_validate_on_is_one_line(mcore, tmp_path, capsys):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+@pytest.mark.parametrize("content", ["", '{"text": ""}\n'])
+def test_an_input_without_text_is_one_line_naming_it(tmp_path, capsys, content):
+    corpus = tmp_path / "own.jsonl"  # empty, or records whose texts are: both read as no text
+    corpus.write_text(content)
+    assert main(["--input", str(corpus), "--out", str(tmp_path / "out")]) == 2
+    # Before: "error: no text to train the tokenizer on", naming neither the file nor the cause.
+    assert capsys.readouterr().err.endswith(
+        f"error: --input {corpus}: no text (no records, or only empty or blank texts); the "
+        f"quickstart needs at least 20 documents\n")
+    assert not (tmp_path / "out" / "data").exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--steps", "0"], "argument --steps: 0: must be >= 1"),
     (["--eval-per-hop", "two"], "argument --eval-per-hop: 'two': not an integer"),

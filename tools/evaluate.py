@@ -17,7 +17,8 @@ hellaswag, winogrande, arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu,
 values refused before any export).
 
 Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every metric), atomically,
-and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value),
+and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value)
+or results that could not be written at the end (a full disk: the table is printed all the same),
 1 the export's probe logits differ from the checkpoint's.
 """
 
@@ -77,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                                limit=args.limit, batch_size=args.batch_size,
                                max_gen_toks=args.max_gen_toks)
         info.update(data_dir=args.data_dir, limit=args.limit, max_gen_toks=args.max_gen_toks)
-        markdown, _ = ev.write_results(rows, args.output, info)
+        try:
+            markdown, _ = ev.write_results(rows, args.output, info)
+        except OSError as e:  # a full disk, say: the evaluation's table is printed all the same
+            print(ev.markdown_table(rows), end="")
+            print(f"error: --output {args.output}: not written ({e.strerror or e})",
+                  file=sys.stderr)
+            return 2
     except (ev.EvaluationError, ConversionError, CheckpointError, ConfigError,
             TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)

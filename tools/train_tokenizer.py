@@ -20,6 +20,23 @@ from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
 
+# SentencePiece's own bounds, which it reports as an internal check ("INTERNAL: ...
+# trainer_interface.cc(94) [trainer_spec.character_coverage() >= 0.98 && ...]") naming no flag.
+COVERAGE = (0.98, 1.0)
+
+
+def character_coverage(text: str) -> float:
+    """An argparse ``type``: a number in COVERAGE."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not COVERAGE[0] <= value <= COVERAGE[1]:
+        raise argparse.ArgumentTypeError(f"{value}: must be in [{COVERAGE[0]}, {COVERAGE[1]}] "
+                                         "(SentencePiece's range)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, nargs="+", help="files, directories or globs (as preprocess_data.py reads them)")
@@ -30,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="encode unseen characters as bytes instead of <unk> (default: on)")
     p.add_argument("--special-tokens", nargs="*", default=[], help="extra pieces kept whole, e.g. <|im_start|>")
-    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument("--character-coverage", type=character_coverage, default=0.9995,
+                   help="share of the characters the pieces cover, in [0.98, 1]")
     p.add_argument("--max-sentences", type=int_at_least(1), default=10_000_000, help="lines sampled for training")
     p.add_argument("--max-docs", type=int_at_least(1),
                    help="read the first this many records (documents), every --json-keys field of each: "
@@ -68,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if refusal := json_keys_refusal(args.json_keys):
         parser.error(refusal)
+    if "" in args.special_tokens:  # SentencePiece: "INTERNAL: ... [!sp->piece().empty()]"
+        parser.error("--special-tokens: an empty piece (give each piece as text, e.g. "
+                     "<|im_start|>)")
     try:
         report = train(args)
     except DataError as err:

@@ -223,7 +223,8 @@ class ModelConfig:
             self.decoder_ffn_hidden_size = self.ffn_hidden_size
         if self.arch == "latentloop":
             self.prelude_layers, self.coda_layers = self.num_prelude_layers, self.num_coda_layers
-        if self.uses_moe and self.moe_ffn_hidden_size is None:
+        # A moe_top_k below 1 is refused by validate, which resolves first: nothing to derive.
+        if self.uses_moe and self.moe_ffn_hidden_size is None and self.moe_top_k >= 1:
             # Paper App. I: top-k experts of width FFN / k keep the active FFN parameters.
             self.moe_ffn_hidden_size = max(1, self.ffn_hidden_size // self.moe_top_k)
         return self

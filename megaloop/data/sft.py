@@ -153,6 +153,13 @@ def build_sft_datasets(paths: Sequence[str], tokenizer, seq_length: int,
                         "model.seq_length=%d + 1 tokens (prompt, solution and EOD; the longest "
                         "has %d) and are left out", len(part) - len(fitting), len(part),
                         SPLIT_NAMES[index], seq_length, longest)
+        if num_samples[index] and not part and weights[index] > 0:
+            # Drawn from and weighted, but rounded to no record: the run would go without it
+            # (no validation loss) and say nothing; megatron-core refuses such indexed splits.
+            raise DataError(f"{', '.join(map(str, paths))}: data.split={split!r} gives the "
+                            f"{SPLIT_NAMES[index]} split none of the {len(examples)} records; "
+                            f"give more records, or a split with a larger {SPLIT_NAMES[index]} "
+                            "share")
         if not num_samples[index] or not part:
             datasets.append(None)
             continue

@@ -94,6 +94,11 @@ def parse_layout(text: str) -> Layout:
     sizes = {"tp": 1, "pp": 1, "dp": None, "ep": 1, "vp": 1}
     flags = dict.fromkeys(_FLAGS.values(), False)
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    # "tp2,tp4" kept the last size without a word; a dimension or flag is given once.
+    keys = [match.group(1) if (match := _PART.match(part)) else part for part in parts]
+    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"layout {text!r}: {twice!r} given twice (one size per dimension)")
     recompute = [part for part in parts if part in _RECOMPUTE_FLAGS]
     if len(recompute) > 1:
         raise ConfigError(f"layout {text!r}: {' and '.join(recompute)} together (one "

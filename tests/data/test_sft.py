@@ -87,6 +87,22 @@ def test_records_too_long_are_left_out_with_a_warning_and_none_fitting_is_an_err
                            prompt=PROMPT, solution=SOLUTION)
 
 
+def test_a_weighted_split_that_rounds_to_no_record_is_an_error(tmp_path, tokenizer):
+    """GSM8K's data.split=6973,500,0 over 5 records: before, the valid split was silently empty
+    and the run trained without any validation loss."""
+    data = write_jsonl(tmp_path / "train.jsonl", arithmetic_records(5))
+    with pytest.raises(DataError) as err:
+        build_sft_datasets([str(data)], tokenizer, 64, (4, 2, 0), split="6973,500,0", seed=0,
+                           prompt=PROMPT, solution=SOLUTION)
+    assert str(err.value) == (f"{data}: data.split='6973,500,0' gives the valid split none of "
+                              "the 5 records; give more records, or a split with a larger valid "
+                              "share")
+    # A split without validation weight, or one no sample is drawn from, stays as it was.
+    for split, wanted in (("100,0,0", (4, 2, 0)), ("6973,500,0", (4, 0, 0))):
+        assert build_sft_datasets([str(data)], tokenizer, 64, wanted, split=split, seed=0,
+                                  prompt=PROMPT, solution=SOLUTION)[1] is None
+
+
 def test_a_bad_record_is_an_error_naming_its_line(tmp_path, tokenizer):
     lines = write_jsonl(tmp_path / "a.jsonl", arithmetic_records(3)).read_text().splitlines()
     lines[1] = '{"question": "no answer here"}'

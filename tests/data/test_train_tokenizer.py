@@ -42,6 +42,19 @@ def test_a_count_below_one_is_refused_in_one_line(tmp_path, capsys, tool, flag):
     assert exit_info.value.code == 2 and err[-1].endswith(f"argument {flag}: 0: must be >= 1")
 
 
+@pytest.mark.parametrize("argv, message", [
+    # Before: sentencepiece's "INTERNAL: src/trainer_interface.cc(94) [...]", naming no flag.
+    (["--character-coverage", "0.5"], "argument --character-coverage: 0.5: must be in [0.98, 1.0]"),
+    (["--character-coverage", "1.5"], "argument --character-coverage: 1.5: must be in [0.98, 1.0]"),
+    (["--special-tokens", "<a>", ""], "--special-tokens: an empty piece"),
+])
+def test_settings_sentencepiece_refuses_are_argparse_lines(tmp_path, capsys, tool, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(["--input", "x.txt", "--output", str(tmp_path / "t.model"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and message in err[-1]
+
+
 def test_a_json_keys_typo_names_the_keys_the_records_hold(tmp_path, capsys, tool):
     corpus = tmp_path / "x.jsonl"
     corpus.write_text('{"text": "a b c", "id": 1}\n')

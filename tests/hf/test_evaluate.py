@@ -297,6 +297,28 @@ def test_tool_writes_the_table_from_a_checkpoint(harness, tmp_path, capsys):
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.md"]
 
 
+def test_results_that_cannot_be_written_at_the_end_still_print_the_table(harness, tmp_path,
+                                                                        capsys, monkeypatch):
+    """Before: an OSError traceback after the whole evaluation, its scores lost."""
+    import errno
+
+    import megaloop.platform.files as files
+
+    def full_disk(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "write_text_atomic", full_disk)
+    out = tmp_path / "piqa"
+    assert load_tool("evaluate").main([str(harness["asymloop"].directory), "--data-dir",
+                                       str(harness["data"]), "--tasks", "piqa", "--limit", "2",
+                                       "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == "| task | metric | n | 0-shot, K=2 |"
+    assert captured.out.splitlines()[2].startswith("| piqa | acc | 2 |")
+    assert captured.err.splitlines()[-1] == (f"error: --output {out}: not written (No space left "
+                                             "on device)")
+
+
 def test_tool_results_record_the_settings_that_change_scores(harness, tmp_path):
     """OUTPUT.json names --max-gen-toks beside --limit and --data-dir (before: left out, so two
     gsm8k result files with other cut-offs could not be told apart)."""

@@ -31,6 +31,9 @@ def test_parse_layout(text, layout):
     ("recompute,selrecompute", "layout 'recompute,selrecompute': recompute and selrecompute "
                                "together (one recomputation"),
     ("tp0", "layout 'tp0': unknown part 'tp0'"),
+    # Before: the last size won without a word (a comparison run at tp4 for "tp2,tp4").
+    ("tp2,pp2,tp4", "layout 'tp2,pp2,tp4': 'tp' given twice (one size per dimension)"),
+    ("sp,tp2,sp", "layout 'sp,tp2,sp': 'sp' given twice"),
     ("ep2,dp3", "layout 'ep2,dp3': ep2 needs a data-parallel size that is a multiple of 2 "
                 "(got dp3; e.g. dp4)"),
 ])
