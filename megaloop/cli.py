@@ -68,13 +68,15 @@ def print_error(error: BaseException, *, alike: bool = False,
                 alike_on_its_node: bool = False) -> None:
     """``error: <error>`` on stderr, a command's one-line report of why it failed. From rank 0
     alone when every rank fails alike: ``alike`` (the caller knows), or a message the ranks
-    decided together (``decided_on_every_rank``); srun gathers every rank's stderr in one job
-    log, which held the line once per rank. From the first rank of each node (its local rank 0)
+    decided together (``decided_on_every_rank``), or one that says such a message in more words
+    (a save's or resume's error naming the failure the ranks agreed on); srun gathers every
+    rank's stderr in one job log, which held the line once per rank. From the first rank of
+    each node (its local rank 0)
     when the ranks of a node fail alike, but those of another node may not
     (``alike_on_its_node``: a file each node reads for itself), so that no node's error is left
     unsaid. Any other error may be this rank's own (a file its node cannot read, a fault in its
     part of the model), and every rank that has one says it."""
-    if alike or str(error) in _DECIDED_ON_EVERY_RANK:
+    if alike or any(decided in str(error) for decided in _DECIDED_ON_EVERY_RANK if decided):
         if _rank() not in (0, None):
             return
     elif alike_on_its_node:
@@ -82,6 +84,17 @@ def print_error(error: BaseException, *, alike: bool = False,
         if launch is not None and launch.local_rank != 0:
             return
     print(f"error: {error}", file=sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for a command that runs on every rank of a launch (megaloop-train under
+    torchrun or srun): a usage error, which every rank finds alike in the same arguments, comes
+    from rank 0 alone (the launcher's rank: no process group is up yet), and every rank exits 2."""
+
+    def error(self, message):
+        if _rank() not in (0, None):
+            self.exit(2)
+        super().error(message)
 
 
 def _rank() -> int | None:

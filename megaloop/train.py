@@ -29,7 +29,8 @@ import signal
 import sys
 from typing import NoReturn
 
-from megaloop.cli import int_at_least, log_to_stderr, print_error, quiet_third_party_warnings
+from megaloop.cli import (ArgumentParser, int_at_least, log_to_stderr, print_error,
+                          quiet_third_party_warnings)
 from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
@@ -41,7 +42,7 @@ def build_config(argv: list[str] | None = None):
     from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml
     from megaloop.presets import PRESETS, check_arch
 
-    parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action=_Once, help=f"model preset ({', '.join(PRESETS)})")
     parser.add_argument("--config", action=_Once,
                         help="YAML run config (sections model, parallel, train, data, checkpoint, "
