@@ -17,10 +17,17 @@ number (143, 138) on a second stop signal, which exits at once without saving
 or a direct launch.
 
 Only the standard library is imported at module level: the stop-signal handlers go in before torch
-loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143.
+loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143;
+before those handlers, the stop signals are blocked (megaloop.stop_first), from the first
+statement below when this module runs as a program and from the console script's first.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # python -m megaloop.train, torchrun's workers: before any import
+    from megaloop.stop_first import block_stop_signals
+
+    block_stop_signals()
 
 import argparse
 import dataclasses

@@ -189,31 +189,45 @@ def test_kill_9_while_a_background_write_is_in_flight_leaves_the_previous_checkp
 
 
 SIGTERM_DURING_START_UP = textwrap.dedent("""
-    import os, runpy, signal, sys
+    import importlib, os, re, runpy, signal, sys
 
-    class ReportFirstTorchImport:  # a meta-path finder that only watches
+    watched, launch, config = sys.argv[1:]
+
+    class SignalAtFirstImport:  # a meta-path finder that only watches
         def find_spec(self, name, path=None, target=None):
-            if name == "torch":
+            if name == watched:
                 sys.meta_path.remove(self)
                 handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
-                print(f"importing torch; SIGTERM handled: {handled}", flush=True)
+                print(f"importing {name}; SIGTERM handled: {handled}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)  # preempted in the first second
             return None
 
-    sys.meta_path.insert(0, ReportFirstTorchImport())
-    sys.argv = ["megaloop-train", "--config", sys.argv[1]]
-    runpy.run_module("megaloop.train", run_name="__main__")
+    sys.meta_path.insert(0, SignalAtFirstImport())
+    sys.argv = ["megaloop-train", "--config", config]
+    if launch == "module":  # python -m megaloop.train
+        runpy.run_module("megaloop.train", run_name="__main__")
+    else:  # the console script, as pip writes it from setup.py's entry point
+        module, function = re.search(r'"megaloop-train=([\\w.]+):(\\w+)"',
+                                     open("setup.py").read()).groups()
+        getattr(importlib.import_module(module), function)()
 """)
 
 
-def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_data, tmp_path):
-    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000})
+@pytest.mark.parametrize("watched, launch", [
+    ("torch", "module"),
+    # Before the handlers are installed (psutil is imported for them): before, exit -15, no word.
+    ("psutil", "module"), ("psutil", "console")])
+def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_data, tmp_path,
+                                                               watched, launch):
+    cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 10_000})
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "start_up.py").write_text(SIGTERM_DURING_START_UP)
-    proc = subprocess.run([sys.executable, str(tmp_path / "start_up.py"),
-                           str(tmp_path / "run.yaml")], env=script_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert "importing torch; SIGTERM handled: True" in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, str(tmp_path / "start_up.py"), watched, launch,
+                           str(tmp_path / "run.yaml")], env=script_env(),
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=300)
+    assert f"importing {watched}; SIGTERM handled: {watched == 'torch'}" in proc.stdout, \
+        proc.stdout
     assert proc.returncode == EXIT_RESUMABLE, proc.stderr[-2000:]
     assert ("stopped by signal 15 during set-up, after joining the process group; nothing to "
             "save") in proc.stderr
