@@ -22,8 +22,8 @@ from megaloop.training.signals import StopSignals
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
 from tests.training.process_groups import (end_group, processes_in_group, script_env,
-                                          start_in_own_session, wait_for_log,
-                                          wait_until_group_ends)
+                                          signal_this_process, start_in_own_session,
+                                          wait_for_log, wait_until_group_ends)
 
 def _train_lines(out_dir: Path) -> list[dict]:
     path = out_dir / "metrics.jsonl"
@@ -235,16 +235,6 @@ def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_da
     assert sorted(os.listdir(tmp_path)) == ["run.yaml", "start_up.py"]
 
 
-def _signal_this_process(signum: int, stop_signals: StopSignals) -> None:
-    """Sends ``signum`` to this process, as ``kill`` does (the watcher thread takes it: the main
-    thread blocks stop signals), and returns once ``stop_signals`` has noticed it."""
-    os.kill(os.getpid(), signum)
-    deadline = time.time() + 60
-    while stop_signals.received is None:
-        assert time.time() < deadline, f"signal {signum} not noticed"
-        time.sleep(0.01)
-
-
 def _signalled_while_building_datasets(monkeypatch, stop_signals: StopSignals,
                                        signalled: bool = True):
     import megaloop.training.trainer as trainer_module
@@ -253,7 +243,7 @@ def _signalled_while_building_datasets(monkeypatch, stop_signals: StopSignals,
 
     def build(cfg, *progress):
         if signalled:
-            _signal_this_process(signal.SIGTERM, stop_signals)
+            signal_this_process(signal.SIGTERM, stop_signals)
         return build_datasets(cfg, *progress)
 
     monkeypatch.setattr(trainer_module, "build_datasets", build)
@@ -406,7 +396,7 @@ def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp
 
     def signalled_during_step_3(data):
         if trainer.step == 3:
-            _signal_this_process(signal.SIGUSR1, trainer.stop_signals)
+            signal_this_process(signal.SIGUSR1, trainer.stop_signals)
         return train_step(data)
 
     trainer.train_step = signalled_during_step_3
