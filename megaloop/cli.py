@@ -73,8 +73,8 @@ def print_error(error: BaseException, *, alike: bool = False,
     rank's stderr in one job log, which held the line once per rank. From the first rank of
     each node (its local rank 0) when the ranks of a node fail alike, but those of another node
     may not (``alike_on_its_node``: a file each node reads for itself), so that no node's error
-    is left unsaid. Any other error may be this rank's own (a file its node cannot read, a fault in its
-    part of the model), and every rank that has one says it."""
+    is left unsaid. Any other error may be this rank's own (a file its node cannot read, a fault
+    in its part of the model), and every rank that has one says it."""
     if alike or any(decided in str(error) for decided in _DECIDED_ON_EVERY_RANK if decided):
         if _rank() not in (0, None):
             return
