@@ -77,6 +77,7 @@ def print_error(error: BaseException, *, alike: bool = False,
     in its part of the model), and every rank that has one says it."""
     if alike or any(decided in str(error) for decided in _DECIDED_ON_EVERY_RANK if decided):
         if _rank() not in (0, None):
+            _let_rank0_exit_first()
             return
     elif alike_on_its_node:
         launch = _launch_env()
@@ -92,8 +93,27 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         if _rank() not in (0, None):
+            _let_rank0_exit_first()
             self.exit(2)
         super().error(message)
+
+
+TORCHRUN_GRACE_S = 2.0
+
+
+def _let_rank0_exit_first() -> None:
+    """Under torchrun before the process group is up, a rank other than 0 that leaves an error to
+    rank 0 waits a moment before it exits: torchrun's agent SIGTERMs every worker as soon as one
+    fails, and a rank 0 started a little later, still in its interpreter's start (before
+    megaloop.stop_first), died of it without a word, the error said by no rank (seen 1 in 10 on
+    a loaded machine once the config check no longer loaded numpy)."""
+    dist = sys.modules.get("torch.distributed")
+    launch = _launch_env()
+    if (launch is not None and launch.launcher == "torchrun"
+            and not (dist is not None and dist.is_initialized())):
+        import time
+
+        time.sleep(TORCHRUN_GRACE_S)
 
 
 def _rank() -> int | None:

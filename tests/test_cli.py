@@ -96,6 +96,26 @@ def test_a_failed_launch_is_named_with_its_workers_reason(tmp_path):
     assert child_failure(_child("-c", "pass"), "x") is None
 
 
+LATE_RANK_0 = """
+import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(1)  # a slow interpreter start, before megaloop-train blocks the stop signals
+sys.argv = ["megaloop-train", *sys.argv[1:]]
+runpy.run_module("megaloop.train", run_name="__main__")
+"""
+
+
+def test_an_error_left_to_rank_0_is_said_though_torchrun_ends_the_workers_at_the_first_exit(
+        tmp_path):
+    """torchrun SIGTERMs every worker once one exits: before, rank 1 failed first and rank 0,
+    still starting, was killed (-15) without a word, and no rank said the error."""
+    (tmp_path / "late.py").write_text(LATE_RANK_0)
+    done = _child("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  str(tmp_path / "late.py"), "train.lrr=1")
+    assert child_failure(done, "the launch") == (
+        "the launch failed (exit 1): unknown field train.lrr (did you mean lr?)"), done.stderr
+
+
 def _log_lines(rank, world_size):
     """What megaloop-train's logging writes on this rank for a note and a warning."""
     import io
