@@ -44,5 +44,5 @@ setup(
         # NVIDIA apex is not on PyPI (the PyPI "apex" is unrelated): it comes from the NGC image.
         "gpu": ["transformer-engine[pytorch]"],
     },
-    entry_points={"console_scripts": ["megaloop-train=megaloop.train:cli"]},
+    entry_points={"console_scripts": ["megaloop-train=megaloop.stop_first:main"]},
 )

@@ -68,20 +68,52 @@ def print_error(error: BaseException, *, alike: bool = False,
                 alike_on_its_node: bool = False) -> None:
     """``error: <error>`` on stderr, a command's one-line report of why it failed. From rank 0
     alone when every rank fails alike: ``alike`` (the caller knows), or a message the ranks
-    decided together (``decided_on_every_rank``); srun gathers every rank's stderr in one job
-    log, which held the line once per rank. From the first rank of each node (its local rank 0)
-    when the ranks of a node fail alike, but those of another node may not
-    (``alike_on_its_node``: a file each node reads for itself), so that no node's error is left
-    unsaid. Any other error may be this rank's own (a file its node cannot read, a fault in its
-    part of the model), and every rank that has one says it."""
-    if alike or str(error) in _DECIDED_ON_EVERY_RANK:
+    decided together (``decided_on_every_rank``), or one that says such a message in more words
+    (a save's or resume's error naming the failure the ranks agreed on); srun gathers every
+    rank's stderr in one job log, which held the line once per rank. From the first rank of
+    each node (its local rank 0) when the ranks of a node fail alike, but those of another node
+    may not (``alike_on_its_node``: a file each node reads for itself), so that no node's error
+    is left unsaid. Any other error may be this rank's own (a file its node cannot read, a fault
+    in its part of the model), and every rank that has one says it."""
+    if alike or any(decided in str(error) for decided in _DECIDED_ON_EVERY_RANK if decided):
         if _rank() not in (0, None):
+            _let_rank0_exit_first()
             return
     elif alike_on_its_node:
         launch = _launch_env()
         if launch is not None and launch.local_rank != 0:
             return
     print(f"error: {error}", file=sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for a command that runs on every rank of a launch (megaloop-train under
+    torchrun or srun): a usage error, which every rank finds alike in the same arguments, comes
+    from rank 0 alone (the launcher's rank: no process group is up yet), and every rank exits 2."""
+
+    def error(self, message):
+        if _rank() not in (0, None):
+            _let_rank0_exit_first()
+            self.exit(2)
+        super().error(message)
+
+
+TORCHRUN_GRACE_S = 2.0
+
+
+def _let_rank0_exit_first() -> None:
+    """Under torchrun before the process group is up, a rank other than 0 that leaves an error to
+    rank 0 waits a moment before it exits: torchrun's agent SIGTERMs every worker as soon as one
+    fails, and a rank 0 started a little later, still in its interpreter's start (before
+    megaloop.stop_first), died of it without a word, the error said by no rank (seen 1 in 10 on
+    a loaded machine once the config check no longer loaded numpy)."""
+    dist = sys.modules.get("torch.distributed")
+    launch = _launch_env()
+    if (launch is not None and launch.launcher == "torchrun"
+            and not (dist is not None and dist.is_initialized())):
+        import time
+
+        time.sleep(TORCHRUN_GRACE_S)
 
 
 def _rank() -> int | None:

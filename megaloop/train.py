@@ -17,10 +17,17 @@ number (143, 138) on a second stop signal, which exits at once without saving
 or a direct launch.
 
 Only the standard library is imported at module level: the stop-signal handlers go in before torch
-loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143.
+loads (about 1.5 s), so that a SIGTERM during start-up is acted on, not an unexplained exit 143;
+before those handlers, the stop signals are blocked (megaloop.stop_first), from the first
+statement below when this module runs as a program and from the console script's first.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # python -m megaloop.train, torchrun's workers: before any import
+    from megaloop.stop_first import block_stop_signals
+
+    block_stop_signals()
 
 import argparse
 import dataclasses
@@ -29,7 +36,8 @@ import signal
 import sys
 from typing import NoReturn
 
-from megaloop.cli import int_at_least, log_to_stderr, print_error, quiet_third_party_warnings
+from megaloop.cli import (ArgumentParser, int_at_least, log_to_stderr, print_error,
+                          quiet_third_party_warnings)
 from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
@@ -41,7 +49,7 @@ def build_config(argv: list[str] | None = None):
     from megaloop.config import ConfigError, RunConfig, apply_overrides, load_yaml
     from megaloop.presets import PRESETS, check_arch
 
-    parser = argparse.ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="megaloop-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action=_Once, help=f"model preset ({', '.join(PRESETS)})")
     parser.add_argument("--config", action=_Once,
                         help="YAML run config (sections model, parallel, train, data, checkpoint, "

@@ -29,8 +29,9 @@ cd "$MEGALOOP_ROOT" || exit 1
 
 # srun's container options (pyxis/enroot), none without IMAGE. MEGALOOP_CONTAINER_MOUNTS, the
 # mount points inside the container (the checkout's, MOUNTS' destinations: SRC[:DST[:FLAGS]]),
-# colon-separated, goes to the tasks: megaloop-train refuses a run directory outside them, such
-# as one a --config file names (megaloop.training.run_dir); megaloop_mounted checks the script's.
+# colon-separated, goes to the tasks: there megaloop-train refuses a run directory, such as one a
+# --config file names, on the container's root or a tmpfs (megaloop.training.run_dir, which reads
+# the container's mounts, the site's too); megaloop_mounted checks the script's against MOUNTS.
 CONTAINER=()
 if [ -n "${IMAGE:-}" ]; then
   CONTAINER=(--container-image="$IMAGE" --container-workdir=/workspace/megaloop

@@ -96,6 +96,26 @@ def test_a_failed_launch_is_named_with_its_workers_reason(tmp_path):
     assert child_failure(_child("-c", "pass"), "x") is None
 
 
+LATE_RANK_0 = """
+import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(1)  # a slow interpreter start, before megaloop-train blocks the stop signals
+sys.argv = ["megaloop-train", *sys.argv[1:]]
+runpy.run_module("megaloop.train", run_name="__main__")
+"""
+
+
+def test_an_error_left_to_rank_0_is_said_though_torchrun_ends_the_workers_at_the_first_exit(
+        tmp_path):
+    """torchrun SIGTERMs every worker once one exits: before, rank 1 failed first and rank 0,
+    still starting, was killed (-15) without a word, and no rank said the error."""
+    (tmp_path / "late.py").write_text(LATE_RANK_0)
+    done = _child("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  str(tmp_path / "late.py"), "train.lrr=1")
+    assert child_failure(done, "the launch") == (
+        "the launch failed (exit 1): unknown field train.lrr (did you mean lr?)"), done.stderr
+
+
 def _log_lines(rank, world_size):
     """What megaloop-train's logging writes on this rank for a note and a warning."""
     import io
@@ -181,15 +201,50 @@ def test_an_error_every_rank_has_comes_from_rank_0_and_one_ranks_own_from_that_r
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_an_argument_error_before_the_process_group_is_up_comes_from_rank_0(rank, tmp_path):
+@pytest.mark.parametrize("argv, said", [
+    (["train.lrr=1"], "error: unknown field train.lrr (did you mean lr?)\n"),
+    # argparse's usage error: before, printed by every rank
+    (["--bad-flag"], "megaloop-train: error: unrecognized arguments: --bad-flag\n"),
+    (["--world-size", "0"], "megaloop-train: error: argument --world-size: 0: must be >= 1\n")])
+def test_an_argument_error_before_the_process_group_is_up_comes_from_rank_0(rank, argv, said,
+                                                                            tmp_path):
     """The launcher's rank decides, before torch is loaded (srun: every task fails alike)."""
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(__file__).parents[1])}
-    done = subprocess.run([sys.executable, "-m", "megaloop.train", "train.lrr=1"], env=env,
+    done = subprocess.run([sys.executable, "-m", "megaloop.train", *argv], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr == ("error: unknown field train.lrr (did you mean lr?)\n" if rank == 0
-                           else ""), done.stderr
+    if rank == 0:
+        assert done.stderr.endswith(said), done.stderr
+    else:
+        assert done.stderr == "", done.stderr
+
+
+def _error_of_a_failure_decided_together(rank, world_size):
+    """What print_error writes on this rank for a save's error naming the write failure the
+    ranks agreed on (collective.first_error), as checkpoint_save and resume word theirs."""
+    import io
+
+    from megaloop.cli import print_error
+    from megaloop.training.collective import first_error
+
+    agreed = first_error("rank 1: disk full" if rank == 1 else None)
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        print_error(RuntimeError(f"iter_0000002.tmp: saving step 2 failed ({agreed}; 1.2 GB free)"))
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+
+
+def test_an_error_made_of_one_the_ranks_decided_together_comes_from_rank_0():
+    """Before: only the agreed message itself was recognised, not an error wrapping it."""
+    from tests.distributed import run_distributed
+
+    first, second = run_distributed(_error_of_a_failure_decided_together, 2)
+    assert first == ("error: iter_0000002.tmp: saving step 2 failed (rank 1: disk full; 1.2 GB "
+                     "free)\n")
+    assert second == ""
 
 
 @pytest.mark.parametrize("rank,local_rank", [(0, 0), (1, 0), (1, 1)])

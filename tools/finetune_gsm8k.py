@@ -20,7 +20,6 @@ refuse is refused before anything is written.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -46,7 +45,9 @@ def is_override(word: str) -> bool:
 
 
 def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from megaloop.cli import ArgumentParser  # usage errors from rank 0 alone under torchrun
+
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True,
                         help="pre-trained checkpoint: an iter_N directory or a run's checkpoint "
                              "directory (its latest)")

@@ -14,10 +14,9 @@ Training-loop use::
 ``alrs.state_dict()`` / ``load_state_dict`` make a resume exact.
 """
 
-# Each name is imported from its module on first use (PEP 562): megaloop.config imports
-# ALRSConfig from megaloop.alrs.schedule, and importing that module runs this package first; eager
-# imports here would load torch and megatron-core (about 4 s) before a config typo could be
-# reported.
+from megaloop.lazy import lazy_exports
+
+# Each name is imported from its module on first use (megaloop.lazy).
 _SOURCES = {
     "allocator": ("allocate", "initial_multipliers", "linear_map"),
     "blocks": ("RowSplit", "WeightBlock", "fused_layouts", "weight_blocks"),
@@ -27,20 +26,4 @@ _SOURCES = {
     "schedule": ("ALRSConfig", "MultiplierSchedule"),
     "sharded": ("ALRS", "BASE_GROUP", "balance_by_cost"),
 }
-_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _SOURCES)

@@ -12,8 +12,7 @@ from typing import Literal
 from megaloop.alrs.schedule import ALRSConfig
 from megaloop.config.errors import ConfigError, divisors_text, require, require_finite
 from megaloop.config.model import ModelConfig
-from megaloop.data.datasets import (SPLIT_RULE, parse_blend,  # split_weights re-exported
-                                    split_weights)
+from megaloop.data.blend import SPLIT_RULE, parse_blend, split_weights  # split_weights re-exported
 from megaloop.data.readers import DataError
 
 # Transformer Engine FP8 scaling recipes: "current" (per-tensor current scaling, TE >= 2.2),

@@ -12,19 +12,14 @@ Nothing here imports torch or megatron-core at import time: preprocessing worker
 package in fresh processes.
 """
 
-from megaloop.data.datasets import DatasetTokenizer, build_gpt_datasets, parse_blend
-from megaloop.data.indexed import merge_indexed, validate_indexed
-from megaloop.data.readers import DataError
-from megaloop.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab_size
+from megaloop.lazy import lazy_exports
 
-__all__ = [
-    "DataError",
-    "DatasetTokenizer",
-    "TokenizerError",
-    "build_gpt_datasets",
-    "load_tokenizer",
-    "merge_indexed",
-    "padded_vocab_size",
-    "parse_blend",
-    "validate_indexed",
-]
+# Each name is imported from its module on first use (megaloop.lazy).
+_SOURCES = {
+    "blend": ("parse_blend",),
+    "datasets": ("DatasetTokenizer", "build_gpt_datasets"),
+    "indexed": ("merge_indexed", "validate_indexed"),
+    "readers": ("DataError",),
+    "tokenizer": ("TokenizerError", "load_tokenizer", "padded_vocab_size"),
+}
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _SOURCES)

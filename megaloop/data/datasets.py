@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
-import re
 import warnings
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
+from megaloop.data.blend import SPLIT_NAMES, SPLIT_RULE, parse_blend, split_weights
 from megaloop.data.index_cache import (atomic_npy_writes, before_building, exclusive_build,
                                        sequence_lengths_md5)
 from megaloop.data.indexed import IndexedSummary, sequence_lengths, validate_indexed
 from megaloop.data.readers import DataError
 
-SPLIT_NAMES = ("train", "valid", "test")
-SPLIT_RULE = "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'"
 
 
 class DatasetTokenizer:
@@ -50,42 +47,6 @@ class DatasetTokenizer:
         if tokenizer.eod is None:
             raise DataError(f"{tokenizer.path}: the tokenizer has no end-of-text token to use as EOD")
         return cls(tokenizer.vocab_size, tokenizer.eod, os.path.basename(tokenizer.path))
-
-
-def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """Megatron-LM's ``--data-path``: ``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]``.
-
-    Refused: a weight that is not a finite positive number (megatron-core's BlendedDataset
-    asserts every weight is above zero), and a prefix given twice, however spelt: each entry is a
-    dataset of its own, so the repeated one would be drawn from twice as often without a word."""
-    items = [str(x) for x in data_path]
-    if not items:
-        raise DataError("empty data blend: give at least one dataset prefix")
-    if len(items) % 2 == 1 or not _is_number(items[0]):
-        prefixes, weights = items, None
-    else:
-        prefixes, weights = items[1::2], items[0::2]
-        for w, prefix in zip(weights, prefixes):
-            if not _is_number(w) or not 0 < float(w) < math.inf:  # nan fails both
-                raise DataError(f"data blend: weight {w!r} of {prefix!r} is not a finite positive "
-                                "number (to leave a dataset out, drop it from the blend)")
-    seen: dict[str, str] = {}
-    for i, prefix in enumerate(prefixes):
-        first = seen.setdefault(os.path.realpath(prefix), prefix)
-        if len(seen) <= i:  # its real path was seen before
-            spelt = "" if first == prefix else f" (as {first!r} and {prefix!r})"
-            more = "with a larger weight" if weights else "with weights for a larger share"
-            raise DataError(f"data blend: {prefix!r} is given twice{spelt}, which draws from it "
-                            f"twice as often; give it once, {more}")
-    return prefixes, None if weights is None else [float(w) for w in weights]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def build_gpt_datasets(
@@ -201,20 +162,6 @@ def _split_without(split: str, index: int) -> str:
         return "100,0,0"
     weights[0], weights[index] = weights[0] + weights[index], 0.0
     return ",".join(f"{w:g}" for w in weights)
-
-
-def split_weights(split: str) -> list[float] | None:
-    """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
-    when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
-    0,0,0, then divides by zero)."""
-    parts = re.split(r"[,/]", split.strip())
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        return None
-    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights):
-        return None
-    return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
 
 
 @functools.cache

@@ -254,13 +254,21 @@ def _weight_load_notes(path: Path, cfg: RunConfig) -> list[tuple[int, str]]:
     """One line per model setting of a run starting from the weights of another run's checkpoint
     ``path`` that differs from its config.yaml: the run's own applies (a depth other than the
     trained one, say), or has no effect where the weights replace it. The architecture is
-    refused before this (``check_compatible``); the other sections are the new run's own."""
+    refused before this (``check_compatible``); the other sections are the new run's own. A
+    ConfigError for a depth the weights cannot run: LatentLoop's visits each have weights of
+    their own (residual scale, writeback, untied blocks), which fewer visits would drop and more
+    would lack, as in a resume."""
     where, replaced = f"start from the weights of {path}", cfg.model.replaced_by_loaded_weights()
     lines = []
     for name, (old, new) in _differences(path, cfg, ("model",))[1].items():
         field = name.removeprefix("model.")
         if field not in ckpt.RESUMABLE_MODEL_FIELDS:  # equal once resolved (check_compatible)
             continue
+        if field == "iterations" and (
+                reason := dataclasses.replace(cfg.model, iterations=old).depth_refusal(new)):
+            raise ConfigError(f"{name}={new!r}: differs from {old!r} in {path / 'config.yaml'}, "
+                              f"whose weights this run starts from ({reason}); set it back, or "
+                              "start from a checkpoint of this depth")
         if field in replaced:
             lines.append((logging.INFO, _change_line(where, name, old, new,
                                                      f"no effect ({replaced[field]})")))

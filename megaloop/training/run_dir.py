@@ -32,6 +32,7 @@ import socket
 from pathlib import Path
 
 from megaloop.config import ConfigError
+from megaloop.platform import mounts
 from megaloop.platform.locks import take_flock, warn_unguarded
 from megaloop.training.collective import first_error, is_rank0
 
@@ -108,20 +109,41 @@ def _prepare(directory: Path, field: str) -> None:
 
 
 def _check_mounted(directory: Path, field: str) -> None:
-    """ConfigError when the job runs in a container (slurm/common.sh with IMAGE lists its mount
-    points, colon-separated, in MEGALOOP_CONTAINER_MOUNTS) and ``directory`` (resolved) is not on
-    one: it would be made in the container's own file system and lost with it, so that every
-    requeued job started over. The job script checks the paths it sets; this one catches those
-    of a --config file or an override too."""
-    mounts = os.environ.get("MEGALOOP_CONTAINER_MOUNTS")
-    if not mounts:
+    """ConfigError when the job runs in a container (slurm/common.sh with IMAGE lists the mount
+    points it asks for, colon-separated, in MEGALOOP_CONTAINER_MOUNTS) and ``directory``
+    (resolved) would be made in the container's own root file system or in memory (a tmpfs: the
+    /tmp enroot gives every container, a host's /dev/shm), and be lost with it, so that every
+    requeued job started over. The mount that holds it says which (megaloop.platform.mounts).
+    Accepted: a directory under one of the job's mount points, unless in memory, and one on
+    another mount, which the site's enroot/pyxis configuration adds to every container (/lustre,
+    a home directory) without the job knowing. Where the mounts cannot be read, only the job's
+    mount points are known. The job script checks the paths it sets; this one catches those of a
+    --config file or an override too."""
+    listed = os.environ.get("MEGALOOP_CONTAINER_MOUNTS")
+    if not listed:
         return
-    points = [Path(point or "/").resolve() for point in mounts.split(":")]
-    if not any(point == directory or point in directory.parents for point in points):
-        raise ConfigError(f"{field}={str(directory)!r}: not on a file system mounted in the "
-                          f"container (mounted: {', '.join(map(str, points))}); it would be "
-                          "lost with the container, and a requeued job would start over: mount "
-                          "its file system (slurm/ scripts: MOUNTS) or choose a directory there")
+    points = [Path(point or "/").resolve() for point in listed.split(":")]
+    on_a_job_mount = any(point == directory or point in directory.parents for point in points)
+    try:
+        mount = mounts.mount_of(directory, mounts.read_mounts(mounts.MOUNTINFO))
+    except OSError as e:
+        if on_a_job_mount:
+            return
+        where = f"the container's mounts are unknown ({e.filename}: {e.strerror})"
+    else:
+        if mount is not None and mount.fstype in mounts.MEMORY_FILE_SYSTEMS:
+            where = f"it is in memory ({mount.fstype} at {mount.point})"
+        elif on_a_job_mount:
+            return
+        elif mount is None or mount.point == Path("/"):
+            where = "it is on the container's own root file system" + (
+                f" ({mount.fstype} at /)" if mount else "")
+        else:
+            return
+    raise ConfigError(f"{field}={str(directory)!r}: not on a file system mounted from the host: "
+                      f"{where}; it would be lost with the container, and a requeued job would "
+                      "start over: choose a directory on a mounted file system (the job mounts "
+                      f"{', '.join(map(str, points))}; slurm/ scripts: add one to MOUNTS)")
 
 
 class RunDirs:

@@ -50,7 +50,7 @@ import time
 
 import psutil
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from megaloop.stop_first import STOP_SIGNALS
 _STOP_WAIT_S = 1.0  # the most the exit at once waits for descendants to stop before killing them
 _STOP_WATCHING = 0  # a byte no signal writes to the wakeup fd
 _installed: list[StopSignals] = []  # innermost last

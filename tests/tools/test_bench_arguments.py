@@ -41,23 +41,25 @@ def test_an_unknown_preset_or_arch_is_one_argparse_line(load_tool, capsys, bench
 def test_train_throughput_stops_on_sigterm(load_tool, monkeypatch, capsys):
     """Its dense row builds a Trainer, which holds SIGTERM for a loop the bench does not run:
     before, `timeout` or `kill` was taken and the bench ran its 50-odd steps to the end."""
-    import os
     import signal
+
+    from megaloop.training import signals
+    from tests.training.process_groups import signal_this_process
 
     bench = load_tool("bench/train_throughput")
     steps = []
 
-    def step_then_sigterm(self, data):  # one signal, as `timeout` sends
+    def step_then_sigterm(self, data):  # one signal, as `timeout` sends, noticed in this step
         if not steps:
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal_this_process(signal.SIGTERM, signals._installed[-1])  # the Trainer's
         steps.append(1)
 
     monkeypatch.setattr(bench.PlainGPTLoop, "step", step_then_sigterm)
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--rows", "dense", "--hidden", "32", "--heads", "2", "--layers", "1",
                     "--seq", "32", "--vocab", "256", "--steps", "2", "--rounds", "1"])
-    # The signal is counted by a thread: the step after it may start first; the bench has 6.
-    assert exit_.value.code == 128 + signal.SIGTERM and len(steps) <= 2
+    # Before: the bench's 6 steps with this patch (and 50-odd real ones) ran to the end.
+    assert exit_.value.code == 128 + signal.SIGTERM and len(steps) == 1
     assert capsys.readouterr().err.endswith("stopped by signal 15\n")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the trainer's handlers are gone
 
@@ -84,12 +86,11 @@ def test_latent_visit_refuses_a_stride_no_reduction_reads(load_tool, capsys):
 def test_pipeline_balance_stage_stops_after_its_step_on_sigterm(load_tool, mcore, monkeypatch, tmp_path):
     """A stage's Trainer holds SIGTERM for a loop the bench does not run: before, torchrun's
     SIGTERM was taken and the stage trained on until torchrun's SIGKILL 30 s later."""
-    import os
     import signal
-    import time
 
     from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig, save_yaml
     from megaloop.training.trainer import Trainer
+    from tests.training.process_groups import signal_this_process
 
     bench = load_tool("bench/pipeline_balance")
     prefix = load_tool("bench/train_throughput").write_dataset(tmp_path / "data", 256)
@@ -103,17 +104,15 @@ def test_pipeline_balance_stage_stops_after_its_step_on_sigterm(load_tool, mcore
     save_yaml(cfg, tmp_path / "run.yaml")
     steps = []
 
-    def step_then_sigterm(self, data):  # one signal, as torchrun forwards it
+    def step_then_sigterm(self, data):  # one signal, as torchrun forwards it, noticed in this step
         if not steps:
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal_this_process(signal.SIGTERM, self.stop_signals)
         steps.append(1)
-        time.sleep(0.05)  # a step's time, in which the signal is counted
 
     monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
     with pytest.raises(SystemExit) as exit_:
         bench.worker(str(tmp_path / "run.yaml"), 50, 0, str(tmp_path / "busy.json"))
-    # The signal is counted by a thread: the step after it may start first.
-    assert exit_.value.code == 128 + signal.SIGTERM and len(steps) <= 2
+    assert exit_.value.code == 128 + signal.SIGTERM and len(steps) == 1
 
 
 STOPPED_LAUNCH = """

@@ -1,6 +1,7 @@
 """Process groups of the signal tests: starting a run's script as the leader of a group of its
 own, waiting for its log to say something, which processes a group still holds, waiting until it
-holds none, and ending whatever a failed test left in it."""
+holds none, and ending whatever a failed test left in it; and a signal to the test's own process,
+returning once it is noticed."""
 
 import os
 import signal
@@ -68,3 +69,15 @@ def end_group(group: int) -> None:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def signal_this_process(signum: int, stop_signals) -> None:
+    """Sends ``signum`` to this process, as ``kill`` does, and returns once ``stop_signals`` (a
+    megaloop.training.signals.StopSignals) has noticed it. The main thread blocks stop signals, so
+    the kernel hands it to another thread, which a loaded machine may run only much later: a test
+    that went on meanwhile would see the signal after a step of its choosing, not the one asked."""
+    os.kill(os.getpid(), signum)
+    deadline = time.time() + 60
+    while stop_signals.received is None:
+        assert time.time() < deadline, f"signal {signum} not noticed"
+        time.sleep(0.01)

@@ -22,8 +22,8 @@ from megaloop.training.signals import StopSignals
 from tests.distributed import run_distributed
 from tests.training.conftest import tiny_run
 from tests.training.process_groups import (end_group, processes_in_group, script_env,
-                                          start_in_own_session, wait_for_log,
-                                          wait_until_group_ends)
+                                          signal_this_process, start_in_own_session,
+                                          wait_for_log, wait_until_group_ends)
 
 def _train_lines(out_dir: Path) -> list[dict]:
     path = out_dir / "metrics.jsonl"
@@ -189,46 +189,50 @@ def test_kill_9_while_a_background_write_is_in_flight_leaves_the_previous_checkp
 
 
 SIGTERM_DURING_START_UP = textwrap.dedent("""
-    import os, runpy, signal, sys
+    import importlib, os, re, runpy, signal, sys
 
-    class ReportFirstTorchImport:  # a meta-path finder that only watches
+    watched, launch, config = sys.argv[1:]
+
+    class SignalAtFirstImport:  # a meta-path finder that only watches
         def find_spec(self, name, path=None, target=None):
-            if name == "torch":
+            if name == watched:
                 sys.meta_path.remove(self)
                 handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
-                print(f"importing torch; SIGTERM handled: {handled}", flush=True)
+                print(f"importing {name}; SIGTERM handled: {handled}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)  # preempted in the first second
             return None
 
-    sys.meta_path.insert(0, ReportFirstTorchImport())
-    sys.argv = ["megaloop-train", "--config", sys.argv[1]]
-    runpy.run_module("megaloop.train", run_name="__main__")
+    sys.meta_path.insert(0, SignalAtFirstImport())
+    sys.argv = ["megaloop-train", "--config", config]
+    if launch == "module":  # python -m megaloop.train
+        runpy.run_module("megaloop.train", run_name="__main__")
+    else:  # the console script, as pip writes it from setup.py's entry point
+        module, function = re.search(r'"megaloop-train=([\\w.]+):(\\w+)"',
+                                     open("setup.py").read()).groups()
+        getattr(importlib.import_module(module), function)()
 """)
 
 
-def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_data, tmp_path):
-    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000})
+@pytest.mark.parametrize("watched, launch", [
+    ("torch", "module"),
+    # Before the handlers are installed (psutil is imported for them): before, exit -15, no word.
+    ("psutil", "module"), ("psutil", "console")])
+def test_a_sigterm_during_start_up_exits_resumable_with_a_word(mcore, pattern_data, tmp_path,
+                                                               watched, launch):
+    cfg = tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 10_000})
     save_yaml(cfg, tmp_path / "run.yaml")
     (tmp_path / "start_up.py").write_text(SIGTERM_DURING_START_UP)
-    proc = subprocess.run([sys.executable, str(tmp_path / "start_up.py"),
-                           str(tmp_path / "run.yaml")], env=script_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert "importing torch; SIGTERM handled: True" in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, str(tmp_path / "start_up.py"), watched, launch,
+                           str(tmp_path / "run.yaml")], env=script_env(),
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=300)
+    assert f"importing {watched}; SIGTERM handled: {watched == 'torch'}" in proc.stdout, \
+        proc.stdout
     assert proc.returncode == EXIT_RESUMABLE, proc.stderr[-2000:]
     assert ("stopped by signal 15 during set-up, after joining the process group; nothing to "
             "save") in proc.stderr
     # The first boundary: no dataset was built, and the run left no lock file or checkpoints/.
     assert sorted(os.listdir(tmp_path)) == ["run.yaml", "start_up.py"]
-
-
-def _signal_this_process(signum: int, stop_signals: StopSignals) -> None:
-    """Sends ``signum`` to this process, as ``kill`` does (the watcher thread takes it: the main
-    thread blocks stop signals), and returns once ``stop_signals`` has noticed it."""
-    os.kill(os.getpid(), signum)
-    deadline = time.time() + 60
-    while stop_signals.received is None:
-        assert time.time() < deadline, f"signal {signum} not noticed"
-        time.sleep(0.01)
 
 
 def _signalled_while_building_datasets(monkeypatch, stop_signals: StopSignals,
@@ -239,7 +243,7 @@ def _signalled_while_building_datasets(monkeypatch, stop_signals: StopSignals,
 
     def build(cfg, *progress):
         if signalled:
-            _signal_this_process(signal.SIGTERM, stop_signals)
+            signal_this_process(signal.SIGTERM, stop_signals)
         return build_datasets(cfg, *progress)
 
     monkeypatch.setattr(trainer_module, "build_datasets", build)
@@ -392,7 +396,7 @@ def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp
 
     def signalled_during_step_3(data):
         if trainer.step == 3:
-            _signal_this_process(signal.SIGUSR1, trainer.stop_signals)
+            signal_this_process(signal.SIGUSR1, trainer.stop_signals)
         return train_step(data)
 
     trainer.train_step = signalled_during_step_3

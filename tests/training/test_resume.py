@@ -491,6 +491,18 @@ def test_latentloop_iterations_are_refused_before_the_model_is_built(tmp_path, c
     assert message.startswith("model.iterations=3: differs from 2 in ") and "\n" not in message
     assert "arch=latentloop runs exactly its iterations=2 visits" in message
     assert not caplog.records
+    # Nor does a new run start from its weights at another depth. Before: a warning ("this
+    # run's value applies"), then fewer visits dropped the others' weights without a word, and
+    # more failed after the model build with a 2,000-character list of state-dict keys.
+    fresh = _changed(cfg, "checkpoint", load=str(path), load_optimizer=False)
+    fresh.train.out_dir = str(tmp_path / "new")
+    for iterations in (1, 3):
+        with pytest.raises(ConfigError) as error:
+            _check(path, _changed(fresh, "model", iterations=iterations), caplog)
+        assert str(error.value) == (
+            f"model.iterations={iterations}: differs from 2 in {path / 'config.yaml'}, whose "
+            "weights this run starts from (arch=latentloop runs exactly its iterations=2 visits "
+            "(each has its own scales)); set it back, or start from a checkpoint of this depth")
     # The looped models run any depth: there the change applies from the next step.
     path, cfg = _checkpoint(tmp_path / "fullloop", model={"arch": "fullloop", "iterations": 2,
                                                           "encoder_layers": None})

@@ -279,3 +279,49 @@ def test_a_set_up_refused_at_the_load_removes_only_an_alrs_log_it_created(
     with pytest.raises(CheckpointError, match="holds model weights only"):
         Trainer(cfg)
     assert _contents(out_dir) == before
+
+
+@pytest.mark.parametrize("directory, refused", [
+    ("/lustre/alice/run", None),  # the site's enroot configuration mounts it, not the job
+    ("/data/team a/run", None),  # the kernel escapes the space
+    ("/workspace/megaloop/runs/x", None),
+    ("/results/run", "it is on the container's own root file system (xfs at /)"),
+    ("/tmp/run", "it is in memory (tmpfs at /tmp)"),  # enroot's own tmpfs
+    ("/dev/shm/run", "it is in memory (tmpfs at /dev/shm)"),
+    ("/scratch/run", "it is in memory (tmpfs at /scratch)"),  # though the job mounts it
+])
+def test_a_run_directory_in_a_container_must_be_on_a_mount_from_the_host(
+        monkeypatch, directory, refused):
+    """Before: only the job's own mount points (MEGALOOP_CONTAINER_MOUNTS) counted, so a
+    directory on a file system every container of the site gets (/lustre here) was refused, and
+    one on a tmpfs the job mounts accepted. What holds it is now read from the container's mount
+    table: its root and memory file systems are refused, any other mount accepted."""
+    from megaloop.platform import mounts
+    from megaloop.training.run_dir import _check_mounted
+
+    monkeypatch.setattr(mounts, "MOUNTINFO", REPO / "tests" / "platform" / "mountinfo_enroot.txt")
+    monkeypatch.setenv("MEGALOOP_CONTAINER_MOUNTS", "/workspace/megaloop:/data/team a:/scratch")
+    if refused is None:
+        _check_mounted(Path(directory), "checkpoint.dir")
+        return
+    with pytest.raises(ConfigError) as error:
+        _check_mounted(Path(directory), "checkpoint.dir")
+    assert _one_line(error) == (
+        f"checkpoint.dir={directory!r}: not on a file system mounted from the host: {refused}; it "
+        "would be lost with the container, and a requeued job would start over: choose a "
+        "directory on a mounted file system (the job mounts /workspace/megaloop, /data/team a, "
+        "/scratch; slurm/ scripts: add one to MOUNTS)")
+
+
+def test_a_run_directory_in_a_container_whose_mounts_cannot_be_read_must_be_on_the_job_s(
+        monkeypatch, tmp_path):
+    from megaloop.platform import mounts
+    from megaloop.training.run_dir import _check_mounted
+
+    monkeypatch.setattr(mounts, "MOUNTINFO", tmp_path / "absent")
+    monkeypatch.setenv("MEGALOOP_CONTAINER_MOUNTS", "/workspace/megaloop:/lustre")
+    _check_mounted(Path("/lustre/run"), "train.out_dir")
+    with pytest.raises(ConfigError) as error:
+        _check_mounted(Path("/scratch/run"), "train.out_dir")
+    assert (f"the container's mounts are unknown ({tmp_path / 'absent'}: No such file"
+            in _one_line(error))
