@@ -4,11 +4,15 @@
 #   bash tools/bootstrap.sh python -m pytest tests
 # torch is pinned to the local CPU wheel (an unpinned torch pulls a multi-GB CUDA build) and
 # megatron-core to 0.16.1, the last release for Python 3.11. setup.py itself keeps open ranges.
+# MEGALOOP_TORCH=2.11.0 (with a MEGALOOP_VENV of its own) builds a venv on another torch to test
+# megaloop against it: PyPI's torch for Linux is a CUDA build, a download of 2-4 GB.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${MEGALOOP_VENV:-$root/.venv}"
 stamp="$venv/.megaloop-stamp"
-want="$(cat "$root/setup.py" "$root/tools/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+torch="torch==2.13.0"
+if [ -n "${MEGALOOP_TORCH:-}" ]; then torch="torch==$MEGALOOP_TORCH"; fi
+want="$( (cat "$root/setup.py" "$root/tools/bootstrap.sh"; echo "$torch") | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
@@ -19,8 +23,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     grep -v "is ignored: it is neither" "$log" || true; rm -f "$log"; return "$rc"
   }
   pipq --upgrade pip
-  pipq "torch==2.13.0" "megatron-core==0.16.1"
-  pipq -e "$root[test,mpi,hf,eval]"
+  pipq "$torch" "megatron-core==0.16.1"
+  pipq -e "$root[test,mpi,hf,eval]" "$torch"  # the pin again: nothing may move torch
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
