@@ -9,7 +9,8 @@ setup(
     packages=find_packages(include=["megaloop", "megaloop.*"]),
     python_requires=">=3.10",
     # Open ranges: CPU machines pin torch 2.13 / megatron-core 0.16.1 (Python 3.11) in
-    # tools/bootstrap.sh; NGC containers bring newer releases (megatron-core >= 0.17 on Python 3.12).
+    # tools/bootstrap.sh; the Dockerfile pins the tested megatron-core on top of NGC's torch, and
+    # a newer megatron-core (0.17+ needs Python 3.12) is admitted but untested.
     install_requires=[
         # The oldest torch tested: 2.9.1 (and 2.11.0, also on Python 3.12; CI: 2.13.0), with
         # megatron-core 0.16.1 (which itself needs >= 2.6), on CPU: tests/models, reference, hf,
