@@ -27,7 +27,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # the pool decides: another port, or the error
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "joined"))
     from megaloop.platform import cpu_compat
 
     cpu_compat.enable()
@@ -55,12 +60,31 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class _Pool:
+    _ATTEMPTS = 3
+
     def __init__(self, world_size: int):
+        # The port is free when chosen but may be taken before rank 0 listens on it (another
+        # test's process, under xdist): rank 1 would then wait on someone else's port for the
+        # whole timeout. The ranks report their rendezvous, and a lost port gets a new pool.
+        for attempt in range(1, self._ATTEMPTS + 1):
+            self._start(world_size)
+            failures = self._rendezvous(world_size)
+            if not failures:
+                return
+            self.kill()
+            if attempt == self._ATTEMPTS or "EADDRINUSE" not in failures[0]:
+                raise RuntimeError("distributed test workers did not start\n" + failures[0])
+
+    def _start(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [
@@ -72,6 +96,24 @@ class _Pool:
         ]
         for p in self.procs:
             p.start()
+
+    def _rendezvous(self, world_size: int) -> list[str]:
+        """The failures of the ranks' process-group set-up; empty once every rank has joined."""
+        joined = 0
+        while joined < world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=_TIMEOUT_S)
+            except queue.Empty:
+                return [f"no rendezvous within {_TIMEOUT_S}s"]
+            if not ok:
+                return [f"rank {rank}:\n{value}"]
+            joined += 1
+        return []
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.join()
 
     def close(self) -> None:
         for q, p in zip(self.tasks, self.procs):
