@@ -98,22 +98,19 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
-TORCHRUN_GRACE_S = 2.0
+RANK0_GRACE_S = 2.0
 
 
 def _let_rank0_exit_first() -> None:
-    """Under torchrun before the process group is up, a rank other than 0 that leaves an error to
-    rank 0 waits a moment before it exits: torchrun's agent SIGTERMs every worker as soon as one
-    fails, and a rank 0 started a little later, still in its interpreter's start (before
-    megaloop.stop_first), died of it without a word, the error said by no rank (seen 1 in 10 on
-    a loaded machine once the config check no longer loaded numpy)."""
-    dist = sys.modules.get("torch.distributed")
-    launch = _launch_env()
-    if (launch is not None and launch.launcher == "torchrun"
-            and not (dist is not None and dist.is_initialized())):
-        import time
+    """A rank other than 0 that leaves an error to rank 0 waits a moment before it exits: the
+    launchers end every rank as soon as one fails (torchrun's agent, mpiexec, srun
+    --kill-on-bad-exit), and a rank 0 still on its way to the line (under torchrun still in its
+    interpreter's start; under mpiexec after the ranks agreed the error) died of it without a
+    word, the error said by no rank (seen 1 in 10 under torchrun on a loaded machine, and once
+    in a full test run under mpiexec). Only error exits of multi-rank runs pay it."""
+    import time
 
-        time.sleep(TORCHRUN_GRACE_S)
+    time.sleep(RANK0_GRACE_S)
 
 
 def _rank() -> int | None:

@@ -261,3 +261,23 @@ def test_an_error_of_the_config_file_comes_from_the_first_rank_of_each_node(rank
     assert done.returncode == 2
     assert done.stderr == ("error: config file run.yaml: unknown field train.lrr (did you mean "
                            "lr?)\n" if local_rank == 0 else ""), done.stderr
+
+
+@pytest.mark.parametrize("launch", [
+    {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+     "MASTER_PORT": "29511"},  # mpiexec: its ranks' process group is up by then
+    {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}])
+def test_a_rank_that_leaves_its_error_to_rank_0_waits_before_it_exits(launch, monkeypatch, capsys):
+    """Every launcher ends the other ranks at the first exit: a rank 1 that left its error to
+    rank 0 and exited at once let mpiexec kill rank 0 before its line (exit 2, stderr empty,
+    once in a full test run); the wait was torchrun's alone."""
+    from megaloop import cli
+
+    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in launch.items():
+        monkeypatch.setenv(key, value)
+    waits = []
+    monkeypatch.setattr("time.sleep", waits.append)
+    cli.print_error(RuntimeError("no usable document"), alike=True)
+    assert waits == [cli.RANK0_GRACE_S] and capsys.readouterr().err == ""
