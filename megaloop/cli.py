@@ -154,16 +154,33 @@ def int_at_least(minimum: int):
 def float_above(bound: float):
     """An argparse ``type``: a finite number > ``bound`` (``argument --tolerance: 0.0: must be > 0``)."""
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+        value = _number(text)
         if not math.isfinite(value) or value <= bound:
             raise argparse.ArgumentTypeError(f"{value}: must be > {bound:g}")
         return value
 
     parse.__name__ = f"number > {bound:g}"
     return parse
+
+
+def float_in(low: float, high: float):
+    """An argparse ``type``: a number in [``low``, ``high``] (``argument --character-coverage:
+    0.5: must be in [0.98, 1.0]``)."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not low <= value <= high:  # nan fails too
+            raise argparse.ArgumentTypeError(f"{value}: must be in [{low}, {high}]")
+        return value
+
+    parse.__name__ = f"number in [{low}, {high}]"
+    return parse
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
 
 
 def unwritable(path: str | os.PathLike) -> str | None:

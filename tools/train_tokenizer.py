@@ -14,27 +14,16 @@ import argparse
 import os
 import sys
 
-from megaloop.cli import int_at_least, json_keys_refusal
+from megaloop.cli import float_in, int_at_least, json_keys_refusal
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, expand_inputs, input_notes
 from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
 
 
-# SentencePiece's own bounds, which it reports as an internal check ("INTERNAL: ...
-# trainer_interface.cc(94) [trainer_spec.character_coverage() >= 0.98 && ...]") naming no flag.
+# SentencePiece's own bounds of --character-coverage, which it reports as an internal check
+# ("INTERNAL: ... trainer_interface.cc(94) [trainer_spec.character_coverage() >= 0.98 && ...]")
+# naming no flag.
 COVERAGE = (0.98, 1.0)
-
-
-def character_coverage(text: str) -> float:
-    """An argparse ``type``: a number in COVERAGE."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
-    if not COVERAGE[0] <= value <= COVERAGE[1]:
-        raise argparse.ArgumentTypeError(f"{value}: must be in [{COVERAGE[0]}, {COVERAGE[1]}] "
-                                         "(SentencePiece's range)")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="encode unseen characters as bytes instead of <unk> (default: on)")
     p.add_argument("--special-tokens", nargs="*", default=[], help="extra pieces kept whole, e.g. <|im_start|>")
-    p.add_argument("--character-coverage", type=character_coverage, default=0.9995,
+    p.add_argument("--character-coverage", type=float_in(*COVERAGE), default=0.9995,
                    help="share of the characters the pieces cover, in [0.98, 1]")
     p.add_argument("--max-sentences", type=int_at_least(1), default=10_000_000, help="lines sampled for training")
     p.add_argument("--max-docs", type=int_at_least(1),
