@@ -94,7 +94,10 @@ def _gemm_dims(cfg) -> list[tuple[str, int, str]]:
 def check_fp8_shapes(cfg) -> None:
     """Raises ConfigError, naming the setting, when a GEMM of run config ``cfg`` (precision fp8)
     has a shape Transformer Engine's FP8 GEMMs refuse: they assert it in the first forward pass,
-    after the model is built (the 60M and 1B presets' FFN widths, 1512 and 5461, are such)."""
+    after the model is built (the 60M and 1B presets' FFN widths, 1512 and 5461, are such).
+    Nothing to check for another precision."""
+    if cfg.train.precision != "fp8":
+        return
     recipe = cfg.train.resolved_fp8_recipe
     multiples = dict(zip(("rows", "inner"), _GEMM_MULTIPLES[recipe]))
     for what, size, role in _gemm_dims(cfg):

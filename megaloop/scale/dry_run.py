@@ -13,6 +13,7 @@ import os
 
 from megaloop.config import DataConfig, RunConfig, dump_yaml, micro_batches_per_step, to_dict
 from megaloop.models.pipeline import describe_split, stage_counts
+from megaloop.platform.fp8 import check_fp8_shapes
 from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
 from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
 
@@ -73,10 +74,7 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
 
     gpus_per_node = gpus_per_node or processes_per_node()
     layout = layout_of(cfg.parallel, world_size)
-    if cfg.train.precision == "fp8":  # sizes Transformer Engine's FP8 GEMMs refuse
-        from megaloop.platform.fp8 import check_fp8_shapes
-
-        check_fp8_shapes(cfg)
+    check_fp8_shapes(cfg)  # sizes Transformer Engine's FP8 GEMMs refuse
     tokenizer = cfg.data.tokenizer_model
     notes = []
     if tokenizer is None or os.path.exists(tokenizer):

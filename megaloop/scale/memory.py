@@ -419,8 +419,7 @@ def fitting_layouts(cfg: RunConfig, world_size: int, device_bytes: int,
             try:  # what the run refuses at start-up under this layout does not fit either
                 trial.validate()
                 micro_batches_per_step(trial.train, trial.parallel, layout.data)
-                if trial.train.precision == "fp8":  # tensor parallelism splits the GEMMs
-                    check_fp8_shapes(trial)
+                check_fp8_shapes(trial)  # under FP8: tensor parallelism splits the GEMMs
             except ValueError:
                 continue
             mem = estimate(trial, layout, device=device)
