@@ -270,9 +270,12 @@ def test_an_error_of_the_config_file_comes_from_the_first_rank_of_each_node(rank
 def test_a_rank_that_leaves_its_error_to_rank_0_waits_before_it_exits(launch, monkeypatch, capsys):
     """Every launcher ends the other ranks at the first exit: a rank 1 that left its error to
     rank 0 and exited at once let mpiexec kill rank 0 before its line (exit 2, stderr empty,
-    once in a full test run); the wait was torchrun's alone."""
+    once in a full test run); the wait was torchrun's alone. The launcher's rank decides here:
+    a world of one that an earlier test left in this worker would make this process rank 0 (CI
+    failed on it)."""
     from megaloop import cli
 
+    monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
     for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
     for key, value in launch.items():
