@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import signal
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from megaloop.cli import (ArgumentParser, int_at_least, log_to_stderr, print_error,
                           quiet_third_party_warnings)
@@ -151,15 +151,17 @@ def _meta_device_mode():
     return OnMeta()
 
 
-def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
+def main(argv: list[str] | None = None, *, then_exit: bool = False,
+         accepted: Callable[[object], None] | None = None) -> int:
     """megaloop-train in this process: the exit status, with the previous signal handlers back.
     ``then_exit``: the caller exits with that status at once (a command line). Stop signals then
     stay ignored from the end of the run to the exit: with the default handler back, one arriving
     then (srun ending the job step while slower ranks finish their save) would turn a saved run's
-    75, or 0, into 143."""
+    75, or 0, into 143. ``accepted(cfg)``: called once the Trainer's set-up has completed (the run
+    found finished included), before training; not after a refusal or a stop during set-up."""
     stop_signals = StopSignals()  # first: see the module docstring
     try:
-        return _run(argv, stop_signals)
+        return _run(argv, stop_signals, accepted)
     finally:
         stop_signals.restore(signal.SIG_IGN if then_exit else None)
 
@@ -169,7 +171,8 @@ def cli() -> NoReturn:
     sys.exit(main(then_exit=True))
 
 
-def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
+def _run(argv: list[str] | None, stop_signals: StopSignals,
+         accepted: Callable[[object], None] | None) -> int:
     from megaloop.config import ConfigError
 
     quiet_third_party_warnings()
@@ -197,6 +200,12 @@ def _run(argv: list[str] | None, stop_signals: StopSignals) -> int:
 
         try:
             trainer = Trainer(cfg, stop_signals)
+            if accepted is not None and not trainer.stopped_during_set_up:
+                try:
+                    accepted(cfg)
+                except BaseException:
+                    trainer.close()
+                    raise
             if not (trainer.stopped_during_set_up or trainer.complete or trainer.resume_path):
                 # Said, not left to the step numbers: a requeued job pointed at another
                 # directory than its first run's would start over without a word.

@@ -210,6 +210,26 @@ def test_a_rerun_with_a_bad_latest_pointer_falls_back_as_the_trainer_would(base_
     assert sorted(p.name for p in own.iterdir()) == ["iter_0000001", "iter_0000002", "latest"]
 
 
+def test_a_run_the_trainer_refuses_leaves_out_as_it_was(mcore, tmp_path, capsys):
+    """Before: finetune.yaml (and --out) were written before the trainer's set-up, and stayed
+    after it refused the run; a previous finetune.yaml there was replaced by the refused one."""
+    _, argv = _run_with_tokenizer(tmp_path)
+    finetune = load_tool("finetune_gsm8k").main
+    refused = ["--base", argv[0], "--data", str(tmp_path / "missing.jsonl"),
+               "train.train_steps=1"]  # the data is read first by the trainer's set-up
+    out = tmp_path / "new" / "ft"
+    assert finetune(refused + ["--out", str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'missing.jsonl'}: "
+                                            "input not found\n")
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "finetune.yaml").write_text("the user's\n")
+    assert finetune(refused + ["--out", str(kept)]) == 2
+    assert [p.name for p in kept.iterdir()] == ["finetune.yaml"]
+    assert (kept / "finetune.yaml").read_text() == "the user's\n"
+
+
 def test_a_tokenizer_other_than_the_runs_is_refused_before_decoding(mcore, tmp_path, capsys):
     """Before: another SentencePiece model gave an accuracy from ids the model never learned
     (exit 0), a larger vocabulary an IndexError at the embedding."""

@@ -10,8 +10,9 @@ batch 32, context 1024, 6,973 train / 500 development records, loss on solution 
 the dotted overrides apply (not to what --base, --data and --out set: checkpoint.load, data.path
 and train.out_dir). ``train.train_steps`` is ``--epochs`` (default 3) passes over the
 training records that fit the context, rounded up, unless given as an override (not both). The
-resolved config goes to ``<out>/finetune.yaml`` (atomically, once it is accepted) and the run is
-``megaloop-train --config`` on it: the same checkpoints, metrics and exit codes (0 done, 2 bad
+resolved config is the ``megaloop-train --config`` file of the run, and goes to
+``<out>/finetune.yaml`` (atomically) once the trainer has accepted it: a run refused at set-up
+leaves ``<out>`` as it was. The run is megaloop-train's: the same checkpoints, metrics and exit codes (0 done, 2 bad
 config/data/checkpoint, 3 aborted, 75 preempted); running the command again resumes from
 ``<out>/checkpoints``, from the base checkpoint the run started from even where ``--base`` (a run's
 directory) has a newer one by then (megaloop.gsm8k.resumed_config). A rerun the resume would
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -89,13 +91,22 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
                       f"{cfg.train.global_batch_size}: {cfg.train.train_steps} steps",
                       file=sys.stderr)
         cfg = gsm8k.resumed_config(cfg, args.base)
-        config_file = Path(args.out) / "finetune.yaml"
-        config_file.parent.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, config_file)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return train(["--config", str(config_file)], then_exit=then_exit)
+
+    def keep(accepted) -> None:
+        """Rank 0, as the Trainer its config.yaml: the config goes to <out> only once the
+        Trainer has set the run up, so that a run it refuses leaves <out> as it was (a previous
+        finetune.yaml there stays, a new <out> goes again)."""
+        if talk:
+            save_yaml(accepted, Path(args.out) / "finetune.yaml")
+
+    # Each process reads its own copy, as each node reads its --config file.
+    with tempfile.TemporaryDirectory(prefix="megaloop-finetune-") as staging:
+        config_file = Path(staging) / "finetune.yaml"
+        save_yaml(cfg, config_file)
+        return train(["--config", str(config_file)], then_exit=then_exit, accepted=keep)
 
 
 if __name__ == "__main__":
