@@ -54,3 +54,23 @@ def tokenized_articles(tmp_path_factory, sp_model, articles_path) -> str:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="module")
+def preprocess_tool(load_tool):
+    return load_tool("preprocess_data")
+
+
+@pytest.fixture
+def run(preprocess_tool, capsys):
+    """Runs tools/preprocess_data.py in-process; returns (exit code, stderr)."""
+    def run(*args):
+        code = preprocess_tool.main([str(a) for a in args])
+        return code, capsys.readouterr().err
+
+    return run
+
+
+def sp_args(sp_model, *extra) -> list:
+    """preprocess_data.py's tokenizer arguments for the SentencePiece model, with EOD."""
+    return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--append-eod", *extra]

@@ -21,27 +21,7 @@ import zstandard
 
 from megaloop.data import preprocess as pp
 from megaloop.data.readers import DataError
-
-
-@pytest.fixture(scope="module")
-def tool(load_tool):
-    return load_tool("preprocess_data")
-
-
-@pytest.fixture
-def run(tool, capsys):
-    """Run the tool in-process; returns (exit code, stderr)."""
-    return lambda *args: _run(tool, capsys, *args)
-
-
-def _run(tool, capsys, *args):
-    code = tool.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.err
-
-
-def _sp_args(sp_model, *extra):
-    return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--append-eod", *extra]
+from tests.data.conftest import sp_args
 
 
 def _read(prefix):
@@ -72,7 +52,7 @@ def test_output_matches_the_tokenizer_and_megatron_core_reads_it(tmp_path, run, 
 
     from megaloop.data.tokenizer import load_tokenizer
 
-    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "out", "--workers", 1, *_sp_args(sp_model))
+    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "out", "--workers", 1, *sp_args(sp_model))
     assert code == 0, err
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     tok = load_tokenizer("SentencePieceTokenizer", sp_model)
@@ -88,7 +68,7 @@ def test_bytes_do_not_depend_on_workers_or_sharding(tmp_path, run, sp_model, art
     outputs = []
     for workers, source in ((1, articles_path), (2, articles_path), (2, _shards(tmp_path, articles))):
         prefix = tmp_path / f"w{workers}_{len(outputs)}"
-        code, err = run("--input", source, "--output-prefix", prefix, "--workers", workers, *_sp_args(sp_model))
+        code, err = run("--input", source, "--output-prefix", prefix, "--workers", workers, *sp_args(sp_model))
         assert code == 0, err
         outputs.append(_read(f"{prefix}_text_document"))
     assert outputs[0] == outputs[1] == outputs[2]
@@ -100,7 +80,7 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
         pytest.skip("mpiexec (pip package mpich) not installed")
     shards = _shards(tmp_path, articles)
     cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(shards),
-           "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", *map(str, _sp_args(sp_model))]
+           "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", *map(str, sp_args(sp_model))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert _read(str(tmp_path / "mpi_text_document")) == _read(tokenized_articles)
@@ -125,7 +105,7 @@ def test_mpiexec_max_docs_checks_the_documents_kept_as_one_process_does(tmp_path
         pytest.skip("mpiexec (pip package mpich) not installed")
     path = tmp_path / "ab.jsonl"  # rank 0 reads records 1-5, rank 1 records 6-10
     path.write_text("".join(json.dumps({"a": f"text {i}", "b": "words" if i >= 6 else ""}) + "\n" for i in range(10)))
-    args = ["--input", path, "--workers", 1, "--json-keys", "a", "b", "--max-docs", 4, *_sp_args(sp_model)]
+    args = ["--input", path, "--workers", 1, "--json-keys", "a", "b", "--max-docs", 4, *sp_args(sp_model)]
     message = "error: no usable document: all 4 documents have empty 'b' texts"
     code, err = run(*args, "--output-prefix", tmp_path / "one")
     assert code == 2 and err.strip() == message
@@ -139,12 +119,12 @@ def test_mpiexec_max_docs_checks_the_documents_kept_as_one_process_does(tmp_path
 def test_bad_records_are_skipped_and_reported_or_abort_with_strict(tmp_path, run, sp_model):
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b'{"text": "fine"}\n{"text": \n{"txt": "typo"}\n{"text": "also fine"}\n')
-    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *sp_args(sp_model))
     assert code == 0
     assert "skipped 2 bad records (1 malformed JSON, 1 missing key)" in err
     assert f"{path}:2: malformed JSON" in err and f"{path}:3: missing key ('text')" in err
     assert "done: 2 documents" in err
-    code, err = run("--input", path, "--output-prefix", tmp_path / "s", "--workers", 1, "--strict", *_sp_args(sp_model))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "s", "--workers", 1, "--strict", *sp_args(sp_model))
     assert code == 2
     assert err.startswith(f"error: {path}:2: malformed JSON")
     assert not any(n.startswith("s_") for n in os.listdir(tmp_path))
@@ -157,27 +137,14 @@ def test_a_truncated_compressed_shard_is_an_error_naming_it(tmp_path, run, sp_mo
     data = compress("".join(json.dumps(a) + "\n" for a in articles[:20]).encode())  # zstd: 3 blocks
     path = tmp_path / f"cut{suffix}"
     path.write_bytes(data[: len(data) * 2 // 3])
-    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, *sp_args(sp_model))
     assert code == 2
     assert re.fullmatch(f"error: {re.escape(str(path))}: truncated compressed file, ends at line [0-9]+; "
                         r"replace the file \(a download cut short\?\) or leave it out\n", err)
     assert sorted(os.listdir(tmp_path)) == [path.name]
     code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 1, "--max-docs", 2,
-                    *_sp_args(sp_model))
+                    *sp_args(sp_model))
     assert code == 0 and "done: 2 documents" in err  # the documents before the cut are whole
-
-
-def test_tokenizer_errors_come_before_any_work(tmp_path, run, articles_path):
-    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1,
-                     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
-    assert code == 2
-    assert err.strip() == f"error: {tmp_path / 'missing.model'}: tokenizer file not found"
-    assert os.listdir(tmp_path) == []
-
-
-def test_missing_input_is_a_one_line_error(tmp_path, run, sp_model):
-    code, err = run("--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
-    assert code == 2 and err.strip() == f"error: {tmp_path / 'nope.jsonl'}: input not found"
 
 
 def test_interrupted_run_leaves_no_output(tmp_path, monkeypatch, sp_model, articles_path):
@@ -207,58 +174,6 @@ def test_max_docs_keeps_a_prefix_of_the_full_output(tmp_path, sp_model, articles
     assert all((cut[i] == full[i]).all() for i in range(7))
 
 
-def test_append_eod_needs_an_eod_token(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    no_eos = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
-    no_eos.pre_tokenizer = pre_tokenizers.Whitespace()
-    path = tmp_path / "tokenizer.json"
-    no_eos.save(str(path))
-    assert pp.check_tokenizer(pp.PreprocessOptions("HuggingFaceTokenizer", str(path))).eod is None
-    options = pp.PreprocessOptions("HuggingFaceTokenizer", str(path), append_eod=True)
-    with pytest.raises(DataError, match=f"{path}: --append-eod given but the tokenizer has no end-of-text token"):
-        pp.check_tokenizer(options)
-
-
-def test_workers_must_be_positive(tool):
-    with pytest.raises(SystemExit) as exc:
-        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "0", "--tokenizer-type", "SentencePieceTokenizer"])
-    assert exc.value.code == 2
-
-
-def test_a_log_interval_below_one_is_refused(tool, capsys):
-    # Before: a ZeroDivisionError traceback at the first document, when not on a terminal.
-    with pytest.raises(SystemExit) as exc:
-        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
-                   "SentencePieceTokenizer", "--log-interval", "0"])
-    assert exc.value.code == 2
-    assert capsys.readouterr().err.endswith("error: argument --log-interval: 0: must be >= 1\n")
-
-
-def test_a_json_key_given_twice_is_refused(tool, capsys):
-    # Before: both keys' writers wrote {prefix}_text_document at once, and exit 0.
-    with pytest.raises(SystemExit) as exc:
-        tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
-                   "SentencePieceTokenizer", "--json-keys", "text", "title", "text"])
-    assert exc.value.code == 2
-    assert capsys.readouterr().err.endswith("error: --json-keys text title text: 'text' given twice\n")
-
-
-def test_srun_tasks_that_are_not_mpi_ranks_are_refused(tmp_path, run, monkeypatch):
-    # Before: each of `srun -n 4`'s tasks tokenized the whole input into the same output.
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
-    code, err = run("--input", "x", "--output-prefix", tmp_path / "o", "--workers", "1",
-                    "--tokenizer-type", "SentencePieceTokenizer")
-    assert (code, err) == (2, "error: srun started 4 tasks (SLURM_STEP_NUM_TASKS) that are not MPI "
-                              "ranks: each would tokenize the whole input into the same output; run "
-                              "one task, or mpiexec -n N as slurm/preprocess.sh does\n")
-    assert os.listdir(tmp_path) == []
-
-
-def test_data_error_is_a_value_error():
-    assert issubclass(DataError, ValueError)
-
-
 def test_fineweb_style_parquet_with_score_filter_and_limit(tmp_path, run, sp_model):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -267,7 +182,7 @@ def test_fineweb_style_parquet_with_score_filter_and_limit(tmp_path, run, sp_mod
     rows = [{"text": f"Document number {i} about education.", "int_score": i % 5, "score": i % 5 + 0.5} for i in range(30)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "000_00000.parquet", row_group_size=4)
     code, err = run("--input", tmp_path / "*.parquet", "--output-prefix", tmp_path / "fw", "--workers", 2,
-                    "--min-int-score", 3, "--max-docs", 5, *_sp_args(sp_model))
+                    "--min-int-score", 3, "--max-docs", 5, *sp_args(sp_model))
     assert code == 0, err
     ds = IndexedDataset(str(tmp_path / "fw_text_document"))
     tok = load_tokenizer("SentencePieceTokenizer", sp_model)
@@ -283,7 +198,7 @@ def test_documents_are_megatron_lm_s_for_sentence_lists_and_empty_texts(tmp_path
     texts = ["Hello world.", ["First.", "", "Second."], "", "   ", ["", ""], "line\n\nmore"]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 2, *_sp_args(sp_model))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "o", "--workers", 2, *sp_args(sp_model))
     assert code == 0, err
     # Megatron-LM's Encoder.encode: each sentence is tokenized alone and kept if it has tokens, EOD
     # joins the last one kept, and a document without tokens is written with no sequence and no EOD.
@@ -301,12 +216,12 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     path = tmp_path / "in.jsonl"
     path.write_text('{"text": "an <EOD> inside"}\n{"text": "plain"}\n')
     plain = tmp_path / "plain"
-    assert run("--input", path, "--output-prefix", plain, "--workers", 1, *_sp_args(sp_model))[0] == 0
+    assert run("--input", path, "--output-prefix", plain, "--workers", 1, *sp_args(sp_model))[0] == 0
     metadata = tmp_path / "tokenizer_metadata.json"
     metadata.write_text('{"library": "sentencepiece", "model_type": "gpt", "chat_template": null}')
     flags = ["--keep-newlines", "--vocab-size", 1234, "--tokenizer-metadata", metadata,
              "--partitions", 4]
-    code, err = run("--input", path, "--output-prefix", tmp_path / "flags", "--workers", 1, *flags, *_sp_args(sp_model))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "flags", "--workers", 1, *flags, *sp_args(sp_model))
     assert code == 0, err
     assert _read(f"{tmp_path / 'flags'}_text_document") == _read(f"{plain}_text_document")
     assert "note: --keep-newlines changes nothing: Megatron-LM applies it only with --split-sentences" in err
@@ -314,7 +229,7 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
     assert "note: --partitions 4 changes nothing: the input is streamed" in err  # was silent
     # --legacy-tokenizer: Megatron-LM's legacy SentencePieceTokenizer, whose EOD is an added <EOD> id.
     code, err = run("--input", path, "--output-prefix", tmp_path / "legacy", "--workers", 1, "--legacy-tokenizer",
-                    "--tokenizer-metadata", metadata, *_sp_args(sp_model))
+                    "--tokenizer-metadata", metadata, *sp_args(sp_model))
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     legacy = IndexedDataset(str(tmp_path / "legacy_text_document"))
@@ -326,7 +241,7 @@ def test_megatron_lm_tokenizer_flags(tmp_path, run, sp_model):
                     *gpt)
     assert code == 0 and "note: --legacy-tokenizer changes nothing with GPTSentencePieceTokenizer" in err
     metadata.write_text('{"library": "huggingface"}')
-    code, err = run("--input", path, "--output-prefix", tmp_path / "bad", "--workers", 1, *flags, *_sp_args(sp_model))
+    code, err = run("--input", path, "--output-prefix", tmp_path / "bad", "--workers", 1, *flags, *sp_args(sp_model))
     assert code == 2 and err.strip().startswith(f"error: {metadata}: metadata names library 'huggingface'")
     assert len(err.strip().splitlines()) == 1
 
@@ -343,7 +258,7 @@ def test_a_sidecar_beside_the_output_says_how_its_ids_were_made(tmp_path, run, s
     sha256 = hashlib.sha256(sp_model.read_bytes()).hexdigest()
     for legacy, eod, vocab in ((True, 32002, 32005), (False, 2, 32000)):  # the same prefix twice
         code, err = run("--input", path, "--output-prefix", tmp_path / "out", "--workers", 1,
-                        *(["--legacy-tokenizer"] if legacy else []), *_sp_args(sp_model))
+                        *(["--legacy-tokenizer"] if legacy else []), *sp_args(sp_model))
         assert code == 0, err
         data = IndexedDataset(str(prefix))
         assert json.loads(sidecar.read_text()) == {
@@ -380,97 +295,6 @@ def test_a_failed_sidecar_write_names_it_and_keeps_the_complete_data(tmp_path, s
     assert sorted(os.listdir(tmp_path)) == ["o_text_document.bin", "o_text_document.idx"]  # no temp
 
 
-@pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",
-                                  "empty texts", "one key's texts empty"])
-def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
-    inputs, keys, extra = tmp_path / "in", ["text"], []
-    inputs.mkdir()
-    if case == "invalid lines":
-        (inputs / "a.jsonl").write_bytes(b'{"text": \nnot json\n')
-        expected = ["2 malformed JSON", f"{inputs / 'a.jsonl'}:1: malformed JSON"]
-    elif case == "json-keys typo":
-        (inputs / "a.jsonl").write_text('{"id": 1, "text": "x"}\n{"id": 2, "text": "y"}\n')
-        keys = ["txt"]
-        expected = ["2 missing key", "--json-keys 'txt' but the records hold 'id', 'text'"]
-    elif case == "parquet without the column":
-        pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 3), inputs / "a.parquet")
-        expected = ["3 missing key", "--json-keys 'text' but the records hold 'body', 'url'"]
-    elif case == "no score":  # plain text has no quality score: the message names that key, not --json-keys
-        (inputs / "small.txt").write_text("one\n\ntwo\n")
-        extra = ["--min-int-score", 3]
-        expected = ["2 missing key", "missing key ('int_score')",
-                    "; --min-int-score needs the score key 'int_score' but the records hold 'text'"]
-    elif case == "empty texts":
-        (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
-        expected = ["all 2 documents have empty 'text' texts"]
-    else:  # before: exit 0, with an output of empty documents for 'title'
-        (inputs / "a.jsonl").write_text('{"text": "x", "title": ""}\n{"text": "y", "title": ""}\n')
-        keys = ["text", "title"]
-        expected = ["all 2 documents have empty 'title' texts"]
-    out = tmp_path / "out"
-    code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
-                    *extra, *_sp_args(sp_model))
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: no usable document: ")
-    assert all(e in err for e in expected), err
-    assert ("--json-keys" in err) == (case in ("json-keys typo", "parquet without the column")), err
-    assert os.listdir(out) == []
-
-
-def test_unwritable_output_is_found_before_start_up(tmp_path, run, articles_path):
-    (tmp_path / "file").write_text("not a directory")
-    prefix = tmp_path / "file" / "o"
-    # The tokenizer is missing too: the output is checked first, before anything loads.
-    code, err = run("--input", articles_path, "--output-prefix", prefix, "--workers", 1,
-                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1
-    assert err.startswith(f"error: {prefix}: cannot write the output in {tmp_path / 'file'} (")
-
-
-def test_an_output_prefix_naming_only_a_directory_is_refused(tmp_path, run, articles_path):
-    # Before: written as out/_text_document.bin/.idx, a dataset without a name.
-    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/out/", "--workers", 1,
-                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
-    assert (code, err) == (2, f"error: --output-prefix {tmp_path}/out/: names a directory, not the start of "
-                              "the outputs' names ({prefix}_{key}_document.bin/.idx); add a name, such as "
-                              f"{tmp_path}/out/fwe\n")
-    assert os.listdir(tmp_path) == []
-    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/.", "--workers", 1,
-                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
-    assert code == 2 and err.startswith(f"error: --output-prefix {tmp_path}/.: names a directory")
-
-
-def test_temporary_files_a_killed_run_left_are_noted(tmp_path, run, sp_model):
-    # Before: not a word; nothing removes them (a SIGKILL cannot be caught), and a .bin may be as
-    # large as the dataset.
-    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
-    (tmp_path / "out").mkdir()
-    leftover = tmp_path / "out" / "o.shard00001-of-00002_text_document.partial-4242.bin"
-    (tmp_path / "out" / "other_text_document.partial-4243.bin").write_bytes(b"another output's")
-    leftover.write_bytes(b"\0" * 1000)
-    code, err = run("--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "out" / "o", "--workers", 1,
-                    *_sp_args(sp_model))
-    assert code == 0, err
-    assert [line for line in err.splitlines() if line.startswith("note:")] == [
-        f"note: {leftover} (0.00 GB) is left from a run that was killed; remove it unless a run is writing it now"]
-
-
-def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):
-    d = tmp_path / "in"
-    d.mkdir()
-    (d / "a.jsonl").write_text('{"text": "hi"}\n')
-    (d / "more.txt").write_text('{"text": "JSON lines under a .txt name"}\n')
-    for name in ("README", "b.csv", "c.jsonl.bz2"):
-        (d / name).write_text("x")
-    code, err = run("--input", d, "--output-prefix", tmp_path / "o", "--workers", 1, *_sp_args(sp_model))
-    assert code == 0, err
-    assert (f"note: skipped 3 files of unsupported types (1 .bz2, 1 .csv, 1 README): "
-            f"{d / 'README'}, {d / 'b.csv'}, {d / 'c.jsonl.bz2'}") in err
-    assert f"note: read 1 .txt file(s) as JSON lines (the first line is a JSON object): {d / 'more.txt'}" in err
-    assert "done: 2 documents" in err
-
-
 def test_bytes_do_not_depend_on_which_worker_finishes_first(tmp_path, monkeypatch, sp_model, articles_path,
                                                              tokenized_articles):
     from tests.data import worker_faults
@@ -490,7 +314,7 @@ def test_a_killed_worker_is_a_one_line_error_not_a_hang(tmp_path, run, monkeypat
     from tests.data import worker_faults
 
     monkeypatch.setattr(pp, "encode_chunk", worker_faults.killed_on_second_chunk)
-    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 2, *_sp_args(sp_model))
+    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 2, *sp_args(sp_model))
     assert code == 1
     assert err.strip() == ("error: a tokenizer worker process was killed by SIGKILL: the kernel's out-of-memory "
                            "killer sends it; use fewer --workers or more memory; no output written")
@@ -524,7 +348,7 @@ def test_a_signal_mid_run_removes_partial_output(tmp_path, repo, sp_model, artic
               "preprocess.encode_chunk = worker_faults.stuck_on_second_chunk; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     cmd = [sys.executable, "-c", driver, str(repo / "tools" / "preprocess_data.py"), "--input", str(articles_path),
-           "--output-prefix", str(tmp_path / "o"), "--workers", "1", *map(str, _sp_args(sp_model))]
+           "--output-prefix", str(tmp_path / "o"), "--workers", "1", *map(str, sp_args(sp_model))]
     proc = subprocess.Popen(cmd, cwd=repo, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(repo)})
     while not any(".partial-" in name for name in os.listdir(tmp_path)):
@@ -544,7 +368,7 @@ def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles)
     shards = _shards(tmp_path, articles)
     # Every rank commits its (empty) shard; rank 0 then finds no usable document in their sum.
     cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(shards),
-           "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", "--json-keys", "txt", *map(str, _sp_args(sp_model))]
+           "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", "--json-keys", "txt", *map(str, sp_args(sp_model))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
     assert "error: no usable document: 62 bad records (62 missing key)" in result.stderr
@@ -576,7 +400,7 @@ def test_a_sigterm_as_an_output_file_is_created_leaves_none(tmp_path, run, sp_mo
     monkeypatch.setattr(indexed.AtomicIndexedWriter, "__init__", made_then_signalled)
     try:
         code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1,
-                        *_sp_args(sp_model))
+                        *sp_args(sp_model))
     finally:
         idle.set()
     assert code == 143 and err.strip().splitlines()[-1] == "terminated by SIGTERM: partial output removed"

@@ -1,0 +1,168 @@
+"""tools/preprocess_data.py's refusals: bad settings, inputs and outputs are one line naming the
+flag, file or value, found before any work where they can be, with nothing written."""
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megaloop.data import preprocess as pp
+from megaloop.data.readers import DataError
+from tests.data.conftest import sp_args
+
+
+def test_tokenizer_errors_come_before_any_work(tmp_path, run, articles_path):
+    code, err = run("--input", articles_path, "--output-prefix", tmp_path / "o", "--workers", 1,
+                     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert code == 2
+    assert err.strip() == f"error: {tmp_path / 'missing.model'}: tokenizer file not found"
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_input_is_a_one_line_error(tmp_path, run, sp_model):
+    code, err = run("--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "o", "--workers", 1, *sp_args(sp_model))
+    assert code == 2 and err.strip() == f"error: {tmp_path / 'nope.jsonl'}: input not found"
+
+
+def test_append_eod_needs_an_eod_token(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    no_eos = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    no_eos.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    no_eos.save(str(path))
+    assert pp.check_tokenizer(pp.PreprocessOptions("HuggingFaceTokenizer", str(path))).eod is None
+    options = pp.PreprocessOptions("HuggingFaceTokenizer", str(path), append_eod=True)
+    with pytest.raises(DataError, match=f"{path}: --append-eod given but the tokenizer has no end-of-text token"):
+        pp.check_tokenizer(options)
+
+
+def test_workers_must_be_positive(preprocess_tool):
+    with pytest.raises(SystemExit) as exc:
+        preprocess_tool.main(["--input", "x", "--output-prefix", "y", "--workers", "0", "--tokenizer-type", "SentencePieceTokenizer"])
+    assert exc.value.code == 2
+
+
+def test_a_log_interval_below_one_is_refused(preprocess_tool, capsys):
+    # Before: a ZeroDivisionError traceback at the first document, when not on a terminal.
+    with pytest.raises(SystemExit) as exc:
+        preprocess_tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                   "SentencePieceTokenizer", "--log-interval", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --log-interval: 0: must be >= 1\n")
+
+
+def test_a_json_key_given_twice_is_refused(preprocess_tool, capsys):
+    # Before: both keys' writers wrote {prefix}_text_document at once, and exit 0.
+    with pytest.raises(SystemExit) as exc:
+        preprocess_tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                   "SentencePieceTokenizer", "--json-keys", "text", "title", "text"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --json-keys text title text: 'text' given twice\n")
+
+
+def test_srun_tasks_that_are_not_mpi_ranks_are_refused(tmp_path, run, monkeypatch):
+    # Before: each of `srun -n 4`'s tasks tokenized the whole input into the same output.
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    code, err = run("--input", "x", "--output-prefix", tmp_path / "o", "--workers", "1",
+                    "--tokenizer-type", "SentencePieceTokenizer")
+    assert (code, err) == (2, "error: srun started 4 tasks (SLURM_STEP_NUM_TASKS) that are not MPI "
+                              "ranks: each would tokenize the whole input into the same output; run "
+                              "one task, or mpiexec -n N as slurm/preprocess.sh does\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_data_error_is_a_value_error():
+    assert issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",
+                                  "empty texts", "one key's texts empty"])
+def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
+    inputs, keys, extra = tmp_path / "in", ["text"], []
+    inputs.mkdir()
+    if case == "invalid lines":
+        (inputs / "a.jsonl").write_bytes(b'{"text": \nnot json\n')
+        expected = ["2 malformed JSON", f"{inputs / 'a.jsonl'}:1: malformed JSON"]
+    elif case == "json-keys typo":
+        (inputs / "a.jsonl").write_text('{"id": 1, "text": "x"}\n{"id": 2, "text": "y"}\n')
+        keys = ["txt"]
+        expected = ["2 missing key", "--json-keys 'txt' but the records hold 'id', 'text'"]
+    elif case == "parquet without the column":
+        pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 3), inputs / "a.parquet")
+        expected = ["3 missing key", "--json-keys 'text' but the records hold 'body', 'url'"]
+    elif case == "no score":  # plain text has no quality score: the message names that key, not --json-keys
+        (inputs / "small.txt").write_text("one\n\ntwo\n")
+        extra = ["--min-int-score", 3]
+        expected = ["2 missing key", "missing key ('int_score')",
+                    "; --min-int-score needs the score key 'int_score' but the records hold 'text'"]
+    elif case == "empty texts":
+        (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
+        expected = ["all 2 documents have empty 'text' texts"]
+    else:  # before: exit 0, with an output of empty documents for 'title'
+        (inputs / "a.jsonl").write_text('{"text": "x", "title": ""}\n{"text": "y", "title": ""}\n')
+        keys = ["text", "title"]
+        expected = ["all 2 documents have empty 'title' texts"]
+    out = tmp_path / "out"
+    code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
+                    *extra, *sp_args(sp_model))
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: no usable document: ")
+    assert all(e in err for e in expected), err
+    assert ("--json-keys" in err) == (case in ("json-keys typo", "parquet without the column")), err
+    assert os.listdir(out) == []
+
+
+def test_unwritable_output_is_found_before_start_up(tmp_path, run, articles_path):
+    (tmp_path / "file").write_text("not a directory")
+    prefix = tmp_path / "file" / "o"
+    # The tokenizer is missing too: the output is checked first, before anything loads.
+    code, err = run("--input", articles_path, "--output-prefix", prefix, "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {prefix}: cannot write the output in {tmp_path / 'file'} (")
+
+
+def test_an_output_prefix_naming_only_a_directory_is_refused(tmp_path, run, articles_path):
+    # Before: written as out/_text_document.bin/.idx, a dataset without a name.
+    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/out/", "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert (code, err) == (2, f"error: --output-prefix {tmp_path}/out/: names a directory, not the start of "
+                              "the outputs' names ({prefix}_{key}_document.bin/.idx); add a name, such as "
+                              f"{tmp_path}/out/fwe\n")
+    assert os.listdir(tmp_path) == []
+    code, err = run("--input", articles_path, "--output-prefix", f"{tmp_path}/.", "--workers", 1,
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tmp_path / "missing.model")
+    assert code == 2 and err.startswith(f"error: --output-prefix {tmp_path}/.: names a directory")
+
+
+def test_temporary_files_a_killed_run_left_are_noted(tmp_path, run, sp_model):
+    # Before: not a word; nothing removes them (a SIGKILL cannot be caught), and a .bin may be as
+    # large as the dataset.
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "out").mkdir()
+    leftover = tmp_path / "out" / "o.shard00001-of-00002_text_document.partial-4242.bin"
+    (tmp_path / "out" / "other_text_document.partial-4243.bin").write_bytes(b"another output's")
+    leftover.write_bytes(b"\0" * 1000)
+    code, err = run("--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "out" / "o", "--workers", 1,
+                    *sp_args(sp_model))
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("note:")] == [
+        f"note: {leftover} (0.00 GB) is left from a run that was killed; remove it unless a run is writing it now"]
+
+
+def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "hi"}\n')
+    (d / "more.txt").write_text('{"text": "JSON lines under a .txt name"}\n')
+    for name in ("README", "b.csv", "c.jsonl.bz2"):
+        (d / name).write_text("x")
+    code, err = run("--input", d, "--output-prefix", tmp_path / "o", "--workers", 1, *sp_args(sp_model))
+    assert code == 0, err
+    assert (f"note: skipped 3 files of unsupported types (1 .bz2, 1 .csv, 1 README): "
+            f"{d / 'README'}, {d / 'b.csv'}, {d / 'c.jsonl.bz2'}") in err
+    assert f"note: read 1 .txt file(s) as JSON lines (the first line is a JSON object): {d / 'more.txt'}" in err
+    assert "done: 2 documents" in err
