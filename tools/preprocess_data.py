@@ -250,7 +250,7 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
         shards = {key: [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
                   for key in args.json_keys}
         total = merged_stats(all_stats, shards, args.max_docs)
-        check_usable(total, args.json_keys)  # as a single process checks: the documents kept
+        check_usable(total, args.json_keys, files)  # as a single process checks: the documents kept
         for key, parts in shards.items():
             merged = output_prefix(args.output_prefix, key)
             remove_sidecar(merged)

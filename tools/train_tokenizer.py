@@ -15,6 +15,7 @@ import os
 import sys
 
 from megaloop.cli import float_in, int_at_least, json_keys_refusal
+from megaloop.data.preprocess import named_inputs
 from megaloop.data.readers import BadRecords, DataError, RecordFilter, expand_inputs, input_notes
 from megaloop.data.tokenizer import padded_vocab_size
 from megaloop.data.tokenizer_training import EmptyCorpus, document_lines, train_sentencepiece
@@ -65,7 +66,7 @@ def train(args: argparse.Namespace) -> dict:
     except EmptyCorpus:
         why = (bad.explain(args.json_keys) if bad.total
                else "every record is empty or below the score threshold")
-        raise DataError(f"no usable document: {why}") from None
+        raise DataError(f"no usable document in {named_inputs(files)}: {why}") from None
     return {"vocab_size": args.vocab_size,
             "padded_vocab_size": padded_vocab_size(args.vocab_size, args.pad_multiple), "bad": bad}
 

@@ -353,10 +353,20 @@ def check_tokenizer(options: PreprocessOptions) -> TextTokenizer:
     return tokenizer
 
 
-def check_usable(stats: PreprocessStats, keys: Sequence[str]) -> None:
-    """Refuse output in which a key has not a single token, naming why: what each record lacked,
-    or that all were empty or filtered out. A --json-keys typo names the fields the records do
-    have. With several keys, one whose texts are all empty would be an output of empty documents."""
+def named_inputs(paths: Iterable[str]) -> str:
+    """The input files, for an error about all of them: every one up to three, else how many and
+    the first and last (a directory may hold thousands)."""
+    paths = list(dict.fromkeys(map(str, paths)))
+    if len(paths) <= 3:
+        return ", ".join(paths)
+    return f"{len(paths):,} files ({paths[0]} ... {paths[-1]})"
+
+
+def check_usable(stats: PreprocessStats, keys: Sequence[str], inputs: Iterable[str]) -> None:
+    """Refuse output in which a key has not a single token, naming the ``inputs`` and why: what
+    each record lacked, or that all were empty or filtered out. A --json-keys typo names the
+    fields the records do have. With several keys, one whose texts are all empty would be an
+    output of empty documents."""
     empty = [key for key in keys if not stats.key_tokens.get(key)]
     if not empty:
         return
@@ -368,8 +378,8 @@ def check_usable(stats: PreprocessStats, keys: Sequence[str]) -> None:
     elif stats.filtered:
         why = f"all {stats.filtered:,} records are below the score threshold"
     else:
-        why = "the input holds no records"
-    raise DataError(f"no usable document: {why}")
+        why = "no records at all"
+    raise DataError(f"no usable document in {named_inputs(inputs)}: {why}")
 
 
 def preprocess(
@@ -438,7 +448,7 @@ def preprocess(
             if options.max_docs is not None and stats.docs >= options.max_docs:
                 break
         if not allow_empty:
-            check_usable(stats, keys)
+            check_usable(stats, keys, (path for path, _, _ in ranges))
         record = tokenizer_record(options, tokenizer)
         for key, writer in writers.items():
             remove_sidecar(writer.prefix)

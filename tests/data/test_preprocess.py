@@ -106,7 +106,7 @@ def test_mpiexec_max_docs_checks_the_documents_kept_as_one_process_does(tmp_path
     path = tmp_path / "ab.jsonl"  # rank 0 reads records 1-5, rank 1 records 6-10
     path.write_text("".join(json.dumps({"a": f"text {i}", "b": "words" if i >= 6 else ""}) + "\n" for i in range(10)))
     args = ["--input", path, "--workers", 1, "--json-keys", "a", "b", "--max-docs", 4, *sp_args(sp_model)]
-    message = "error: no usable document: all 4 documents have empty 'b' texts"
+    message = f"error: no usable document in {path}: all 4 documents have empty 'b' texts"
     code, err = run(*args, "--output-prefix", tmp_path / "one")
     assert code == 2 and err.strip() == message
     cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), *map(str, args),
@@ -371,7 +371,9 @@ def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles)
            "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", "--json-keys", "txt", *map(str, sp_args(sp_model))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
-    assert "error: no usable document: 62 bad records (62 missing key)" in result.stderr
+    files = sorted(shards.iterdir())
+    assert (f"error: no usable document in {len(files)} files ({files[0]} ... {files[-1]}): 62 bad records "
+            "(62 missing key)") in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["shards"]
 
 

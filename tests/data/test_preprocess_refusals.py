@@ -78,9 +78,9 @@ def test_data_error_is_a_value_error():
 
 
 @pytest.mark.parametrize("case", ["invalid lines", "json-keys typo", "parquet without the column", "no score",
-                                  "empty texts", "one key's texts empty"])
+                                  "empty texts", "one key's texts empty", "no records", "all filtered out"])
 def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path, run, sp_model, case):
-    inputs, keys, extra = tmp_path / "in", ["text"], []
+    inputs, keys, extra, name = tmp_path / "in", ["text"], [], "a.jsonl"
     inputs.mkdir()
     if case == "invalid lines":
         (inputs / "a.jsonl").write_bytes(b'{"text": \nnot json\n')
@@ -90,25 +90,35 @@ def test_input_without_a_usable_document_is_an_error_and_writes_nothing(tmp_path
         keys = ["txt"]
         expected = ["2 missing key", "--json-keys 'txt' but the records hold 'id', 'text'"]
     elif case == "parquet without the column":
-        pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 3), inputs / "a.parquet")
+        name = "a.parquet"
+        pq.write_table(pa.Table.from_pylist([{"body": "x", "url": "u"}] * 3), inputs / name)
         expected = ["3 missing key", "--json-keys 'text' but the records hold 'body', 'url'"]
     elif case == "no score":  # plain text has no quality score: the message names that key, not --json-keys
-        (inputs / "small.txt").write_text("one\n\ntwo\n")
+        name = "small.txt"
+        (inputs / name).write_text("one\n\ntwo\n")
         extra = ["--min-int-score", 3]
         expected = ["2 missing key", "missing key ('int_score')",
                     "; --min-int-score needs the score key 'int_score' but the records hold 'text'"]
     elif case == "empty texts":
         (inputs / "a.jsonl").write_text('{"text": ""}\n{"text": []}\n')
         expected = ["all 2 documents have empty 'text' texts"]
-    else:  # before: exit 0, with an output of empty documents for 'title'
+    elif case == "one key's texts empty":  # before: exit 0, with an output of empty documents for 'title'
         (inputs / "a.jsonl").write_text('{"text": "x", "title": ""}\n{"text": "y", "title": ""}\n')
         keys = ["text", "title"]
         expected = ["all 2 documents have empty 'title' texts"]
+    elif case == "no records":
+        (inputs / "a.jsonl").write_text("")
+        expected = ["no records at all"]
+    else:
+        (inputs / "a.jsonl").write_text('{"text": "x", "int_score": 1}\n')
+        extra = ["--min-int-score", 3]
+        expected = ["all 1 records are below the score threshold"]
     out = tmp_path / "out"
     code, err = run("--input", inputs, "--output-prefix", out / "o", "--workers", 1, "--json-keys", *keys,
                     *extra, *sp_args(sp_model))
     assert code == 2
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: no usable document: ")
+    # Before: "error: no usable document: ...", which named no input.
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: no usable document in {inputs / name}: ")
     assert all(e in err for e in expected), err
     assert ("--json-keys" in err) == (case in ("json-keys typo", "parquet without the column")), err
     assert os.listdir(out) == []
@@ -166,3 +176,8 @@ def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_repor
             f"{d / 'README'}, {d / 'b.csv'}, {d / 'c.jsonl.bz2'}") in err
     assert f"note: read 1 .txt file(s) as JSON lines (the first line is a JSON object): {d / 'more.txt'}" in err
     assert "done: 2 documents" in err
+
+
+def test_an_error_about_every_input_names_up_to_three_then_the_first_and_last():
+    assert pp.named_inputs(["a.jsonl", "b.jsonl", "a.jsonl"]) == "a.jsonl, b.jsonl"
+    assert pp.named_inputs([f"d/{n}.jsonl" for n in range(1200)]) == "1,200 files (d/0.jsonl ... d/1199.jsonl)"

@@ -62,7 +62,7 @@ def test_a_json_keys_typo_names_the_keys_the_records_hold(tmp_path, capsys, tool
                       "--vocab-size", "500"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith("error: no usable document: 1 bad records (1 missing key)")
+    assert err.startswith(f"error: no usable document in {corpus}: 1 bad records (1 missing key)")
     assert err.rstrip().endswith("--json-keys 'txt' but the records hold 'text', 'id'")
     assert [p.name for p in tmp_path.iterdir()] == ["x.jsonl"]
 
