@@ -8,7 +8,8 @@
 #
 # writes $OUTPUT_text_document.bin/.idx. mpiexec (the `mpi` extra's MPICH, or the system's) starts
 # TASKS_PER_NODE ranks per node of the allocation; each runs WORKERS tokenizer processes.
-# Extra arguments go to tools/preprocess_data.py (e.g. --min-int-score 3).
+# Extra arguments go to tools/preprocess_data.py (e.g. --min-int-score 3; --overwrite to replace the
+# output of an earlier run, which is refused otherwise).
 #SBATCH --job-name=preprocess
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1

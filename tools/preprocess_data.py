@@ -12,10 +12,11 @@ lists of sentences, empty and blank texts, --legacy-tokenizer. Differences: text
 memory grows only by the ~80 bytes per document megatron-core's builder keeps for the index, any
 number of input files works with any number of workers, the output bytes do not depend on
 ``--workers``, bad records are counted and skipped (``--strict`` aborts), an input without a usable
-document is an error, and ``mpiexec -n N`` splits the work across ranks and merges one output
+document is an error, outputs an earlier run left are refused unless ``--overwrite``, and ``mpiexec -n N`` splits the work across ranks and merges one output
 identical to a single-process run. ``--partitions`` is accepted but not needed (a note says so).
 Exit status: 0 done, 2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on
-any failure no output is left behind.
+any failure no output is left behind, and data replaced with ``--overwrite`` is either the old or
+the new (an interruption between them leaves a .bin without .idx, which readers refuse).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted; as in Megatron-LM it sizes only TikTokenizer/NullTokenizer, not these types")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace outputs an earlier run left under --output-prefix (refused otherwise)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int_at_least(1), required=True, help="tokenizer processes (per MPI rank)")
     g.add_argument("--partitions", type=int, default=1, help="accepted for compatibility; streaming makes it unnecessary")
@@ -157,6 +160,22 @@ def check_output_prefix(prefix: str) -> None:
             pass
     except OSError as err:
         raise DataError(f"{prefix}: cannot write the output in {directory} ({err.strerror or err})")
+
+
+def refuse_existing_outputs(prefix: str, keys: list[str]) -> None:
+    """Without --overwrite, outputs already under ``prefix`` are refused: a rerun with other
+    settings (another tokenizer or input, --max-docs) would replace, without a word, the data that
+    training configs name by this prefix. Megatron-LM replaces them. With --overwrite they stay
+    until the new ones are complete."""
+    from megaloop.data.preprocess import output_prefix, sidecar_path
+
+    found = [path for key in keys for stem in [output_prefix(prefix, key)]
+             for path in (stem + ".bin", stem + ".idx", sidecar_path(stem)) if os.path.lexists(path)]
+    if found:
+        more, them = (f" (and {len(found) - 1} more of its outputs) exist", "them") if len(found) > 1 else (
+            " exists", "it")
+        raise DataError(f"--output-prefix {prefix}: {found[0]}{more}; pass --overwrite to replace {them}, or "
+                        "choose another prefix")
 
 
 class ProgressReporter:
@@ -333,6 +352,8 @@ def run(args: argparse.Namespace, comm) -> None:
     lead = comm is None or comm.Get_rank() == 0
     # Settings and output location first: the user's mistake is likeliest there, and cheap to find.
     check_output_prefix(args.output_prefix)
+    if not args.overwrite:
+        refuse_existing_outputs(args.output_prefix, args.json_keys)
     if args.tokenizer_metadata and not args.legacy_tokenizer:
         check_tokenizer_metadata(args.tokenizer_metadata, args.tokenizer_type)
     check_tokenizer(_options(args))

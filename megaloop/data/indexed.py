@@ -12,6 +12,7 @@ too large for the token dtype silently wraps ids. It turns each into one error n
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import struct
@@ -93,7 +94,11 @@ class AtomicIndexedWriter:
         self.builder.finalize(idx_path(self.tmp_prefix))
         for path in (bin_path(self.tmp_prefix), idx_path(self.tmp_prefix)):
             sync_file(path)
-        # .idx last: a reader needs both, and the .idx is what marks a dataset complete.
+        # .idx last: a reader needs both, and the .idx is what marks a dataset complete. A dataset
+        # replaced loses its .idx first: interrupted between the renames, the new .bin is left
+        # without one (refused as incomplete), never read through the old .idx.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(idx_path(self.prefix))
         os.replace(bin_path(self.tmp_prefix), bin_path(self.prefix))
         os.replace(idx_path(self.tmp_prefix), idx_path(self.prefix))
         self.committed = True

@@ -136,3 +136,23 @@ def test_flat_documents_with_sentences_and_empty_ones_survive_a_cut_merge(tmp_pa
         assert merge_indexed([str(tmp_path / "a"), b], str(tmp_path / f"m{cut}"), max_docs=cut) == cut
         summary = validate_indexed(str(tmp_path / f"m{cut}"))
         assert (summary.num_documents, summary.num_sequences, summary.num_tokens) == (cut, sequences, tokens)
+
+
+def test_a_replacement_cut_between_its_renames_leaves_no_pair_that_validates(tmp_path, monkeypatch):
+    # Before: the new .bin beside the old .idx, which validates when their sizes agree (the same
+    # token count in other documents) and reads the new tokens at the old boundaries.
+    prefix = _write(tmp_path / "d", DOCS)
+    real_replace, renamed = os.replace, []
+
+    def killed_before_the_idx(src, dst):
+        if str(dst).endswith(".idx"):
+            raise KeyboardInterrupt
+        renamed.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_the_idx)
+    with pytest.raises(KeyboardInterrupt):
+        _write(prefix, [[5, 6], [7, 2, 8, 2, 9, 10, 11], [12, 2]])  # 11 tokens again
+    assert renamed == [prefix + ".bin"]
+    with pytest.raises(DataError, match=r"\.idx: not found"):
+        validate_indexed(prefix)

@@ -91,7 +91,8 @@ def test_mpiexec_two_ranks_matches_single_process(tmp_path, repo, sp_model, arti
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     cut = 40  # more than rank 0's 31 documents: rank 1's first 9 complete the output
-    result = subprocess.run(cmd + ["--max-docs", str(cut)], capture_output=True, text=True, timeout=240)
+    result = subprocess.run(cmd + ["--max-docs", str(cut), "--overwrite"], capture_output=True, text=True,
+                            timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     tokens = sum(len(IndexedDataset(tokenized_articles)[i]) for i in range(cut))
     assert f"done: {cut} documents, {tokens:,} tokens" in result.stderr
@@ -257,7 +258,7 @@ def test_a_sidecar_beside_the_output_says_how_its_ids_were_made(tmp_path, run, s
     sidecar = tmp_path / "out_text_document.tokenizer.json"
     sha256 = hashlib.sha256(sp_model.read_bytes()).hexdigest()
     for legacy, eod, vocab in ((True, 32002, 32005), (False, 2, 32000)):  # the same prefix twice
-        code, err = run("--input", path, "--output-prefix", tmp_path / "out", "--workers", 1,
+        code, err = run("--input", path, "--output-prefix", tmp_path / "out", "--workers", 1, "--overwrite",
                         *(["--legacy-tokenizer"] if legacy else []), *sp_args(sp_model))
         assert code == 0, err
         data = IndexedDataset(str(prefix))

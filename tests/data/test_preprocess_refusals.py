@@ -181,3 +181,21 @@ def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_repor
 def test_an_error_about_every_input_names_up_to_three_then_the_first_and_last():
     assert pp.named_inputs(["a.jsonl", "b.jsonl", "a.jsonl"]) == "a.jsonl, b.jsonl"
     assert pp.named_inputs([f"d/{n}.jsonl" for n in range(1200)]) == "1,200 files (d/0.jsonl ... d/1199.jsonl)"
+
+
+def test_outputs_an_earlier_run_left_are_refused_unless_overwrite(tmp_path, run, sp_model):
+    # Before: replaced without a word (as Megatron-LM does), under the name training configs use.
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "another"}\n{"text": "and a third"}\n')
+    prefix = tmp_path / "out" / "o"
+    assert run("--input", tmp_path / "a.jsonl", "--output-prefix", prefix, "--workers", 1, *sp_args(sp_model))[0] == 0
+    written = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    code, err = run("--input", tmp_path / "b.jsonl", "--output-prefix", prefix, "--workers", 1, *sp_args(sp_model))
+    assert (code, err) == (2, f"error: --output-prefix {prefix}: {prefix}_text_document.bin (and 2 more of its "
+                              "outputs) exist; pass --overwrite to replace them, or choose another prefix\n")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == written
+    code, err = run("--input", tmp_path / "b.jsonl", "--output-prefix", prefix, "--workers", 1, "--overwrite",
+                    *sp_args(sp_model))
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(written)
+    assert pp.read_sidecar(f"{prefix}_text_document")["documents"] == 2
