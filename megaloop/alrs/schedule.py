@@ -138,6 +138,35 @@ class ALRSConfig:
         return [f"{name}={getattr(self, name)!r}" for name in self.to_dict()
                 if name in unread and getattr(self, name) != getattr(default, name)]
 
+    def transition_note(self, total_steps: int) -> str | None:
+        """Why ``transition`` does not act as its value suggests over a run of ``total_steps``
+        steps, for the ALRS hook's start-up warning; None when it does. Only step 1 allocating
+        (interval past the window): no ramp reads it, which is said when it is set away from its
+        default (a short test run of a long run's config). A transition longer than the
+        allocation window: still read (a warning, not a refusal), but every ramp the next
+        allocation starts before it ends is cut short, and the last one carries the multipliers'
+        changes past the window, maybe past the run's end, where its targets are never
+        reached."""
+        window = self.fraction * total_steps
+        if self.mode != "alrs":  # unread_options names it
+            return None
+        if self.interval > window:
+            if self.transition == ALRSConfig().transition:
+                return None
+            return (f"ALRS allocates only at step 1 (alrs.interval={self.interval} > alrs.fraction x "
+                    f"total steps = {window:g}), whose multipliers hold at once: "
+                    f"alrs.transition={self.transition} has no effect")
+        if self.transition <= window:
+            return None
+        last = int(window // self.interval) * self.interval
+        cut = (f"each ramp but the last is cut short by the next allocation "
+               f"(every alrs.interval={self.interval} steps), and " if last > self.interval else "")
+        past = (f", after the run's last step {total_steps}: its targets are never reached"
+                if last + self.transition > total_steps else "")
+        return (f"ALRS: alrs.transition={self.transition} is longer than the allocation window "
+                f"(alrs.fraction x total steps = {window:g}): {cut}the last ramp, from step {last}, "
+                f"ends at step {last + self.transition}{past}")
+
     def allocates_at(self, step: int, total_steps: int) -> bool:
         """Whether multipliers are re-allocated from spectra at this step.
 

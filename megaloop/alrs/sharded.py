@@ -155,13 +155,9 @@ class ALRS:
                            "them to this model's; its names are e.g. %r)",
                            list(self.config.embedding_head_prefixes), self.config.embedding_head,
                            self.names[0] if self.names else "-")
-        config = self.config
-        if (is_writer and config.mode == "alrs" and config.interval > config.fraction * total_steps
-                and config.transition != ALRSConfig().transition):  # ramps only follow step 1
-            logger.warning("ALRS allocates only at step 1 (alrs.interval=%d > alrs.fraction x "
-                           "total steps = %g), whose multipliers hold at once: alrs.transition=%d "
-                           "has no effect", config.interval, config.fraction * total_steps,
-                           config.transition)
+        note = self.config.transition_note(total_steps)
+        if note and is_writer:
+            logger.warning("%s", note)
         if is_writer and self._boosts_every_layer():
             logger.warning("ALRS: alrs.decoder_prefix=%r starts the name of every matrix but the "
                            "embedding and head's (a model without encoder layers, e.g. "

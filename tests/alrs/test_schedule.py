@@ -44,6 +44,25 @@ def test_allocation_steps_of_the_60m_run():
     assert steps == [1, 100, 200, 300, 400, 500, 600]  # the reference's 7 updates at T = 3200
 
 
+@pytest.mark.parametrize("kwargs, total, note", [
+    # Before: no word. Ramps from 100 (cut at 200) and 200, which moves the multipliers to step 700.
+    (dict(transition=500), 1000, "ALRS: alrs.transition=500 is longer than the allocation window "
+     "(alrs.fraction x total steps = 200): each ramp but the last is cut short by the next allocation "
+     "(every alrs.interval=100 steps), and the last ramp, from step 200, ends at step 700"),
+    (dict(transition=950), 1000, "ALRS: alrs.transition=950 is longer than the allocation window "
+     "(alrs.fraction x total steps = 200): each ramp but the last is cut short by the next allocation "
+     "(every alrs.interval=100 steps), and the last ramp, from step 200, ends at step 1150, after the "
+     "run's last step 1000: its targets are never reached"),
+    (dict(transition=200, fraction=0.3), 500, "ALRS: alrs.transition=200 is longer than the allocation "
+     "window (alrs.fraction x total steps = 150): the last ramp, from step 100, ends at step 300"),
+    (dict(transition=200), 1000, None),  # as long as the window: the last ramp ends at 400
+    (dict(transition=500, mode="uniform"), 1000, None),  # unread_options names it
+])
+def test_a_transition_longer_than_the_allocation_window_is_named(kwargs, total, note):
+    assert ALRSConfig(**kwargs).transition_note(total) == note
+    assert "\n" not in (note or "")
+
+
 def test_a_run_shorter_than_the_window_still_allocates_at_step_1():
     config = ALRSConfig()  # fraction 0.2: the window 0.2·T holds no step at all when T < 5
     assert [s for s in range(1, 5) if config.allocates_at(s, 4)] == [1]

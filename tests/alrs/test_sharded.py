@@ -366,6 +366,9 @@ def test_a_transition_without_a_later_allocation_is_named(caplog):
         ALRS(lambda: params.items(), 500, ALRSConfig(transition=10))  # allocates at 100 too
         ALRS(lambda: params.items(), 400, ALRSConfig())  # the default, not set for this run
     assert caplog.records == []
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):  # longer than the window
+        ALRS(lambda: params.items(), 500, ALRSConfig(transition=150))
+    assert [r.getMessage() for r in caplog.records] == [ALRSConfig(transition=150).transition_note(500)]
 
 
 def test_a_decoder_boost_of_every_layer_is_named(caplog):
