@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         plot_lr(runs["ALRS"], written[0])
         plot_stable_rank(runs, written[1])
     except ValueError as error:  # megaloop's ConfigError (no zarr) included
-        print(f"plot_alrs: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
-        print(f"plot_alrs: --out {args.out}: cannot be written ({error.strerror or error})",
+        print(f"error: --out {args.out}: cannot be written ({error.strerror or error})",
               file=sys.stderr)
         return 2
     print("\n".join(written))

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             raise MetricsError(f"--out {args.out}: cannot be written "
                                f"({getattr(error, 'strerror', None) or error})") from None
     except MetricsError as error:
-        print(f"plot_metrics: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     print(args.out)
     return 0

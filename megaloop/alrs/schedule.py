@@ -28,6 +28,10 @@ EMBEDDING_HEAD_TREATMENTS = ("pin_s2", "exclude", "include")
 GRANULARITIES = ("block", "parameter")
 
 
+def _one_of(choices: tuple[str, ...]) -> str:
+    return "one of " + ", ".join(map(repr, choices))
+
+
 def config_error(message: str) -> ValueError:
     """megaloop.config.ConfigError(message): one line, which the training entry point prints."""
     from megaloop.config import ConfigError  # here: megaloop.config imports this module
@@ -72,40 +76,36 @@ class ALRSConfig:
     monitor_after_freeze: bool = False
 
     def __post_init__(self) -> None:
+        # Imported here: megaloop.config imports this module.
+        from megaloop.config.errors import require, require_finite
+
+        require_finite(self, "alrs")  # first: range checks let inf through, and nan fails them all
         self.embedding_head_prefixes = tuple(self.embedding_head_prefixes)
         self.exclude = tuple(self.exclude)
         for name in ("exclude", "embedding_head_prefixes"):  # "" is in every parameter name
-            if "" in getattr(self, name):
-                raise ValueError(f"ALRS {name} must not hold an empty string (it matches every "
-                                 f"matrix), got {list(getattr(self, name))!r}")
-        if not self.embedding_head_prefixes:  # pin_s2 and exclude would treat no matrix
-            raise ValueError("ALRS embedding_head_prefixes must hold a prefix (embedding_head="
-                             "'include' treats embedding and head like any matrix), got []")
-        if not self.decoder_prefix:  # starts every name: every matrix boosted, embedding and head too
-            raise ValueError("ALRS decoder_prefix must not be empty (it starts every matrix name, "
-                             "so decoder_boost would scale every LR alike)")
-        if self.mode not in MODES:
-            raise ValueError(f"ALRS mode must be one of {MODES}, got {self.mode!r}")
-        if not self.s1 > 0:
-            raise ValueError(f"ALRS s1 must be > 0, got s1={self.s1}")
-        if self.s1 > self.s2:
-            raise ValueError(f"ALRS s1 must be <= s2, got s1={self.s1} > s2={self.s2}")
-        if not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"ALRS fraction must be in (0, 1], got fraction={self.fraction}")
-        if self.interval < 1:
-            raise ValueError(f"ALRS interval must be >= 1, got interval={self.interval}")
-        if self.transition < 0:
-            raise ValueError(f"ALRS transition must be >= 0, got transition={self.transition}")
-        if not self.decoder_boost > 0:
-            raise ValueError(f"ALRS decoder_boost must be > 0, got decoder_boost={self.decoder_boost}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"ALRS granularity must be one of {GRANULARITIES}, "
-                             f"got {self.granularity!r}")
-        if self.embedding_head not in EMBEDDING_HEAD_TREATMENTS:
-            raise ValueError(f"ALRS embedding_head must be one of {EMBEDDING_HEAD_TREATMENTS}, "
-                             f"got {self.embedding_head!r}")
-        if self.eig_method not in EIGEN_METHODS:
-            raise ValueError(f"ALRS eig_method must be one of {EIGEN_METHODS}, got {self.eig_method!r}")
+            require("" not in getattr(self, name), "alrs", name, list(getattr(self, name)),
+                    "free of empty strings (one matches every matrix)")
+        # None: pin_s2 and exclude would treat no matrix.
+        require(bool(self.embedding_head_prefixes), "alrs", "embedding_head_prefixes", [],
+                "a list of at least one prefix (embedding_head='include' treats embedding and "
+                "head like any matrix)")
+        # "" starts every name: every matrix boosted, embedding and head too.
+        require(bool(self.decoder_prefix), "alrs", "decoder_prefix", self.decoder_prefix,
+                "non-empty (it starts every matrix name, so decoder_boost would scale every LR "
+                "alike)")
+        require(self.mode in MODES, "alrs", "mode", self.mode, _one_of(MODES))
+        require(self.s1 > 0, "alrs", "s1", self.s1, "> 0")
+        require(self.s1 <= self.s2, "alrs", "s1", self.s1, f"<= alrs.s2={self.s2!r}")
+        require(0.0 < self.fraction <= 1.0, "alrs", "fraction", self.fraction, "in (0, 1]")
+        require(self.interval >= 1, "alrs", "interval", self.interval, ">= 1")
+        require(self.transition >= 0, "alrs", "transition", self.transition, ">= 0")
+        require(self.decoder_boost > 0, "alrs", "decoder_boost", self.decoder_boost, "> 0")
+        require(self.granularity in GRANULARITIES, "alrs", "granularity", self.granularity,
+                _one_of(GRANULARITIES))
+        require(self.embedding_head in EMBEDDING_HEAD_TREATMENTS, "alrs", "embedding_head",
+                self.embedding_head, _one_of(EMBEDDING_HEAD_TREATMENTS))
+        require(self.eig_method in EIGEN_METHODS, "alrs", "eig_method", self.eig_method,
+                _one_of(EIGEN_METHODS))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -202,10 +202,7 @@ def from_dict(cls, data: dict, where: str = ""):
     kwargs = {}
     for key, value in data.items():
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
-    try:
-        return cls(**kwargs)
-    except ValueError as e:  # a section's own __post_init__ checks (e.g. ALRSConfig)
-        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+    return cls(**kwargs)  # a section's own checks (ALRSConfig's) raise ConfigErrors naming fields
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:

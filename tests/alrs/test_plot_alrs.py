@@ -130,5 +130,5 @@ def test_bad_inputs_are_one_line_errors_writing_nothing(tmp_path, capsys):
     for argv, message in cases:
         assert plot_alrs.main(argv) == 2  # was 1 (SystemExit with a message)
         err = capsys.readouterr().err
-        assert err.startswith(f"plot_alrs: {message}") and err.count("\n") == 1, err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "plots").exists()

@@ -24,6 +24,21 @@ def test_bad_config_names_the_field(kwargs, field):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    # Before: "alrs: ALRS s1 must be <= s2, got s1=6.0 > s2=5.0", unlike every other field's.
+    ("alrs.s1=6", "alrs.s1=6.0: must be <= alrs.s2=5.0"),
+    ("alrs.mode=sgd", "alrs.mode='sgd': must be one of 'alrs', 'uniform', 'decoder_boost'"),
+    ("alrs.exclude=[router, '']", "alrs.exclude=['router', '']: must be free of empty strings (one "
+                                  "matches every matrix)"),
+])
+def test_a_bad_alrs_setting_is_worded_as_every_other_field(override, message):
+    from megaloop.config import ConfigError, RunConfig, apply_overrides
+
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), [override])
+    assert str(err.value) == message
+
+
 @pytest.mark.parametrize("kwargs, unread", [
     (dict(s2=3.0, decoder_boost=4.0, decoder_prefix="x."), ["decoder_prefix='x.'",
                                                             "decoder_boost=4.0"]),

@@ -1,5 +1,6 @@
-"""tools/plot_metrics.py and tools/plot_alrs.py as commands: a refusal is its one line and exit
-code 2, as for every other megaloop command (before: 1, Python's code for a SystemExit message)."""
+"""tools/plot_metrics.py and tools/plot_alrs.py as commands: a refusal is its one ``error:`` line
+and exit code 2, as for every other megaloop command (before: 1, Python's code for a SystemExit
+message; then lines prefixed with the tool's name, "plot_alrs: ...")."""
 
 import os
 import subprocess
@@ -11,8 +12,8 @@ from tests.tool_scripts import TOOLS
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plot_metrics.py", "NOPE"], "plot_metrics: NOPE/metrics.jsonl: no such file"),
-    (["plot_alrs.py", "--alrs", "NOPE"], "plot_alrs: NOPE: no ALRS log there"),
+    (["plot_metrics.py", "NOPE"], "error: NOPE/metrics.jsonl: no such file"),
+    (["plot_alrs.py", "--alrs", "NOPE"], "error: NOPE: no ALRS log there"),
 ])
 def test_a_refusal_exits_2_with_one_line(tmp_path, argv, message):
     done = subprocess.run([sys.executable, str(TOOLS / argv[0]), *argv[1:]], cwd=tmp_path,

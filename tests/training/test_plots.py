@@ -27,7 +27,7 @@ def _error(argv, capsys) -> str:
     capsys.readouterr()
     assert plot_metrics.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("plot_metrics: ") and err.count("\n") == 1, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
     return err.strip()
 
 
@@ -93,7 +93,7 @@ def test_a_run_given_twice_is_a_one_line_error(tmp_path, capsys):
     """Before: its curves drawn twice, under two labels, exit 0."""
     run = _run(tmp_path / "dense", 4.0)
     assert _error([str(run), f"{run}/", "--out", str(tmp_path / "c.png")], capsys) == \
-        f"plot_metrics: {run}/: given twice"
+        f"error: {run}/: given twice"
     assert not (tmp_path / "c.png").exists()
 
 
@@ -111,7 +111,7 @@ def test_an_out_path_that_cannot_be_written_is_a_one_line_error_leaving_nothing(
     for out, reason in ((target, "it is a directory"),
                         (metrics / "c.png", f"{metrics} is not a writable directory")):
         assert _error([str(run), "--out", str(out)], capsys) == \
-            f"plot_metrics: --out {out}: cannot be written ({reason})"
+            f"error: --out {out}: cannot be written ({reason})"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "runs"]
     assert not list(target.iterdir())
 
