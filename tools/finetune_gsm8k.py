@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
         return 2
 
     def keep(accepted) -> None:
-        """Rank 0, as the Trainer its config.yaml: the config goes to <out> only once the
+        """Rank 0, as the Trainer writes its config.yaml: the config goes to <out> only once the
         Trainer has set the run up, so that a run it refuses leaves <out> as it was (a previous
         finetune.yaml there stays, a new <out> goes again)."""
-        if talk:
+        from megaloop.training.collective import is_rank0
+
+        if is_rank0():
             save_yaml(accepted, Path(args.out) / "finetune.yaml")
 
     # Each process reads its own copy, as each node reads its --config file.
