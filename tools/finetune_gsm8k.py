@@ -10,9 +10,9 @@ batch 32, context 1024, 6,973 train / 500 development records, loss on solution 
 the dotted overrides apply (not to what --base, --data and --out set: checkpoint.load, data.path
 and train.out_dir). ``train.train_steps`` is ``--epochs`` (default 3) passes over the
 training records that fit the context, rounded up, unless given as an override (not both). The
-resolved config is the ``megaloop-train --config`` file of the run, and goes to
-``<out>/finetune.yaml`` (atomically) once the trainer has accepted it: a run refused at set-up
-leaves ``<out>`` as it was. The run is megaloop-train's: the same checkpoints, metrics and exit codes (0 done, 2 bad
+run is ``megaloop-train --config`` on the resolved config, which goes to ``<out>/finetune.yaml``
+(atomically) once the trainer has accepted it, so that a run refused at set-up leaves ``<out>`` as
+it was. Checkpoints, metrics and exit codes are megaloop-train's (0 done, 2 bad
 config/data/checkpoint, 3 aborted, 75 preempted); running the command again resumes from
 ``<out>/checkpoints``, from the base checkpoint the run started from even where ``--base`` (a run's
 directory) has a newer one by then (megaloop.gsm8k.resumed_config). A rerun the resume would
@@ -95,14 +95,14 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    def keep(accepted) -> None:
+    def keep(run_config) -> None:
         """Rank 0, as the Trainer writes its config.yaml: the config goes to <out> only once the
         Trainer has set the run up, so that a run it refuses leaves <out> as it was (a previous
         finetune.yaml there stays, a new <out> goes again)."""
         from megaloop.training.collective import is_rank0
 
         if is_rank0():
-            save_yaml(accepted, Path(args.out) / "finetune.yaml")
+            save_yaml(run_config, Path(args.out) / "finetune.yaml")
 
     # Each process reads its own copy, as each node reads its --config file.
     with tempfile.TemporaryDirectory(prefix="megaloop-finetune-") as staging:

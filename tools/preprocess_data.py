@@ -12,11 +12,13 @@ lists of sentences, empty and blank texts, --legacy-tokenizer. Differences: text
 memory grows only by the ~80 bytes per document megatron-core's builder keeps for the index, any
 number of input files works with any number of workers, the output bytes do not depend on
 ``--workers``, bad records are counted and skipped (``--strict`` aborts), an input without a usable
-document is an error, outputs an earlier run left are refused unless ``--overwrite``, and ``mpiexec -n N`` splits the work across ranks and merges one output
-identical to a single-process run. ``--partitions`` is accepted but not needed (a note says so).
+document is an error, outputs an earlier run left are refused unless ``--overwrite``, and
+``mpiexec -n N`` splits the work across ranks and merges one output identical to a single-process
+run. ``--partitions`` is accepted but not needed (a note says so).
 Exit status: 0 done, 2 bad input or settings, 1 a worker process died, 130 Ctrl-C, 143 SIGTERM; on
-any failure no output is left behind, and data replaced with ``--overwrite`` is either the old or
-the new (an interruption between them leaves a .bin without .idx, which readers refuse).
+any failure no output is left behind, and outputs replaced with ``--overwrite`` stay until the new
+ones are written (an interruption as they are renamed in leaves a .bin without .idx, which readers
+refuse, never the new .bin read through the old .idx).
 """
 
 from __future__ import annotations

@@ -147,9 +147,9 @@ class ALRSConfig:
         allocation starts before it ends is cut short, and the last one carries the multipliers'
         changes past the window, maybe past the run's end, where its targets are never
         reached."""
-        window = self.fraction * total_steps
         if self.mode != "alrs":  # unread_options names it
             return None
+        window = self.fraction * total_steps
         if self.interval > window:
             if self.transition == ALRSConfig().transition:
                 return None
