@@ -1,7 +1,7 @@
 """What a Trainer's checkpoint holds (``sharded_state``) and loading one into it
 (``load_training_state``): the model chunks, the optimizer in ``checkpoint.optimizer_format``, the
-LR schedule, the progress (step, consumed samples, skipped steps), the LR multipliers, the ALRS
-state and the RNG states."""
+LR schedule, the progress (step, consumed samples, skipped steps, what the training data held:
+``data.data_fingerprint``), the LR multipliers, the ALRS state and the RNG states."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from megaloop.training.checkpoint_files import (CheckpointError, holds_training_
                                                 saved_config)
 from megaloop.training.checkpoint_load import (is_own_checkpoint, load_checkpoint,
                                                same_parallel_layout)
-from megaloop.training.resume import report_sample_order, resume_schedule
+from megaloop.training.resume import (report_data_changes, report_sample_order,
+                                      resume_schedule)
 from megaloop.training.rng import rng_state, set_rng_state
 
 log = logging.getLogger("megaloop.train")
@@ -49,7 +50,7 @@ def sharded_state(trainer, is_loading: bool = False, weights_only: bool = False,
                       optimizer_format or trainer.cfg.checkpoint.optimizer_format}),
         scheduler=scheduler_state(trainer.scheduler),
         trainer={"step": trainer.step, "consumed_samples": trainer.consumed_samples,
-                 "skipped_steps": trainer.skipped_steps},
+                 "skipped_steps": trainer.skipped_steps, "data": trainer.data_fingerprint},
         lr_multipliers=trainer.lr_multipliers.state_dict(),
         alrs=trainer.alrs.state_dict() if trainer.alrs is not None else {},
     )
@@ -108,6 +109,8 @@ def load_training_state(trainer, path: Path) -> bool:
     resume_schedule(trainer.scheduler, trainer.cfg, saved["train"], state["scheduler"], path,
                     trainer.step)
     report_sample_order(saved, trainer.cfg, path, trainer.step)
+    report_data_changes(progress.get("data"), trainer.data_fingerprint, saved, trainer.cfg, path,
+                        trainer.step)  # none: saved before checkpoints recorded it
     trainer.skipped_steps = progress["skipped_steps"]
     trainer.lr_multipliers.load_state_dict(state["lr_multipliers"])
     if trainer.alrs is not None and state["alrs"]:

@@ -23,6 +23,7 @@ from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gp
                            load_tokenizer, parse_blend, validate_indexed)
 from megaloop.data.indexed import IndexedSummary, document_last_tokens
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+from megaloop.data.readers import expand_inputs
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import is_rank0, rank0_decides
 
@@ -76,6 +77,27 @@ def build_datasets(cfg: RunConfig, step: int = 0, consumed_samples: int = 0):
                           f"but {asked} asks for evaluations; give it a weight, or train without "
                           "evaluation (train.eval_interval=0, train.eval_depths=[])")
     return train, valid
+
+
+def data_fingerprint(cfg: RunConfig, train) -> dict[str, dict]:
+    """What the run's training data holds, per dataset, in a form cheap to compute: recorded with
+    each checkpoint's progress, so that a resume on data rewritten under the same names is told
+    (``resume.report_data_changes``) rather than reading other samples without a word (the index
+    cache is keyed by the same digests, so it builds new indices silently). Indexed data
+    (``train``: build_datasets' training dataset): per prefix, its documents, tokens and the md5
+    of its sequence lengths, which megatron-core's sample indices are made from and which
+    build_gpt_datasets computed already; the .bin tokens are not read, which on a multi-TB dataset
+    would take hours. Fine-tuning records: per file, its size and sha256, the file being read
+    and tokenized whole anyway."""
+    if cfg.data.format == "sft":
+        return {path: {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+                for path in expand_inputs(cfg.data.path)}
+    digests = train.config.sequence_lengths_md5
+    return {part.dataset.path_prefix: {
+        "documents": len(part.dataset.document_indices) - 1,
+        "tokens": int(part.dataset.sequence_lengths.sum(dtype=numpy.int64)),
+        "sequence_lengths_md5": digests[part.dataset.path_prefix]}
+        for part in getattr(train, "datasets", [train])}  # a BlendedDataset's, or itself
 
 
 def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):

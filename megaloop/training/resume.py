@@ -5,7 +5,8 @@ a new field has to be placed):
 
 - the architecture (``checkpoint.ARCHITECTURE_FIELDS``): refused by ``check_compatible``;
 - the LR schedule: applied by ``resume_schedule`` unless ``checkpoint.keep_schedule``, each
-  change one warning line; what decides the sample order: ``report_sample_order``;
+  change one warning line; what decides the sample order: ``report_sample_order`` (and the
+  data's contents, not a setting: ``report_data_changes``);
 - ``APPLIED``: in effect from the next step, each change one warning line;
 - ``BOOKKEEPING`` (logging, evaluation, saving, communication overlap): in effect, each change
   one info line (``alrs.log_eigenvalues`` refused while the run's ALRS log was written otherwise;
@@ -394,6 +395,39 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
         log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
                     "one the saved run would have seen", ", ".join(changed),
                     "" if len(changed) > 1 else "s", path, step + 1)
+
+
+def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunConfig,
+                        path: Path, step: int) -> None:
+    """Warns, in one line per dataset, of training data that holds other contents than it did
+    when checkpoint ``path`` (of config ``saved``) was written, under the same name: the steps
+    after ``step`` read other samples. ``recorded``: the fingerprints ``path`` holds, ``now``:
+    this run's (``data.data_fingerprint``). A warning, as ``report_sample_order``'s for the
+    settings: data is rewritten on purpose too (a corrupt shard replaced, a corpus cleaned), and
+    no setting could say so, where a refusal would leave only a new run. A dataset new or gone
+    while data.path changed is that warning's. ``recorded`` None (a checkpoint saved before
+    they were recorded): one line says no change can be seen."""
+    if recorded is None:
+        log.info("resume: %s records no fingerprint of its training data (saved by an older "
+                 "megaloop): a change of the data since then is not detected", path)
+        return
+    path_changed = (saved.get("data") or {}).get("path") != cfg.data.path
+    for name in sorted(recorded.keys() | now.keys()):
+        old, new = recorded.get(name), now.get(name)
+        if old == new or (path_changed and (old is None or new is None)):
+            continue
+        what = (f"is new since {path} was saved" if old is None else
+                f"is gone since {path} was saved" if new is None else
+                f"holds other data than when {path} was saved (" + ", ".join(
+                    f"{key} {_shown(old.get(key))} -> {_shown(value)}"
+                    for key, value in new.items() if old.get(key) != value) + ")")
+        log.warning("resume: %s %s: the samples from step %d on are not the ones the saved run "
+                    "would have seen", name, what, step + 1)
+
+
+def _shown(value) -> str:
+    """A fingerprint's entry in a log line: counts with separators, digests cut to 12 digits."""
+    return f"{value:,}" if isinstance(value, int) else str(value)[:12]
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,

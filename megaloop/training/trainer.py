@@ -38,7 +38,7 @@ from megaloop.config import (RunConfig, flat_settings, micro_batches_per_step, s
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_state import load_training_state, sharded_state
 from megaloop.training.collective import any_rank, collective_device, is_rank0, max_over_ranks
-from megaloop.training.data import MicroBatches, build_datasets
+from megaloop.training.data import MicroBatches, build_datasets, data_fingerprint
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
 from megaloop.training.resume import check_bucket_layout, check_resume, resumed_progress
@@ -151,6 +151,7 @@ class Trainer:
         # Before the datasets: a profile rank the run lacks is refused in seconds, not minutes.
         self.profiler = StepProfiler(cfg, resumed_step=progress[0])
         self.train_data, self.valid_data = build_datasets(cfg, *progress)
+        self.data_fingerprint = data_fingerprint(cfg, self.train_data)  # saved with the progress
         self._stop_point("building the datasets")
         if cfg.train.downstream_eval.tasks:
             from megaloop.training.downstream import DownstreamEval

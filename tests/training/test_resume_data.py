@@ -1,0 +1,103 @@
+"""A resume on training data rewritten under the same names (preprocessed again, downloaded
+again) is told, one line per dataset, as a changed setting that decides the sample order is; the
+same data written again is not, and a checkpoint saved before data was fingerprinted resumes."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from megaloop.config import DataConfig, RunConfig
+from megaloop.training.data import data_fingerprint
+from megaloop.training.resume import report_data_changes
+from megaloop.training.trainer import Trainer
+from tests.sft import arithmetic_records, write_jsonl
+from tests.training.conftest import tiny_run, write_pattern_dataset
+
+DATA = "data/pattern"  # relative: each test writes its own data under the name the run saved
+
+
+def _write_data(directory, seed=0):
+    (directory / DATA).parent.mkdir()
+    write_pattern_dataset(directory / DATA, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def run_stopped_at_step_2(mcore, tmp_path_factory):
+    """A 4-step run on DATA whose latest checkpoint is that of step 2, as after a crash."""
+    root = tmp_path_factory.mktemp("resume_data")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        _write_data(root)
+        Trainer(tiny_run(DATA, root / "run", train={"train_steps": 4},
+                         checkpoint={"save_interval": 2})).train()
+    shutil.rmtree(root / "run" / "checkpoints" / "iter_0000004")
+    (root / "run" / "checkpoints" / "latest").write_text("iter_0000002\n")
+    return root / "run"
+
+
+def _resume(run, tmp_path, monkeypatch, caplog, seed):
+    """Resumes a copy of ``run`` in ``tmp_path`` on DATA written there with ``seed`` (0: the
+    documents it was trained on); its log records from WARNING, and the trainer's step."""
+    monkeypatch.chdir(tmp_path)
+    _write_data(tmp_path, seed)
+    shutil.copytree(run, tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        trainer = Trainer(tiny_run(DATA, tmp_path / "run", train={"train_steps": 4}))
+    trainer.close()
+    return [r for r in caplog.records if r.levelno >= logging.WARNING], trainer.step
+
+
+def test_the_same_data_written_again_resumes_without_a_word(run_stopped_at_step_2, tmp_path,
+                                                            monkeypatch, caplog):
+    warnings, step = _resume(run_stopped_at_step_2, tmp_path, monkeypatch, caplog, seed=0)
+    assert step == 2
+    assert [r.getMessage() for r in warnings] == []
+
+
+def test_data_rewritten_under_its_prefix_is_one_warning_naming_it(run_stopped_at_step_2,
+                                                                  tmp_path, monkeypatch, caplog):
+    warnings, step = _resume(run_stopped_at_step_2, tmp_path, monkeypatch, caplog, seed=1)
+    assert step == 2
+    path = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    # Before: none (the index cache, keyed by the sequence lengths, was built anew silently).
+    assert len(warnings) == 1, caplog.text
+    line = warnings[0].getMessage()
+    assert line.startswith(f"resume: {DATA} holds other data than when {path} was saved (")
+    assert "sequence_lengths_md5 " in line and line.endswith(
+        ": the samples from step 3 on are not the ones the saved run would have seen")
+
+
+def test_a_checkpoint_without_a_data_fingerprint_resumes_with_a_note(run_stopped_at_step_2,
+                                                                     tmp_path, monkeypatch,
+                                                                     caplog):
+    old = tmp_path / "old"
+    shutil.copytree(run_stopped_at_step_2, old)
+    common_file = old / "checkpoints" / "iter_0000002" / "common.pt"
+    common = torch.load(common_file, weights_only=True)
+    del common["trainer"]["data"]  # as saved before checkpoints recorded it
+    torch.save(common, common_file)
+    warnings, step = _resume(old, tmp_path, monkeypatch, caplog, seed=1)
+    assert step == 2 and warnings == []
+    assert "records no fingerprint of its training data" in caplog.text
+
+
+def test_fine_tuning_records_rewritten_or_added_are_named(tmp_path, caplog):
+    records = tmp_path / "records"
+    records.mkdir()
+    write_jsonl(records / "a.jsonl", arithmetic_records(4))
+    cfg = RunConfig(data=DataConfig(path=[str(records)], format="sft"))  # a directory of files
+    saved = {"data": {"path": cfg.data.path}}
+    before = data_fingerprint(cfg, None)
+    write_jsonl(records / "a.jsonl", arithmetic_records(4))  # the same records written again
+    assert data_fingerprint(cfg, None) == before
+    write_jsonl(records / "a.jsonl", arithmetic_records(4, seed=1))
+    write_jsonl(records / "b.jsonl", arithmetic_records(2))
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        report_data_changes(before, data_fingerprint(cfg, None), saved, cfg, tmp_path / "ckpt", 6)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"resume: {records / 'a.jsonl'} holds other data than when ")
+    assert lines[1].startswith(f"resume: {records / 'b.jsonl'} is new since ")
+    assert all("from step 7 on" in line for line in lines)
