@@ -223,7 +223,32 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                 fed = len(context) + len(continuation) - 1  # the last token is not fed
                 if isinstance(key, tuple) and fed > self.max_length:
                     self._cut_pairs.add(key)
-            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+            # HFLM (lm-eval 0.4.13, logits_cache) scores requests of the same context +
+            # continuation[:-1] from one forward, the longest continuation's, but gathers a
+            # shorter continuation's log-probabilities from the leading positions of those
+            # logits, not the trailing ones: requests that split one text at different points
+            # (Winogrande's twins can; rolling windows of repeated text do) got plausible, wrong
+            # scores. Those are scored without the grouping, the rest with it.
+            lengths = collections.defaultdict(set)
+            for _, context, continuation in requests:
+                lengths[tuple(context + continuation[:-1])].add(len(continuation))
+            apart = [len(lengths[tuple(context + continuation[:-1])]) > 1
+                     for _, context, continuation in requests]
+            results = [None] * len(requests)
+            grouping = self.logits_cache
+            for alone in (False, True):
+                indices = [i for i, flag in enumerate(apart) if flag == alone]
+                if not indices:
+                    continue
+                self.logits_cache = grouping and not alone
+                try:
+                    scored = super()._loglikelihood_tokens([requests[i] for i in indices],
+                                                           *args, **kwargs)
+                finally:
+                    self.logits_cache = grouping
+                for i, result in zip(indices, scored):
+                    results[i] = result
+            return results
 
         def new_tokens(self, gen_kwargs: dict, task: str) -> int:
             return new_tokens(gen_kwargs, task, self.max_length, self.max_gen_toks)

@@ -73,3 +73,24 @@ def test_loglikelihood_is_the_requests_own_at_any_batch_size(tokenizer, variant)
         lm = harness_model(model, tokenizer, batch_size=batch_size)
         scores = [score for score, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
         assert scores == pytest.approx(expected, abs=2e-5), f"batch size {batch_size}"
+
+
+def test_requests_splitting_one_text_apart_get_their_own_scores(tokenizer):
+    """Two requests whose context + continuation[:-1] are the same tokens, split at different
+    points (Winogrande's twin sentences can be; rolling windows of repeated text are): lm-eval
+    0.4.13 scores them from one forward and reads the shorter continuation from the leading
+    positions of the longer one's logits, a plausible, wrong score (here off by 0.1 to 0.4)."""
+    from megaloop.hf.evaluate import harness_model
+
+    torch.manual_seed(0)
+    cfg = small_config("dense", seq_length=CONTEXT)
+    model = reference_class(cfg)(reference_config(cfg)).eval()
+    perturb_norms(model)
+    text = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    text = text.tolist()
+    requests = [(("split", str(at)), text[:at], text[at:]) for at in (3, 8, 11)]
+    expected = [_alone(model, context, continuation) for _, context, continuation in requests]
+    for batch_size in (1, 3):
+        lm = harness_model(model, tokenizer, batch_size=batch_size)
+        scores = [score for score, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
+        assert scores == pytest.approx(expected, abs=2e-5), f"batch size {batch_size}"
