@@ -190,8 +190,15 @@ def new_tokens(gen_kwargs: dict, task: str, context: int, default: int = DEFAULT
 
 
 def harness_model(model, tokenizer, batch_size: int = 8):
-    """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
+    """lm-eval's HFLM around an in-memory model (its device and dtype are the model's). Its
+    generation never chooses the embedding rows past the tokenizer, as an export's
+    generation_config.json says (megaloop.hf.tokenizer.untokenized_ids), whatever the model's
+    generation config holds (training's downstream evaluation passes ``to_reference(model)``)."""
     from lm_eval.models.huggingface import HFLM
+
+    from megaloop.hf.tokenizer import untokenized_ids
+
+    untokenized = untokenized_ids(tokenizer, model.config.vocab_size)
 
     class CheckedHFLM(HFLM):
         """HFLM whose too-long continuations are an EvaluationError naming the text: HFLM only
@@ -252,6 +259,11 @@ def harness_model(model, tokenizer, batch_size: int = 8):
 
         def new_tokens(self, gen_kwargs: dict, task: str) -> int:
             return new_tokens(gen_kwargs, task, self.max_length, self.max_gen_toks)
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            if untokenized:
+                generation_kwargs.setdefault("suppress_tokens", untokenized)
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
         def generate_until(self, requests, *args, **kwargs):
             """HFLM only asserts (a bare AssertionError) when the new tokens leave no room for a

@@ -204,10 +204,8 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
     (eos: the EOD it trained). Read from the checkpoint's config alone, so that a missing or
     unsuitable tokenizer fails before the weights are read.
 
-    The generation settings suppress the embedding rows past the tokenizer (a vocab_size padded
-    to a round number): never a training target, they decode to nothing, and megaloop's greedy
-    decoding never chooses them (megaloop.generation's ``vocab_size``); generate() would, where
-    an undertrained model scores one highest, and go on from an untrained embedding row."""
+    The generation settings suppress the embedding rows past the tokenizer
+    (megaloop.hf.tokenizer.untokenized_ids)."""
     from megaloop.config import DataConfig
     from megaloop.training.checkpoint import saved_section
 
@@ -220,7 +218,7 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
             "the run's data.tokenizer_model"
         raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                               "--tokenizer PATH, or --no-tokenizer")
-    from megaloop.hf.tokenizer import check_stands_in_for_runs, write_tokenizer
+    from megaloop.hf.tokenizer import check_stands_in_for_runs, untokenized_ids, write_tokenizer
 
     check_stands_in_for_runs(tokenizer, data, tokenizer_type=data.tokenizer_type)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
@@ -233,8 +231,7 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
                               "trained with)")
     from transformers import AutoTokenizer  # before config.json is there (its auto_map)
 
-    known = set(AutoTokenizer.from_pretrained(staging).get_vocab().values())
-    untokenized = [i for i in range(vocab_size) if i not in known]
+    untokenized = untokenized_ids(AutoTokenizer.from_pretrained(staging), vocab_size)
     return tokenizer, special_tokens, {"suppress_tokens": untokenized} if untokenized else {}
 
 
