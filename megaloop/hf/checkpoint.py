@@ -101,8 +101,9 @@ def requested_settings(path: Path, requested: ModelConfig) -> dict[str, tuple]:
     a longer context (``seq_length``, ``rotary_base``) or another routing width is what these
     fields are changeable for; the export's config.json then holds the requested values and its
     probe logits are checked against the checkpoint's model built with them. The others
-    (the attention kernel, loss weights, initialisation) have no Hugging Face counterpart or
-    none that changes the model; applied alike, they are reported with the rest."""
+    (the attention kernel and loss weights, which a remote-code config.json carries for an
+    import and no Hugging Face model reads; the initialisation) change no logit; applied alike,
+    they are reported with the rest."""
     ckpt.check_compatible(path, RunConfig(model=requested))
     saved = vars(ckpt.saved_section(path, ModelConfig, "model").resolve())
     wanted = vars(dataclasses.replace(requested).resolve())

@@ -190,8 +190,15 @@ def new_tokens(gen_kwargs: dict, task: str, context: int, default: int = DEFAULT
 
 
 def harness_model(model, tokenizer, batch_size: int = 8):
-    """lm-eval's HFLM around an in-memory model (its device and dtype are the model's)."""
+    """lm-eval's HFLM around an in-memory model (its device and dtype are the model's). Its
+    generation never chooses the embedding rows past the tokenizer, as an export's
+    generation_config.json says (megaloop.hf.tokenizer.untokenized_ids), whatever the model's
+    generation config holds (training's downstream evaluation passes ``to_reference(model)``)."""
     from lm_eval.models.huggingface import HFLM
+
+    from megaloop.hf.tokenizer import untokenized_ids
+
+    untokenized = untokenized_ids(tokenizer, model.config.vocab_size)
 
     class CheckedHFLM(HFLM):
         """HFLM whose too-long continuations are an EvaluationError naming the text: HFLM only
@@ -223,10 +230,40 @@ def harness_model(model, tokenizer, batch_size: int = 8):
                 fed = len(context) + len(continuation) - 1  # the last token is not fed
                 if isinstance(key, tuple) and fed > self.max_length:
                     self._cut_pairs.add(key)
-            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+            # HFLM (lm-eval 0.4.13, logits_cache) scores requests of the same context +
+            # continuation[:-1] from one forward, the longest continuation's, but gathers a
+            # shorter continuation's log-probabilities from the leading positions of those
+            # logits, not the trailing ones: requests that split one text at different points
+            # (Winogrande's twins can; rolling windows of repeated text do) got plausible, wrong
+            # scores. Those are scored without the grouping, the rest with it.
+            lengths = collections.defaultdict(set)
+            for _, context, continuation in requests:
+                lengths[tuple(context + continuation[:-1])].add(len(continuation))
+            apart = [len(lengths[tuple(context + continuation[:-1])]) > 1
+                     for _, context, continuation in requests]
+            results = [None] * len(requests)
+            grouping = self.logits_cache
+            for alone in (False, True):
+                indices = [i for i, flag in enumerate(apart) if flag == alone]
+                if not indices:
+                    continue
+                self.logits_cache = grouping and not alone
+                try:
+                    scored = super()._loglikelihood_tokens([requests[i] for i in indices],
+                                                           *args, **kwargs)
+                finally:
+                    self.logits_cache = grouping
+                for i, result in zip(indices, scored):
+                    results[i] = result
+            return results
 
         def new_tokens(self, gen_kwargs: dict, task: str) -> int:
             return new_tokens(gen_kwargs, task, self.max_length, self.max_gen_toks)
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            if untokenized:
+                generation_kwargs.setdefault("suppress_tokens", untokenized)
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
         def generate_until(self, requests, *args, **kwargs):
             """HFLM only asserts (a bare AssertionError) when the new tokens leave no room for a

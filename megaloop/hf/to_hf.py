@@ -161,7 +161,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
                             "trained with: %s", path, ", ".join(
                                 f"model.{name}={new!r} (trained: {old!r})"
                                 for name, (old, new) in changed.items()))
-            tokenizer, special_tokens = _write_tokenizer(path, tokenizer, with_tokenizer, staging)
+            tokenizer, special_tokens, untokenized = _write_tokenizer(path, tokenizer,
+                                                                      with_tokenizer, staging)
             model, run, path = load_checkpoint_model(
                 path, **{name: value for name, (_, value) in changed.items()})
             chosen = stored_dtype(path, model) if chosen is None else chosen
@@ -179,7 +180,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         converted.save_pretrained(staging, state_dict=state, save_original_format=False)
         del converted, state
         GenerationConfig(**special_tokens, pad_token_id=special_tokens["eos_token_id"],
-                         do_sample=False).save_pretrained(staging)
+                         do_sample=False, **untokenized).save_pretrained(staging)
         if family is None:
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(REFERENCE_DIR / name, staging / name)
@@ -197,24 +198,27 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
 
 
 def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, staging: Path):
-    """(the tokenizer file written into ``staging``, the special token ids) of checkpoint
-    ``path``: ``tokenizer``, else the run's data.tokenizer_model, if ``with_tokenizer``, encoding
-    as the run's data.tokenizer_type and data.legacy_tokenizer do (eos: the EOD it trained). Read
-    from the checkpoint's config alone, so that a missing or unsuitable tokenizer fails before
-    the weights are read."""
+    """(the tokenizer file written into ``staging``, the special token ids, generation settings)
+    of checkpoint ``path``: ``tokenizer``, else the run's data.tokenizer_model, if
+    ``with_tokenizer``, encoding as the run's data.tokenizer_type and data.legacy_tokenizer do
+    (eos: the EOD it trained). Read from the checkpoint's config alone, so that a missing or
+    unsuitable tokenizer fails before the weights are read.
+
+    The generation settings suppress the embedding rows past the tokenizer
+    (megaloop.hf.tokenizer.untokenized_ids)."""
     from megaloop.config import DataConfig
     from megaloop.training.checkpoint import saved_section
 
     data = saved_section(path, DataConfig, "data")
     if not with_tokenizer or (tokenizer is None and data.tokenizer_model is None):
-        return None, {"bos_token_id": None, "eos_token_id": _trained_eod(data)}
+        return None, {"bos_token_id": None, "eos_token_id": _trained_eod(data)}, {}
     tokenizer = tokenizer or data.tokenizer_model
     if not Path(tokenizer).exists():
         source = "--tokenizer" if tokenizer != data.tokenizer_model else \
             "the run's data.tokenizer_model"
         raise ConversionError(f"{tokenizer}: tokenizer file not found ({source}); pass "
                               "--tokenizer PATH, or --no-tokenizer")
-    from megaloop.hf.tokenizer import check_stands_in_for_runs, write_tokenizer
+    from megaloop.hf.tokenizer import check_stands_in_for_runs, untokenized_ids, write_tokenizer
 
     check_stands_in_for_runs(tokenizer, data, tokenizer_type=data.tokenizer_type)
     vocab_size = saved_section(path, ModelConfig, "model").vocab_size
@@ -225,7 +229,10 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
         raise ConversionError(f"--tokenizer {tokenizer}: ends documents with id {eod}, the run's "
                               f"data.eod_id is {data.eod_id} (not the tokenizer this model was "
                               "trained with)")
-    return tokenizer, special_tokens
+    from transformers import AutoTokenizer  # before config.json is there (its auto_map)
+
+    untokenized = untokenized_ids(AutoTokenizer.from_pretrained(staging), vocab_size)
+    return tokenizer, special_tokens, {"suppress_tokens": untokenized} if untokenized else {}
 
 
 def _trained_eod(data) -> int | None:

@@ -78,6 +78,16 @@ def write_tokenizer(path: str | Path, out: Path, vocab_size: int,
     return {"bos_token_id": saved.bos_token_id, "eos_token_id": eod}
 
 
+def untokenized_ids(tokenizer, vocab_size: int) -> list[int]:
+    """The ids below ``vocab_size`` (the model's embedding rows) that the Hugging Face
+    ``tokenizer`` has no token for: the rows of a vocab_size padded past the tokenizer. Never a
+    training target, they decode to nothing, and megaloop's greedy decoding never chooses them
+    (megaloop.generation's ``vocab_size``); generate() would, wherever an undertrained model
+    scores one highest, and go on from an untrained embedding row: its ``suppress_tokens``."""
+    known = set(tokenizer.get_vocab().values())
+    return [i for i in range(vocab_size) if i not in known]
+
+
 def _adds_tokens(tokenizer_type: str | None, sentencepiece: bool) -> bool:
     """Whether the legacy encoding of this type adds tokens around the text (bos, a
     post-processor's) rather than reading special strings out of it."""

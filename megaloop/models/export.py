@@ -62,7 +62,8 @@ def reference_config(cfg: ModelConfig):
         head_dim=cfg.kv_channels, vocab_size=cfg.vocab_size,
         encoder_layers=cfg.num_encoder_layers, iterations=cfg.iterations, block=cfg.block,
         qk_norm=cfg.qk_norm, injection=cfg.injection, local_kv=cfg.local_kv,
-        global_kv_norm=cfg.global_kv_norm, rotary_base=cfg.rotary_base, norm_eps=cfg.norm_eps,
+        global_kv_norm=cfg.global_kv_norm, joint_attention=cfg.joint_attention,
+        rotary_base=cfg.rotary_base, norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.seq_length,
         initializer_range=cfg.init_std, **moe_reference_fields(cfg),
         **latent_reference_fields(cfg),
@@ -89,11 +90,14 @@ def model_config(reference) -> ModelConfig:
         num_experts=reference.num_experts)
     if arch == "asymloop":
         fields.update(encoder_layers=reference.encoder_layers, injection=reference.injection,
-                      local_kv=reference.local_kv, global_kv_norm=reference.global_kv_norm)
+                      local_kv=reference.local_kv, global_kv_norm=reference.global_kv_norm,
+                      joint_attention=reference.joint_attention)
     if reference.num_experts:
         fields.update(moe_layers=reference.moe_layers, moe_top_k=reference.moe_top_k,
                       moe_ffn_hidden_size=reference.moe_ffn_hidden_size,
-                      moe_shared_expert_size=reference.moe_shared_expert_size)
+                      moe_shared_expert_size=reference.moe_shared_expert_size,
+                      moe_aux_loss_coeff=reference.moe_aux_loss_coeff,
+                      moe_z_loss_coeff=reference.moe_z_loss_coeff)
     if arch == "latentloop":
         fields.update({name: getattr(reference, name) for name in latent_reference_fields(
             ModelConfig(arch="latentloop"))})

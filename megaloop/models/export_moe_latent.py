@@ -19,12 +19,14 @@ _LATENT_BLOCKS = {"encoder": "prelude", "decoder": "middle"}
 
 
 def moe_reference_fields(cfg: ModelConfig) -> dict:
-    """The MoE fields of the reference config."""
+    """The MoE fields of the reference config, the router loss coefficients among them (read by
+    no reference model: an import trains with them)."""
     if not cfg.uses_moe:
         return {}
     return dict(num_experts=cfg.num_experts, moe_layers=cfg.moe_layers, moe_top_k=cfg.moe_top_k,
                 moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-                moe_shared_expert_size=cfg.moe_shared_expert_size)
+                moe_shared_expert_size=cfg.moe_shared_expert_size,
+                moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff)
 
 
 def _swiglu(prefix: str, suffix: str, tensor: torch.Tensor) -> dict:

@@ -4,7 +4,9 @@ Imports only transformers: the file ships beside modeling_*.py in an exported di
 code, ``auto_map``). Field names are megaloop's ``ModelConfig`` names with every derived default
 resolved (megaloop.models.export.reference_config fills them), so the mapping is one to one;
 ``tie_word_embeddings``, ``max_position_embeddings`` (megaloop's seq_length: the trained context;
-RoPE itself has no limit) and ``initializer_range`` are the Hugging Face names.
+RoPE itself has no limit) and ``initializer_range`` are the Hugging Face names. ``moe_aux_loss_coeff``, ``moe_z_loss_coeff`` and
+``joint_attention`` are megaloop's training settings (router losses, attention kernel), which these
+models do not read: carried so that an import (megaloop.hf.from_hf) trains as the run did.
 
 ``iterations`` is K (AsymLoop), R (Full Loop) or the number of visits (LatentLoop). Set it at load
 time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
@@ -25,7 +27,8 @@ class MegaloopConfig(PretrainedConfig):
                  head_dim=None, vocab_size=32128, encoder_layers=2, iterations=3, block="llama",
                  qk_norm=True, injection="global_kv", local_kv=True, global_kv_norm=True,
                  rotary_base=10000.0, norm_eps=1e-5, num_experts=0, moe_layers="all", moe_top_k=2,
-                 moe_ffn_hidden_size=0, moe_shared_expert_size=0, prelude_layers=1, coda_layers=1,
+                 moe_ffn_hidden_size=0, moe_shared_expert_size=0, moe_aux_loss_coeff=0.01,
+                 moe_z_loss_coeff=0.001, joint_attention="fused", prelude_layers=1, coda_layers=1,
                  latent_visits=(1,), latent_stride=2, latent_writeback_lag=0,
                  latent_reduction="sequence", residual_scale="learned", residual_scale_init=(),
                  untie_attention=False, untie_moe=False, max_position_embeddings=2048,
@@ -54,6 +57,9 @@ class MegaloopConfig(PretrainedConfig):
         self.moe_top_k = moe_top_k
         self.moe_ffn_hidden_size = moe_ffn_hidden_size
         self.moe_shared_expert_size = moe_shared_expert_size
+        self.moe_aux_loss_coeff = moe_aux_loss_coeff  # training only (see the module docstring)
+        self.moe_z_loss_coeff = moe_z_loss_coeff
+        self.joint_attention = joint_attention  # fused | masked: megaloop's kernel, same maths
         # LatentLoop (modeling_latentloop)
         self.prelude_layers = prelude_layers
         self.coda_layers = coda_layers

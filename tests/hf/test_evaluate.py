@@ -146,6 +146,32 @@ def test_generation_task_runs_greedy_decoding_through_the_cache(harness):
     assert 0 <= results["results"]["local_gsm8k"]["exact_match,strict-match"] <= 1
 
 
+def test_generation_never_chooses_the_embedding_rows_past_the_tokenizer(harness):
+    """A model whose generation config suppresses nothing (training's downstream evaluation
+    passes ``to_reference(model)``; an export before suppress_tokens) and whose padding rows
+    32000-32127 score highest: the harness generates from the tokenizer's 32000 rows, as
+    megaloop's greedy decoding does (before: padding ids, which decode to nothing)."""
+    import copy
+    import types
+
+    export = harness["asymloop"]
+    model = copy.deepcopy(export.model)
+    model.generation_config.suppress_tokens = None
+    with torch.no_grad():
+        model.lm_head.weight[32000:] *= 50
+    results = _run(harness, types.SimpleNamespace(model=model, tokenizer=export.tokenizer),
+                   ["gsm8k"], num_fewshot=0, limit=1, gen_kwargs={"max_gen_toks": 6})
+    question = records(harness["data"], SAMPLE_FILES["gsm8k"])[0]["question"]
+    prompt = export.tokenizer(f"Question: {question}\nAnswer:", return_tensors="pt")["input_ids"]
+    unsuppressed = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert int(unsuppressed[0, prompt.shape[1]:].min()) >= 32000  # padding rows only
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False,
+                            suppress_tokens=list(range(32000, 32128)))
+    expected = export.tokenizer.decode(greedy[0, prompt.shape[1]:]).split("Question:")[0]
+    assert expected.strip()
+    assert results["samples"]["local_gsm8k"][0]["resps"][0][0] == expected
+
+
 @pytest.mark.parametrize("arch", ["latentloop", "asymloop"])
 def test_batched_generation_gives_each_prompt_its_own_tokens(harness, arch):
     """Prompts of different lengths, left-padded into one batch, which shifts LatentLoop's groups

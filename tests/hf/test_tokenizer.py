@@ -79,6 +79,29 @@ def test_an_exported_tokenizer_json_does_not_truncate_where_training_did_not(exp
     assert len(exported) > 8
 
 
+def test_generate_never_chooses_the_embedding_rows_past_the_tokenizer(exports, tmp_path):
+    """The model has 128 embedding rows, the tokenizer fewer: generate() skips the rest, as
+    megaloop's greedy decoding does (megaloop.generation's vocab_size): each token is the argmax
+    of the tokenizer's rows. Before, it chose a padding row wherever one scored highest (here:
+    at some step), which decodes to nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = _json_tokenizer(tmp_path)
+    export_checkpoint(_with_tokenizer(exports, tmp_path, source), tmp_path / "out")
+    tokens = load_tokenizer("HuggingFaceTokenizer", source).vocab_size
+    assert tokens < 128
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(tokens, 128))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    out = model.generate(torch.tensor([[5, 17, 42, 8]]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None)
+    with torch.no_grad():
+        logits = model(out).logits[0, 3:-1]
+    assert torch.equal(out[0, 4:], logits[:, :tokens].argmax(-1))
+    assert int(logits.argmax(-1).max()) >= tokens
+
+
 def test_an_export_without_tokenizer_files_keeps_the_eod_the_run_trained_with(exports, tmp_path):
     """--no-tokenizer writes no tokenizer files, but the run's tokenizer (still there) ended its
     documents with an id: config.json and generation_config.json keep it as eos, so generate()

@@ -93,8 +93,12 @@ def test_depth_set_at_load_time_or_per_call():
                        deep.generate(x, max_new_tokens=4, do_sample=False))
 
 
-def test_left_padding_gives_each_row_its_unpadded_logits():
-    model = reference_model("asymloop")
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv", "asymloop_moe",
+                                     "fullloop_moe", "dense_moe_shared"])
+def test_left_padding_gives_each_row_its_unpadded_logits(variant):
+    """Padding keys hidden from the Global KV alone or joined with the Local KV; padding tokens
+    routed through the experts take nothing from a token (no capacity)."""
+    model = reference_model(variant)
     short, long = tokens(batch=1, length=4, seed=2), tokens(batch=1, length=7, seed=3)
     batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
     mask = torch.ones_like(batch)

@@ -45,14 +45,21 @@ def test_reference_matches_megatron_core(seeded, variant):
         torch.testing.assert_close(expected[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_reference_test_time_depth_matches(seeded):
-    cfg = small_config("asymloop")
+@pytest.mark.parametrize("variant", [name for name, fields in ALL_VARIANTS.items()
+                                     if fields["arch"] in ("fullloop", "asymloop")])
+def test_reference_test_time_depth_matches(seeded, variant):
+    """Every looped variant (LatentLoop runs only its own visits) at depths below, at and above
+    the trained one: what lm-eval's --depths and generate(num_iterations=) compute."""
+    cfg = small_config(variant)
     model = build_model(cfg)
+    _perturb_norms(model)
     reference = to_reference(model)
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
     with torch.no_grad():
-        torch.testing.assert_close(model(x, num_iterations=6), reference(x, num_iterations=6).logits,
-                                   atol=1e-5, rtol=1e-5)
+        for depth in (1, cfg.iterations + 1, 6):
+            torch.testing.assert_close(model(x, num_iterations=depth),
+                                       reference(x, num_iterations=depth).logits, atol=1e-5,
+                                       rtol=1e-5, msg=lambda m: f"depth {depth}: {m}")
 
 
 def test_reference_refuses_test_time_depth_on_dense_as_the_canonical_model_does(seeded):
@@ -86,3 +93,19 @@ def test_reference_keeps_the_canonical_test_time_depth_rule(seeded, arch):
                 with pytest.raises(ValueError) as error:
                     net(x, num_iterations=depth)
                 assert str(error.value) == f"num_iterations={depth}: {problem}"
+
+
+@pytest.mark.parametrize("variant", ["latentloop", "latentloop_stride3_lag1",
+                                     "latentloop_stride4_both_olmo", "latentloop_moe_untied_v3"])
+def test_latentloop_reference_matches_at_every_length(seeded, variant):
+    """Lengths 1..seq_length, most ending in an incomplete group of k tokens (which no latent
+    holds yet): the inference lengths lm-eval and generation feed, beside training's multiples."""
+    cfg = small_config(variant)
+    model = build_model(cfg).eval()
+    _perturb_norms(model)
+    reference = to_reference(model)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    with torch.no_grad():
+        for n in range(1, cfg.seq_length + 1):
+            torch.testing.assert_close(model(x[:, :n]), reference(x[:, :n], use_cache=False).logits,
+                                       atol=1e-5, rtol=1e-5, msg=lambda m: f"length {n}: {m}")
