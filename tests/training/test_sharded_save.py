@@ -3,34 +3,19 @@ of one rank's state, a sharding rank 0 refuses, rank 0's common.pt or metadata.j
 disk), fails on every rank within seconds, each naming the failing rank and its cause, instead of
 leaving the others in megatron-core's next collective until the process-group timeout."""
 
-import datetime
 import errno
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import close_all, run_distributed
+from tests.distributed import collective_timeout, run_distributed, workers_discarded_on_failure
 
 # The process-group timeout while a test saves: a rank left waiting fails then, not in 30 minutes
 # (the old code: both ranks raised gloo's timeout, each its own line). Far above a save's seconds.
 COLLECTIVE_TIMEOUT_S = 30
 _FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-@contextmanager
-def collective_timeout(seconds: float):
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    before = world._get_backend(torch.device("cpu")).options._timeout
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), world)
-    try:
-        yield
-    finally:
-        dist.distributed_c10d._set_pg_timeout(before, world)
 
 
 def _raise(*args, **kwargs):
@@ -95,15 +80,11 @@ def _save_failing_on_one_rank(rank, world_size, out, fault):
     ("metadata_json", "rank 0: [Errno 28] No space left on device"),
 ])
 def test_a_save_failing_on_one_rank_fails_on_every_rank_at_once(tmp_path, fault, says):
-    out = tmp_path / "checkpoints"
-    try:
+    out, tmp = tmp_path / "checkpoints", tmp_path / "checkpoints" / "iter_0000001.tmp"
+    with workers_discarded_on_failure():
         error0, error1 = run_distributed(
             _save_failing_on_one_rank, world_size=2, out=str(out), fault=fault)
-    except AssertionError:
-        close_all()  # a collective timed out: gloo closed the group, the workers are spent
-        raise
-    tmp = out / "iter_0000001.tmp"
-    assert error0 == error1, "the same line on every rank"
+        assert error0 == error1, "the same line on every rank"
     assert error0.startswith(f"{tmp}: saving step 1 failed ("), error0
     assert says in error0 and "\n" not in error0, error0
     assert error0.endswith("latest is still none"), error0
