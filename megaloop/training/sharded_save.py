@@ -3,17 +3,18 @@
 ``dist_checkpointing.save`` runs rank-local work between its collectives: each rank's factories
 before the ranks' sharding is gathered, the check of that sharding on rank 0 alone, common.pt
 written by rank 0 alone before the write's planning gathers every rank's plan, and in its
-finalize metadata.json, written by rank 0 alone before a barrier. A failure in one of them (a
-factory's error on one rank, a sharding rank 0 refuses, a full disk under rank 0's common.pt)
-was raised on that rank alone: its error path's next collective met the others' next one in
-megatron-core, and both waited until the process-group timeout (30 minutes by default). Here
-``save_sharded`` runs the same steps in megatron-core's order with the outcome agreed after
-each, and every rank raises the first failure, naming its rank (``FailedOnEveryRank``).
+finalize ``.metadata`` and metadata.json, written by rank 0 alone between collectives. A
+failure in one of them (a factory's error on one rank, a sharding rank 0 refuses, a full disk
+under rank 0's files) was raised on that rank alone: its error path's next collective met the
+others' next one in megatron-core, or it left them in one, until the process-group timeout (30
+minutes by default). Here ``save_sharded`` runs the same steps in megatron-core's order with the
+outcome agreed after each, the finalize's too, and every rank raises the first failure, naming
+its rank (``FailedOnEveryRank``).
 
 Still megatron-core's alone: the write's planning (torch DCP's decentralised plan: each rank
-plans, rank 0 gathers the plans), whose failure on one rank before that gather would leave rank 0
-waiting in it, and the finalize's ``.metadata``, written by rank 0 alone between two collectives
-(its failure is raised on rank 0, the others wait until it exits).
+plans, rank 0 gathers the plans), whose failure on one rank before that gather leaves rank 0
+waiting in it until the process-group timeout, or until the failed rank's process exits (the
+launcher then ends the job).
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ def save_sharded(state: dict, path: Path):
     """Collective: ``dist_checkpointing.save(state, path, async_sharded_save=True)``, the
     AsyncRequest of the write (to schedule), with its finalize; a failure before the write's
     planning raises FailedOnEveryRank on every rank."""
-    from megatron.core.dist_checkpointing.serialization import (
-        get_default_save_common_strategy, get_default_save_sharded_strategy)
+    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     sharded, common, problem = {}, {}, None
@@ -67,19 +67,44 @@ def save_sharded(state: dict, path: Path):
     _agreed(problem)
     # torch_dist writes the ShardedObjects itself, beside the tensors (megatron-core's save
     # hands them to the common strategy only for a sharded strategy that cannot).
-    strategy = get_default_save_sharded_strategy()
+    strategy = _strategy()
     request = strategy.async_save(sharded, str(path))
     request.finalize_fns.append(lambda: _write_format(strategy, path))
     return request
 
 
+def _strategy():
+    """megatron-core's default save strategy (torch_dist), whose finalize records the failure of
+    rank 0's ``.metadata`` write for ``_write_format`` to agree on, rather than raising it
+    between the finalize's gather and broadcast, which the other ranks would wait in."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class Strategy(TorchDistSaveShardedStrategy):
+        finish_problem: str | None = None
+
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            finish = writer.finish  # the finalize calls the planning's writer, this one
+
+            def recorded(*args, **kwargs) -> None:
+                try:
+                    finish(*args, **kwargs)
+                except Exception as e:
+                    self.finish_problem = _on_this_rank(e)
+
+            writer.finish = recorded
+            return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+
+    return Strategy("torch_dist", 1)
+
+
 def _write_format(strategy, path: Path) -> None:
     """Collective, the finalize's last step once every rank's write is complete: rank 0 writes
-    metadata.json (the format, which marks the checkpoint a dist_checkpointing one)."""
+    metadata.json (the format, which marks the checkpoint a dist_checkpointing one) unless its
+    ``.metadata`` failed."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
-    problem = None
-    if is_rank0():
+    problem = strategy.finish_problem
+    if is_rank0() and problem is None:
         try:
             save_config(CheckpointingConfig(strategy.backend, strategy.version), str(path))
         except Exception as e:

@@ -1,7 +1,8 @@
 """A checkpoint save that fails on one rank alone, between megatron-core's collectives (a factory
-of one rank's state, a sharding rank 0 refuses, rank 0's common.pt or metadata.json on a full
-disk), fails on every rank within seconds, each naming the failing rank and its cause, instead of
-leaving the others in megatron-core's next collective until the process-group timeout."""
+of one rank's state, a sharding rank 0 refuses, rank 0's common.pt, .metadata or metadata.json
+on a full disk), fails on every rank within seconds, each naming the failing rank and its
+cause, instead of leaving the others in megatron-core's next collective until the process-group
+timeout."""
 
 import errno
 import os
@@ -31,6 +32,12 @@ def _common_pt_on_a_full_disk(monkeypatch) -> None:
         return save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", full)
+
+
+def _dot_metadata_on_a_full_disk(monkeypatch) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    monkeypatch.setattr(FileSystemWriterAsync, "finish", _raise)
 
 
 def _metadata_json_on_a_full_disk(monkeypatch) -> None:
@@ -64,6 +71,8 @@ def _save_failing_on_one_rank(rank, world_size, out, fault):
     with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(COLLECTIVE_TIMEOUT_S):
         if rank == 0 and fault == "common_pt":
             _common_pt_on_a_full_disk(monkeypatch)
+        if rank == 0 and fault == "dot_metadata":
+            _dot_metadata_on_a_full_disk(monkeypatch)
         if rank == 0 and fault == "metadata_json":
             _metadata_json_on_a_full_disk(monkeypatch)
         try:
@@ -77,6 +86,7 @@ def _save_failing_on_one_rank(rank, world_size, out, fault):
     ("factory", "rank 1: w: cannot be cut on this rank"),
     ("sharding", "Invalid access pattern for ShardedTensor(key='w'"),
     ("common_pt", "rank 0: [Errno 28] No space left on device"),
+    ("dot_metadata", "rank 0: [Errno 28] No space left on device"),
     ("metadata_json", "rank 0: [Errno 28] No space left on device"),
 ])
 def test_a_save_failing_on_one_rank_fails_on_every_rank_at_once(tmp_path, fault, says):
