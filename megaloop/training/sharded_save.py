@@ -19,6 +19,8 @@ launcher then ends the job).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from pathlib import Path
 
 import torch.distributed as dist
@@ -77,24 +79,32 @@ def _strategy():
     """megatron-core's default save strategy (torch_dist), whose finalize records the failure of
     rank 0's ``.metadata`` write for ``_write_format`` to agree on, rather than raising it
     between the finalize's gather and broadcast, which the other ranks would wait in."""
+    return _strategy_class()("torch_dist", 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _strategy_class():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     class Strategy(TorchDistSaveShardedStrategy):
         finish_problem: str | None = None
 
         def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
-            finish = writer.finish  # the finalize calls the planning's writer, this one
+            # The finalize calls finish on the planning's writer, this one. Held weakly: the
+            # writer holds the tensors it writes, and a cycle through it would keep them alive
+            # after the save, until the garbage collector runs.
+            finish, writer_ref = type(writer).finish, weakref.ref(writer)
 
             def recorded(*args, **kwargs) -> None:
                 try:
-                    finish(*args, **kwargs)
+                    finish(writer_ref(), *args, **kwargs)
                 except Exception as e:
                     self.finish_problem = _on_this_rank(e)
 
             writer.finish = recorded
             return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
 
-    return Strategy("torch_dist", 1)
+    return Strategy
 
 
 def _write_format(strategy, path: Path) -> None:
