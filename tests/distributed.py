@@ -9,10 +9,12 @@ state is torn down after every call so tests stay independent.
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import queue
 import socket
 import traceback
+from contextlib import contextmanager
 
 import torch.multiprocessing as mp
 
@@ -156,3 +158,30 @@ def run_distributed(fn, world_size: int = 2, **kwargs) -> list:
     if errors:
         raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(errors))
     return out
+
+
+@contextmanager
+def workers_discarded_on_failure():
+    """A test that fails may have left a collective timed out, after which gloo has closed the
+    workers' group for good: the next test gets new workers."""
+    try:
+        yield
+    except BaseException:
+        close_all()
+        raise
+
+
+@contextmanager
+def collective_timeout(seconds: float):
+    """In a rank: the default group's collectives time out after ``seconds`` (a test of a rank
+    left waiting fails then, not after the process-group timeout), as before afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    before = world._get_backend(torch.device("cpu")).options._timeout
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), world)
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before, world)

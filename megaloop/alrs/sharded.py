@@ -23,8 +23,9 @@ completes each stage's list with the others'); the tied copies of a decoder laye
 stages hold share one name, so the layer is analysed once, by one of its holders, and every copy
 gets its multiplier.
 A failure inside the hook never reaches training: it is logged as a warning and the multipliers
-stay as they were. A failure that hits only
-some ranks between collectives could still leave the others waiting in a collective.
+stay as they were. What may fail on one rank alone before a collective is agreed on first (the
+blocks' parts and buffers, before the first TP gather), so that no rank goes on to training's
+collectives while its peers wait in the hook's.
 """
 
 from __future__ import annotations
@@ -237,11 +238,12 @@ class ALRS:
         rows, eigs = [], []
         for i in mine:
             name = self.names[i]
+            stats, lam = SpectralStats(math.nan, math.nan, math.nan), torch.empty(0)
             try:
-                stats, lam = spectral_stats(full.pop(i), name, self.config.eig_method)
+                if i in full:  # else its failure to be joined is logged
+                    stats, lam = spectral_stats(full.pop(i), name, self.config.eig_method)
             except Exception:
                 logger.warning("ALRS: statistics of %s failed; alpha is NaN", name, exc_info=True)
-                stats, lam = SpectralStats(math.nan, math.nan, math.nan), torch.empty(0)
             rows.append((stats.alpha, stats.stable_rank, stats.norm_stable_rank))
             eigs.append(lam)
         table, eig_table = self._all_gather(rows, eigs)
@@ -262,22 +264,44 @@ class ALRS:
                                "are allocated)", step, exc_info=True)
 
     def _gather_owned(self, params: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner."""
+        """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner.
+
+        What may fail on one rank alone (the parts' copies and the owner's buffers: its memory)
+        is done before the first gather, and agreed over ``group``: a rank that failed between
+        gathers went on to training's collectives while its peers waited in the next gather,
+        until the process-group timeout. Then every rank raises the failure alike (``step``
+        logs it). A block that cannot be joined after the gathers is its owner's alone."""
         tp_ranks = dist.get_process_group_ranks(self.tp_group) if self._tp_sharded() else []
-        full = {}
-        for i, block in enumerate(self.matrices):
-            if block.partition_dim is None:
-                if self.owner[i] == self.rank:
-                    full[i] = block.local(params[block.param].detach())
-                continue
-            owner = dist.get_global_rank(self.group, self.owner[i])
-            if owner not in tp_ranks:  # another TP group holds the owner and gathers it
-                continue
-            shard = block.local(params[block.param].detach()).to(torch.float32).contiguous()
-            parts = [torch.empty_like(shard) for _ in tp_ranks] if owner == dist.get_rank() else None
+        full, gathers, error = {}, [], None
+        try:
+            for i, block in enumerate(self.matrices):
+                if block.partition_dim is None:
+                    if self.owner[i] == self.rank:
+                        full[i] = block.local(params[block.param].detach())
+                    continue
+                owner = dist.get_global_rank(self.group, self.owner[i])
+                if owner not in tp_ranks:  # another TP group holds the owner and gathers it
+                    continue
+                shard = block.local(params[block.param].detach()).to(torch.float32).contiguous()
+                parts = ([torch.empty_like(shard) for _ in tp_ranks]
+                         if owner == dist.get_rank() else None)
+                gathers.append((i, owner, shard, parts))
+        except Exception as e:
+            error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+        error = next((e for e in self._from_every_rank(error) if e), None)
+        if error is not None:
+            raise RuntimeError(f"gathering the tensor-parallel blocks failed on {error}")
+        for i, owner, shard, parts in gathers:
             dist.gather(shard, parts, dst=owner, group=self.tp_group)
-            if parts is not None:  # gather_list follows TP rank order, i.e. shard order
-                full[i] = torch.cat(parts, dim=block.partition_dim)
+        for i, _, _, parts in gathers:
+            if parts is None:
+                continue
+            try:  # gather_list follows TP rank order, i.e. shard order
+                full[i] = torch.cat(parts, dim=self.matrices[i].partition_dim)
+            except Exception:  # after the gathers: this block's alone, its alpha NaN
+                logger.warning("ALRS: joining the parts of %s failed; alpha is NaN",
+                               self.names[i], exc_info=True)
+            parts.clear()
         return full
 
     def _holders(self, local: set[str]) -> list[list[int] | None]:

@@ -4,7 +4,8 @@ A save writes into ``iter_N.tmp``; only once every rank's part is written does t
 rank 0 writes ``config.yaml`` into it, renames it to ``iter_N``, moves ``latest`` and prunes to
 ``keep_last``, and every rank takes its outcome (``rank0_decides``). ``save_checkpoint`` does both
 in one call. Every write runs in a writer process through megatron-core's asynchronous save
-(``dist_checkpointing.save(..., async_sharded_save=True)`` scheduled on an ``AsyncCallsQueue``, as
+(``dist_checkpointing.save(..., async_sharded_save=True)``, in the steps of sharded_save, whose
+failure on one rank fails the save on every rank) scheduled on an ``AsyncCallsQueue``, as
 Megatron-LM's ``--async-save``), one that ends whole when any of its processes is killed
 (checkpoint_writer); a synchronous save waits for it at once, in place of megatron-core's own
 synchronous save, which writes in the trainer and would wait for a killed worker for ever.
@@ -44,6 +45,7 @@ from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpo
 from megaloop.training.checkpoint_writer import (died_of, refuse_unguarded_main,
                                                  start_results_queue, watched)
 from megaloop.training.collective import any_rank, first_error, is_rank0, rank0_decides
+from megaloop.training.sharded_save import FailedOnEveryRank, save_sharded
 
 log = logging.getLogger("megaloop.train")
 
@@ -194,11 +196,11 @@ def _write(save: _Save, state: dict, queue) -> None:
     would otherwise leave the others waiting in the finalize's collectives until the
     process-group timeout. Then the save fails on every rank, naming the rank and its error, and
     the writes that did start are killed."""
-    from megatron.core import dist_checkpointing
-
     started, call_idx, error = len(queue.async_calls), queue.call_idx, None
     try:
-        request = dist_checkpointing.save(state, str(save.tmp), async_sharded_save=True)
+        request = save_sharded(state, save.tmp)
+    except FailedOnEveryRank as e:  # raised alike on every rank: none waits in a collective
+        raise _write_failed(save, str(e)) from None
     except (Exception, CheckpointException) as e:
         error = one_line(e)
     else:

@@ -135,8 +135,6 @@ def _prepare(state: dict) -> tuple[list, str | None]:
     each rank, the sharding of all on rank 0), on every rank (None if none)."""
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
-    from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
-                                                             validate_sharding_integrity)
 
     from megaloop.training.checkpoint_files import one_line
 
@@ -146,14 +144,32 @@ def _prepare(state: dict) -> tuple[list, str | None]:
         built = extract_sharded_base(load_preprocess(state)[0])[0]
         _check_own_pieces(built)
     except Exception as e:
-        problem, built = one_line(e), {}
-    _, every_rank = determine_global_metadata(built)  # collective, also after a local refusal
-    if problem is None:
-        try:
-            validate_sharding_integrity(every_rank)  # raises on rank 0 only
-        except Exception as e:
-            problem = one_line(e)
-    return twins, first_error(problem)
+        problem = one_line(e)
+    return twins, agreed_refusal(problem, built)
+
+
+def agreed_refusal(problem: str | None, built: dict, common_state: dict | None = None
+                   ) -> str | None:
+    """Collective: the first rank's ``problem`` (a refusal found on that rank alone, None if
+    none), else megatron-core's check of the sharding of every rank's ``built`` entries (made on
+    rank 0 alone), on every rank; None when nothing is refused. The ranks' problems are agreed
+    first: rank 0's check of a sharding that lacks a failed rank's pieces would refuse it too,
+    and name that instead of the cause. ``common_state``: a save's common state, which
+    megatron-core compares with rank 0's (a warning when they differ)."""
+    from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                             validate_sharding_integrity)
+
+    from megaloop.training.checkpoint_files import one_line
+
+    problem = first_error(problem)
+    if problem is not None:
+        return problem
+    _, every_rank = determine_global_metadata(built)
+    try:
+        validate_sharding_integrity(every_rank, common_state)  # raises on rank 0 only
+    except Exception as e:
+        problem = one_line(e)
+    return first_error(problem)
 
 
 def load_sharded(state: dict, path: Path) -> dict:

@@ -7,7 +7,7 @@ from torch import nn
 
 from megaloop.alrs import ALRS, ALRSConfig, balance_by_cost, spectral_stats, weight_blocks
 from megaloop.alrs import sharded
-from tests.distributed import run_distributed
+from tests.distributed import collective_timeout, run_distributed, workers_discarded_on_failure
 
 SHAPES = {
     "embedding.word_embeddings.weight": (200, 24),
@@ -425,3 +425,55 @@ def test_a_prefix_matching_nothing_is_refused_or_named_unread_never_both_nor_nei
     assert refused != warned
     assert refused == (mode == "decoder_boost" if field == "decoder_prefix"
                        else mode == "alrs" and embedding_head != "include")
+
+
+def _out_of_memory_on_rank_1(rank, world_size):
+    """``_tp_body``'s matrices; rank 1's buffers for the blocks it gathers cannot be allocated.
+    Then the next collective of training (an all-reduce) under a short process-group timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    # A rank left waiting fails after 30 s, not after the process-group timeout (30 minutes).
+    tp_group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=30))
+    params = {}
+    for name, (full, dim) in _full_matrices().items():
+        part = full if dim is None else full.chunk(world_size, dim=dim)[rank]
+        params[name] = nn.Parameter(part.clone())
+        if dim is not None:
+            params[name].tensor_model_parallel, params[name].partition_dim = True, dim
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), tp_group=tp_group)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage() + str(record.exc_info[1]))
+    sharded.logger.addHandler(handler)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(30):
+            if rank == 1:
+                def refused(*args, **kwargs):
+                    raise torch.OutOfMemoryError("cannot allocate 4.5 KiB")
+
+                monkeypatch.setattr(torch, "empty_like", refused)
+            multipliers = alrs.step(1)
+            total = torch.ones(1)
+            dist.all_reduce(total)
+    finally:
+        sharded.logger.removeHandler(handler)
+    owned = [m.name for m, owner in zip(alrs.matrices, alrs.owner) if owner == 1
+             and m.partition_dim is not None]
+    return multipliers, warnings, total.item(), owned
+
+
+def test_a_failure_on_one_rank_before_the_tp_gathers_skips_the_analysis_on_every_rank():
+    # Before, rank 1 logged its failure and went on to the all-reduce while rank 0 waited in
+    # the gather of rank 1's block: both until the process-group timeout.
+    with workers_discarded_on_failure():
+        (multipliers0, warnings0, total0, owned), (multipliers1, warnings1, total1, _) = \
+            run_distributed(_out_of_memory_on_rank_1, world_size=2)
+        assert total0 == total1 == 2.0
+    assert owned, "rank 1 owns a tensor-parallel block, which it gathers"
+    assert multipliers0 == multipliers1 and set(multipliers0.values()) == {1.0}
+    for warnings in (warnings0, warnings1):
+        assert warnings == ["ALRS: analysis at step 1 failed; multipliers unchanged"
+                            "gathering the tensor-parallel blocks failed on rank 1: "
+                            "OutOfMemoryError: cannot allocate 4.5 KiB"], warnings

@@ -50,12 +50,13 @@ def _load_refused_on_one_rank(rank, world_size, path, refusal):
     from megaloop.training.checkpoint_load import load_checkpoint
 
     _save(Path(path), rank, world_size)
-    if refusal == "overlap" and rank == 0:  # rows 0-3 and rows 0-1: one rank's pieces overlap
-        state = {"a": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, 0, 2)),
-                 "b": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 0, 4),
+    overlapping = {"overlap": 0, "overlap_on_rank_1": 1}.get(refusal)
+    if rank == overlapping:  # its rows and rows of them again: one rank's pieces overlap
+        state = {"a": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, 2)),
+                 "b": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 2 * rank, 4),
                                                       replica_id=1)}
-    elif refusal == "overlap":
-        state = {"a": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, 1, 2))}
+    elif overlapping is not None:
+        state = {"a": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, 2))}
     else:  # both ranks the main replica of all of w: refused by rank 0's sharding check
         state = {"a": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}
     try:
@@ -67,11 +68,13 @@ def _load_refused_on_one_rank(rank, world_size, path, refusal):
 
 @pytest.mark.parametrize("refusal, says", [
     ("overlap", "rank 0 requests overlapping pieces of w"),
+    ("overlap_on_rank_1", "rank 1 requests overlapping pieces of w"),
     ("sharding", "Invalid access pattern for ShardedTensor(key='w'"),
-], ids=["own_pieces_overlap", "sharding_refused_on_rank0"])
+], ids=["own_pieces_overlap", "own_pieces_overlap_on_rank1", "sharding_refused_on_rank0"])
 def test_a_load_one_rank_refuses_is_refused_on_every_rank(tmp_path, refusal, says):
     # Before, the refusing rank raised while the other waited in the load's next collective
-    # until the process-group timeout.
+    # until the process-group timeout. Rank 1's refusal was then named as rank 0's check of a
+    # sharding without rank 1's pieces (Invalid access pattern), not as its cause.
     errors = run_distributed(_load_refused_on_one_rank, world_size=2, path=str(tmp_path),
                              refusal=refusal)
     assert errors[0] == errors[1] and says in errors[0], errors
