@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False,
     ``then_exit``: the caller exits with that status at once (a command line). Stop signals then
     stay ignored from the end of the run to the exit: with the default handler back, one arriving
     then (srun ending the job step while slower ranks finish their save) would turn a saved run's
-    75, or 0, into 143. ``accepted(cfg)``: called once the Trainer's set-up has completed (the run
-    found finished included), before training; not after a refusal or a stop during set-up."""
+    75, or 0, into 143. ``accepted(cfg)``: called once the Trainer has set the run up to train
+    (new or resumed), before training, when it writes ``<train.out_dir>/config.yaml``; not after a
+    refusal, a stop during set-up, or for a run found finished (whose config.yaml keeps the
+    settings it trained with: a changed one is not applied)."""
     stop_signals = StopSignals()  # first: see the module docstring
     try:
         return _run(argv, stop_signals, accepted)
@@ -200,7 +202,7 @@ def _run(argv: list[str] | None, stop_signals: StopSignals,
 
         try:
             trainer = Trainer(cfg, stop_signals)
-            if accepted is not None and not trainer.stopped_during_set_up:
+            if accepted is not None and not (trainer.stopped_during_set_up or trainer.complete):
                 try:
                     accepted(cfg)
                 except BaseException:

@@ -352,6 +352,10 @@ def test_a_rerun_resumes_from_the_base_checkpoint_it_started_from(mcore, gsm8k_f
     capsys.readouterr()
     assert finetune(["--base", str(base)] + options) == 0  # at its step 1 already: done
     assert (run / "finetune.yaml").read_text() == written
+    # A setting changed for a finished run is not applied: the config it trained with stays.
+    # Before: finetune.yaml took train.lr=5e-05 (config.yaml kept the run's).
+    assert finetune(["--base", str(base), "train.lr=5e-5"] + options) == 0
+    assert (run / "finetune.yaml").read_text() == written
     # --base naming another checkpoint itself: a new start, which a resume cannot take.
     assert finetune(["--base", str(base / "iter_0000001")] + options) == 2
     err = capsys.readouterr().err

@@ -11,8 +11,9 @@ the dotted overrides apply (not to what --base, --data and --out set: checkpoint
 and train.out_dir). ``train.train_steps`` is ``--epochs`` (default 3) passes over the
 training records that fit the context, rounded up, unless given as an override (not both). The
 run is ``megaloop-train --config`` on the resolved config, which goes to ``<out>/finetune.yaml``
-(atomically) once the trainer has accepted it, so that a run refused at set-up leaves ``<out>`` as
-it was. Checkpoints, metrics and exit codes are megaloop-train's (0 done, 2 bad
+(atomically) once the trainer has set the run up to train, so that a run refused at set-up leaves
+``<out>`` as it was, and a finished run relaunched its config (settings changed since are not
+applied to it). Checkpoints, metrics and exit codes are megaloop-train's (0 done, 2 bad
 config/data/checkpoint, 3 aborted, 75 preempted); running the command again resumes from
 ``<out>/checkpoints``, from the base checkpoint the run started from even where ``--base`` (a run's
 directory) has a newer one by then (megaloop.gsm8k.resumed_config). A rerun the resume would
@@ -97,8 +98,9 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False) -> int:
 
     def keep(run_config) -> None:
         """Rank 0, as the Trainer writes its config.yaml: the config goes to <out> only once the
-        Trainer has set the run up, so that a run it refuses leaves <out> as it was (a previous
-        finetune.yaml there stays, a new <out> goes again)."""
+        Trainer has set the run up to train, so that a run it refuses leaves <out> as it was (a
+        previous finetune.yaml there stays, a new <out> goes again), and a finished run the
+        config it trained with."""
         from megaloop.training.collective import is_rank0
 
         if is_rank0():

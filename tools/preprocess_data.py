@@ -24,6 +24,7 @@ refuse, never the new .bin read through the old .idx).
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import signal
@@ -274,8 +275,9 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
         check_usable(total, args.json_keys, files)  # as a single process checks: the documents kept
         for key, parts in shards.items():
             merged = output_prefix(args.output_prefix, key)
-            remove_sidecar(merged)
-            merge_indexed(parts, merged, args.max_docs)
+            # An output replaced (--overwrite) keeps its sidecar until the merge is written: one
+            # that fails (a full disk) leaves the old output whole.
+            merge_indexed(parts, merged, args.max_docs, before_commit=functools.partial(remove_sidecar, merged))
             # Every shard's sidecar describes the same tokenizer; the counts are the merge's.
             write_sidecar(merged, {**read_sidecar(parts[0]), "documents": total.docs,
                                    "tokens": total.key_tokens[key]})

@@ -18,7 +18,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy
 
@@ -114,10 +114,13 @@ class AtomicIndexedWriter:
                     os.remove(path)
 
 
-def merge_indexed(prefixes: Sequence[str], out_prefix: str, max_docs: int | None = None) -> int:
+def merge_indexed(prefixes: Sequence[str], out_prefix: str, max_docs: int | None = None,
+                  before_commit: Callable[[], None] | None = None) -> int:
     """Concatenate datasets (same dtype) into one, in order, atomically; returns the documents.
 
     With ``max_docs``, only the first ``max_docs`` documents of the concatenation are kept.
+    ``before_commit``: called once the merge is written, just before it is renamed in (what
+    must not outlive the output it replaces goes then, not before a merge that may fail).
     """
     if not prefixes:
         raise DataError(f"{out_prefix}: nothing to merge")
@@ -135,6 +138,8 @@ def merge_indexed(prefixes: Sequence[str], out_prefix: str, max_docs: int | None
             elif left > 0:
                 _add_first_documents(writer, summary.prefix, left)
                 left = 0
+        if before_commit is not None:
+            before_commit()
         writer.commit()
     return (max_docs if max_docs is not None else sum(s.num_documents for s in summaries)) - left
 

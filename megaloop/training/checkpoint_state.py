@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megaloop.alrs.schedule import ALRSConfig
+from megaloop.cli import ALIKE_ON_EVERY_RANK
 from megaloop.training.checkpoint_files import (CheckpointError, holds_training_state,
                                                 saved_config)
 from megaloop.training.checkpoint_load import (is_own_checkpoint, load_checkpoint,
@@ -122,6 +123,6 @@ def load_training_state(trainer, path: Path) -> bool:
         set_rng_state(state["rng_state"])
     else:
         log.warning("%s was saved with another tensor/pipeline layout: RNG states not restored",
-                    path)
+                    path, extra=ALIKE_ON_EVERY_RANK)
     log.info("resumed from %s at step %d", path, trainer.step)
     return own

@@ -6,7 +6,9 @@ a new field has to be placed):
 - the architecture (``checkpoint.ARCHITECTURE_FIELDS``): refused by ``check_compatible``;
 - the LR schedule: applied by ``resume_schedule`` unless ``checkpoint.keep_schedule``, each
   change one warning line; what decides the sample order: ``report_sample_order`` (and the
-  data's contents, not a setting: ``report_data_changes``);
+  data's contents, not a setting: ``report_data_changes``). Every rank runs these three and
+  comes to the same lines (the settings are rank 0's everywhere, the files the same), so their
+  warnings are shown from rank 0 alone (``ALIKE_ON_EVERY_RANK``), not once per rank;
 - ``APPLIED``: in effect from the next step, each change one warning line;
 - ``BOOKKEEPING`` (logging, evaluation, saving, communication overlap): in effect, each change
   one info line (``alrs.log_eigenvalues`` refused while the run's ALRS log was written otherwise;
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
+from megaloop.cli import ALIKE_ON_EVERY_RANK
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
@@ -394,7 +397,7 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
     if changed:
         log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
                     "one the saved run would have seen", ", ".join(changed),
-                    "" if len(changed) > 1 else "s", path, step + 1)
+                    "" if len(changed) > 1 else "s", path, step + 1, extra=ALIKE_ON_EVERY_RANK)
 
 
 def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunConfig,
@@ -422,7 +425,7 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
                     f"{key} {_shown(old.get(key))} -> {_shown(value)}"
                     for key, value in new.items() if old.get(key) != value) + ")")
         log.warning("resume: %s %s: the samples from step %d on are not the ones the saved run "
-                    "would have seen", name, what, step + 1)
+                    "would have seen", name, what, step + 1, extra=ALIKE_ON_EVERY_RANK)
 
 
 def _shown(value) -> str:
@@ -449,11 +452,12 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
             continue
         if keep:
             log.warning("resume: train.%s=%r, but %s's schedule (%r) is kept "
-                        "(checkpoint.keep_schedule=true)", name, now, path.name, before)
+                        "(checkpoint.keep_schedule=true)", name, now, path.name, before,
+                        extra=ALIKE_ON_EVERY_RANK)
         else:
             log.warning("resume: train.%s changed from %r to %r; the LR schedule follows the "
                         "config from step %d (checkpoint.keep_schedule=true keeps %s's)",
-                        name, before, now, step + 1, path.name)
+                        name, before, now, step + 1, path.name, extra=ALIKE_ON_EVERY_RANK)
     scheduler.use_checkpoint_opt_param_scheduler = keep
     scheduler.override_opt_param_scheduler = not keep
     if keep:  # saved beside megatron-core's state (optimizer.scheduler_state); none: no WSD

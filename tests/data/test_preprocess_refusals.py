@@ -199,3 +199,48 @@ def test_outputs_an_earlier_run_left_are_refused_unless_overwrite(tmp_path, run,
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(written)
     assert pp.read_sidecar(f"{prefix}_text_document")["documents"] == 2
+
+
+class _OneRank:
+    """mpi4py's COMM_WORLD as tools/preprocess_data.py uses it, for a world of one rank: its
+    shard-and-merge path (run_mpi) in this process."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def allgather(self, value):
+        return [value]
+
+    def gather(self, value, root=0):
+        return [value]
+
+    def Barrier(self):
+        pass
+
+    def Abort(self, code):
+        pass
+
+
+def test_an_mpi_merge_that_fails_leaves_the_output_it_replaces_whole(tmp_path, run, preprocess_tool, sp_model,
+                                                                      monkeypatch):
+    # Before: rank 0 removed the old sidecar before merging, so a merge that failed (a full disk, with the old
+    # output, the shards and the merge on it) left the old .bin/.idx without it: its tokenizer unchecked.
+    from megaloop.data.indexed import AtomicIndexedWriter
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    prefix = tmp_path / "out" / "o"
+    args = ["--input", tmp_path / "a.jsonl", "--output-prefix", prefix, "--workers", 1, *sp_args(sp_model)]
+    assert run(*args)[0] == 0
+    written = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    monkeypatch.setattr(preprocess_tool, "_mpi_comm", _OneRank)
+
+    def disk_full(writer, prefix):
+        raise DataError(f"{writer.tmp_prefix}.bin: no space left on device")
+
+    monkeypatch.setattr(AtomicIndexedWriter, "add_index", disk_full)
+    code, err = run(*args, "--overwrite")
+    assert code == 2 and "no space left on device" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == written

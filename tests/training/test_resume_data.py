@@ -10,7 +10,7 @@ import torch
 
 from megaloop.config import DataConfig, RunConfig
 from megaloop.training.data import data_fingerprint
-from megaloop.training.resume import report_data_changes
+from megaloop.training.resume import report_data_changes, report_sample_order
 from megaloop.training.trainer import Trainer
 from tests.sft import arithmetic_records, write_jsonl
 from tests.training.conftest import tiny_run, write_pattern_dataset
@@ -101,3 +101,29 @@ def test_fine_tuning_records_rewritten_or_added_are_named(tmp_path, caplog):
     assert lines[0].startswith(f"resume: {records / 'a.jsonl'} holds other data than when ")
     assert lines[1].startswith(f"resume: {records / 'b.jsonl'} is new since ")
     assert all("from step 7 on" in line for line in lines)
+
+
+@pytest.mark.parametrize("rank, shown", [(0, 2), (1, 0)])
+def test_the_resume_warnings_every_rank_makes_alike_are_shown_from_rank_0(monkeypatch, tmp_path,
+                                                                         rank, shown):
+    """Through megaloop-train's log filter (cli.log_to_stderr's), on rank ``rank``. Before: both
+    lines on every rank, so a 2-rank resume on rewritten data wrote each twice (torchrun
+    --nproc-per-node 2), and srun's job log of a 128-rank one, 128 times."""
+    from megaloop import cli
+
+    monkeypatch.setattr(cli, "_rank", lambda: rank)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    handler.addFilter(cli._notes_from_rank0)
+    cfg = RunConfig(data=DataConfig(path=[DATA]))
+    saved = {"data": {"path": [DATA]}, "train": {"seed": cfg.train.seed + 1}}
+    logger = logging.getLogger("megaloop.train")
+    logger.addHandler(handler)
+    try:
+        report_sample_order(saved, cfg, tmp_path / "ckpt", 6)
+        report_data_changes({DATA: {"tokens": 1}}, {DATA: {"tokens": 2}}, saved, cfg,
+                            tmp_path / "ckpt", 6)
+    finally:
+        logger.removeHandler(handler)
+    assert len(records) == shown, [r.getMessage() for r in records]

@@ -43,11 +43,17 @@ SHARED = Path(os.environ.get("MEGALOOP_SHARED_DATA", REPO.parent / "shared" / "d
 DONE = re.compile(r"done: ([\d,]+) documents, ([\d,]+) tokens in ([\d.]+)s, ([\d.]+) CPU s")
 
 
+def tool_arguments(input_path: str, tokenizer_model: str, workers: int, out_dir: str) -> list[str]:
+    """tools/preprocess_data.py's arguments for a run with ``workers``; --overwrite: each round
+    writes the output prefix of the round before again."""
+    return ["--input", input_path, "--output-prefix", os.path.join(out_dir, f"bench_w{workers}"),
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer_model, "--append-eod",
+            "--workers", str(workers), "--log-interval", "1000000000", "--overwrite"]
+
+
 def run_tool(input_path: str, tokenizer_model: str, workers: int, out_dir: str) -> dict:
-    cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", input_path,
-           "--output-prefix", os.path.join(out_dir, f"bench_w{workers}"), "--tokenizer-type",
-           "SentencePieceTokenizer", "--tokenizer-model", tokenizer_model, "--append-eod",
-           "--workers", str(workers), "--log-interval", "1000000000"]
+    cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"),
+           *tool_arguments(input_path, tokenizer_model, workers, out_dir)]
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # this checkout
