@@ -251,7 +251,8 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         config = kwargs.get("generation_config") or self.generation_config
         assisted = any(kwargs.get(name, getattr(config, name, None)) is not None for name in
                        ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"))
-        if assisted and kwargs.get(CACHE_ARGUMENT) is None:
+        # (5.24 still takes a cache under the old name, past_key_values)
+        if assisted and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs[CACHE_ARGUMENT] = self.new_cache()  # an empty one takes the call's depth
         return super().generate(*args, **kwargs)
 
