@@ -205,13 +205,18 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
     unsuitable tokenizer fails before the weights are read.
 
     The generation settings suppress the embedding rows past the tokenizer
-    (megaloop.hf.tokenizer.untokenized_ids)."""
+    (megaloop.hf.tokenizer.untokenized_ids; without tokenizer files, past the size of the one the
+    run trained with: ``_trained_tokenizer``)."""
     from megaloop.config import DataConfig
     from megaloop.training.checkpoint import saved_section
 
     data = saved_section(path, DataConfig, "data")
+    vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     if not with_tokenizer or (tokenizer is None and data.tokenizer_model is None):
-        return None, {"bos_token_id": None, "eos_token_id": _trained_eod(data)}, {}
+        eod, tokens = _trained_tokenizer(path, data, vocab_size)
+        untokenized = list(range(tokens, vocab_size))
+        return None, {"bos_token_id": None, "eos_token_id": eod}, \
+            {"suppress_tokens": untokenized} if untokenized else {}
     tokenizer = tokenizer or data.tokenizer_model
     if not Path(tokenizer).exists():
         source = "--tokenizer" if tokenizer != data.tokenizer_model else \
@@ -221,7 +226,6 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
     from megaloop.hf.tokenizer import check_stands_in_for_runs, untokenized_ids, write_tokenizer
 
     check_stands_in_for_runs(tokenizer, data, tokenizer_type=data.tokenizer_type)
-    vocab_size = saved_section(path, ModelConfig, "model").vocab_size
     special_tokens = write_tokenizer(tokenizer, staging, vocab_size, data.tokenizer_type,
                                      data.legacy_tokenizer)
     eod = special_tokens["eos_token_id"]
@@ -235,17 +239,34 @@ def _write_tokenizer(path: Path, tokenizer: str | None, with_tokenizer: bool, st
     return tokenizer, special_tokens, {"suppress_tokens": untokenized} if untokenized else {}
 
 
-def _trained_eod(data) -> int | None:
-    """The end-of-document id run data section ``data`` trained with: data.eod_id, else its
-    tokenizer's where the file is still there (an export without tokenizer files still stops
-    generate() there), else None."""
-    if data.eod_id is not None or data.tokenizer_model is None or \
-            not Path(data.tokenizer_model).exists():
-        return data.eod_id
-    from megaloop.data.tokenizer import load_tokenizer
+def _trained_tokenizer(path: Path, data, vocab_size: int) -> tuple[int | None, int]:
+    """(the end-of-document id, the number of tokens) of the tokenizer that run data section
+    ``data`` of checkpoint ``path`` trained with, for an export without tokenizer files: its file
+    where it is still there, else the sidecars tools/preprocess_data.py wrote beside its data.path
+    prefixes (data.eod_id, else None, for the id: generate() still stops where the model learned
+    to). A size known nowhere is ``vocab_size`` (the model's rows: none suppressed), said in one
+    warning line: generate() may then choose an embedding row past the tokenizer."""
+    from megaloop.data.datasets import parse_blend
+    from megaloop.data.preprocess import read_sidecar
 
-    return load_tokenizer(data.tokenizer_type, data.tokenizer_model,
-                          legacy=data.legacy_tokenizer).eod
+    if data.tokenizer_model is not None and Path(data.tokenizer_model).exists():
+        from megaloop.data.tokenizer import load_tokenizer
+
+        trained = load_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                                 legacy=data.legacy_tokenizer)
+        return (data.eod_id if data.eod_id is not None else trained.eod), trained.vocab_size
+    prefixes = parse_blend(data.path)[0] if data.format == "indexed" and data.path else []
+    sizes = {record.get("vocab_size") for prefix in prefixes if (record := read_sidecar(prefix))}
+    if len(sizes) == 1 and isinstance(size := next(iter(sizes)), int):
+        return data.eod_id, size
+    log.warning("%s: exported without tokenizer files, and the size of the tokenizer it was "
+                "trained with is known nowhere (%s, and no data.path prefix has a tokenizer "
+                "sidecar that says it): generation_config.json suppresses none of its %d "
+                "embedding rows, so generate() may choose a padding row past the tokenizer; "
+                "export with --tokenizer PATH to suppress them", path,
+                "the run gave data.eod_id alone" if data.tokenizer_model is None else
+                f"its data.tokenizer_model {data.tokenizer_model} is gone", vocab_size)
+    return data.eod_id, vocab_size
 
 
 def _round_weights(model, dtype: torch.dtype):

@@ -23,6 +23,7 @@ everything cached before them, so a prompt fed in chunks gives the logits of one
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -241,6 +242,38 @@ class MegaloopPreTrainedModel(PreTrainedModel):
     def new_cache(self, num_iterations: int | None = None) -> LoopedCache:
         """An empty cache, e.g. for ``generate(..., cache=model.new_cache(), prefill_chunk_size=n)``."""
         return LoopedCache(self.config.iterations if num_iterations is None else num_iterations)
+
+    def generate(self, *args, **kwargs):
+        """GenerationMixin.generate, given a new cache for assisted decoding and prompt lookup:
+        they crop the draft tokens the model rejects from a cache passed in, and generate() makes
+        none for a model with its own (``_supports_default_dynamic_cache``), so it refused them
+        with "Assisted decoding requires a cache"."""
+        config = kwargs.get("generation_config") or self.generation_config
+        assisted = any(kwargs.get(name, getattr(config, name, None)) is not None for name in
+                       ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"))
+        # (5.24 still takes a cache under the old name, past_key_values)
+        if assisted and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+            kwargs[CACHE_ARGUMENT] = self.new_cache()  # an empty one takes the call's depth
+        return super().generate(*args, **kwargs)
+
+    def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
+        """As generate() checks the lengths, a warning where the prompt and the tokens to generate
+        run past ``max_position_embeddings``, the context the model was trained on, before it
+        generates anything. The positions past it are RoPE's, defined but never trained:
+        megaloop's own decoding (megaloop.generation) refuses them; here a warning, as Hugging
+        Face models go on past their context, and a padded prompt's rows (padding counted in its
+        length) may all stay within it. (transformers' own "friendly reminder" comes once per
+        process, after the tokens past the context.)"""
+        super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
+        context, total = self.config.max_position_embeddings, generation_config.max_length
+        if total is not None and total > context:
+            warnings.warn(f"a prompt of {input_ids_length} tokens (padding included) and up to "
+                          f"{total - input_ids_length} new tokens run past the model's {context}-"
+                          "token context (max_position_embeddings, the length it was trained on): "
+                          "the tokens "
+                          "past it are untrained extrapolation; generate at most "
+                          f"{max(context - input_ids_length, 0)} new tokens", UserWarning,
+                          stacklevel=3)
 
     def _positions(self, input_ids, attention_mask, cache):
         """RoPE positions [B, N] of the new tokens, the attention mask [B|1, 1, N, past + N] and the

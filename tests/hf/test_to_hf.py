@@ -93,7 +93,9 @@ def test_remote_code_is_the_reference_and_imports_only_torch_and_transformers(ex
                    if isinstance(node, ast.Import) for alias in node.names}
         modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                     if isinstance(node, ast.ImportFrom) and node.level == 0}
-        assert modules <= {"__future__", "math", "torch", "transformers"}, (name, modules)
+        # (and the standard library's modules, always there)
+        assert modules <= {"__future__", "math", "warnings", "torch", "transformers"}, \
+            (name, modules)
 
 
 @pytest.mark.parametrize("variant", ["asymloop", "latentloop_stride3_lag1"])
@@ -180,7 +182,9 @@ def test_a_depth_the_config_changes_is_exported_with_one_warning_naming_both(exp
     with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
         export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["iterations"] == trained + 2
-    assert [r.getMessage() for r in caplog.records if r.name == "megaloop.hf"] == [
+    # (the other: these runs gave data.eod_id alone, so the tokenizer's size is unknown)
+    assert [r.getMessage() for r in caplog.records if r.name == "megaloop.hf" and
+            "tokenizer" not in r.getMessage()] == [
         f"{exported.checkpoint}: exported with the config's model settings, not those it was "
         f"trained with: model.iterations={trained + 2} (trained: {trained})"]
 

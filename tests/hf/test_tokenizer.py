@@ -115,6 +115,35 @@ def test_an_export_without_tokenizer_files_keeps_the_eod_the_run_trained_with(ex
         assert json.loads((tmp_path / "out" / name).read_text())["eos_token_id"] == eod
 
 
+def test_an_export_without_tokenizer_files_suppresses_the_rows_past_the_runs_tokenizer(
+        exports, tmp_path, caplog):
+    """--no-tokenizer: generation_config.json suppresses the embedding rows past the tokenizer
+    the run trained with, whose size its file says, or once it is gone, the data's sidecar
+    (before: nothing suppressed, generate() free to pick a padding row). Known nowhere: one
+    warning line naming the consequence, nothing suppressed."""
+    from megaloop.data.preprocess import write_sidecar
+
+    source = _json_tokenizer(tmp_path)
+    tokens = load_tokenizer("HuggingFaceTokenizer", source).vocab_size
+    prefix = str(tmp_path / "data_text_document")
+    checkpoint = _with_tokenizer(exports, tmp_path, source, path=[prefix],
+                                 tokenizer_type="HuggingFaceTokenizer")
+
+    def suppressed(out):
+        export_checkpoint(checkpoint, tmp_path / out, with_tokenizer=False)
+        return json.loads((tmp_path / out / "generation_config.json").read_text()).get(
+            "suppress_tokens")
+
+    assert suppressed("from_file") == list(range(tokens, 128))
+    source.unlink()
+    with caplog.at_level("WARNING", logger="megaloop.hf"):
+        assert suppressed("nowhere") is None
+    assert "suppresses none of its 128 embedding rows, so generate() may choose a padding " \
+           "row past the tokenizer" in caplog.text
+    write_sidecar(prefix, {"vocab_size": tokens})
+    assert suppressed("from_sidecar") == list(range(tokens, 128))
+
+
 def test_refuses_a_tokenizer_larger_than_the_model_vocabulary(exports, tmp_path):
     source = _sentencepiece(tmp_path, byte_fallback=True)  # 256 byte pieces; the model has 128 rows
     with pytest.raises(ConversionError, match=r"tok.model: \d+ tokens, more than the model's "

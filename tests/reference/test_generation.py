@@ -3,6 +3,8 @@ full forward, greedy generate() gives the same tokens with and without the cache
 at load time and per call, left padding (LatentLoop too), beam search over LatentLoop's cached
 state."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -350,3 +352,33 @@ def test_loss_is_normalised_by_num_items_in_batch_as_transformers_trainer_passes
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_assisted_decoding_without_a_cache_passed_in():
+    """Assisted decoding and prompt lookup need a cache to crop, which generate() makes for no
+    model with its own (before: "Assisted decoding requires a cache", naming no fix): given one,
+    they give greedy decoding's tokens."""
+    model, draft = reference_model("asymloop"), reference_model("asymloop", iterations=1)
+    prompt = torch.cat([tokens(batch=1, length=4)] * 2, dim=1)
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False, **kwargs),
+                           greedy), kwargs
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "latentloop"])
+def test_generate_warns_before_running_past_the_trained_context(variant):
+    """max_position_embeddings (megaloop's seq_length) is the trained context: generate() says,
+    before generating, that a prompt and max_new_tokens run past it (before: transformers' vague
+    reminder once per process), and still generates them (RoPE positions are defined there). Up
+    to the context: no warning."""
+    model = reference_model(variant)
+    context = model.config.max_position_embeddings
+    prompt = tokens(batch=1, length=context - 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model.generate(prompt, max_new_tokens=4, do_sample=False).shape[1] == context
+    with pytest.warns(UserWarning, match=f"^a prompt of {context - 4} tokens .* and up to 6 new "
+                      f"tokens run past the model's {context}-token context .*; generate at most "
+                      "4 new tokens$"):
+        assert model.generate(prompt, max_new_tokens=6, do_sample=False).shape[1] == context + 2
