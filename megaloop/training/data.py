@@ -21,11 +21,11 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
-from megaloop.data.indexed import IndexedSummary, document_last_tokens
+from megaloop.data.indexed import IndexedSummary, bin_path, document_last_tokens, idx_path
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.data.readers import expand_inputs
 from megaloop.platform.files import write_text_atomic
-from megaloop.training.collective import is_rank0, rank0_decides
+from megaloop.training.collective import first_error, is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
@@ -124,6 +124,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     # Before the datasets: data made with another tokenizer is refused before megatron-core
     # spends minutes building its indices, and leaves none in the cache.
     summaries = rank0_decides(check, (DataError,))
+    _readable_on_every_rank(prefixes)
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
@@ -135,6 +136,28 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         for split, dataset in (("train", train), ("valid", valid)):
             _warn_repeats(split, dataset)
     return train, valid
+
+
+def _readable_on_every_rank(prefixes: list[str]) -> None:
+    """Collective: a .bin or .idx that any rank cannot open and read (a node whose mount lacks
+    it, or denies it) is a DataError on every rank, naming the file and the rank. Rank 0 alone
+    has validated them, and megatron-core's build opens them on every rank: there the rank's
+    OSError was a traceback while the other ranks waited in the build's barrier until the
+    process-group timeout."""
+    problem = None
+    for path in (name for prefix in prefixes for name in (idx_path(prefix), bin_path(prefix))):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            problem = f"{path}: cannot be read ({e.strerror or e})"
+            break
+    if problem is not None and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        problem = f"rank {torch.distributed.get_rank()}: {problem}"
+    problem = first_error(problem)
+    if problem is not None:
+        raise DataError(problem)
 
 
 def _warn_repeats(split: str, dataset) -> None:

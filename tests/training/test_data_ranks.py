@@ -1,0 +1,61 @@
+"""A data file that one rank cannot read (a node whose mount lacks it, or denies it) is one line
+naming the file and the rank, raised on every rank within seconds: megatron-core's dataset build
+raised that rank's PermissionError with a traceback while the other ranks waited in its barrier
+until the process-group timeout."""
+
+import builtins
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import collective_timeout, run_distributed, workers_discarded_on_failure
+
+# The process-group timeout in the test: the old code's waiting ranks failed then (far above the
+# seconds the build takes), not after run_distributed's 10 minutes.
+_TIMEOUT_S = 30
+
+
+def _deny(monkeypatch, unreadable: str) -> None:
+    """This process may not open ``unreadable`` (as root, a chmod would not stop it)."""
+    opened = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == unreadable:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return opened(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)  # numpy.memmap opens with it too
+
+
+def _build_unreadable_on_rank1(rank, world_size, data, out, unreadable):
+    from megaloop.data import DataError
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    cfg = tiny_run(data, Path(out))
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_TIMEOUT_S):
+        if rank == 1:
+            _deny(monkeypatch, unreadable)
+        started = time.monotonic()
+        try:
+            build_datasets(cfg)
+        except DataError as e:
+            return str(e), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_a_data_file_one_rank_cannot_read_fails_every_rank_in_one_line(tmp_path, pattern_data,
+                                                                       suffix):
+    unreadable = pattern_data + suffix
+    with workers_discarded_on_failure():
+        (error0, took0), (error1, took1) = run_distributed(
+            _build_unreadable_on_rank1, world_size=2, data=pattern_data,
+            out=str(tmp_path / "run"), unreadable=unreadable)
+    assert error0 == error1 == f"rank 1: {unreadable}: cannot be read (Permission denied)", \
+        (error0, error1)
+    assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
+
