@@ -25,7 +25,7 @@ from megaloop.data.indexed import IndexedSummary, bin_path, document_last_tokens
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.data.readers import expand_inputs
 from megaloop.platform.files import write_text_atomic
-from megaloop.training.collective import first_error, is_rank0, rank0_decides
+from megaloop.training.collective import each_rank_agrees, is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
@@ -101,13 +101,18 @@ def data_fingerprint(cfg: RunConfig, train) -> dict[str, dict]:
 
 
 def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
-    text = text_tokenizer(cfg) if cfg.data.tokenizer_model is not None else None
+    def tokenizers():
+        text = text_tokenizer(cfg) if cfg.data.tokenizer_model is not None else None
+        return text, other_legacy_mode_eod(cfg.data)
+
+    # Loaded on every rank, not inside check(): rank0_decides passes on DataErrors alone, and a
+    # TokenizerError raised there on rank 0 would leave the others waiting for its decision.
+    # Agreed: a file one node cannot read failed there alone, the others waiting in
+    # rank0_decides until the process-group timeout.
+    text, other_eod = each_rank_agrees(tokenizers, (ConfigError, TokenizerError))
     tokenizer = dataset_tokenizer(cfg, text)
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
-    # Loaded here, not inside check(): a TokenizerError raised there on rank 0 alone would leave
-    # the other ranks waiting for its decision.
-    other_eod = other_legacy_mode_eod(cfg.data)
 
     def check() -> dict[str, IndexedSummary]:
         # One read of each .idx per start-up: build_gpt_datasets takes these summaries (on every
@@ -144,20 +149,12 @@ def _readable_on_every_rank(prefixes: list[str]) -> None:
     has validated them, and megatron-core's build opens them on every rank: there the rank's
     OSError was a traceback while the other ranks waited in the build's barrier until the
     process-group timeout."""
-    problem = None
-    for path in (name for prefix in prefixes for name in (idx_path(prefix), bin_path(prefix))):
-        try:
+    def read() -> None:
+        for path in (name for prefix in prefixes for name in (idx_path(prefix), bin_path(prefix))):
             with open(path, "rb") as f:
                 f.read(1)
-        except OSError as e:
-            problem = f"{path}: cannot be read ({e.strerror or e})"
-            break
-    if problem is not None and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        problem = f"rank {torch.distributed.get_rank()}: {problem}"
-    problem = first_error(problem)
-    if problem is not None:
-        raise DataError(problem)
+
+    each_rank_agrees(read, (DataError,))
 
 
 def _warn_repeats(split: str, dataset) -> None:

@@ -1,7 +1,8 @@
-"""A data file that one rank cannot read (a node whose mount lacks it, or denies it) is one line
-naming the file and the rank, raised on every rank within seconds: megatron-core's dataset build
-raised that rank's PermissionError with a traceback while the other ranks waited in its barrier
-until the process-group timeout."""
+"""A data or tokenizer file that one rank cannot read (a node whose mount lacks it, or denies it)
+is one line naming the file and the rank, raised on every rank within seconds: megatron-core's
+dataset build raised that rank's PermissionError with a traceback, or the tokenizer's load that
+rank's error alone, while the other ranks waited in their next collective until the
+process-group timeout."""
 
 import builtins
 import errno
@@ -30,32 +31,38 @@ def _deny(monkeypatch, unreadable: str) -> None:
     monkeypatch.setattr(builtins, "open", denied)  # numpy.memmap opens with it too
 
 
-def _build_unreadable_on_rank1(rank, world_size, data, out, unreadable):
+def _build_unreadable_on_rank1(rank, world_size, data, out, unreadable, tokenizer):
+    from megaloop.config import ConfigError
     from megaloop.data import DataError
     from megaloop.training.data import build_datasets
     from tests.training.conftest import tiny_run
 
-    cfg = tiny_run(data, Path(out))
+    cfg = tiny_run(data, Path(out), model={"vocab_size": 32128})
+    cfg.data.tokenizer_model = tokenizer
     with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_TIMEOUT_S):
         if rank == 1:
             _deny(monkeypatch, unreadable)
         started = time.monotonic()
         try:
             build_datasets(cfg)
-        except DataError as e:
+        except (ConfigError, DataError) as e:
             return str(e), time.monotonic() - started
     return None, time.monotonic() - started
 
 
-@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+@pytest.mark.parametrize("what", [".bin", ".idx", "tokenizer"])
 def test_a_data_file_one_rank_cannot_read_fails_every_rank_in_one_line(tmp_path, pattern_data,
-                                                                       suffix):
-    unreadable = pattern_data + suffix
+                                                                       what):
+    from tests.data.conftest import SP_MODEL
+
+    if not SP_MODEL.is_file():
+        pytest.skip(f"{SP_MODEL} not available")
+    unreadable = str(SP_MODEL) if what == "tokenizer" else pattern_data + what
     with workers_discarded_on_failure():
         (error0, took0), (error1, took1) = run_distributed(
             _build_unreadable_on_rank1, world_size=2, data=pattern_data,
-            out=str(tmp_path / "run"), unreadable=unreadable)
-    assert error0 == error1 == f"rank 1: {unreadable}: cannot be read (Permission denied)", \
-        (error0, error1)
+            out=str(tmp_path / "run"), unreadable=unreadable, tokenizer=str(SP_MODEL))
+    says = (f"data.tokenizer_model={unreadable!r}: {unreadable}: tokenizer file unreadable "
+            "(Permission denied)" if what == "tokenizer" else f"{unreadable}: Permission denied")
+    assert error0 == error1 == f"rank 1: {says}", (error0, error1)
     assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
-
