@@ -186,10 +186,17 @@ def _make_cache_dir(cache_dir: Path, given: bool) -> None:
 def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     from megaloop.data.sft import build_sft_datasets
 
-    dataset_tokenizer(cfg)  # the vocabulary check
-    train, valid, _ = build_sft_datasets(
-        cfg.data.path, text_tokenizer(cfg), cfg.model.seq_length, samples, split=cfg.data.split,
-        seed=cfg.train.seed, prompt=cfg.data.sft_prompt, solution=cfg.data.sft_solution)
+    def build():
+        dataset_tokenizer(cfg)  # the vocabulary check
+        return build_sft_datasets(
+            cfg.data.path, text_tokenizer(cfg), cfg.model.seq_length, samples,
+            split=cfg.data.split, seed=cfg.train.seed, prompt=cfg.data.sft_prompt,
+            solution=cfg.data.sft_solution)
+
+    # Each rank reads the records itself, with no collective: a file one node cannot read failed
+    # there alone, the others waiting in training's next collective until the process-group
+    # timeout.
+    train, valid, _ = each_rank_agrees(build, (DataError, ConfigError))
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no records")
     return train, valid
