@@ -1,8 +1,8 @@
-"""A data, tokenizer or fine-tuning records file that one rank cannot read (a node whose mount lacks it, or denies it)
-is one line naming the file and the rank, raised on every rank within seconds: megatron-core's
-dataset build raised that rank's PermissionError with a traceback, or the tokenizer's load that
-rank's error alone, while the other ranks waited in their next collective until the
-process-group timeout."""
+"""A data, tokenizer or fine-tuning records file that one rank cannot read (a node whose mount
+lacks it, or denies it) is one line naming the file and the rank, raised on every rank within
+seconds: megatron-core's dataset build raised that rank's PermissionError with a traceback, the
+tokenizer's load or the records' reading that rank's error alone, while the other ranks waited in
+their next collective until the process-group timeout."""
 
 import builtins
 import errno
