@@ -195,7 +195,9 @@ def _write(save: _Save, state: dict, queue) -> None:
     refused on one rank alone (ENOMEM under strict overcommit, EAGAIN at a pids cgroup's limit)
     would otherwise leave the others waiting in the finalize's collectives until the
     process-group timeout. Then the save fails on every rank, naming the rank and its error, and
-    the writes that did start are killed."""
+    the writes that did start are killed. The failing rank logs its error first: one in
+    megatron-core's planning (sharded_save) leaves the others in its gather of the plans, not
+    here."""
     started, call_idx, error = len(queue.async_calls), queue.call_idx, None
     try:
         request = save_sharded(state, save.tmp)
@@ -210,6 +212,10 @@ def _write(save: _Save, state: dict, queue) -> None:
             error = f"its writer process did not start: {one_line(e)}"
     if error is not None and dist.is_initialized() and dist.get_world_size() > 1:
         error = f"rank {dist.get_rank()}: {error}"
+        # Said at once, before the agreement: a failure in megatron-core's planning leaves rank 0
+        # in its gather of the plans, not in this agreement, and both wait out the process-group
+        # timeout, after which only this line says why.
+        log.error("%s (saving step %d into %s)", error, save.step, save.tmp)
     if not any_rank(error is not None):
         save.writer = queue.async_calls[-1].async_caller.process
         return

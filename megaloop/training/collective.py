@@ -43,6 +43,32 @@ def rank0_decides(compute: Callable[[], T], errors: tuple[type[Exception], ...])
     raise errors[kind](decided_on_every_rank(value))
 
 
+def each_rank_agrees(compute: Callable[[], T], errors: tuple[type[Exception], ...]) -> T:
+    """Runs ``compute()`` on every rank (what each rank does for itself: reading a file from its
+    own node) and returns this rank's result; one of ``errors`` raised on any rank is raised on
+    every rank, the first failing rank's message naming it. An OSError becomes the first of
+    ``errors``, naming the file. Without it, the failing rank raised alone and the others waited
+    in their next collective until the process-group timeout."""
+    problem, result = None, None
+    try:
+        result = compute()
+    except errors as e:
+        problem = (errors.index(type(e)) if type(e) in errors else 0, str(e))
+    except OSError as e:
+        problem = (0, f"{e.filename}: {e.strerror or e}")
+    if _world() == 1:
+        if problem is None:
+            return result
+        raise errors[problem[0]](problem[1])
+    gathered: list = [None] * _world()
+    dist.all_gather_object(gathered, problem)
+    first = next(((rank, p) for rank, p in enumerate(gathered) if p is not None), None)
+    if first is None:
+        return result
+    rank, (kind, message) = first
+    raise errors[kind](decided_on_every_rank(f"rank {rank}: {message}"))
+
+
 def collective_device() -> torch.device:
     """Where collectives' tensors live: NCCL only takes CUDA tensors, gloo CPU ones."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

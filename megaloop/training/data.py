@@ -21,11 +21,11 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
-from megaloop.data.indexed import IndexedSummary, document_last_tokens
+from megaloop.data.indexed import IndexedSummary, bin_path, document_last_tokens, idx_path
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.data.readers import expand_inputs
 from megaloop.platform.files import write_text_atomic
-from megaloop.training.collective import is_rank0, rank0_decides
+from megaloop.training.collective import each_rank_agrees, is_rank0, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 _SCAN_CHUNK = 1 << 26  # tokens per pass of the max-id scan: bounded resident memory
@@ -101,13 +101,18 @@ def data_fingerprint(cfg: RunConfig, train) -> dict[str, dict]:
 
 
 def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
-    text = text_tokenizer(cfg) if cfg.data.tokenizer_model is not None else None
+    def tokenizers():
+        text = text_tokenizer(cfg) if cfg.data.tokenizer_model is not None else None
+        return text, other_legacy_mode_eod(cfg.data)
+
+    # Loaded on every rank, not inside check(): rank0_decides passes on DataErrors alone, and a
+    # TokenizerError raised there on rank 0 would leave the others waiting for its decision.
+    # Agreed: a file one node cannot read failed there alone, the others waiting in
+    # rank0_decides until the process-group timeout.
+    text, other_eod = each_rank_agrees(tokenizers, (ConfigError, TokenizerError))
     tokenizer = dataset_tokenizer(cfg, text)
     prefixes = parse_blend(cfg.data.path)[0]
     cache_dir = cfg.data.cache_dir or Path(prefixes[0]).resolve().parent / "cache"  # mcore's too
-    # Loaded here, not inside check(): a TokenizerError raised there on rank 0 alone would leave
-    # the other ranks waiting for its decision.
-    other_eod = other_legacy_mode_eod(cfg.data)
 
     def check() -> dict[str, IndexedSummary]:
         # One read of each .idx per start-up: build_gpt_datasets takes these summaries (on every
@@ -124,6 +129,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     # Before the datasets: data made with another tokenizer is refused before megatron-core
     # spends minutes building its indices, and leaves none in the cache.
     summaries = rank0_decides(check, (DataError,))
+    _readable_on_every_rank(prefixes)
     train, valid, _ = build_gpt_datasets(
         cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
@@ -135,6 +141,20 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         for split, dataset in (("train", train), ("valid", valid)):
             _warn_repeats(split, dataset)
     return train, valid
+
+
+def _readable_on_every_rank(prefixes: list[str]) -> None:
+    """Collective: a .bin or .idx that any rank cannot open and read (a node whose mount lacks
+    it, or denies it) is a DataError on every rank, naming the file and the rank. Rank 0 alone
+    has validated them, and megatron-core's build opens them on every rank: there the rank's
+    OSError was a traceback while the other ranks waited in the build's barrier until the
+    process-group timeout."""
+    def read() -> None:
+        for path in (name for prefix in prefixes for name in (idx_path(prefix), bin_path(prefix))):
+            with open(path, "rb") as f:
+                f.read(1)
+
+    each_rank_agrees(read, (DataError,))
 
 
 def _warn_repeats(split: str, dataset) -> None:
@@ -166,10 +186,17 @@ def _make_cache_dir(cache_dir: Path, given: bool) -> None:
 def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     from megaloop.data.sft import build_sft_datasets
 
-    dataset_tokenizer(cfg)  # the vocabulary check
-    train, valid, _ = build_sft_datasets(
-        cfg.data.path, text_tokenizer(cfg), cfg.model.seq_length, samples, split=cfg.data.split,
-        seed=cfg.train.seed, prompt=cfg.data.sft_prompt, solution=cfg.data.sft_solution)
+    def build():
+        dataset_tokenizer(cfg)  # the vocabulary check
+        return build_sft_datasets(
+            cfg.data.path, text_tokenizer(cfg), cfg.model.seq_length, samples,
+            split=cfg.data.split, seed=cfg.train.seed, prompt=cfg.data.sft_prompt,
+            solution=cfg.data.sft_solution)
+
+    # Each rank reads the records itself, with no collective: a file one node cannot read failed
+    # there alone, the others waiting in training's next collective until the process-group
+    # timeout.
+    train, valid, _ = each_rank_agrees(build, (DataError, ConfigError))
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no records")
     return train, valid

@@ -14,7 +14,8 @@ its rank (``FailedOnEveryRank``).
 Still megatron-core's alone: the write's planning (torch DCP's decentralised plan: each rank
 plans, rank 0 gathers the plans), whose failure on one rank before that gather leaves rank 0
 waiting in it until the process-group timeout, or until the failed rank's process exits (the
-launcher then ends the job).
+launcher then ends the job); the failed rank logs its cause at once (checkpoint_save._write), so
+that a job's log says why it waits.
 """
 
 from __future__ import annotations

@@ -122,3 +122,58 @@ def test_a_save_on_two_ranks_loads_back(mcore, tmp_path):
     loaded = load_checkpoint(Path(path), {"w": ShardedTensor.from_rank_offsets("w",
                                                                                torch.zeros(8))})
     assert torch.equal(loaded["w"], torch.arange(8.0)) and loaded["n"] == 3
+
+
+# Short: the test waits it out, rank 0 being left in megatron-core's gather of the plans.
+_PLANNING_TIMEOUT_S = 4
+
+
+def _save_failing_in_planning_on_rank1(rank, world_size, out):
+    import logging
+    import time
+
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    from megaloop.config import RunConfig
+    from megaloop.training.checkpoint import save_checkpoint
+
+    logged = []
+
+    class Recorded(logging.Handler):
+        def emit(self, record):
+            logged.append((time.monotonic() - started, record.levelno, record.getMessage()))
+
+    handler, logger = Recorded(), logging.getLogger("megaloop.train")
+    logger.addHandler(handler)
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_PLANNING_TIMEOUT_S):
+        if rank == 1:
+            monkeypatch.setattr(MCoreSavePlanner, "create_local_plan", _raise)
+        started = time.monotonic()
+        try:
+            save_checkpoint(out, 1, _state(rank, world_size, "none"), RunConfig(), keep_last=2)
+        except Exception:
+            pass  # whatever the timeout raised
+        finally:
+            logger.removeHandler(handler)
+    return logged, time.monotonic() - started
+
+
+def test_a_rank_failing_in_the_save_planning_logs_its_cause_before_the_wait(tmp_path):
+    """Rank 1's planning fails while rank 0 waits in megatron-core's gather of the plans: both
+    wait out the process-group timeout (megatron-core's), and the job's log must say why at
+    once, not only after it."""
+    import logging
+
+    from tests.distributed import close_all
+
+    try:
+        (logged0, _), (logged1, waited) = run_distributed(
+            _save_failing_in_planning_on_rank1, world_size=2, out=str(tmp_path / "checkpoints"))
+    finally:
+        close_all()  # the timed-out collective has closed the workers' group for good
+    assert waited >= _PLANNING_TIMEOUT_S, "the hang this test is about did not happen"
+    errors = [(at, message) for at, level, message in logged1 if level >= logging.ERROR]
+    assert errors, logged1
+    at, message = errors[0]
+    assert message.startswith("rank 1: [Errno 28] No space left on device"), message
+    assert "\n" not in message and at < _PLANNING_TIMEOUT_S / 2, (at, message)

@@ -1,0 +1,103 @@
+"""A data, tokenizer or fine-tuning records file that one rank cannot read (a node whose mount
+lacks it, or denies it) is one line naming the file and the rank, raised on every rank within
+seconds: megatron-core's dataset build raised that rank's PermissionError with a traceback, the
+tokenizer's load or the records' reading that rank's error alone, while the other ranks waited in
+their next collective until the process-group timeout."""
+
+import builtins
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import collective_timeout, run_distributed, workers_discarded_on_failure
+
+# The process-group timeout in the test: the old code's waiting ranks failed then (far above the
+# seconds the build takes), not after run_distributed's 10 minutes.
+_TIMEOUT_S = 30
+
+
+def _deny(monkeypatch, unreadable: str) -> None:
+    """This process may not open ``unreadable`` (as root, a chmod would not stop it)."""
+    opened = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == unreadable:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return opened(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)  # numpy.memmap opens with it too
+
+
+def _build_unreadable_on_rank1(rank, world_size, data, out, unreadable, tokenizer):
+    from megaloop.config import ConfigError
+    from megaloop.data import DataError
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    cfg = tiny_run(data, Path(out), model={"vocab_size": 32128})
+    cfg.data.tokenizer_model = tokenizer
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_TIMEOUT_S):
+        if rank == 1:
+            _deny(monkeypatch, unreadable)
+        started = time.monotonic()
+        try:
+            build_datasets(cfg)
+        except (ConfigError, DataError) as e:
+            return str(e), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+@pytest.mark.parametrize("what", [".bin", ".idx", "tokenizer"])
+def test_a_data_file_one_rank_cannot_read_fails_every_rank_in_one_line(tmp_path, pattern_data,
+                                                                       what):
+    from tests.data.conftest import SP_MODEL
+
+    if not SP_MODEL.is_file():
+        pytest.skip(f"{SP_MODEL} not available")
+    unreadable = str(SP_MODEL) if what == "tokenizer" else pattern_data + what
+    with workers_discarded_on_failure():
+        (error0, took0), (error1, took1) = run_distributed(
+            _build_unreadable_on_rank1, world_size=2, data=pattern_data,
+            out=str(tmp_path / "run"), unreadable=unreadable, tokenizer=str(SP_MODEL))
+    says = (f"data.tokenizer_model={unreadable!r}: {unreadable}: tokenizer file unreadable "
+            "(Permission denied)" if what == "tokenizer" else f"{unreadable}: Permission denied")
+    assert error0 == error1 == f"rank 1: {says}", (error0, error1)
+    assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
+
+
+def _build_sft_unreadable_on_rank1(rank, world_size, files, out):
+    import torch.distributed as dist
+
+    from megaloop.data import DataError
+    from megaloop.training.data import build_datasets
+    from tests.training.test_sft import sft_run
+
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_TIMEOUT_S):
+        if rank == 1:
+            _deny(monkeypatch, files[0])
+        started = time.monotonic()
+        try:
+            build_datasets(sft_run(files, Path(out)))
+            dist.barrier()  # the trainer's next collective
+        except DataError as e:
+            return str(e), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_fine_tuning_records_one_rank_cannot_read_fail_every_rank_in_one_line(tmp_path):
+    """Every rank reads the records itself (no collective in the build): the failing rank raised
+    alone, and the others waited in training's next collective."""
+    from tests.sft import arithmetic_records, train_tokenizer, write_jsonl
+
+    records = arithmetic_records(24)
+    files = (str(write_jsonl(tmp_path / "train.jsonl", records)),
+             str(train_tokenizer(tmp_path / "tok.model", records)))
+    with workers_discarded_on_failure():
+        (error0, took0), (error1, took1) = run_distributed(
+            _build_sft_unreadable_on_rank1, world_size=2, files=files, out=str(tmp_path / "run"))
+    assert error0 == error1 and error0.startswith(f"rank 1: {files[0]}: "), (error0, error1)
+    assert "Permission denied" in error0 and "\n" not in error0, error0
+    assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
