@@ -1,0 +1,43 @@
+"""tests/process_state.py fails a test that leaves process-wide state changed, and puts it back
+for the tests after it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.process_state import _umask
+
+LEAKS = """
+import os, signal, torch
+
+def test_rank(): os.environ["RANK"] = "1"
+def test_cwd(tmp_path): os.chdir(tmp_path)
+def test_mask(): signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+def test_dtype(): torch.set_default_dtype(torch.float64)
+def test_umask(): os.umask(UMASK ^ 0o077)
+def test_restored_by_monkeypatch(monkeypatch): monkeypatch.setenv("SLURM_PROCID", "3")
+
+def test_next():
+    assert "RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+    assert os.getcwd() == START and torch.get_default_dtype() == torch.float32
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    assert os.umask(UMASK) == UMASK
+"""
+
+
+def test_a_test_that_leaves_state_changed_fails_and_the_next_finds_it_put_back(tmp_path):
+    (tmp_path / "test_leaks.py").write_text(
+        f"START = {str(tmp_path)!r}\nUMASK = {_umask()}\n{LEAKS}")
+    repo = Path(__file__).parents[1]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "SLURM_PROCID")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "tests.process_state", "test_leaks.py"], cwd=tmp_path, capture_output=True,
+        text=True, env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}, timeout=300)
+    # Each leaking test's call passes and its teardown fails; the last test finds all put back.
+    assert done.stdout.splitlines()[-1].startswith("7 passed, 5 errors"), done.stdout
+    for leak in ("environment RANK: None -> '1'", "working directory", "blocked signals",
+                 "torch default dtype torch.float32 -> torch.float64", "umask"):
+        assert leak in done.stdout, done.stdout
+
