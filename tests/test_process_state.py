@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.process_state import _umask
 
 LEAKS = """
@@ -41,3 +43,20 @@ def test_a_test_that_leaves_state_changed_fails_and_the_next_finds_it_put_back(t
                  "torch default dtype torch.float32 -> torch.float64", "umask"):
         assert leak in done.stdout, done.stdout
 
+
+def _leave_a_variable_set(rank, world_size):
+    os.environ["MEGALOOP_TEST_LEFT"] = str(rank)
+
+
+def _the_variable(rank, world_size):
+    return os.environ.get("MEGALOOP_TEST_LEFT")
+
+
+def test_a_distributed_call_that_leaves_state_changed_fails_and_the_next_finds_it_put_back():
+    """tests/distributed.py's workers serve every test of the session, one call after another."""
+    from tests.distributed import run_distributed
+
+    with pytest.raises(AssertionError, match=r"rank 0:\n_leave_a_variable_set left changed .*"
+                                             r"environment MEGALOOP_TEST_LEFT: None -> '0'"):
+        run_distributed(_leave_a_variable_set, 2)
+    assert run_distributed(_the_variable, 2) == [None, None]
