@@ -18,6 +18,13 @@ from tests import process_state, tool_scripts
 # Fails a test that leaves process-wide state changed (and puts it back): autouse, every test.
 process_state_restored = process_state.process_state_restored
 
+# Every test runs in a process no launcher started, whatever started pytest (`srun pytest`, a shell
+# that exported RANK and WORLD_SIZE): in-process code takes its rank from these variables, and
+# under srun's rank 1 of 2 the first test to set up torch.distributed (the mcore fixture, a
+# Trainer) waited 30 minutes for a rank 0.
+for key in [key for key in os.environ if process_state.LAUNCH_ENV.fullmatch(key)]:
+    del os.environ[key]
+
 # Remote-code models loaded by the tests (Hugging Face exports) are copied into transformers' module
 # cache, one folder per directory name; keep those copies out of the user's home. Set before any
 # test imports transformers, which reads it once.

@@ -25,15 +25,18 @@ import signal
 import pytest
 import torch
 
-_LAUNCH_OR_OURS = re.compile(r"RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|"
-                             r"MASTER_PORT|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|"
-                             r"(SLURM|OMPI|PMI|PMIX|MPI|MEGALOOP)_\w+")
+# What torchrun, srun and mpiexec tell a process about its launch (megaloop.platform.launch).
+LAUNCH_ENV = re.compile(r"RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|"
+                        r"MASTER_PORT|MPI_LOCALRANKID|MPI_LOCALNRANKS|"
+                        r"(SLURM|OMPI_COMM_WORLD|PMI|PMIX)_\w+")
+_OURS = re.compile(r"OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|MEGALOOP_\w+")
 # The stop signals (megaloop.stop_first.STOP_SIGNALS), Ctrl-C, and those a launcher may send.
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
 
 
 def _environment() -> dict[str, str]:
-    return {key: value for key, value in os.environ.items() if _LAUNCH_OR_OURS.fullmatch(key)}
+    return {key: value for key, value in os.environ.items()
+            if LAUNCH_ENV.fullmatch(key) or _OURS.fullmatch(key)}
 
 
 def _set_environment(saved: dict[str, str]) -> None:
