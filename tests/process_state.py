@@ -10,10 +10,12 @@ handlers and mask of the signals a run stops on, the working directory and umask
 dtype, thread count, grad mode and deterministic-algorithms flag, and the root log level. Not
 watched: what is left on purpose for the worker's life (the mcore fixture's world-of-one process
 group and the CPU layer it switches on), and what a library sets once on its first use
-(TORCHINDUCTOR_CACHE_DIR, TOKENIZERS_PARALLELISM), which no test could put back.
+(TORCHINDUCTOR_CACHE_DIR, NVTE_*_ATTN, TOKENIZERS_PARALLELISM), which no test could put back.
 
-Also a plugin (``pytest -p tests.process_state``), which is how tests/test_process_state.py shows
-that it fails a leaking test."""
+tests/distributed.py checks each call in its reused rank workers the same way (``snapshot``,
+``put_back``), and tests/conftest.py removes the LAUNCH_ENV variables before any test. Also a
+plugin (``pytest -p tests.process_state``), which is how tests/test_process_state.py shows that
+it fails a leaking test."""
 
 from __future__ import annotations
 
