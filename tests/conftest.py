@@ -13,7 +13,17 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n N`: N workers share the co
 
 import torch  # noqa: E402 - after OMP_NUM_THREADS, which torch reads when it loads
 
-from tests import tool_scripts
+from tests import process_state, tool_scripts
+
+# Fails a test that leaves process-wide state changed (and puts it back): autouse, every test.
+process_state_restored = process_state.process_state_restored
+
+# Every test runs in a process no launcher started, whatever started pytest (`srun pytest`, a shell
+# that exported RANK and WORLD_SIZE): in-process code takes its rank from these variables, and
+# under srun's rank 1 of 2 the first test to set up torch.distributed (the mcore fixture, a
+# Trainer) waited 30 minutes for a rank 0.
+for key in [key for key in os.environ if process_state.LAUNCH_ENV.fullmatch(key)]:
+    del os.environ[key]
 
 # Remote-code models loaded by the tests (Hugging Face exports) are copied into transformers' module
 # cache, one folder per directory name; keep those copies out of the user's home. Set before any
@@ -79,16 +89,3 @@ def pytest_collection_modifyitems(config, items):
         # checkout in a directory called "gpu" would skip every test.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def stop_signals_released():
-    """A test that leaves stop-signal handlers installed (a Trainer it never closed) fails, and the
-    handlers are restored: left, they would block SIGTERM for every later test in the process."""
-    from megaloop.training import signals
-
-    yield
-    left = list(signals._installed)
-    for stop_signals in reversed(left):
-        stop_signals.restore()
-    assert not left, f"{len(left)} StopSignals left installed: a Trainer was not closed"

@@ -3,7 +3,8 @@
 Importing megatron-core costs about 4 s per process, so the workers of each world size are started
 once per test session and kept alive; every call ships a module-level function (picklable) to all
 ranks, waits for them, and re-raises the first rank's failure with its traceback. Model-parallel
-state is torn down after every call so tests stay independent.
+state is torn down after every call so tests stay independent, and a call that leaves other
+process-wide state changed fails (tests/process_state.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         return
     results.put((rank, True, "joined"))
     from megaloop.platform import cpu_compat
+    from tests import process_state
 
     cpu_compat.enable()
     parent = os.getppid()
@@ -51,14 +53,22 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         if task is None:
             break
         fn, kwargs = task
+        before = process_state.snapshot()
         try:
-            results.put((rank, True, fn(rank, world_size, **kwargs)))
+            ok, value = True, fn(rank, world_size, **kwargs)
         except BaseException:  # report everything, the test decides
-            results.put((rank, False, traceback.format_exc()))
+            ok, value = False, traceback.format_exc()
         finally:
             from megaloop.platform.distributed import destroy_model_parallel
 
             destroy_model_parallel()
+        # These workers serve every test of the session that asks for their world size: what one
+        # task leaves changed (an environment variable, a signal's handler) would decide the next.
+        changed = process_state.put_back(before)
+        if changed and ok:
+            ok, value = False, (f"{fn.__name__} left changed for the tasks after it in this "
+                                f"worker (put back now): {'; '.join(changed)}")
+        results.put((rank, ok, value))
     dist.destroy_process_group()
 
 

@@ -79,11 +79,11 @@ def _parallel_then_single_logits(rank, world_size, data_prefix, out_dir, model, 
     split.model.eval()
     with torch.no_grad():
         logits_split = gather_from_tensor_model_parallel_region(split.model(tokens))
-    single = Trainer(tiny_run(data_prefix, out / "single", model=model, train={"train_steps": 3},
-                              checkpoint={"load": str(out / "checkpoints"),
-                                          "load_optimizer": False}))
-    single.model.eval()
-    with torch.no_grad():
+    # Closed: left open, its stop-signal handlers stayed in this worker for every later test's call.
+    with Trainer(tiny_run(data_prefix, out / "single", model=model, train={"train_steps": 3},
+                          checkpoint={"load": str(out / "checkpoints"),
+                                      "load_optimizer": False})) as single, torch.no_grad():
+        single.model.eval()
         logits_single = single.model(tokens)
     return (logits_single - logits_split).abs().max().item()
 
