@@ -94,3 +94,32 @@ def test_requests_splitting_one_text_apart_get_their_own_scores(tokenizer):
         lm = harness_model(model, tokenizer, batch_size=batch_size)
         scores = [score for score, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
         assert scores == pytest.approx(expected, abs=2e-5), f"batch size {batch_size}"
+
+
+def test_split_twins_among_other_requests_keep_their_places_and_the_grouping_stays(tokenizer):
+    """The twins scored apart come back in the requests' order with their own scores, each
+    request's answer is the one handed to the caching hook, and the one-token choices of one
+    context (a multiple-choice task) are still scored from one row: the grouping is kept."""
+    from megaloop.hf.evaluate import harness_model
+
+    torch.manual_seed(0)
+    cfg = small_config("dense", seq_length=CONTEXT)
+    model = reference_class(cfg)(reference_config(cfg)).eval()
+    perturb_norms(model)
+    text = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    text = text.tolist()
+    others = _requests(cfg.vocab_size)
+    requests = (others[:4] + [(("split", str(at)), text[:at], text[at:]) for at in (3, 8)]
+                + others[4:] + [(("split", "3b"), text[:3], text[3:])])
+    expected = [_alone(model, context, continuation) for _, context, continuation in requests]
+    rows, forward = [], model.forward
+    model.forward = lambda ids, *args, **kwargs: rows.append(len(ids)) or forward(ids, *args,
+                                                                                   **kwargs)
+    lm = harness_model(model, tokenizer, batch_size=len(requests))
+    hooked = []
+    lm.cache_hook.add_partial = lambda kind, key, answer: hooked.append((key, answer))
+    answers = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [score for score, _ in answers] == pytest.approx(expected, abs=2e-5)
+    assert sorted(hooked, key=str) == sorted(zip([r[0] for r in requests], answers), key=str)
+    # the split twins: 3 rows, one each; the rest: one row less than requests ("shared" a, b)
+    assert sum(rows) == 3 + (len(others) - 1)

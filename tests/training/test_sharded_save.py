@@ -177,3 +177,20 @@ def test_a_rank_failing_in_the_save_planning_logs_its_cause_before_the_wait(tmp_
     at, message = errors[0]
     assert message.startswith("rank 1: [Errno 28] No space left on device"), message
     assert "\n" not in message and at < _PLANNING_TIMEOUT_S / 2, (at, message)
+
+
+def test_the_dot_metadata_failure_is_recorded_by_the_strategys_hook(mcore, tmp_path, monkeypatch):
+    """One process, in a second: sharded_save's strategy overrides megatron-core's private
+    ``_get_save_and_finalize_callbacks``; were it renamed upstream, the failure would escape the
+    finalize unrecorded (on two ranks: the other waits until the process-group timeout)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megaloop.training.sharded_save import FailedOnEveryRank, save_sharded
+
+    _dot_metadata_on_a_full_disk(monkeypatch)
+    (tmp_path / "ckpt").mkdir()
+    request = save_sharded({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))},
+                           tmp_path / "ckpt")
+    with pytest.raises(FailedOnEveryRank, match="No space left on device"):
+        request.execute_sync()
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()
