@@ -264,45 +264,59 @@ class ALRS:
                                "are allocated)", step, exc_info=True)
 
     def _gather_owned(self, params: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner.
+        """Full blocks this rank owns; TP ranks' parts of a block are gathered to its owner, one
+        block at a time (a block's fp32 copies and parts are freed before the next: all of them
+        at once would cost 4 bytes per local parameter at each analysis).
 
-        What may fail on one rank alone (the parts' copies and the owner's buffers: its memory)
-        is done before the first gather, and agreed over ``group``: a rank that failed between
-        gathers went on to training's collectives while its peers waited in the next gather,
-        until the process-group timeout. Then every rank raises the failure alike (``step``
-        logs it). A block that cannot be joined after the gathers is its owner's alone."""
+        What may fail on one rank alone (a part's copy, the owner's buffers: its memory) is
+        agreed over the TP group before each gather, and over ``group`` at the end: a rank that
+        failed between gathers went on to training's collectives while its peers waited in the
+        next gather, until the process-group timeout. Then every rank raises the failure alike
+        (``step`` logs it). A block that cannot be joined after its gather is its owner's alone."""
         tp_ranks = dist.get_process_group_ranks(self.tp_group) if self._tp_sharded() else []
-        full, gathers, error = {}, [], None
-        try:
-            for i, block in enumerate(self.matrices):
-                if block.partition_dim is None:
-                    if self.owner[i] == self.rank:
-                        full[i] = block.local(params[block.param].detach())
-                    continue
-                owner = dist.get_global_rank(self.group, self.owner[i])
+        full, error = {}, None
+        for i, block in enumerate(self.matrices):
+            owner = self.owner[i]
+            if block.partition_dim is not None:
+                owner = dist.get_global_rank(self.group, owner)
                 if owner not in tp_ranks:  # another TP group holds the owner and gathers it
                     continue
-                shard = block.local(params[block.param].detach()).to(torch.float32).contiguous()
-                parts = ([torch.empty_like(shard) for _ in tp_ranks]
-                         if owner == dist.get_rank() else None)
-                gathers.append((i, owner, shard, parts))
-        except Exception as e:
-            error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+            elif owner != self.rank:
+                continue
+            shard = parts = None
+            if error is None:
+                try:
+                    shard = block.local(params[block.param].detach())
+                    if block.partition_dim is None:
+                        full[i] = shard
+                        continue
+                    shard = shard.to(torch.float32).contiguous()
+                    parts = ([torch.empty_like(shard) for _ in tp_ranks]
+                             if owner == dist.get_rank() else None)
+                except Exception as e:
+                    error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+            if block.partition_dim is None:
+                continue
+            if self._failed_in_tp_group(error is not None):
+                break
+            dist.gather(shard, parts, dst=owner, group=self.tp_group)
+            if parts is not None:
+                try:  # gather_list follows TP rank order, i.e. shard order
+                    full[i] = torch.cat(parts, dim=block.partition_dim)
+                except Exception:  # after the gather: this block's alone, its alpha NaN
+                    logger.warning("ALRS: joining the parts of %s failed; alpha is NaN",
+                                   self.names[i], exc_info=True)
         error = next((e for e in self._from_every_rank(error) if e), None)
         if error is not None:
             raise RuntimeError(f"gathering the tensor-parallel blocks failed on {error}")
-        for i, owner, shard, parts in gathers:
-            dist.gather(shard, parts, dst=owner, group=self.tp_group)
-        for i, _, _, parts in gathers:
-            if parts is None:
-                continue
-            try:  # gather_list follows TP rank order, i.e. shard order
-                full[i] = torch.cat(parts, dim=self.matrices[i].partition_dim)
-            except Exception:  # after the gathers: this block's alone, its alpha NaN
-                logger.warning("ALRS: joining the parts of %s failed; alpha is NaN",
-                               self.names[i], exc_info=True)
-            parts.clear()
         return full
+
+    def _failed_in_tp_group(self, failed: bool) -> bool:
+        """Collective over the TP group: whether any of its ranks failed (one small all-reduce
+        per gathered block)."""
+        flag = torch.tensor([float(failed)], device=self._collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return bool(flag.item())
 
     def _holders(self, local: set[str]) -> list[list[int] | None]:
         """Per matrix, the ranks of ``group`` that hold it (the stages of a pipeline, the ranks of
