@@ -152,18 +152,22 @@ def _full_matrices():
             "decoder.layers.0.router.weight": (plain, None)}
 
 
+def _tp_sharded_params(rank, world_size) -> dict[str, nn.Parameter]:
+    """``_full_matrices`` as this TP rank holds them, marked as megatron-core marks its shards."""
+    params = {}
+    for name, (full, dim) in _full_matrices().items():
+        part = full if dim is None else full.chunk(world_size, dim=dim)[rank]
+        params[name] = nn.Parameter(part.clone())
+        if dim is not None:
+            params[name].tensor_model_parallel, params[name].partition_dim = True, dim
+    return params
+
+
 def _tp_body(rank, world_size):
     import torch.distributed as dist
 
     tp_group = dist.new_group(list(range(world_size)))
-    params = {}
-    for name, (full, dim) in _full_matrices().items():
-        if dim is None:
-            params[name] = nn.Parameter(full.clone())
-            continue
-        shard = nn.Parameter(full.chunk(world_size, dim=dim)[rank].clone())
-        shard.tensor_model_parallel, shard.partition_dim = True, dim  # as megatron-core marks them
-        params[name] = shard
+    params = _tp_sharded_params(rank, world_size)
     alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), tp_group=tp_group)
     alrs.step(1)
     return ({m.name: m.full_shape for m in alrs.matrices},
@@ -436,12 +440,7 @@ def _out_of_memory_on_rank_1(rank, world_size):
 
     # A rank left waiting fails after 30 s, not after the process-group timeout (30 minutes).
     tp_group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=30))
-    params = {}
-    for name, (full, dim) in _full_matrices().items():
-        part = full if dim is None else full.chunk(world_size, dim=dim)[rank]
-        params[name] = nn.Parameter(part.clone())
-        if dim is not None:
-            params[name].tensor_model_parallel, params[name].partition_dim = True, dim
+    params = _tp_sharded_params(rank, world_size)
     alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), tp_group=tp_group)
     warnings = []
     handler = logging.Handler()
@@ -487,12 +486,7 @@ def _copies_alive_at_each_gather(rank, world_size):
     import torch.distributed as dist
 
     tp_group = dist.new_group(list(range(world_size)))
-    params = {}
-    for name, (full, dim) in _full_matrices().items():
-        part = full if dim is None else full.chunk(world_size, dim=dim)[rank]
-        params[name] = nn.Parameter(part.clone())
-        if dim is not None:
-            params[name].tensor_model_parallel, params[name].partition_dim = True, dim
+    params = _tp_sharded_params(rank, world_size)
     alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10), tp_group=tp_group)
     sent, alive = [], []
     gather = dist.gather

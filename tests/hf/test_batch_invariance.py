@@ -75,6 +75,16 @@ def test_loglikelihood_is_the_requests_own_at_any_batch_size(tokenizer, variant)
         assert scores == pytest.approx(expected, abs=2e-5), f"batch size {batch_size}"
 
 
+def _dense_model_and_text():
+    """A small dense reference model and a 12-token text to split at several points."""
+    torch.manual_seed(0)
+    cfg = small_config("dense", seq_length=CONTEXT)
+    model = reference_class(cfg)(reference_config(cfg)).eval()
+    perturb_norms(model)
+    text = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    return cfg, model, text.tolist()
+
+
 def test_requests_splitting_one_text_apart_get_their_own_scores(tokenizer):
     """Two requests whose context + continuation[:-1] are the same tokens, split at different
     points (Winogrande's twin sentences can be; rolling windows of repeated text are): lm-eval
@@ -82,12 +92,7 @@ def test_requests_splitting_one_text_apart_get_their_own_scores(tokenizer):
     positions of the longer one's logits, a plausible, wrong score (here off by 0.1 to 0.4)."""
     from megaloop.hf.evaluate import harness_model
 
-    torch.manual_seed(0)
-    cfg = small_config("dense", seq_length=CONTEXT)
-    model = reference_class(cfg)(reference_config(cfg)).eval()
-    perturb_norms(model)
-    text = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
-    text = text.tolist()
+    cfg, model, text = _dense_model_and_text()
     requests = [(("split", str(at)), text[:at], text[at:]) for at in (3, 8, 11)]
     expected = [_alone(model, context, continuation) for _, context, continuation in requests]
     for batch_size in (1, 3):
@@ -102,12 +107,7 @@ def test_split_twins_among_other_requests_keep_their_places_and_the_grouping_sta
     context (a multiple-choice task) are still scored from one row: the grouping is kept."""
     from megaloop.hf.evaluate import harness_model
 
-    torch.manual_seed(0)
-    cfg = small_config("dense", seq_length=CONTEXT)
-    model = reference_class(cfg)(reference_config(cfg)).eval()
-    perturb_norms(model)
-    text = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
-    text = text.tolist()
+    cfg, model, text = _dense_model_and_text()
     others = _requests(cfg.vocab_size)
     requests = (others[:4] + [(("split", str(at)), text[:at], text[at:]) for at in (3, 8)]
                 + others[4:] + [(("split", "3b"), text[:3], text[3:])])
