@@ -345,7 +345,9 @@ def test_the_killed_worker_is_named_however_the_pool_reaps_it():
 ])
 def test_a_signal_mid_run_removes_partial_output(tmp_path, repo, sp_model, articles_path, signum, code, message):
     # A worker stays busy on the second chunk, so the signal comes while the output is half written.
-    driver = ("import runpy, sys; from megaloop.data import preprocess; from tests.data import worker_faults; "
+    # SIGUSR2 dumps every thread's stack: a run that does not stop says where it waits.
+    driver = ("import faulthandler, signal; faulthandler.register(signal.SIGUSR2, all_threads=True); "
+              "import runpy, sys; from megaloop.data import preprocess; from tests.data import worker_faults; "
               "preprocess.encode_chunk = worker_faults.stuck_on_second_chunk; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     cmd = [sys.executable, "-c", driver, str(repo / "tools" / "preprocess_data.py"), "--input", str(articles_path),
@@ -356,7 +358,13 @@ def test_a_signal_mid_run_removes_partial_output(tmp_path, repo, sp_model, artic
         assert proc.poll() is None, proc.communicate()[1]
         time.sleep(0.05)
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR2)
+        time.sleep(2)
+        proc.kill()
+        pytest.fail(f"no exit 120 s after {signum.name}; its threads:\n{proc.communicate()[1][-6000:]}")
     assert proc.returncode == code, err
     assert err.strip().splitlines()[-1] == message
     assert os.listdir(tmp_path) == []
