@@ -44,7 +44,8 @@ from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpo
                                                 complete_checkpoints, latest_checkpoint, one_line)
 from megaloop.training.checkpoint_writer import (died_of, refuse_unguarded_main,
                                                  start_results_queue, watched)
-from megaloop.training.collective import any_rank, first_error, is_rank0, rank0_decides
+from megaloop.training.collective import (any_rank, first_error, is_rank0, rank0_decides,
+                                          said_by_this_rank)
 from megaloop.training.sharded_save import FailedOnEveryRank, save_sharded
 
 log = logging.getLogger("megaloop.train")
@@ -211,7 +212,7 @@ def _write(save: _Save, state: dict, queue) -> None:
         except (Exception, CheckpointException) as e:
             error = f"its writer process did not start: {one_line(e)}"
     if error is not None and dist.is_initialized() and dist.get_world_size() > 1:
-        error = f"rank {dist.get_rank()}: {error}"
+        error = said_by_this_rank(error)
         # Said at once, before the agreement: a failure in megatron-core's planning leaves rank 0
         # in its gather of the plans, not in this agreement, and both wait out the process-group
         # timeout, after which only this line says why.

@@ -19,6 +19,12 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def said_by_this_rank(message: str) -> str:
+    """``message`` prefixed with this rank (``rank N: ...``) in a run of several ranks, where the
+    others will raise or log it too; unchanged in a single process."""
+    return f"rank {dist.get_rank()}: {message}" if _world() > 1 else message
+
+
 def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 

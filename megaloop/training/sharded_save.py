@@ -24,10 +24,9 @@ import functools
 import weakref
 from pathlib import Path
 
-import torch.distributed as dist
 
 from megaloop.training.checkpoint_files import one_line
-from megaloop.training.collective import first_error, is_rank0
+from megaloop.training.collective import first_error, is_rank0, said_by_this_rank
 from megaloop.training.sharded_load import agreed_refusal
 
 
@@ -37,9 +36,7 @@ class FailedOnEveryRank(RuntimeError):
 
 
 def _on_this_rank(error: BaseException) -> str:
-    text = one_line(error)
-    return (f"rank {dist.get_rank()}: {text}"
-            if dist.is_initialized() and dist.get_world_size() > 1 else text)
+    return said_by_this_rank(one_line(error))
 
 
 def _agreed(problem: str | None) -> None:
