@@ -20,6 +20,7 @@ import contextlib
 
 import torch
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                      compute_routing_scores_for_aux_loss,
@@ -265,10 +266,38 @@ class LoopedRouter(TopKRouter):
         return probs, routing_map
 
 
+class CpuSeededSequentialMLP(SequentialMLP):
+    """megatron-core's SequentialMLP (the local spec's experts), whose CPU initialisation gives
+    every expert-parallel rank its own experts: the weights of a layout with expert parallelism
+    are then those of the same model without it.
+
+    megatron-core's CPU initialisation (use_cpu_initialization) draws each weight from torch's
+    default generator, which every rank seeds alike; each expert-parallel rank drew its local
+    experts from where rank 0 drew its own, so expert e + E/EP started as a copy of expert e.
+    Here every rank draws all E experts, in order, and keeps its own, as megatron-core's CPU
+    initialisation of a tensor-parallel weight draws the whole matrix on every rank and keeps
+    its shard. (A GPU build draws its experts from megatron-core's expert-parallel RNG stream,
+    seeded per expert-parallel rank and alike on an expert's replicas; a layout with expert
+    parallelism then starts from other expert weights than one without.)"""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        ep = pg_collection.ep
+        if not (config.use_cpu_initialization and config.perform_initialization) or ep.size() == 1:
+            super().__init__(num_local_experts, config, submodules, pg_collection)
+            return
+        super().__init__(num_local_experts * ep.size(), config, submodules, pg_collection)
+        first = ep.rank() * num_local_experts
+        self.local_experts = torch.nn.ModuleList(
+            self.local_experts[first:first + num_local_experts])
+        self.num_local_experts = num_local_experts
+
+
 def moe_spec(backend, grouped_gemm: bool) -> ModuleSpec:
     """The ``mlp`` spec of a MoE layer: megatron-core's MoELayer with LoopedRouter, local or TE
     experts and a shared-expert spec (used when the config sets a shared expert size)."""
     expert_module, expert_submodules = backend.grouped_mlp_modules(grouped_gemm, False)
+    if expert_module is SequentialMLP:
+        expert_module = CpuSeededSequentialMLP
     dense = MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
                           linear_fc2=backend.row_parallel_linear())
     return ModuleSpec(
