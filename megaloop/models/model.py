@@ -22,7 +22,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import fp8_utils, tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -53,9 +53,10 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, num_layers: i
 
     ``fp8`` (Transformer Engine only; None: off) names the scaling recipe, E4M3 forward / E5M2
     backward; megatron-core's TransformerBlock then runs each call of the block under
-    fp8_autocast. A looped block is called K times per forward, and delayed scaling updates its
-    scales after every call: its amax history spans 2K calls and takes their maximum, so that
-    iteration t is not quantised with iteration t-1's amax alone (TE's default, a history of 1).
+    fp8_autocast (and LoopedLM.global_kv the Global K/V projections). A looped block is called
+    K times per forward, and delayed scaling updates its scales after every call: its amax
+    history spans 2K calls and takes their maximum, so that iteration t is not quantised with
+    iteration t-1's amax alone (TE's default, a history of 1).
     MoE models carry the MoE fields in every block's config (megatron-core's schedules read them
     from the model's config to scale the auxiliary losses); ``use_te`` selects grouped-GEMM
     experts. ``initialize=False`` leaves the weights megatron-core allocates uninitialised
@@ -327,9 +328,16 @@ class LoopedLM(LanguageModule):
 
     def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
         """Global KV of every decoder layer this stage holds, stacked on dim 0:
-        [layers, N, B, groups, 2 * head_dim]."""
-        return torch.stack([layer.self_attention.project_global_kv(encoder_output, rotary_pos_emb)
-                            for layer in self.decoder.layers])
+        [layers, N, B, groups, 2 * head_dim].
+
+        Under FP8 the projections run in megatron-core's FP8 context of the decoder's layers (its
+        recipe and amax-reduction group), as every linear inside those layers does: they run
+        outside the decoder block, and Transformer Engine computes a linear called outside any
+        FP8 context in bf16. A no-op without FP8."""
+        with fp8_utils.get_fp8_context(self.decoder.config):
+            return torch.stack([layer.self_attention.project_global_kv(encoder_output,
+                                                                       rotary_pos_emb)
+                                for layer in self.decoder.layers])
 
     def loop(self, state: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
              steps: int, padding_mask: torch.Tensor | None = None) -> torch.Tensor:

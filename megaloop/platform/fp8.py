@@ -53,9 +53,12 @@ _GEMM_MULTIPLES = {"current": (8, 16), "delayed": (8, 16), "mxfp8": (32, 32)}
 
 def _gemm_dims(cfg) -> list[tuple[str, int, str]]:
     """(what, size on one rank, "rows" or "inner") of every GEMM that runs in FP8: those of
-    Transformer Engine's linears inside the layers' forward, where megatron-core enters FP8 (not
-    the output layer, the routers, LatentLoop's width projections, nor the Global K/V projection,
-    which runs before the decoder's layers). Grouped-GEMM experts pad their tokens themselves."""
+    Transformer Engine's linears inside the layers' forward, where megatron-core enters FP8, and
+    AsymLoop's Global K/V projections, which LoopedLM.global_kv runs in the decoder's FP8
+    context (not the output layer, the routers, nor LatentLoop's width projections). The Global
+    K/V projection needs no entry of its own: its rows, 2 x num_query_groups x head dim, are the
+    query/key/value rows less the query's, both multiples of what the rows need. Grouped-GEMM
+    experts pad their tokens themselves."""
     model, par, train = dataclasses.replace(cfg.model).resolve(), cfg.parallel, cfg.train
     tp = par.tensor
     split = " / parallel.tensor" if tp > 1 else ""

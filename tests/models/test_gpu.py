@@ -5,7 +5,8 @@ Every check asserts a property against an independent reference: the fused joint
 whole model against float64 masked references (a bf16 result may be at most a few times as far
 from float64 as the same reference computed in bf16), causality, host synchronisations that do not
 grow with depth, FP8 recomputation that replays the first pass (full, and selective of the core
-attention with delayed scaling), FP8 scales that cover every iteration, and checkpoints that move between the local and Transformer Engine specs. Measured
+attention with delayed scaling), the Global K/V projection in FP8, FP8 scales that cover every
+iteration, and checkpoints that move between the local and Transformer Engine specs. Measured
 numbers go to the file $MEGALOOP_GPU_RECORD names (one JSON object per line), for the check's
 report.
 """
@@ -239,13 +240,41 @@ def test_fp8_full_recompute_replays_the_first_pass_in_the_looped_decoder(seeded)
     assert distance["current_recompute_vs_current"] < 0.1 * distance["current"], distance
 
 
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_global_kv_projection_runs_in_the_decoders_fp8_recipe(seeded, recipe):
+    """The Global K/V projection, run outside the decoder block, quantises in FP8 with the
+    recipe the decoder's own linears use (Transformer Engine runs a linear called outside an
+    FP8 context in bf16), and its weight gradient stays as close to bf16's as FP8 allows."""
+    _fp8(recipe)
+    cfg = small_config("asymloop", iterations=3, hidden_size=128, ffn_hidden_size=256,
+                       seq_length=128)
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    grads, weights = {}, None
+    for fp8 in (None, recipe):
+        model = build_model(cfg, use_te=True, params_dtype=torch.bfloat16, fp8=fp8).cuda()
+        weights = weights or model.state_dict()
+        model.load_state_dict(weights)
+        for _ in range(2):  # the second pass runs with the scales the first one set
+            _decoder_grads(model, x, labels)
+        attention = [layer.self_attention for layer in model.decoder.layers]
+        grads[fp8] = torch.cat([a.linear_kv_global.weight.grad.float().flatten()
+                                for a in attention])
+    for a in attention:
+        assert a.linear_kv_global.fp8 and a.linear_qkv.fp8
+        assert (type(a.linear_kv_global.fp8_meta["recipe"])
+                is type(a.linear_qkv.fp8_meta["recipe"]))
+    error = relative_error(grads[recipe], grads[None].double())
+    record("fp8_global_kv_weight_grad_vs_bf16", recipe=recipe, error=error)
+    assert error < 0.25, error  # FP8 rounding; a scale that does not fit the tensor is order 1
+
+
 def _amax_and_scale_per_call(model, x, labels, micro_batches):
     """(amax, scale) of every forward call of each decoder FP8 GEMM's input, from Transformer
     Engine's delayed-scaling state: the amax of this call and the scale it was quantised with."""
     calls = []
 
     def read(module, inputs, output):
-        if not getattr(module, "fp8", False):  # the Global KV projection runs outside fp8
+        if not getattr(module, "fp8", False):  # ran outside FP8
             return
         meta = module.fp8_meta["scaling_fwd"]
         calls.append((meta.amax_history[0][0].item(), meta.scale[0].item()))

@@ -1,5 +1,6 @@
 """Behaviour of the canonical megatron-core LoopedLM that users rely on."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -166,3 +167,53 @@ def test_fused_joint_attention_falling_back_in_fp32_on_cuda_is_noted(monkeypatch
     with caplog.at_level("WARNING", logger="megaloop.models"):
         note_fp32_joint_attention(cfg, dtype)
     assert ("runs the masked formula" in caplog.text) == noted
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_every_decoder_linear_runs_in_the_decoders_fp8_context(seeded, monkeypatch, recipe):
+    """Under FP8 every linear of the encoder and decoder, the Global K/V projections included,
+    runs inside megatron-core's FP8 context made from its block's config (recipe and amax
+    reduction group): Transformer Engine computes a linear called outside one in bf16, as the
+    Global K/V projection was, which LoopedLM runs outside the decoder block.
+
+    Transformer Engine does not install here: its fp8_autocast is stood in for by a context
+    recording the config it was made from, entered where megatron-core enters the real one
+    (fp8_utils.get_fp8_context, as TransformerBlock calls it per block call for delayed scaling
+    and per layer otherwise); the models are built without FP8 (refused without Transformer
+    Engine) and their configs then switched to it."""
+    from megatron.core import fp8_utils
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import transformer_block
+
+    entered = []
+
+    def fp8_context(config, layer_no=-1, is_init=False):
+        @contextlib.contextmanager
+        def recording():
+            entered.append(config)
+            try:
+                yield
+            finally:
+                entered.pop()
+        return recording() if config.fp8 else contextlib.nullcontext()
+
+    monkeypatch.setattr(fp8_utils, "get_fp8_context", fp8_context)
+    monkeypatch.setattr(transformer_block, "get_fp8_context", fp8_context)
+    cfg = small_config("asymloop")
+    model = build_model(cfg)
+    blocks = {"encoder": model.encoder, "decoder": model.decoder}
+    for block in blocks.values():
+        block.config.fp8, block.config.fp8_recipe = "hybrid", recipe
+    contexts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.register_forward_hook(
+                lambda m, i, o, name=name: contexts.setdefault(name, []).append(
+                    entered[-1] if entered else None))
+    model(_tokens(cfg))
+    linears = {name: calls for name, calls in contexts.items() if name.split(".")[0] in blocks}
+    assert any("linear_kv_global" in name for name in linears)
+    for name, calls in linears.items():
+        config = blocks[name.split(".")[0]].config
+        assert calls and all(call is config for call in calls), name
+    assert contexts["output_layer"] == [None]  # megatron-core keeps the head out of FP8 too
