@@ -30,13 +30,13 @@ def chunk_key(chunk: int) -> str:
 
 
 def sharded_state(trainer, is_loading: bool = False, weights_only: bool = False,
-                   with_rng: bool = True, optimizer_format: str | None = None) -> dict:
+                   with_rng: bool = True, optimizer_format: str | None = None,
+                   rng_by_expert_rank: bool | None = None) -> dict:
     """What a checkpoint holds: the model, then (unless ``weights_only``) the optimizer,
     in ``optimizer_format`` (default: checkpoint.optimizer_format), scheduler, progress, LR
-    multipliers and ALRS state, then the RNG states, which are per (pipeline, tensor) rank
-    and so only reload into the same layout."""
+    multipliers and ALRS state, then the RNG states (``rng_entry``), which only reload into the
+    same layout. ``rng_by_expert_rank``: the RNG entry's kind (None: the one saved now)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megaloop.training.optimizer import scheduler_state
 
@@ -56,14 +56,40 @@ def sharded_state(trainer, is_loading: bool = False, weights_only: bool = False,
         alrs=trainer.alrs.state_dict() if trainer.alrs is not None else {},
     )
     if with_rng:
-        state["rng_state"] = ShardedObject(
-            "rng_state", rng_state(),
-            (ps.get_pipeline_model_parallel_world_size(),
-             ps.get_tensor_model_parallel_world_size()),
-            (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-            replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
-        )
+        if rng_by_expert_rank is None:
+            rng_by_expert_rank = ps.get_expert_model_parallel_world_size() > 1
+        state["rng_state"] = rng_entry(rng_by_expert_rank)
     return state
+
+
+def rng_entry(by_expert_rank: bool):
+    """This rank's RNG states as a checkpoint entry: one per (pipeline, tensor) rank, saved by
+    one of its data-parallel replicas (they draw alike), as Megatron-LM saves them; with
+    ``by_expert_rank`` (expert parallelism) one per (pipeline, tensor, expert) rank, saved by
+    one of its expert-data-parallel replicas. Expert-parallel ranks are data-parallel ranks of
+    the other weights, but each has its own expert-parallel stream (megatron-core's tracker),
+    which the first kind saved from expert-parallel rank 0 only, and resumed on every rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    grid = [(ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()),
+            (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())]
+    replica = ps.get_data_parallel_rank(with_context_parallel=True)
+    if by_expert_rank:
+        grid.append((ps.get_expert_model_parallel_world_size(),
+                     ps.get_expert_model_parallel_rank()))
+        replica = ps.get_expert_data_parallel_rank()
+    sizes, ranks = zip(*grid)
+    return ShardedObject("rng_state", rng_state(), sizes, ranks, replica_id=replica)
+
+
+def rng_saved_by_expert_rank(path: Path) -> bool:
+    """Whether checkpoint ``path`` holds its RNG states per expert-parallel rank
+    (``rng_entry``): those saved before it did hold them per (pipeline, tensor) rank only."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    return any(entry.key == "rng_state" and len(entry.global_shape) == 3
+               for entry in load_sharded_metadata(str(path)).values())
 
 
 
@@ -86,6 +112,10 @@ def load_training_state(trainer, path: Path) -> bool:
             "run from it")
     saved = saved_config(path)
     same_layout = same_parallel_layout(saved, trainer.cfg)
+    # With expert parallelism (the same as saved, check_optimizer_state sees to it), the RNG
+    # entry's kind is the checkpoint's: one saved before it was per expert rank still resumes.
+    rng_by_expert_rank = (trainer.cfg.parallel.expert > 1 and same_layout and not weights_only
+                          and rng_saved_by_expert_rank(path))
     if not weights_only:
         materialise_optimizer_state(trainer.optimizer)
     # Read in the format it was saved in: a changed checkpoint.optimizer_format is that of
@@ -93,7 +123,8 @@ def load_training_state(trainer, path: Path) -> bool:
     state = load_checkpoint(path, sharded_state(
         trainer, is_loading=True, weights_only=weights_only, with_rng=same_layout,
         optimizer_format=(saved.get("checkpoint") or {}).get("optimizer_format",
-                                                             "dp_reshardable")))
+                                                             "dp_reshardable"),
+        rng_by_expert_rank=rng_by_expert_rank))
     for chunk, model in enumerate(trainer.models):
         model.load_state_dict(state[chunk_key(chunk)])
     if weights_only:  # a fresh run from these weights

@@ -5,6 +5,7 @@ test_parallel_training.py.)"""
 
 import contextlib
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,50 @@ def test_auxiliary_losses_weigh_alike_however_many_positions_the_loss_masks(mcor
     for name, full in parts[0].items():
         assert full.abs().max() > 0
         torch.testing.assert_close(parts[1][name], full, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _rng_saved_and_resumed(rank, world_size, data_prefix, out_dir, per_expert_rank):
+    """megatron-core's RNG tracker streams of this rank when its run saved its last checkpoint,
+    and after a run resuming from it was set up; ``per_expert_rank=False`` saves the RNG entry
+    as megaloop did before it held one per expert-parallel rank."""
+    import functools
+
+    from megaloop.training import checkpoint_state, trainer
+    from megaloop.training.rng import rng_state
+
+    def run(steps):
+        return tiny_run(data_prefix, Path(out_dir), model=MOE, parallel={"expert": 2},
+                        train={"train_steps": steps})
+
+    trainer.sharded_state = functools.partial(checkpoint_state.sharded_state,
+                                              rng_by_expert_rank=per_expert_rank)
+    try:
+        trainer.Trainer(run(2)).train()
+    finally:
+        trainer.sharded_state = checkpoint_state.sharded_state
+    saved = rng_state()["tracker"]
+    with trainer.Trainer(run(3)):
+        return saved, rng_state()["tracker"]
+
+
+@pytest.mark.parametrize("per_expert_rank", [True, False], ids=["saved_now", "saved_before"])
+def test_resume_restores_each_expert_parallel_ranks_own_rng_streams(data, tmp_path,
+                                                                    per_expert_rank):
+    """Each expert-parallel rank draws its experts' randomness from its own stream (megatron-
+    core's expert-parallel RNG, seeded per rank); a resumed rank continues its own. The
+    checkpoint held one RNG state per tensor/pipeline rank, saved by data-parallel rank 0, which
+    the other expert-parallel ranks are: every rank resumed with EP rank 0's expert stream. A
+    checkpoint saved so still resumes, as it did."""
+    import torch
+
+    from tests.distributed import run_distributed
+
+    (saved0, resumed0), (saved1, resumed1) = run_distributed(
+        _rng_saved_and_resumed, world_size=2, data_prefix=data, out_dir=str(tmp_path),
+        per_expert_rank=per_expert_rank)
+    assert not torch.equal(saved0["expert-parallel-rng"], saved1["expert-parallel-rng"])
+    for saved, resumed in ((saved0, resumed0), (saved1, resumed1)):
+        assert saved.keys() == resumed.keys()
+        for stream, state in saved.items():
+            expected = state if per_expert_rank else saved0[stream]
+            assert torch.equal(resumed[stream], expected), stream
