@@ -21,6 +21,10 @@ from megaloop.scale.layout import check_world_size
 
 log = logging.getLogger("megaloop.platform")
 
+# Seed offset between pipeline stages, beyond every offset megatron-core adds to a seed (tensor
+# rank + 2718, 1024 + 100 x expert rank + expert-tensor rank).
+PIPELINE_SEED_STRIDE = 1_000_000
+
 
 def local_device(launch: LaunchEnv, visible_gpus: int) -> int:
     """The CUDA device of this process: its local rank among the GPUs it sees (all of the node's
@@ -89,8 +93,14 @@ def init_distributed(
         virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
         distributed_timeout_minutes=timeout_minutes,
     )
-    mcore_tp.model_parallel_cuda_manual_seed(seed)
-    torch.manual_seed(seed)
+    # Each pipeline stage draws its weights from its own seed: with one seed on every stage, a
+    # later stage drew its layers from the numbers the first stage had drawn its embedding and
+    # layers from (scaled copies). Megatron-LM adds 100 x the pipeline rank; megatron-core's
+    # expert streams are 100 apart per expert-parallel rank, and would then repeat across
+    # stages (pipeline rank 1, expert rank 0 = pipeline rank 0, expert rank 1).
+    stage_seed = seed + PIPELINE_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
+    mcore_tp.model_parallel_cuda_manual_seed(stage_seed)
+    torch.manual_seed(stage_seed)
     world = dist.get_world_size()
     if world > 1 and dist.get_rank() == 0:  # a job log's first line: how its ranks are laid out
         log.info("%d ranks (%s launch, rendezvous %s:%d, %s) = tensor %d x pipeline %d x data "

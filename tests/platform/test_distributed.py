@@ -123,6 +123,36 @@ def test_model_parallel_groups_on_gloo():
     assert first[3][0].endswith(", gloo) = tensor 2 x pipeline 1 x data 1"), first[3]
 
 
+def _stage_weights(rank, world_size):
+    """The weight matrices of this rank's pipeline stage (PP=2, Dense, 4 layers, seed 1234),
+    each divided by its standard deviation: the random numbers it was drawn from."""
+    from megaloop.config import ModelConfig, ParallelConfig
+    from megaloop.models.model import build_model
+    from megaloop.platform.distributed import init_distributed
+
+    init_distributed(pipeline_parallel=2, seed=1234)
+    cfg = ModelConfig(arch="dense", iterations=1, num_layers=4, hidden_size=64,
+                      ffn_hidden_size=128, num_attention_heads=4, vocab_size=128, seq_length=32)
+    model = build_model(cfg, ParallelConfig(pipeline=2), stage=rank)
+    return {name: (p / p.std()).detach().flatten() for name, p in model.named_parameters()
+            if p.dim() == 2}
+
+
+def test_pipeline_stages_draw_their_weights_from_their_own_numbers():
+    """No weight of pipeline stage 1 starts as a (scaled) copy of numbers stage 0 drew. With
+    one seed on every stage, stage 1 drew its layers from the numbers stage 0 had drawn its
+    embedding and first layers from: its first attention projection was the embedding's first
+    4096 values, times the ratio of their init stds."""
+    first, second = run_distributed(_stage_weights, world_size=2)
+    drawn = torch.cat(list(first.values()))
+    window = 16
+    runs = drawn.unfold(0, window, 1)  # every run of 16 consecutive numbers stage 0 drew
+    for name, weight in second.items():
+        ratios = runs / weight[:window]
+        scaled_copy = (ratios - ratios[:, :1]).abs().amax(dim=1) < 1e-4 * ratios[:, 0].abs()
+        assert not scaled_copy.any(), (name, scaled_copy.nonzero()[:3].flatten().tolist())
+
+
 def _init_with(rank, world_size, settings):
     from megaloop.platform.distributed import init_distributed
 
