@@ -1,4 +1,5 @@
-"""MoE models in the training system: resume is exact, routing metrics are logged per iteration
+"""MoE models in the training system: resume is exact (each expert-parallel rank continuing its own
+RNG streams), routing metrics are logged per iteration
 (LatentLoop: per visit) without ever entering the reported losses, and LatentLoop learns.
 (Expert-parallel layouts and EP checkpoint resharding are tested with the other layouts in
 test_parallel_training.py.)"""
