@@ -25,7 +25,8 @@
 #      model against float64 references, causality, host syncs per step, one-GPU NCCL training
 #      with save and exact resume, MoE's alltoall dispatch against the reference; with
 #      Transformer Engine also the TE spec (causality, parity), grouped-GEMM experts, FP8
-#      recompute, delayed-scaling amax against scales, and local <-> TE checkpoints.
+#      recompute, the Global K/V projection in FP8, delayed-scaling amax against scales, and
+#      local <-> TE checkpoints.
 #      Measured numbers: gpu_record.jsonl;
 #   5. benches: fused vs masked joint attention on CUDA; tokens/s and MFU of the 1B preset.
 set -uo pipefail
