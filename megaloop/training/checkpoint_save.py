@@ -37,6 +37,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megaloop.cli import decided_on_every_rank
 from megaloop.config import RunConfig, save_yaml
 from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
                                      write_text_atomic)
@@ -203,7 +204,7 @@ def _write(save: _Save, state: dict, queue) -> None:
     try:
         request = save_sharded(state, save.tmp)
     except FailedOnEveryRank as e:  # raised alike on every rank: none waits in a collective
-        raise _write_failed(save, str(e)) from None
+        raise decided_on_every_rank(_write_failed(save, str(e))) from None
     except (Exception, CheckpointException) as e:
         error = one_line(e)
     else:
@@ -228,7 +229,7 @@ def _write(save: _Save, state: dict, queue) -> None:
         _drop_results()
     queue.call_idx = call_idx  # counted on the ranks that got as far: the finalize compares them
     # Also the barrier that keeps rank 0 from removing iter_N.tmp before every write is killed.
-    raise _write_failed(save, first_error(error)) from None
+    raise decided_on_every_rank(_write_failed(save, first_error(error))) from None
 
 
 def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
