@@ -351,18 +351,8 @@ def _mpi_comm():
 
 
 def run(args: argparse.Namespace, comm) -> None:
-    from megaloop.data.preprocess import check_tokenizer
-
     lead = comm is None or comm.Get_rank() == 0
-    # Settings and output location first: the user's mistake is likeliest there, and cheap to find.
-    check_output_prefix(args.output_prefix)
-    if not args.overwrite:
-        refuse_existing_outputs(args.output_prefix, args.json_keys)
-    if args.tokenizer_metadata and not args.legacy_tokenizer:
-        check_tokenizer_metadata(args.tokenizer_metadata, args.tokenizer_type)
-    check_tokenizer(_options(args))
-    skipped: list[str] = []
-    files = expand_inputs(args.input, skipped)
+    files, skipped = _agreed(comm, lambda: _checked_inputs(args))
     if lead:
         notes = setting_notes(args) + input_notes(files, skipped)
         # Before run_mpi's first collective: no other rank of this run has a partial file yet.
@@ -372,6 +362,53 @@ def run(args: argparse.Namespace, comm) -> None:
         run_single(args, files)
     else:
         run_mpi(args, files, comm)
+
+
+def _checked_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The input files and those left out of them, once the settings and the output location
+    are checked first: the user's mistake is likeliest there, and cheap to find."""
+    from megaloop.data.preprocess import check_tokenizer
+
+    check_output_prefix(args.output_prefix)
+    if not args.overwrite:
+        refuse_existing_outputs(args.output_prefix, args.json_keys)
+    if args.tokenizer_metadata and not args.legacy_tokenizer:
+        check_tokenizer_metadata(args.tokenizer_metadata, args.tokenizer_type)
+    check_tokenizer(_options(args))
+    skipped: list[str] = []
+    return expand_inputs(args.input, skipped), skipped
+
+
+class FailedOnEveryRank(Exception):
+    """A check before any collective that failed on some MPI rank, agreed by every rank: none
+    is left waiting, so each exits with status 2 without MPI_Abort. ``line``: what this rank
+    prints (None: another rank says it)."""
+
+    def __init__(self, line: str | None):
+        super().__init__(line)
+        self.line = line
+
+
+def _agreed(comm, check):
+    """``check()``, whose DataError or TokenizerError on any MPI rank fails every rank
+    (FailedOnEveryRank): an error every rank found alike is said by rank 0 alone, and a rank's
+    own (a file its node does not see) by that rank, after ``rank N: ``. Before, every rank
+    printed its error and called MPI_Abort, and as many ranks said the same line as reached it
+    before the first abort ended them (2 to 4 of 4 ranks)."""
+    if comm is None:
+        return check()
+    result = problem = None
+    try:
+        result = check()
+    except (DataError, TokenizerError) as err:
+        problem = str(err)
+    every = comm.allgather(problem)
+    if not any(p is not None for p in every):
+        return result
+    rank = comm.Get_rank()
+    if all(p == problem for p in every):
+        raise FailedOnEveryRank(f"error: {problem}" if rank == 0 else None)
+    raise FailedOnEveryRank(None if problem is None else f"error: rank {rank}: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,6 +429,13 @@ def _main(argv: list[str] | None) -> int:
     try:
         comm = _mpi_comm()
         run(args, comm)
+    except FailedOnEveryRank as failed:
+        if failed.line is not None:
+            _print(failed.line)
+        # The ranks exit together: mpiexec ends every rank at the first failed exit, and one
+        # that left the line to another could end that one before it is said.
+        comm.Barrier()
+        return 2
     except (DataError, TokenizerError) as err:
         return _fail(2, f"error: {err}", args, comm)
     except WorkerDied as err:
