@@ -11,17 +11,25 @@ caller:
   on it;
 - the cache of shuffle/sample indices is safe to share between jobs (``index_cache``): writes are
   atomic, one job builds while another waits for its files, and the cache key covers the data's
-  sequence lengths, not only its path.
+  sequence lengths, not only its path;
+- a cached index that cannot be read or written (corrupt, or unreadable on one node) is a
+  DataError naming the file, raised once megatron-core's build has passed every barrier: the
+  caller can agree on it across ranks (megaloop.training.data does).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import logging
 import os
+import pickle
 import warnings
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
+
+import numpy
 
 from megaloop.data.blend import SPLIT_NAMES, SPLIT_RULE, parse_blend, split_weights
 from megaloop.data.index_cache import (atomic_npy_writes, before_building, exclusive_build,
@@ -129,7 +137,13 @@ def build_gpt_datasets(
     # the other ranks wait at its barriers, then load.
     builds_here = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     with exclusive_build(cache_dir) if builds_here else contextlib.nullcontext(), atomic_npy_writes():
-        return builder.build()
+        datasets = builder.build()
+    problem = next((part.cache_problem for dataset in datasets if dataset is not None
+                    for part in getattr(dataset, "datasets", [dataset]) if part.cache_problem),
+                   None)
+    if problem is not None:  # after megatron-core's barriers: see FingerprintedGPTDataset
+        raise DataError(problem)
+    return datasets
 
 
 def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence[int | None], mcore) -> None:
@@ -190,18 +204,57 @@ def _import_mcore_datasets():
         def _key_config_attributes() -> list[str]:
             return [*GPTDataset._key_config_attributes(), "sequence_lengths_md5"]
 
+        cache_problem: str | None = None  # why the cached indices could not be used
+
         def _build_document_sample_shuffle_indices(self):
-            if not self._cached():
+            cached = self._cached()
+            if not cached:
                 before_building()  # the build lock, before minutes of computing the indices
-            return super()._build_document_sample_shuffle_indices()
+            try:
+                return super()._build_document_sample_shuffle_indices()
+            except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
+                self.cache_problem = self._problem_of(e, cached)
+            # Computed here in memory, not cached, and raised by build_gpt_datasets after the
+            # build: megatron-core loads or builds each dataset between barriers, and a rank
+            # that raised here left the others waiting in the next one until the process-group
+            # timeout, with a traceback not naming the file (numpy: "mmap length is greater
+            # than file size").
+            config, self.config = self.config, copy.copy(self.config)
+            self.config.path_to_cache, self.config.mock = None, True  # mock: no default cache
+            try:
+                with _unsaved_indices_unsaid():
+                    return super()._build_document_sample_shuffle_indices()
+            finally:
+                self.config = config
+
+        def _problem_of(self, error: Exception, cached: bool) -> str:
+            """``error`` of reading or writing the cache, in words naming the file; raised again
+            when it is not the cache's (an error computing the indices, which are not cached,
+            or cached files that load)."""
+            if isinstance(error, OSError) and error.filename:
+                return f"{error.filename}: {error.strerror or error}"
+            if not cached:
+                raise error
+            for path in self._cache_files()[1:]:
+                try:
+                    numpy.load(path, mmap_mode="r", allow_pickle=False)
+                except OSError as e:
+                    return f"{path}: {e.strerror or e}"
+                except (ValueError, EOFError) as e:
+                    return (f"{path}: corrupt ({e}); delete it, and the next run builds it "
+                            "again")
+            raise error
 
         def _cached(self) -> bool:
+            return all(os.path.isfile(path) for path in self._cache_files())
+
+        def _cache_files(self) -> list[str]:
             # megatron-core's names and cache-hit test (GPTDataset._build_document_sample_
             # shuffle_indices); should they change, every index looks missing, and takes the lock.
             base = os.path.join(self.config.path_to_cache, f"{self.unique_description_hash}-"
                                 f"{type(self).__name__}-{self.index_split.name}-")
-            return all(os.path.isfile(base + name) for name in (
-                "description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"))
+            return [base + name for name in ("description.txt", "document_index.npy",
+                                             "sample_index.npy", "shuffle_index.npy")]
 
     return types.SimpleNamespace(
         BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,
@@ -210,6 +263,20 @@ def _import_mcore_datasets():
         convert_split_vector_to_split_matrix=cfg.convert_split_vector_to_split_matrix,
         parse_and_normalize_split=cfg.parse_and_normalize_split,
     )
+
+
+@contextlib.contextmanager
+def _unsaved_indices_unsaid():
+    """Without megatron-core's warning that indices built with no cache directory are not saved
+    (those of a dataset whose cached ones could not be used: its error says so)."""
+    logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    unsaved = logging.Filter()
+    unsaved.filter = lambda record: "Unable to save" not in record.getMessage()
+    logger.addFilter(unsaved)
+    try:
+        yield
+    finally:
+        logger.removeFilter(unsaved)
 
 
 def _ensure_helpers() -> None:
