@@ -134,13 +134,14 @@ def _rank() -> int | None:
 
 
 def _launch_env():
-    """The launcher's environment (megaloop.platform.launch.LaunchEnv), None when megaloop refuses
-    it."""
+    """The launcher's ranks (megaloop.platform.launch.LaunchEnv), None when megaloop refuses
+    them. Found without the rendezvous address: an error of `mpiexec -n 2` without MASTER_PORT
+    (which megaloop-train refuses later) was printed by every rank."""
     from megaloop.config import ConfigError
     from megaloop.platform.launch import detect_launch_env
 
     try:
-        return detect_launch_env()
+        return detect_launch_env(rendezvous=False)
     except ConfigError:
         return None
 

@@ -292,6 +292,8 @@ def test_an_error_of_the_config_file_comes_from_the_first_rank_of_each_node(rank
 @pytest.mark.parametrize("launch", [
     {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
      "MASTER_PORT": "29511"},  # mpiexec: its ranks' process group is up by then
+    # mpiexec without the rendezvous address (refused later): before, every rank printed
+    {"PMI_RANK": "1", "PMI_SIZE": "2"},
     {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}])
 def test_a_rank_that_leaves_its_error_to_rank_0_waits_before_it_exits(launch, monkeypatch, capsys):
     """Every launcher ends the other ranks at the first exit: a rank 1 that left its error to
@@ -302,7 +304,8 @@ def test_a_rank_that_leaves_its_error_to_rank_0_waits_before_it_exits(launch, mo
     from megaloop import cli
 
     monkeypatch.setattr("torch.distributed.is_initialized", lambda: False)
-    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
+                "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     for key, value in launch.items():
         monkeypatch.setenv(key, value)

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from megaloop.cli import int_at_least, json_keys_refusal
+from megaloop.cli import ArgumentParser, int_at_least, json_keys_refusal
 from megaloop.data.readers import (
     DataError,
     RecordFilter,
@@ -51,7 +51,8 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    # megaloop's: a usage error, alike on every MPI rank, comes from rank 0 alone.
+    p = ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("input data")

@@ -108,6 +108,18 @@ def test_an_error_of_mpi_ranks_is_said_once(tmp_path, repo, sp_model, articles_p
     assert os.listdir(tmp_path / "out") == []
 
 
+def test_a_usage_error_under_mpiexec_is_said_once(repo):
+    """Before: by every rank, usage and all."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    done = subprocess.run([mpiexec, "-n", "3", sys.executable, str(repo / "tools" / "preprocess_data.py"),
+                           "--bad-flag"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2
+    assert done.stderr.count("usage: ") == 1 and done.stderr.count("error: ") == 1, done.stderr
+
+
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 
