@@ -257,17 +257,20 @@ def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
 def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
     from megaloop.data.indexed import merge_indexed
-    from megaloop.data.preprocess import (check_usable, output_prefix, preprocess, read_sidecar, remove_sidecar,
-                                          shard_ranges, write_sidecar)
+    from megaloop.data.preprocess import (WorkerDied, check_usable, output_prefix, preprocess, read_sidecar,
+                                          remove_sidecar, shard_ranges, write_sidecar)
 
     rank, world = comm.Get_rank(), comm.Get_size()
-    # Ranks count disjoint subsets of the files, then all learn every count.
-    mine = {i: count_records(files[i]) for i in range(rank, len(files), world)}
-    counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
-    ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
-    shard = shard_prefix(args.output_prefix, rank, world)
-    with ProgressReporter([r[0] for r in ranges], args.log_interval, label=f"[rank {rank}] ") as reporter:
-        stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
+    try:  # this rank's own part: its error names it (_main's MPI_Abort ends the others)
+        # Ranks count disjoint subsets of the files, then all learn every count.
+        mine = {i: count_records(files[i]) for i in range(rank, len(files), world)}
+        counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
+        ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
+        shard = shard_prefix(args.output_prefix, rank, world)
+        with ProgressReporter([r[0] for r in ranges], args.log_interval, label=f"[rank {rank}] ") as reporter:
+            stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
+    except (DataError, TokenizerError, WorkerDied) as err:
+        raise type(err)(f"rank {rank}: {err}") from None
     all_stats = comm.gather(stats, root=0)
     if rank == 0:
         shards = {key: [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]

@@ -108,6 +108,29 @@ def test_an_error_of_mpi_ranks_is_said_once(tmp_path, repo, sp_model, articles_p
     assert os.listdir(tmp_path / "out") == []
 
 
+def test_an_error_in_one_mpi_ranks_part_names_the_rank(tmp_path, repo, sp_model, articles):
+    """Before: the line did not say which rank failed (its node may be the cause)."""
+    import gzip
+    import json
+
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text("".join(json.dumps(a) + "\n" for a in articles[:10]))
+    whole = gzip.compress("".join(json.dumps(a) + "\n" for a in articles[10:40]).encode())
+    (inputs / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])  # read by rank 1, the second half
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"),
+                           "--input", str(inputs), "--output-prefix", str(tmp_path / "out" / "o"), "--workers", "1",
+                           *map(str, sp_args(sp_model))], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error.startswith(f"error: rank 1: {inputs / 'b.jsonl.gz'}: truncated compressed file"), error
+    assert os.listdir(tmp_path / "out") == []
+
+
 def test_a_usage_error_under_mpiexec_is_said_once(repo):
     """Before: by every rank, usage and all."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
