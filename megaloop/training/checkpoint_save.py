@@ -37,7 +37,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.cli import decided_on_every_rank
+from megaloop.cli import decided_on_every_rank, restating
 from megaloop.config import RunConfig, save_yaml
 from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
                                      write_text_atomic)
@@ -241,8 +241,9 @@ def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
         return bool(queue.maybe_finalize_async_calls(blocking=blocking))
     except (Exception, CheckpointException) as e:
         died = save.writer is not None and died_of(save.writer)
-        raise _write_failed(save, f"its writer process died of {died}" if died else e,
-                            part) from None
+        # The finalize's own failures (sharded_save.FailedOnEveryRank) were agreed on.
+        raise restating(e, _write_failed(save, f"its writer process died of {died}" if died
+                                         else e, part)) from None
 
 
 def _drop_results() -> None:
