@@ -10,7 +10,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 
 def quiet_third_party_warnings() -> None:
@@ -54,28 +54,38 @@ def _notes_from_rank0(record: logging.LogRecord) -> bool:
     return dist is None or not dist.is_initialized() or dist.get_rank() == 0
 
 
-_DECIDED_ON_EVERY_RANK: set[str] = set()
+E = TypeVar("E", bound=BaseException)
 
 
-def decided_on_every_rank(message: str) -> str:
-    """``message``, recorded as an error that every rank raises alike, having decided it together
-    (megaloop.training.collective): ``print_error`` leaves it to rank 0."""
-    _DECIDED_ON_EVERY_RANK.add(message)
-    return message
+def decided_on_every_rank(error: E) -> E:
+    """``error``, marked as one that every rank raises alike, having decided it together
+    (megaloop.training.collective): ``print_error`` leaves it to rank 0. The mark is the error's
+    own: an error of one rank that quotes an agreed message is not taken for it."""
+    error.decided_on_every_rank = True
+    return error
+
+
+def _decided_on_every_rank(error: BaseException) -> bool:
+    return getattr(error, "decided_on_every_rank", False)
+
+
+def restating(cause: BaseException, error: E) -> E:
+    """``error``, which says ``cause`` in more words (a save's or load's error naming the
+    failure): decided on every rank when ``cause`` was."""
+    return decided_on_every_rank(error) if _decided_on_every_rank(cause) else error
 
 
 def print_error(error: BaseException, *, alike: bool = False,
                 alike_on_its_node: bool = False) -> None:
     """``error: <error>`` on stderr, a command's one-line report of why it failed. From rank 0
-    alone when every rank fails alike: ``alike`` (the caller knows), or a message the ranks
-    decided together (``decided_on_every_rank``), or one that says such a message in more words
-    (a save's or resume's error naming the failure the ranks agreed on); srun gathers every
-    rank's stderr in one job log, which held the line once per rank. From the first rank of
-    each node (its local rank 0) when the ranks of a node fail alike, but those of another node
-    may not (``alike_on_its_node``: a file each node reads for itself), so that no node's error
-    is left unsaid. Any other error may be this rank's own (a file its node cannot read, a fault
-    in its part of the model), and every rank that has one says it."""
-    if alike or any(decided in str(error) for decided in _DECIDED_ON_EVERY_RANK if decided):
+    alone when every rank fails alike: ``alike`` (the caller knows), or an error the ranks
+    decided together (``decided_on_every_rank``, or ``restating`` one in more words); srun
+    gathers every rank's stderr in one job log, which held the line once per rank. From the
+    first rank of each node (its local rank 0) when the ranks of a node fail alike, but those of
+    another node may not (``alike_on_its_node``: a file each node reads for itself), so that no
+    node's error is left unsaid. Any other error may be this rank's own (a file its node cannot
+    read, a fault in its part of the model), and every rank that has one says it."""
+    if alike or _decided_on_every_rank(error):
         if _rank() not in (0, None):
             _let_rank0_exit_first()
             return
@@ -124,13 +134,14 @@ def _rank() -> int | None:
 
 
 def _launch_env():
-    """The launcher's environment (megaloop.platform.launch.LaunchEnv), None when megaloop refuses
-    it."""
+    """The launcher's ranks (megaloop.platform.launch.LaunchEnv), None when megaloop refuses
+    them. Found without the rendezvous address: an error of `mpiexec -n 2` without MASTER_PORT
+    (which megaloop-train refuses later) was printed by every rank."""
     from megaloop.config import ConfigError
     from megaloop.platform.launch import detect_launch_env
 
     try:
-        return detect_launch_env()
+        return detect_launch_env(rendezvous=False)
     except ConfigError:
         return None
 

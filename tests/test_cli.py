@@ -220,31 +220,57 @@ def test_an_argument_error_before_the_process_group_is_up_comes_from_rank_0(rank
         assert done.stderr == "", done.stderr
 
 
-def _error_of_a_failure_decided_together(rank, world_size):
-    """What print_error writes on this rank for a save's error naming the write failure the
-    ranks agreed on (collective.first_error), as checkpoint_save and resume word theirs."""
+def _printed(error) -> str:
+    """What print_error writes on this rank for ``error``."""
+    import contextlib
     import io
 
     from megaloop.cli import print_error
-    from megaloop.training.collective import first_error
 
-    agreed = first_error("rank 1: disk full" if rank == 1 else None)
-    stderr, sys.stderr = sys.stderr, io.StringIO()
-    try:
-        print_error(RuntimeError(f"iter_0000002.tmp: saving step 2 failed ({agreed}; 1.2 GB free)"))
-        return sys.stderr.getvalue()
-    finally:
-        sys.stderr = stderr
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        print_error(error)
+    return stderr.getvalue()
 
 
-def test_an_error_made_of_one_the_ranks_decided_together_comes_from_rank_0():
-    """Before: only the agreed message itself was recognised, not an error wrapping it."""
+def _agreed_error(rank):
+    """The DataError every rank raises once rank 1 alone fails to read its shard."""
+    from megaloop.data import DataError
+    from megaloop.training.collective import each_rank_agrees
+
+    def read():
+        if rank == 1:
+            raise DataError("shard.bin: truncated")
+
+    with pytest.raises(DataError) as agreed:
+        each_rank_agrees(read, (DataError,))
+    return agreed.value
+
+
+def _errors_after_a_failure_decided_together(rank, world_size):
+    """What each rank prints of the agreed error, of a save's error restating it (as
+    checkpoint_save and checkpoint_load word theirs), and of rank 1's own later error that
+    quotes it, in one process."""
+    from megaloop.cli import restating
+
+    agreed = _agreed_error(rank)
+    restated = restating(agreed, RuntimeError(f"iter_0000002.tmp: saving step 2 failed ({agreed}; "
+                                              "1.2 GB free)"))
+    own = RuntimeError(f"retried after {agreed}: shard.bin: permission denied")
+    return _printed(agreed), _printed(restated), _printed(own) if rank == 1 else ""
+
+
+def test_an_error_decided_together_comes_from_rank_0_and_a_later_own_one_from_its_rank():
+    """Before: an error restating the agreed one was printed by every rank; then, every agreed
+    message was kept for the process's life and matched by substring, so that rank 1's own
+    later error, quoting it, was left to rank 0 and printed by no rank."""
     from tests.distributed import run_distributed
 
-    first, second = run_distributed(_error_of_a_failure_decided_together, 2)
-    assert first == ("error: iter_0000002.tmp: saving step 2 failed (rank 1: disk full; 1.2 GB "
-                     "free)\n")
-    assert second == ""
+    first, second = run_distributed(_errors_after_a_failure_decided_together, 2)
+    assert first == ("error: rank 1: shard.bin: truncated\n",
+                     "error: iter_0000002.tmp: saving step 2 failed (rank 1: shard.bin: "
+                     "truncated; 1.2 GB free)\n", "")
+    assert second == ("", "", "error: retried after rank 1: shard.bin: truncated: shard.bin: "
+                              "permission denied\n")
 
 
 @pytest.mark.parametrize("rank,local_rank", [(0, 0), (1, 0), (1, 1)])
@@ -266,6 +292,8 @@ def test_an_error_of_the_config_file_comes_from_the_first_rank_of_each_node(rank
 @pytest.mark.parametrize("launch", [
     {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
      "MASTER_PORT": "29511"},  # mpiexec: its ranks' process group is up by then
+    # mpiexec without the rendezvous address (refused later): before, every rank printed
+    {"PMI_RANK": "1", "PMI_SIZE": "2"},
     {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}])
 def test_a_rank_that_leaves_its_error_to_rank_0_waits_before_it_exits(launch, monkeypatch, capsys):
     """Every launcher ends the other ranks at the first exit: a rank 1 that left its error to
@@ -276,7 +304,8 @@ def test_a_rank_that_leaves_its_error_to_rank_0_waits_before_it_exits(launch, mo
     from megaloop import cli
 
     monkeypatch.setattr("torch.distributed.is_initialized", lambda: False)
-    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
+                "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     for key, value in launch.items():
         monkeypatch.setenv(key, value)

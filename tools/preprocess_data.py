@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from megaloop.cli import int_at_least, json_keys_refusal
+from megaloop.cli import ArgumentParser, int_at_least, json_keys_refusal
 from megaloop.data.readers import (
     DataError,
     RecordFilter,
@@ -51,7 +51,8 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    # megaloop's: a usage error, alike on every MPI rank, comes from rank 0 alone.
+    p = ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("input data")
@@ -256,17 +257,20 @@ def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
 def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
     from megaloop.data.indexed import merge_indexed
-    from megaloop.data.preprocess import (check_usable, output_prefix, preprocess, read_sidecar, remove_sidecar,
-                                          shard_ranges, write_sidecar)
+    from megaloop.data.preprocess import (WorkerDied, check_usable, output_prefix, preprocess, read_sidecar,
+                                          remove_sidecar, shard_ranges, write_sidecar)
 
     rank, world = comm.Get_rank(), comm.Get_size()
-    # Ranks count disjoint subsets of the files, then all learn every count.
-    mine = {i: count_records(files[i]) for i in range(rank, len(files), world)}
-    counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
-    ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
-    shard = shard_prefix(args.output_prefix, rank, world)
-    with ProgressReporter([r[0] for r in ranges], args.log_interval, label=f"[rank {rank}] ") as reporter:
-        stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
+    try:  # this rank's own part: its error names it (_main's MPI_Abort ends the others)
+        # Ranks count disjoint subsets of the files, then all learn every count.
+        mine = {i: count_records(files[i]) for i in range(rank, len(files), world)}
+        counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
+        ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
+        shard = shard_prefix(args.output_prefix, rank, world)
+        with ProgressReporter([r[0] for r in ranges], args.log_interval, label=f"[rank {rank}] ") as reporter:
+            stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
+    except (DataError, TokenizerError, WorkerDied) as err:
+        raise type(err)(f"rank {rank}: {err}") from None
     all_stats = comm.gather(stats, root=0)
     if rank == 0:
         shards = {key: [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
@@ -351,18 +355,8 @@ def _mpi_comm():
 
 
 def run(args: argparse.Namespace, comm) -> None:
-    from megaloop.data.preprocess import check_tokenizer
-
     lead = comm is None or comm.Get_rank() == 0
-    # Settings and output location first: the user's mistake is likeliest there, and cheap to find.
-    check_output_prefix(args.output_prefix)
-    if not args.overwrite:
-        refuse_existing_outputs(args.output_prefix, args.json_keys)
-    if args.tokenizer_metadata and not args.legacy_tokenizer:
-        check_tokenizer_metadata(args.tokenizer_metadata, args.tokenizer_type)
-    check_tokenizer(_options(args))
-    skipped: list[str] = []
-    files = expand_inputs(args.input, skipped)
+    files, skipped = _agreed(comm, lambda: _checked_inputs(args))
     if lead:
         notes = setting_notes(args) + input_notes(files, skipped)
         # Before run_mpi's first collective: no other rank of this run has a partial file yet.
@@ -372,6 +366,53 @@ def run(args: argparse.Namespace, comm) -> None:
         run_single(args, files)
     else:
         run_mpi(args, files, comm)
+
+
+def _checked_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The input files and those left out of them, once the settings and the output location
+    are checked first: the user's mistake is likeliest there, and cheap to find."""
+    from megaloop.data.preprocess import check_tokenizer
+
+    check_output_prefix(args.output_prefix)
+    if not args.overwrite:
+        refuse_existing_outputs(args.output_prefix, args.json_keys)
+    if args.tokenizer_metadata and not args.legacy_tokenizer:
+        check_tokenizer_metadata(args.tokenizer_metadata, args.tokenizer_type)
+    check_tokenizer(_options(args))
+    skipped: list[str] = []
+    return expand_inputs(args.input, skipped), skipped
+
+
+class FailedOnEveryRank(Exception):
+    """A check before any collective that failed on some MPI rank, agreed by every rank: none
+    is left waiting, so each exits with status 2 without MPI_Abort. ``line``: what this rank
+    prints (None: another rank says it)."""
+
+    def __init__(self, line: str | None):
+        super().__init__(line)
+        self.line = line
+
+
+def _agreed(comm, check):
+    """``check()``, whose DataError or TokenizerError on any MPI rank fails every rank
+    (FailedOnEveryRank): an error every rank found alike is said by rank 0 alone, and a rank's
+    own (a file its node does not see) by that rank, after ``rank N: ``. Before, every rank
+    printed its error and called MPI_Abort, and as many ranks said the same line as reached it
+    before the first abort ended them (2 to 4 of 4 ranks)."""
+    if comm is None:
+        return check()
+    result = problem = None
+    try:
+        result = check()
+    except (DataError, TokenizerError) as err:
+        problem = str(err)
+    every = comm.allgather(problem)
+    if not any(p is not None for p in every):
+        return result
+    rank = comm.Get_rank()
+    if all(p == problem for p in every):
+        raise FailedOnEveryRank(f"error: {problem}" if rank == 0 else None)
+    raise FailedOnEveryRank(None if problem is None else f"error: rank {rank}: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,6 +433,13 @@ def _main(argv: list[str] | None) -> int:
     try:
         comm = _mpi_comm()
         run(args, comm)
+    except FailedOnEveryRank as failed:
+        if failed.line is not None:
+            _print(failed.line)
+        # The ranks exit together: mpiexec ends every rank at the first failed exit, and one
+        # that left the line to another could end that one before it is said.
+        comm.Barrier()
+        return 2
     except (DataError, TokenizerError) as err:
         return _fail(2, f"error: {err}", args, comm)
     except WorkerDied as err:

@@ -44,6 +44,7 @@ from megaloop.alrs.blocks import fused_layouts, weight_blocks
 from megaloop.alrs.estimator import SpectralStats, spectral_stats
 from megaloop.alrs.log import ALRSLog, require_zarr
 from megaloop.alrs.schedule import ALRSConfig, MultiplierSchedule, config_error
+from megaloop.training.collective import said_by_this_rank
 
 logger = logging.getLogger("megaloop.alrs")
 
@@ -294,7 +295,7 @@ class ALRS:
                     parts = ([torch.empty_like(shard) for _ in tp_ranks]
                              if owner == dist.get_rank() else None)
                 except Exception as e:
-                    error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+                    error = said_by_this_rank(f"{type(e).__name__}: {e}")
             if block.partition_dim is None:
                 continue
             if self._failed_in_tp_group(error is not None):
@@ -308,7 +309,7 @@ class ALRS:
                                    self.names[i], exc_info=True)
         error = next((e for e in self._from_every_rank(error) if e), None)
         if error is not None:
-            raise RuntimeError(f"gathering the tensor-parallel blocks failed on {error}")
+            raise RuntimeError(f"gathering the blocks to analyse failed: {error}")
         return full
 
     def _failed_in_tp_group(self, failed: bool) -> bool:

@@ -11,17 +11,25 @@ caller:
   on it;
 - the cache of shuffle/sample indices is safe to share between jobs (``index_cache``): writes are
   atomic, one job builds while another waits for its files, and the cache key covers the data's
-  sequence lengths, not only its path.
+  sequence lengths, not only its path;
+- a cached index that cannot be read or written (corrupt, or unreadable on one node) is a
+  DataError naming the file, raised once megatron-core's build has passed every barrier: the
+  caller can agree on it across ranks (megaloop.training.data does).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import logging
 import os
+import pickle
 import warnings
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
+
+import numpy
 
 from megaloop.data.blend import SPLIT_NAMES, SPLIT_RULE, parse_blend, split_weights
 from megaloop.data.index_cache import (atomic_npy_writes, before_building, exclusive_build,
@@ -128,8 +136,15 @@ def build_gpt_datasets(
     # megatron-core builds missing indices on global rank 0 only (or without torch.distributed);
     # the other ranks wait at its barriers, then load.
     builds_here = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    with exclusive_build(cache_dir) if builds_here else contextlib.nullcontext(), atomic_npy_writes():
-        return builder.build()
+    with exclusive_build(cache_dir) if builds_here else contextlib.nullcontext(), \
+            atomic_npy_writes(), _checked_blended_datasets(mcore):
+        datasets = builder.build()
+    problem = next((part.cache_problem for dataset in datasets if dataset is not None
+                    for part in [dataset, *getattr(dataset, "datasets", [])]
+                    if getattr(part, "cache_problem", None)), None)
+    if problem is not None:  # after megatron-core's barriers: see _indices_or_problem
+        raise DataError(problem)
+    return datasets
 
 
 def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence[int | None], mcore) -> None:
@@ -177,6 +192,7 @@ def _import_mcore_datasets():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Transformer Engine / Apex missing: irrelevant here
         from megatron.core.datasets import blended_megatron_dataset_config as cfg
+        from megatron.core.datasets import blended_dataset
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     _ensure_helpers()
@@ -191,25 +207,108 @@ def _import_mcore_datasets():
             return [*GPTDataset._key_config_attributes(), "sequence_lengths_md5"]
 
         def _build_document_sample_shuffle_indices(self):
-            if not self._cached():
+            cached = self._cached()
+            if not cached:
                 before_building()  # the build lock, before minutes of computing the indices
-            return super()._build_document_sample_shuffle_indices()
+            return _indices_or_problem(self, super()._build_document_sample_shuffle_indices,
+                                       cached, self._cache_files()[1:])
 
         def _cached(self) -> bool:
+            return all(os.path.isfile(path) for path in self._cache_files())
+
+        def _cache_files(self) -> list[str]:
             # megatron-core's names and cache-hit test (GPTDataset._build_document_sample_
             # shuffle_indices); should they change, every index looks missing, and takes the lock.
             base = os.path.join(self.config.path_to_cache, f"{self.unique_description_hash}-"
                                 f"{type(self).__name__}-{self.index_split.name}-")
-            return all(os.path.isfile(base + name) for name in (
-                "description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"))
+            return [base + name for name in ("description.txt", "document_index.npy",
+                                             "sample_index.npy", "shuffle_index.npy")]
+
+    class BlendedDataset(blended_dataset.BlendedDataset):  # its name: in its cache files' and key
+        def _build_indices(self):
+            base = os.path.join(self.config.path_to_cache or "", f"{self.unique_description_hash}-"
+                                f"{type(self).__name__}-{self.split.name}-")
+            files = [base + "dataset_index.npy", base + "dataset_sample_index.npy"]
+            cached = bool(self.config.path_to_cache) and all(map(os.path.isfile, files))
+            return _indices_or_problem(self, super()._build_indices, cached, files)
 
     return types.SimpleNamespace(
+        BlendedDataset=BlendedDataset,
         BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,
         GPTDataset=FingerprintedGPTDataset,
         GPTDatasetConfig=FingerprintedGPTDatasetConfig,
         convert_split_vector_to_split_matrix=cfg.convert_split_vector_to_split_matrix,
         parse_and_normalize_split=cfg.parse_and_normalize_split,
     )
+
+
+def _indices_or_problem(dataset, build: Callable[[], tuple], cached: bool, files: list[str]):
+    """``build()``: a megatron-core dataset's indices, loaded from the cache (``cached``: its
+    ``files`` are there) or built and saved there. When the cache cannot be read or written, the
+    problem is noted (``dataset.cache_problem``) and the indices are built in memory, not
+    cached, for build_gpt_datasets to raise it after the build: megatron-core loads or builds
+    each dataset between barriers, and a rank that raised here left the others waiting in the
+    next one until the process-group timeout, with a traceback not naming the file (numpy:
+    "mmap length is greater than file size")."""
+    try:
+        return build()
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        dataset.cache_problem = _problem_of(e, cached, files)
+    config, dataset.config = dataset.config, copy.copy(dataset.config)
+    dataset.config.path_to_cache, dataset.config.mock = None, True  # mock: no default cache
+    try:
+        with _unsaved_indices_unsaid():
+            return build()
+    finally:
+        dataset.config = config
+
+
+def _problem_of(error: Exception, cached: bool, files: list[str]) -> str:
+    """``error`` of reading or writing the cache, in words naming the file; raised again when it
+    is not the cache's (an error computing indices that are not cached, or cached ``files`` that
+    load)."""
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.filename}: {error.strerror or error}"
+    if not cached:
+        raise error
+    for path in files:
+        try:
+            numpy.load(path, mmap_mode="r", allow_pickle=False)
+        except OSError as e:
+            return f"{path}: {e.strerror or e}"
+        except (ValueError, EOFError) as e:
+            return f"{path}: corrupt ({e}); delete it, and the next run builds it again"
+    raise error
+
+
+@contextlib.contextmanager
+def _unsaved_indices_unsaid():
+    """Without megatron-core's warnings that indices built with no cache directory are not
+    saved (those of a dataset whose cached ones could not be used: its error says so)."""
+    unsaved = logging.Filter()
+    unsaved.filter = lambda record: "because path_to_cache is None" not in record.getMessage()
+    loggers = [logging.getLogger(f"megatron.core.datasets.{name}")
+               for name in ("gpt_dataset", "blended_dataset")]
+    for logger in loggers:
+        logger.addFilter(unsaved)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(unsaved)
+
+
+@contextlib.contextmanager
+def _checked_blended_datasets(mcore):
+    """megatron-core's builder making ``mcore.BlendedDataset``s, whose cache problems are noted
+    as those of a GPTDataset (the builder names the class in its module)."""
+    from megatron.core.datasets import blended_megatron_dataset_builder as module
+
+    original, module.BlendedDataset = module.BlendedDataset, mcore.BlendedDataset
+    try:
+        yield
+    finally:
+        module.BlendedDataset = original
 
 
 def _ensure_helpers() -> None:

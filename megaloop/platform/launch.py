@@ -53,8 +53,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
-    """Reads rank, world size and rendezvous address from the launcher's environment."""
+def detect_launch_env(environ: dict[str, str] | None = None, *,
+                      rendezvous: bool = True) -> LaunchEnv:
+    """Reads rank, world size and rendezvous address from the launcher's environment.
+    ``rendezvous=False``: for the rank and world size alone, an MPI launch's rendezvous address
+    is not required."""
     env = os.environ if environ is None else environ
     port = int(env.get("MASTER_PORT", 0))
     addr = env.get("MASTER_ADDR", "127.0.0.1")
@@ -89,7 +92,8 @@ def detect_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             # Ranks on another node than rank 0 would look for it at their own 127.0.0.1 and wait
             # there until the store's timeout.
             across_nodes = int(env.get(local_size_key, size)) < size
-            if size > 1 and (not port or (across_nodes and "MASTER_ADDR" not in env)):
+            unaddressed = not port or (across_nodes and "MASTER_ADDR" not in env)
+            if rendezvous and size > 1 and unaddressed:
                 raise ConfigError(
                     f"MPI launch of {size} ranks{' over several nodes' if across_nodes else ''}: "
                     "set MASTER_ADDR (rank 0's host) and MASTER_PORT (e.g. `mpiexec -genv "

@@ -19,6 +19,7 @@ from typing import Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megaloop.cli import restating
 from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, from_dict
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.checkpoint_files import (LATEST, NAME_PATTERN, CheckpointError,
@@ -154,7 +155,8 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
         sharded_state = load_absent_extra_state_as_fresh(sharded_state, str(path))
         return load_sharded(merge_swiglu_in_place(sharded_state), path)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"{path}: cannot be loaded into this run ({one_line(e)})") from None
+        raise restating(e, CheckpointError(f"{path}: cannot be loaded into this run "
+                                           f"({one_line(e)})")) from None
 
 
 def resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:

@@ -37,6 +37,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megaloop.cli import decided_on_every_rank, restating
 from megaloop.config import RunConfig, save_yaml
 from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
                                      write_text_atomic)
@@ -203,7 +204,7 @@ def _write(save: _Save, state: dict, queue) -> None:
     try:
         request = save_sharded(state, save.tmp)
     except FailedOnEveryRank as e:  # raised alike on every rank: none waits in a collective
-        raise _write_failed(save, str(e)) from None
+        raise decided_on_every_rank(_write_failed(save, str(e))) from None
     except (Exception, CheckpointException) as e:
         error = one_line(e)
     else:
@@ -228,7 +229,7 @@ def _write(save: _Save, state: dict, queue) -> None:
         _drop_results()
     queue.call_idx = call_idx  # counted on the ranks that got as far: the finalize compares them
     # Also the barrier that keeps rank 0 from removing iter_N.tmp before every write is killed.
-    raise _write_failed(save, first_error(error)) from None
+    raise decided_on_every_rank(_write_failed(save, first_error(error))) from None
 
 
 def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
@@ -240,8 +241,9 @@ def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
         return bool(queue.maybe_finalize_async_calls(blocking=blocking))
     except (Exception, CheckpointException) as e:
         died = save.writer is not None and died_of(save.writer)
-        raise _write_failed(save, f"its writer process died of {died}" if died else e,
-                            part) from None
+        # The finalize's own failures (sharded_save.FailedOnEveryRank) were agreed on.
+        raise restating(e, _write_failed(save, f"its writer process died of {died}" if died
+                                         else e, part)) from None
 
 
 def _drop_results() -> None:

@@ -1,7 +1,7 @@
 """Decisions that every rank must share: a check that fails on one rank alone would leave the others
 waiting in the next collective until the process-group timeout (30 minutes by default). The errors
-they raise alike on every rank are recorded (``cli.decided_on_every_rank``): megaloop-train prints
-them from rank 0 alone."""
+they raise alike on every rank are marked so (``cli.decided_on_every_rank``): megaloop-train prints
+them from rank 0 alone; so is an error its caller makes of ``first_error``'s message."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def rank0_decides(compute: Callable[[], T], errors: tuple[type[Exception], ...])
     kind, value = outcome[0]
     if kind is None:
         return value
-    raise errors[kind](decided_on_every_rank(value))
+    raise decided_on_every_rank(errors[kind](value))
 
 
 def each_rank_agrees(compute: Callable[[], T], errors: tuple[type[Exception], ...]) -> T:
@@ -72,7 +72,7 @@ def each_rank_agrees(compute: Callable[[], T], errors: tuple[type[Exception], ..
     if first is None:
         return result
     rank, (kind, message) = first
-    raise errors[kind](decided_on_every_rank(f"rank {rank}: {message}"))
+    raise decided_on_every_rank(errors[kind](f"rank {rank}: {message}"))
 
 
 def collective_device() -> torch.device:
@@ -97,13 +97,13 @@ def any_rank(flag: bool) -> bool:
 
 
 def first_error(error: str | None) -> str | None:
-    """Collective: the first error message any rank reports, on every rank (None if none)."""
+    """Collective: the first error message any rank reports, on every rank (None if none); an
+    error raised of it is marked ``cli.decided_on_every_rank``."""
     if _world() == 1:
         return error
     gathered: list[str | None] = [None] * _world()
     dist.all_gather_object(gathered, error)
-    first = next((e for e in gathered if e), None)
-    return first if first is None else decided_on_every_rank(first)
+    return next((e for e in gathered if e), None)
 
 
 def same_on_every_rank(settings: dict[str, object]) -> None:
@@ -119,6 +119,6 @@ def same_on_every_rank(settings: dict[str, object]) -> None:
     for name, value in gathered[0].items():
         for rank, other in enumerate(gathered):
             if other.get(name) != value:
-                raise ConfigError(decided_on_every_rank(
+                raise decided_on_every_rank(ConfigError(
                     f"{name}={other.get(name)!r} on rank {rank} but {value!r} on rank 0: every "
                     "rank must be launched with the same settings"))

@@ -130,11 +130,12 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     # spends minutes building its indices, and leaves none in the cache.
     summaries = rank0_decides(check, (DataError,))
     _readable_on_every_rank(prefixes)
-    train, valid, _ = build_gpt_datasets(
+    # Agreed: a cached index one node cannot read (or a corrupt one) failed there alone.
+    train, valid, _ = each_rank_agrees(lambda: build_gpt_datasets(
         cfg.data.path, tokenizer, cfg.model.seq_length, samples,
         split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
         eod_mask_loss=cfg.data.eod_mask_loss, summaries=summaries,
-    )
+    ), (DataError,))
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
     if is_rank0():

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
-from megaloop.cli import ALIKE_ON_EVERY_RANK
+from megaloop.cli import ALIKE_ON_EVERY_RANK, decided_on_every_rank
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
@@ -333,16 +333,16 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     changed = [name for name in ("overlap_grad_reduce", "ddp_bucket_size")
                if before[name] != getattr(cfg.parallel, name)]
     if changed:
-        raise ConfigError(
+        raise decided_on_every_rank(ConfigError(
             ", ".join(f"parallel.{n}={getattr(cfg.parallel, n)!r}" for n in changed)
             + f": differs from {', '.join(repr(before[n]) for n in changed)} in "
             f"{path / 'config.yaml'}, and a resume cannot apply it ({error}); set it back, or "
-            "start a new run")
-    raise ckpt.CheckpointError(
+            "start a new run"))
+    raise decided_on_every_rank(ckpt.CheckpointError(
         f"{error} (another data-parallel size with megatron-core's default "
         "parallel.ddp_bucket_size, or another megaloop or megatron-core version); resume as it "
         "was saved, or start a new run from its weights (checkpoint.load, "
-        "checkpoint.load_optimizer=false)")
+        "checkpoint.load_optimizer=false)"))
 
 
 def _allocation_window(cfg: RunConfig, before: dict, first: int | None) -> str | None:

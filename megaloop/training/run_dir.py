@@ -31,6 +31,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from megaloop.cli import decided_on_every_rank
 from megaloop.config import ConfigError
 from megaloop.platform import mounts
 from megaloop.platform.locks import take_flock, warn_unguarded
@@ -182,7 +183,7 @@ class RunDirs:
                 f"checkpoint.dir={str(directory)!r}: not a writable directory on "
                 f"{socket.gethostname()}; every node must see it on a shared filesystem"))
         if error is not None:
-            raise ConfigError(error)
+            raise decided_on_every_rank(ConfigError(error))
 
     def created(self, path: Path) -> None:
         """Rank 0, during set-up: notes that this run is about to create ``path`` (a file or

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from megaloop.cli import decided_on_every_rank
 from megaloop.training.collective import first_error
 
 
@@ -180,7 +181,7 @@ def load_sharded(state: dict, path: Path) -> dict:
 
     twins, refusal = _prepare(state)
     if refusal:
-        raise CheckpointingException(refusal)
+        raise decided_on_every_rank(CheckpointingException(refusal))
     loaded = dist_checkpointing.load(state, str(path), validate_access_integrity=False)
     for twin, kept, entry in twins:
         _set(loaded, twin, _own_copy(entry, _get(loaded, kept)))

@@ -34,6 +34,8 @@ class FailedOnEveryRank(RuntimeError):
     """A save's failure raised alike on every rank, its message naming the rank it came from;
     no rank is left in a collective."""
 
+    decided_on_every_rank = True  # megaloop.cli: printed by rank 0 alone
+
 
 def _on_this_rank(error: BaseException) -> str:
     return said_by_this_rank(one_line(error))

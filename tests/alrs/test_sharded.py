@@ -474,8 +474,26 @@ def test_a_failure_on_one_rank_before_the_tp_gathers_skips_the_analysis_on_every
     assert multipliers0 == multipliers1 and set(multipliers0.values()) == {1.0}
     for warnings in (warnings0, warnings1):
         assert warnings == ["ALRS: analysis at step 1 failed; multipliers unchanged"
-                            "gathering the tensor-parallel blocks failed on rank 1: "
+                            "gathering the blocks to analyse failed: rank 1: "
                             "OutOfMemoryError: cannot allocate 4.5 KiB"], warnings
+
+
+def test_a_failure_to_cut_a_block_in_one_process_names_it(monkeypatch, caplog):
+    """Before: without a process group, naming the rank raised ValueError ("Default process
+    group has not been initialized") in place of the failure, which the warning then ended with."""
+    from megaloop.alrs.blocks import WeightBlock
+
+    def refused(self, weight):
+        raise torch.OutOfMemoryError("cannot allocate 4.5 KiB")
+
+    monkeypatch.setattr(WeightBlock, "local", refused)
+    params = _params()
+    alrs = ALRS(lambda: params.items(), 100, ALRSConfig(interval=10))
+    with caplog.at_level(logging.WARNING, logger="megaloop.alrs"):
+        assert set(alrs.step(1).values()) == {1.0}
+    [failure] = [r for r in caplog.records if "analysis at step 1 failed" in r.getMessage()]
+    assert str(failure.exc_info[1]) == ("gathering the blocks to analyse failed: "
+                                        "OutOfMemoryError: cannot allocate 4.5 KiB")
 
 
 def _copies_alive_at_each_gather(rank, world_size):

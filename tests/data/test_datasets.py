@@ -88,6 +88,28 @@ def test_weighted_blend_draws_from_both(tmp_path, tokenized_articles, mcore):
     assert counts.sum() == len(train) and abs(counts[0] / counts.sum() - 0.25) < 0.02
 
 
+def test_a_corrupt_cached_blend_index_is_one_line_naming_it(tmp_path, tokenized_articles, mcore):
+    """Before: numpy's ValueError naming no file, and on several ranks a hang (the others in
+    megatron-core's next barrier); megaloop's own names of the blend's cache files are kept."""
+    other = str(tmp_path / "other")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tokenized_articles + suffix, other + suffix)
+
+    def build():
+        return build_gpt_datasets(["0.25", tokenized_articles, "0.75", other], TOKENIZER, 64,
+                                  (400, 0, 0), split="100,0,0", cache_dir=str(tmp_path / "cache"))[0]
+
+    expected = numpy.asarray(build().dataset_index)
+    [index] = (tmp_path / "cache").glob("*-BlendedDataset-train-dataset_index.npy")
+    os.truncate(index, index.stat().st_size // 2)
+    with pytest.raises(DataError) as error:
+        build()
+    assert str(error.value) == (f"{index}: corrupt (mmap length is greater than file size); "
+                                "delete it, and the next run builds it again")
+    index.unlink()
+    assert numpy.array_equal(numpy.asarray(build().dataset_index), expected)
+
+
 def test_weighted_blend_needs_every_split_size(tokenized_articles):
     with pytest.raises(DataError, match="sample count for every split"):
         build_gpt_datasets(["1", tokenized_articles], TOKENIZER, 64, (10, None, None))

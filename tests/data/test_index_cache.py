@@ -103,6 +103,24 @@ def test_a_job_killed_mid_write_leaves_nothing_the_next_job_loads(tmp_path, toke
     assert temporaries_in(cache) == []  # the killed job's partial file went
 
 
+def test_a_corrupt_cached_index_is_one_line_naming_it_and_is_built_again_once_deleted(
+        tmp_path, tokenized_articles):
+    """A .npy truncated by a writer other than megaloop's (Megatron-LM killed mid-save, a full
+    disk). Before: numpy's ValueError, "mmap length is greater than file size", naming no file."""
+    from megaloop.data import DataError
+
+    cache = tmp_path / "cache"
+    expected = _indices(tokenized_articles, cache)
+    [shuffle] = cache.glob("*-train-shuffle_index.npy")
+    os.truncate(shuffle, shuffle.stat().st_size // 2)
+    with pytest.raises(DataError) as error:
+        _indices(tokenized_articles, cache)
+    assert str(error.value) == (f"{shuffle}: corrupt (mmap length is greater than file size); "
+                                "delete it, and the next run builds it again")
+    shuffle.unlink()
+    _assert_same(_indices(tokenized_articles, cache), expected)
+
+
 def test_indices_of_data_rewritten_under_the_same_prefix_are_rebuilt(tmp_path, sp_model, articles):
     # Before: the cache key held the prefix, not the data, so re-tokenized data under the same
     # prefix reused indices made for other documents.

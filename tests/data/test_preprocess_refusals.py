@@ -2,6 +2,9 @@
 flag, file or value, found before any work where they can be, with nothing written."""
 
 import os
+import shutil
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,6 +74,73 @@ def test_srun_tasks_that_are_not_mpi_ranks_are_refused(tmp_path, run, monkeypatc
                               "ranks: each would tokenize the whole input into the same output; run "
                               "one task, or mpiexec -n N as slurm/preprocess.sh does\n")
     assert os.listdir(tmp_path) == []
+
+
+# Rank 1 alone does not see the input, as on a node without the filesystem.
+ONLY_RANK_1_MISSES_THE_INPUT = (
+    "import os, runpy, sys; from megaloop.data import readers; real = readers.expand_inputs\n"
+    "def expand(inputs, skipped=None):\n"
+    "    if os.environ['PMI_RANK'] == '1': raise readers.DataError(f'{inputs[0]}: input not found')\n"
+    "    return real(inputs, skipped)\n"
+    "readers.expand_inputs = expand; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("case", ["missing input", "missing tokenizer", "rank 1's own"])
+def test_an_error_of_mpi_ranks_is_said_once(tmp_path, repo, sp_model, articles_path, case):
+    """Before: every rank printed its error and called MPI_Abort; as many ranks as got there
+    before the first abort said the line (2 to 4 of 4), each followed by MPICH's abort line,
+    and a rank's own error did not say which rank it was."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    source, model = (tmp_path / "nope.jsonl" if case == "missing input" else articles_path,
+                     tmp_path / "nope.model" if case == "missing tokenizer" else sp_model)
+    driver = ["-c", ONLY_RANK_1_MISSES_THE_INPUT] if case == "rank 1's own" else []
+    done = subprocess.run([mpiexec, "-n", "3", sys.executable, *driver, str(repo / "tools" / "preprocess_data.py"),
+                           "--input", str(source), "--output-prefix", str(tmp_path / "out" / "o"), "--workers", "1",
+                           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(model)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    said = {"missing input": f"{source}: input not found",
+            "missing tokenizer": f"{model}: tokenizer file not found",
+            "rank 1's own": f"rank 1: {source}: input not found"}[case]
+    assert (done.returncode, done.stderr) == (2, f"error: {said}\n")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_an_error_in_one_mpi_ranks_part_names_the_rank(tmp_path, repo, sp_model, articles):
+    """Before: the line did not say which rank failed (its node may be the cause)."""
+    import gzip
+    import json
+
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text("".join(json.dumps(a) + "\n" for a in articles[:10]))
+    whole = gzip.compress("".join(json.dumps(a) + "\n" for a in articles[10:40]).encode())
+    (inputs / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])  # read by rank 1, the second half
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"),
+                           "--input", str(inputs), "--output-prefix", str(tmp_path / "out" / "o"), "--workers", "1",
+                           *map(str, sp_args(sp_model))], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error.startswith(f"error: rank 1: {inputs / 'b.jsonl.gz'}: truncated compressed file"), error
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_usage_error_under_mpiexec_is_said_once(repo):
+    """Before: by every rank, usage and all."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    done = subprocess.run([mpiexec, "-n", "3", sys.executable, str(repo / "tools" / "preprocess_data.py"),
+                           "--bad-flag"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2
+    assert done.stderr.count("usage: ") == 1 and done.stderr.count("error: ") == 1, done.stderr
 
 
 def test_data_error_is_a_value_error():

@@ -2,7 +2,9 @@
 be started on one rank fails the save on every rank at once, and a trainer killed with
 ``kill -9`` mid-save leaves no process of the run behind."""
 
+import contextlib
 import errno
+import io
 import os
 import signal
 import textwrap
@@ -12,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megaloop.cli import print_error
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
@@ -57,10 +60,12 @@ def _fork_refused_on_rank_1(rank, world_size, data_prefix, out_dir, async_save):
         try:
             trainer.train()
         except ckpt.CheckpointError as e:
-            return str(e), trainer.step, _forks(psutil.Process())
+            with contextlib.redirect_stderr(io.StringIO()) as printed:
+                print_error(e)
+            return str(e), printed.getvalue(), trainer.step, _forks(psutil.Process())
         finally:
             trainer.close()
-    return None, trainer.step, []
+    return None, "", trainer.step, []
 
 
 @pytest.mark.timeout(120, method="thread")  # the old code: rank 0 waited in the finalize's
@@ -72,8 +77,9 @@ def test_a_writer_that_cannot_start_on_one_rank_fails_the_save_on_every_rank(
     results = run_distributed(_fork_refused_on_rank_1, world_size=2, data_prefix=pattern_data,
                               out_dir=str(tmp_path), async_save=async_save)
     checkpoints = tmp_path / "run" / "checkpoints"
-    (error0, step0, writers0), (error1, step1, writers1) = results
+    (error0, printed0, step0, writers0), (error1, printed1, step1, writers1) = results
     assert error0 == error1, "the same line on every rank"
+    assert (printed0, printed1) == (f"error: {error0}\n", ""), "said by rank 0 alone"
     assert error0.startswith(f"{checkpoints}/iter_0000004.tmp: saving step 4 failed (rank 1: "
                              "its writer process did not start: [Errno 11] Resource temporarily "
                              "unavailable; "), error0

@@ -68,6 +68,54 @@ def test_a_data_file_one_rank_cannot_read_fails_every_rank_in_one_line(tmp_path,
     assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
 
 
+def _build_with_a_faulty_cached_index(rank, world_size, data, out, fault):
+    """The datasets built on every rank once their indices are cached, then again with the
+    train split's shuffle index truncated (on every rank: one shared cache) or unreadable on
+    rank 1; the error and the seconds each rank took to raise it."""
+    import glob
+
+    import torch.distributed as dist
+
+    from megaloop.data import DataError
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    cfg = tiny_run(data, Path(out))
+    build_datasets(cfg)
+    [shuffle] = glob.glob(f"{cfg.data.cache_dir}/*-train-shuffle_index.npy")
+    if fault == "truncated" and rank == 0:
+        os.truncate(shuffle, os.path.getsize(shuffle) // 2)
+    dist.barrier()
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_TIMEOUT_S):
+        if fault == "unreadable" and rank == 1:
+            _deny(monkeypatch, shuffle)
+        started = time.monotonic()
+        try:
+            build_datasets(cfg)
+            dist.barrier()  # the trainer's next collective
+        except DataError as e:
+            return str(e), time.monotonic() - started, shuffle
+    return None, time.monotonic() - started, shuffle
+
+
+@pytest.mark.parametrize("fault", ["truncated", "unreadable"])
+def test_a_cached_index_that_is_corrupt_or_one_rank_cannot_read_fails_every_rank_in_one_line(
+        tmp_path, pattern_data, fault):
+    """Before: rank 0 raised numpy's ValueError naming no file ("mmap length is greater than
+    file size"), or rank 1 its PermissionError, with a traceback, while the other rank waited in
+    megatron-core's next barrier, or the trainer's next collective, until the process-group
+    timeout."""
+    with workers_discarded_on_failure():
+        (error0, took0, shuffle), (error1, took1, _) = run_distributed(
+            _build_with_a_faulty_cached_index, world_size=2, data=pattern_data,
+            out=str(tmp_path / "run"), fault=fault)
+    says = {"truncated": f"rank 0: {shuffle}: corrupt (mmap length is greater than file size); "
+                         "delete it, and the next run builds it again",
+            "unreadable": f"rank 1: {shuffle}: Permission denied"}[fault]
+    assert error0 == error1 == says, (error0, error1)
+    assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
+
+
 def _build_sft_unreadable_on_rank1(rank, world_size, files, out):
     import torch.distributed as dist
 

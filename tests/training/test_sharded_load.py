@@ -3,11 +3,14 @@ rank (tied copies of a layer in two model chunks) is read once and fills every r
 its own tensor; a request megatron-core refuses on one rank alone is refused on every rank, not
 left to the others to wait out in a collective."""
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
 import torch
 
+from megaloop.cli import print_error
 from megaloop.training.checkpoint import CheckpointError
 from tests.distributed import run_distributed
 
@@ -62,8 +65,10 @@ def _load_refused_on_one_rank(rank, world_size, path, refusal):
     try:
         load_checkpoint(Path(path), state)
     except CheckpointError as e:
-        return str(e)
-    return None
+        with contextlib.redirect_stderr(io.StringIO()) as printed:
+            print_error(e)
+        return str(e), printed.getvalue()
+    return None, ""
 
 
 @pytest.mark.parametrize("refusal, says", [
@@ -75,10 +80,11 @@ def test_a_load_one_rank_refuses_is_refused_on_every_rank(tmp_path, refusal, say
     # Before, the refusing rank raised while the other waited in the load's next collective
     # until the process-group timeout. Rank 1's refusal was then named as rank 0's check of a
     # sharding without rank 1's pieces (Invalid access pattern), not as its cause.
-    errors = run_distributed(_load_refused_on_one_rank, world_size=2, path=str(tmp_path),
-                             refusal=refusal)
-    assert errors[0] == errors[1] and says in errors[0], errors
-    assert "\n" not in errors[0]
+    (error0, printed0), (error1, printed1) = run_distributed(
+        _load_refused_on_one_rank, world_size=2, path=str(tmp_path), refusal=refusal)
+    assert error0 == error1 and says in error0, (error0, error1)
+    assert "\n" not in error0
+    assert (printed0, printed1) == (f"error: {error0}\n", ""), "said by rank 0 alone"
 
 
 

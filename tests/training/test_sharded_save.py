@@ -4,13 +4,16 @@ on a full disk), fails on every rank within seconds, each naming the failing ran
 cause, instead of leaving the others in megatron-core's next collective until the process-group
 timeout."""
 
+import contextlib
 import errno
+import io
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from megaloop.cli import print_error
 from tests.distributed import collective_timeout, run_distributed, workers_discarded_on_failure
 
 # The process-group timeout while a test saves: a rank left waiting fails then, not in 30 minutes
@@ -78,8 +81,10 @@ def _save_failing_on_one_rank(rank, world_size, out, fault):
         try:
             save_checkpoint(out, 1, _state(rank, world_size, fault), RunConfig(), keep_last=2)
         except CheckpointError as e:
-            return str(e)
-    return None
+            with contextlib.redirect_stderr(io.StringIO()) as printed:
+                print_error(e)
+            return str(e), printed.getvalue()
+    return None, ""
 
 
 @pytest.mark.parametrize("fault, says", [
@@ -92,9 +97,10 @@ def _save_failing_on_one_rank(rank, world_size, out, fault):
 def test_a_save_failing_on_one_rank_fails_on_every_rank_at_once(tmp_path, fault, says):
     out, tmp = tmp_path / "checkpoints", tmp_path / "checkpoints" / "iter_0000001.tmp"
     with workers_discarded_on_failure():
-        error0, error1 = run_distributed(
+        (error0, printed0), (error1, printed1) = run_distributed(
             _save_failing_on_one_rank, world_size=2, out=str(out), fault=fault)
         assert error0 == error1, "the same line on every rank"
+        assert (printed0, printed1) == (f"error: {error0}\n", ""), "said by rank 0 alone"
     assert error0.startswith(f"{tmp}: saving step 1 failed ("), error0
     assert says in error0 and "\n" not in error0, error0
     assert error0.endswith("latest is still none"), error0
