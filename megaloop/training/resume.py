@@ -409,14 +409,21 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
     settings: data is rewritten on purpose too (a corrupt shard replaced, a corpus cleaned), and
     no setting could say so, where a refusal would leave only a new run. A dataset new or gone
     while data.path changed is that warning's. ``recorded`` None (a checkpoint saved before
-    they were recorded): one line says no change can be seen."""
+    they were recorded): one line says no change can be seen; fingerprints lacking an entry this
+    run's have (``bin_sample_md5``, recorded since) are compared on the rest, and one line names
+    what goes unchecked."""
     if recorded is None:
         log.info("resume: %s records no fingerprint of its training data (saved by an older "
                  "megaloop): a change of the data since then is not detected", path)
         return
     path_changed = (saved.get("data") or {}).get("path") != cfg.data.path
+    unrecorded = set()
     for name in sorted(recorded.keys() | now.keys()):
         old, new = recorded.get(name), now.get(name)
+        if old is not None and new is not None:
+            unrecorded |= new.keys() - old.keys()
+            common = old.keys() & new.keys()
+            old, new = ({key: entry[key] for key in entry if key in common} for entry in (old, new))
         if old == new or (path_changed and (old is None or new is None)):
             continue
         what = (f"is new since {path} was saved" if old is None else
@@ -426,6 +433,10 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
                     for key, value in new.items() if old.get(key) != value) + ")")
         log.warning("resume: %s %s: the samples from step %d on are not the ones the saved run "
                     "would have seen", name, what, step + 1, extra=ALIKE_ON_EVERY_RANK)
+    if unrecorded:
+        log.info("resume: %s's fingerprint of its training data has no %s (saved by an older "
+                 "megaloop): data rewritten with the same sequence lengths is not detected", path,
+                 ", ".join(sorted(unrecorded)))
 
 
 def _shown(value) -> str:

@@ -5,6 +5,7 @@ same data written again is not, and a checkpoint saved before data was fingerpri
 import logging
 import shutil
 
+import numpy
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from megaloop.training.data import data_fingerprint
 from megaloop.training.resume import report_data_changes, report_sample_order
 from megaloop.training.trainer import Trainer
 from tests.sft import arithmetic_records, write_jsonl
-from tests.training.conftest import tiny_run, write_pattern_dataset
+from tests.training.conftest import EOD, tiny_run, write_pattern_dataset
 
 DATA = "data/pattern"  # relative: each test writes its own data under the name the run saved
 
@@ -37,11 +38,23 @@ def run_stopped_at_step_2(mcore, tmp_path_factory):
     return root / "run"
 
 
-def _resume(run, tmp_path, monkeypatch, caplog, seed):
+def _renumber_tokens(prefix):
+    """Every token but the EOD given another id, every length kept: the documents tokenized anew
+    by a tokenizer that splits the text alike."""
+    tokens = numpy.fromfile(f"{prefix}.bin", numpy.uint16)
+    text = tokens != EOD
+    tokens[text] = tokens[text] % 120 + 1
+    tokens.tofile(f"{prefix}.bin")
+
+
+def _resume(run, tmp_path, monkeypatch, caplog, seed, renumbered=False):
     """Resumes a copy of ``run`` in ``tmp_path`` on DATA written there with ``seed`` (0: the
-    documents it was trained on); its log records from WARNING, and the trainer's step."""
+    documents it was trained on), ``renumbered`` by _renumber_tokens; its log records from
+    WARNING, and the trainer's step."""
     monkeypatch.chdir(tmp_path)
     _write_data(tmp_path, seed)
+    if renumbered:
+        _renumber_tokens(tmp_path / DATA)
     shutil.copytree(run, tmp_path / "run")
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
         trainer = Trainer(tiny_run(DATA, tmp_path / "run", train={"train_steps": 4}))
@@ -67,6 +80,43 @@ def test_data_rewritten_under_its_prefix_is_one_warning_naming_it(run_stopped_at
     assert line.startswith(f"resume: {DATA} holds other data than when {path} was saved (")
     assert "sequence_lengths_md5 " in line and line.endswith(
         ": the samples from step 3 on are not the ones the saved run would have seen")
+
+
+def test_data_tokenized_anew_with_the_same_lengths_is_one_warning(run_stopped_at_step_2,
+                                                                  tmp_path, monkeypatch, caplog):
+    warnings, step = _resume(run_stopped_at_step_2, tmp_path, monkeypatch, caplog, seed=0,
+                             renumbered=True)
+    assert step == 2
+    # Before: none (documents, tokens and sequence lengths are all the same).
+    assert len(warnings) == 1, caplog.text
+    line = warnings[0].getMessage()
+    assert line.startswith(f"resume: {DATA} holds other data than when ")
+    assert "(bin_sample_md5 " in line and "sequence_lengths_md5" not in line
+
+
+def _without_the_token_sample(run, directory):
+    """A copy of ``run`` in ``directory`` whose checkpoint records data fingerprints as saved
+    before they held bin_sample_md5."""
+    shutil.copytree(run, directory)
+    common_file = directory / "checkpoints" / "iter_0000002" / "common.pt"
+    common = torch.load(common_file, weights_only=True)
+    for fingerprint in common["trainer"]["data"].values():
+        del fingerprint["bin_sample_md5"]
+    torch.save(common, common_file)
+    return directory
+
+
+@pytest.mark.parametrize("renumbered", [False, True])
+def test_a_fingerprint_without_the_token_sample_resumes_with_one_note(
+        run_stopped_at_step_2, tmp_path, monkeypatch, caplog, renumbered):
+    old = _without_the_token_sample(run_stopped_at_step_2, tmp_path / "old")
+    warnings, step = _resume(old, tmp_path, monkeypatch, caplog, seed=0, renumbered=renumbered)
+    assert step == 2 and warnings == []  # before: a warning that it held other data, unchanged
+    notes = [r.getMessage() for r in caplog.records if "bin_sample_md5" in r.getMessage()]
+    checkpoint = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    assert notes == [f"resume: {checkpoint}'s fingerprint of its training data has no "
+                     "bin_sample_md5 (saved by an older megaloop): data rewritten with the same "
+                     "sequence lengths is not detected"]
 
 
 def test_a_checkpoint_without_a_data_fingerprint_resumes_with_a_note(run_stopped_at_step_2,
