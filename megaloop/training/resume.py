@@ -408,7 +408,8 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
     this run's (``data.data_fingerprint``). A warning, as ``report_sample_order``'s for the
     settings: data is rewritten on purpose too (a corrupt shard replaced, a corpus cleaned), and
     no setting could say so, where a refusal would leave only a new run. A dataset new or gone
-    while data.path changed is that warning's. ``recorded`` None (a checkpoint saved before
+    while data.path changed is that warning's; one gone whose fingerprint a new one has moved,
+    and its samples are the same. ``recorded`` None (a checkpoint saved before
     they were recorded): one line says no change can be seen; fingerprints lacking an entry this
     run's have (``bin_sample_md5``, recorded since) are compared on the rest, and one line names
     what goes unchecked."""
@@ -418,19 +419,31 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
         return
     path_changed = (saved.get("data") or {}).get("path") != cfg.data.path
     unrecorded = set()
-    for name in sorted(recorded.keys() | now.keys()):
+
+    def same(old: dict, new: dict) -> bool:  # on the entries both record
+        unrecorded.update(new.keys() - old.keys())
+        common = old.keys() & new.keys()
+        return bool(common) and all(old[key] == new[key] for key in common)
+
+    # Data moved, its fingerprint unchanged (a quickstart's, trained in its staging directory):
+    # the sample indices are made from the contents, not the name, so the samples are the same.
+    gone, moved = [name for name in recorded if name not in now], set()
+    for name in (name for name in now if name not in recorded):
+        source = next((old for old in gone if same(recorded[old], now[name])), None)
+        if source is not None:
+            gone.remove(source)
+            moved |= {source, name}
+    for name in sorted((recorded.keys() | now.keys()) - moved):
         old, new = recorded.get(name), now.get(name)
-        if old is not None and new is not None:
-            unrecorded |= new.keys() - old.keys()
-            common = old.keys() & new.keys()
-            old, new = ({key: entry[key] for key in entry if key in common} for entry in (old, new))
-        if old == new or (path_changed and (old is None or new is None)):
+        if old is not None and new is not None and same(old, new):
+            continue
+        if path_changed and (old is None or new is None):
             continue
         what = (f"is new since {path} was saved" if old is None else
                 f"is gone since {path} was saved" if new is None else
                 f"holds other data than when {path} was saved (" + ", ".join(
                     f"{key} {_shown(old.get(key))} -> {_shown(value)}"
-                    for key, value in new.items() if old.get(key) != value) + ")")
+                    for key, value in new.items() if key in old and old[key] != value) + ")")
         log.warning("resume: %s %s: the samples from step %d on are not the ones the saved run "
                     "would have seen", name, what, step + 1, extra=ALIKE_ON_EVERY_RANK)
     if unrecorded:

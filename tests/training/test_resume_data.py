@@ -153,6 +153,27 @@ def test_fine_tuning_records_rewritten_or_added_are_named(tmp_path, caplog):
     assert all("from step 7 on" in line for line in lines)
 
 
+def test_data_moved_under_another_name_resumes_without_a_word_unless_it_changed(tmp_path,
+                                                                              caplog):
+    """As a quickstart's, whose saved configs are rewritten to name where its data ends up, while
+    its checkpoints' fingerprints name the staging directory it was made in. Before: two
+    warnings (staged data gone, installed data new) on every resume of a quickstart model."""
+    cfg = RunConfig(data=DataConfig(path=["out/data/corpus"]))
+    saved = {"data": {"path": cfg.data.path}}
+    held = {"documents": 60, "tokens": 900, "sequence_lengths_md5": "a" * 32,
+            "bin_sample_md5": "b" * 32}
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        report_data_changes({"out/.staging/data/corpus": held}, {"out/data/corpus": held}, saved,
+                            cfg, tmp_path / "ckpt", 6)
+        assert caplog.records == []
+        report_data_changes({"out/.staging/data/corpus": held},
+                            {"out/data/corpus": {**held, "bin_sample_md5": "c" * 32}}, saved,
+                            cfg, tmp_path / "ckpt", 6)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(" since ")[0] for line in lines] == [
+        "resume: out/.staging/data/corpus is gone", "resume: out/data/corpus is new"]
+
+
 @pytest.mark.parametrize("rank, shown", [(0, 2), (1, 0)])
 def test_the_resume_warnings_every_rank_makes_alike_are_shown_from_rank_0(monkeypatch, tmp_path,
                                                                          rank, shown):
