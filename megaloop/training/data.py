@@ -90,10 +90,16 @@ def data_fingerprint(cfg: RunConfig, train) -> dict[str, dict]:
     build_gpt_datasets computed already, and ``indexed.bin_sample_md5``, 1 MiB of the .bin's
     tokens (data tokenized anew keeps every length where its tokenizer splits the text alike);
     the whole .bin is not read, which on a multi-TB dataset would take hours. Fine-tuning
-    records: per file, its size and sha256, the file being read and tokenized whole anyway."""
+    records: per file, its size and sha256, the file being read and tokenized whole anyway, and
+    the sha256 of ``data.tokenizer_model``, which makes the samples of those records (a tokenizer
+    trained anew under its name leaves every record file as it was)."""
     if cfg.data.format == "sft":
-        return {path: {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
-                for path in expand_inputs(cfg.data.path)}
+        records = {path: {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+                   for path in expand_inputs(cfg.data.path)}
+        tokenizer = cfg.data.tokenizer_model
+        if tokenizer is not None and os.path.isfile(tokenizer):  # else a directory: Hugging Face's
+            records[tokenizer] = {"tokenizer_sha256": file_sha256(tokenizer)}
+        return records
     digests = train.config.sequence_lengths_md5
     return {part.dataset.path_prefix: {
         "documents": len(part.dataset.document_indices) - 1,

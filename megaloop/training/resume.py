@@ -400,6 +400,11 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
                     "" if len(changed) > 1 else "s", path, step + 1, extra=ALIKE_ON_EVERY_RANK)
 
 
+# What a resume cannot see where a checkpoint's data fingerprint lacks an entry, by the entry.
+UNRECORDED_CHANGES = {"bin_sample_md5": "data rewritten with the same sequence lengths",
+                      "tokenizer_sha256": "a tokenizer rewritten under its name"}
+
+
 def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunConfig,
                         path: Path, step: int) -> None:
     """Warns, in one line per dataset, of training data that holds other contents than it did
@@ -409,19 +414,26 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
     settings: data is rewritten on purpose too (a corrupt shard replaced, a corpus cleaned), and
     no setting could say so, where a refusal would leave only a new run. A dataset new or gone
     while data.path changed is that warning's; one gone whose fingerprint a new one has moved,
-    and its samples are the same. ``recorded`` None (a checkpoint saved before
-    they were recorded): one line says no change can be seen; fingerprints lacking an entry this
-    run's have (``bin_sample_md5``, recorded since) are compared on the rest, and one line names
-    what goes unchecked."""
+    and its samples are the same; a fine-tuning run's tokenizer is one more entry (its file
+    read as the records are). ``recorded`` None (a checkpoint saved before they were recorded):
+    one line says no change can be seen; fingerprints lacking an entry this run's have
+    (``UNRECORDED_CHANGES``, recorded since) are compared on the rest, and one line names what
+    goes unchecked."""
     if recorded is None:
         log.info("resume: %s records no fingerprint of its training data (saved by an older "
                  "megaloop): a change of the data since then is not detected", path)
         return
     path_changed = (saved.get("data") or {}).get("path") != cfg.data.path
     unrecorded = set()
+    if not any("tokenizer_sha256" in entry for entry in recorded.values()):
+        tokenizers = [name for name, entry in now.items() if "tokenizer_sha256" in entry]
+        if tokenizers:  # a fine-tuning checkpoint saved before its tokenizer was recorded
+            unrecorded.add("tokenizer_sha256")
+            now = {name: entry for name, entry in now.items() if name not in tokenizers}
+    for name in recorded.keys() & now.keys():
+        unrecorded |= now[name].keys() - recorded[name].keys()
 
     def same(old: dict, new: dict) -> bool:  # on the entries both record
-        unrecorded.update(new.keys() - old.keys())
         common = old.keys() & new.keys()
         return bool(common) and all(old[key] == new[key] for key in common)
 
@@ -448,8 +460,8 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
                     "would have seen", name, what, step + 1, extra=ALIKE_ON_EVERY_RANK)
     if unrecorded:
         log.info("resume: %s's fingerprint of its training data has no %s (saved by an older "
-                 "megaloop): data rewritten with the same sequence lengths is not detected", path,
-                 ", ".join(sorted(unrecorded)))
+                 "megaloop): %s is not detected", path, ", ".join(sorted(unrecorded)),
+                 " nor ".join(UNRECORDED_CHANGES[key] for key in sorted(unrecorded)))
 
 
 def _shown(value) -> str:

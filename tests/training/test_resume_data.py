@@ -13,7 +13,7 @@ from megaloop.config import DataConfig, RunConfig
 from megaloop.training.data import data_fingerprint
 from megaloop.training.resume import report_data_changes, report_sample_order
 from megaloop.training.trainer import Trainer
-from tests.sft import arithmetic_records, write_jsonl
+from tests.sft import arithmetic_records, train_tokenizer, write_jsonl
 from tests.training.conftest import EOD, tiny_run, write_pattern_dataset
 
 DATA = "data/pattern"  # relative: each test writes its own data under the name the run saved
@@ -172,6 +172,33 @@ def test_data_moved_under_another_name_resumes_without_a_word_unless_it_changed(
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split(" since ")[0] for line in lines] == [
         "resume: out/.staging/data/corpus is gone", "resume: out/data/corpus is new"]
+
+
+def test_a_fine_tuning_tokenizer_trained_anew_under_its_name_is_named(tmp_path, caplog):
+    """Fine-tuning records are tokenized at every start: a tokenizer rewritten in place changes
+    every sample while each record file stays as it was. Before: resumed without a word."""
+    records = write_jsonl(tmp_path / "a.jsonl", arithmetic_records(4))
+    tokenizer = train_tokenizer(tmp_path / "tok.model", arithmetic_records(40))
+    cfg = RunConfig(data=DataConfig(path=[str(records)], format="sft",
+                                    tokenizer_model=str(tokenizer)))
+    saved = {"data": {"path": cfg.data.path}}
+    before = data_fingerprint(cfg, None)
+    train_tokenizer(tokenizer, arithmetic_records(40))  # the same tokenizer made again
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        report_data_changes(before, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+        assert caplog.records == []
+        train_tokenizer(tokenizer, arithmetic_records(40, seed=1)[:5])
+        report_data_changes(before, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"resume: {tokenizer} holds other data than when {tmp_path / 'c'} was saved "
+            "(tokenizer_sha256 "), lines
+        caplog.clear()  # a checkpoint saved before tokenizers were recorded: one note
+        old = {name: entry for name, entry in before.items() if name != str(tokenizer)}
+        report_data_changes(old, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.INFO, (
+        f"resume: {tmp_path / 'c'}'s fingerprint of its training data has no tokenizer_sha256 "
+        "(saved by an older megaloop): a tokenizer rewritten under its name is not detected"))]
 
 
 @pytest.mark.parametrize("rank, shown", [(0, 2), (1, 0)])
