@@ -91,7 +91,7 @@ def _warn_preset_unread(args: argparse.Namespace, model) -> None:
     config.yaml holds them all), so that the preset changes nothing, while its model differs from
     the one the run gets (``model``, overrides applied): a user who gave it for its dimensions
     would otherwise train the config's without a word. Where the two agree (a relaunch naming the
-    run's preset), or the preset sets anything, nothing is said."""
+    run's preset), or the preset is in effect, nothing is said."""
     from megaloop.config import ConfigError, ModelConfig, apply_overrides, load_yaml
     from megaloop.presets import PRESETS
 

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                      "<|im_start|>)")
     if os.path.lexists(args.output) and not os.path.isdir(args.output) and not args.overwrite:
         # As preprocess_data.py refuses its outputs: the data and runs made with a tokenizer name
-        # it by its path, and a new one there would be taken for it without a word (training
-        # compares it with the data's sidecars; an export with nothing).
+        # it by its path, and a new one there would be taken for it (training refuses it beside
+        # the data's sidecars; an export only warns).
         print(f"error: --output {args.output}: exists; pass --overwrite to replace it, or choose "
               "another path", file=sys.stderr)
         return 2
