@@ -289,8 +289,10 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     when the load itself has not already failed on a bucket's size). Where this run's ``optimizer``
     cut them otherwise (a changed parallel.overlap_grad_reduce or ddp_bucket_size does, unless
     every cut falls where it did: a model that fits one bucket either way, a pipeline rank after
-    the first, which megatron-core never cuts), every rank raises one line: a ConfigError naming
-    the changed setting, else a CheckpointError. The bucket sizes compared are those the
+    the first, which megatron-core never cuts), or holds them in other dtypes (a changed
+    train.precision: megatron-core keys the buckets by their weights' and gradients' dtypes),
+    every rank raises one line: a ConfigError naming the changed setting, else a
+    CheckpointError. The bucket sizes compared are those the
     checkpoint records (megatron-core's ``per_bucket_numel_unpadded``), per pipeline rank."""
     saved = ckpt.saved_config(path)
     if (not cfg.train.distributed_optimizer
@@ -321,20 +323,32 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     def sizes(layout):  # bucket sizes per grad buffer
         return [buckets for buffer in layout for buckets in buffer.values()]
 
+    def dtypes(layout):  # what megatron-core keys each grad buffer by besides its sizes
+        return ", ".join(f"{str(weights).removeprefix('torch.')} weights with "
+                         f"{str(grads).removeprefix('torch.')} gradients"
+                         for buffer in layout for weights, grads in buffer)
+
     error = next((f"{path} holds distributed-optimizer state in checkpoint.optimizer_format="
                   f"dp_reshardable, flat per megatron-core DDP bucket, of {sizes(recorded[key])} "
                   f"elements on rank {torch.distributed.get_rank()}, where this run cuts "
-                  f"{sizes(layout)}" for key, layout in live.items()
-                  if recorded[key] != layout), None)
+                  f"{sizes(layout)}" + ("" if dtypes(recorded[key]) == dtypes(layout) else
+                                        f" (its buckets hold {dtypes(recorded[key])}, this "
+                                        f"run's {dtypes(layout)})")
+                  for key, layout in live.items() if recorded[key] != layout), None)
     error = first_error(error)
     if error is None:
         return
-    before = {**to_dict(RunConfig())["parallel"], **(saved.get("parallel") or {})}
-    changed = [name for name in ("overlap_grad_reduce", "ddp_bucket_size")
-               if before[name] != getattr(cfg.parallel, name)]
+    # The settings that cut the buckets, and train.precision, which sets their dtypes.
+    defaults = to_dict(RunConfig())
+    before, now = {}, {}
+    for name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size", "train.precision"):
+        section, field = name.split(".")
+        before[name] = (saved.get(section) or {}).get(field, defaults[section][field])
+        now[name] = getattr(getattr(cfg, section), field)
+    changed = [name for name in now if before[name] != now[name]]
     if changed:
         raise ConfigError(
-            ", ".join(f"parallel.{n}={getattr(cfg.parallel, n)!r}" for n in changed)
+            ", ".join(f"{n}={now[n]!r}" for n in changed)
             + f": differs from {', '.join(repr(before[n]) for n in changed)} in "
             f"{path / 'config.yaml'}, and a resume cannot apply it ({error}); set it back, or "
             "start a new run")
