@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ import torch
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.cli import ALIKE_ON_EVERY_RANK
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
+from megaloop.data.blend import parse_blend
+from megaloop.data.readers import DataError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
 from megaloop.training.collective import first_error, rank0_decides
@@ -406,12 +409,26 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
     changed = []
     for name in SAMPLE_ORDER:
         section, field = name.split(".")
-        if saved.get(section, {}).get(field) != getattr(getattr(cfg, section), field):
+        before, now = saved.get(section, {}).get(field), getattr(getattr(cfg, section), field)
+        if name == "data.path":
+            before, now = _blend(before), _blend(now)
+        if before != now:
             changed.append(name)
     if changed:
         log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
                     "one the saved run would have seen", ", ".join(changed),
                     "" if len(changed) > 1 else "s", path, step + 1, extra=ALIKE_ON_EVERY_RANK)
+
+
+def _blend(data_path):
+    """``data.path`` as the datasets it names: the weights as numbers, each prefix (or file) by
+    its real path from this run's working directory, so that another spelling of the same blend
+    ("data/x", "./data/x", its absolute path) is no change; a value that is no blend, as it is."""
+    try:
+        prefixes, weights = parse_blend(data_path or [])
+    except DataError:
+        return data_path
+    return [os.path.realpath(prefix) for prefix in prefixes], weights
 
 
 # What a resume cannot see where a checkpoint's data fingerprint lacks an entry, by the entry.
@@ -437,7 +454,7 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
         log.info("resume: %s records no fingerprint of its training data (saved by an older "
                  "megaloop): a change of the data since then is not detected", path)
         return
-    path_changed = (saved.get("data") or {}).get("path") != cfg.data.path
+    path_changed = _blend((saved.get("data") or {}).get("path")) != _blend(cfg.data.path)
     unrecorded = set()
     if not any("tokenizer_sha256" in entry for entry in recorded.values()):
         tokenizers = [name for name, entry in now.items() if "tokenizer_sha256" in entry]

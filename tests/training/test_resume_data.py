@@ -201,6 +201,29 @@ def test_a_fine_tuning_tokenizer_trained_anew_under_its_name_is_named(tmp_path, 
         "(saved by an older megaloop): a tokenizer rewritten under its name is not detected"))]
 
 
+def test_the_same_blend_spelt_otherwise_is_no_change(tmp_path, monkeypatch, caplog):
+    """Before: "data.path differs ...: the sample order from step 7 on is not the one the saved
+    run would have seen" for data/x given as ./data/x or by its absolute path."""
+    from megaloop.config import to_dict
+
+    monkeypatch.chdir(tmp_path)
+    saved = to_dict(RunConfig(data=DataConfig(path=[0.7, "data/x", 0.3, "data/y"])))
+    held = {"documents": 60, "tokens": 900, "sequence_lengths_md5": "a" * 32,
+            "bin_sample_md5": "b" * 32}
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        for path in (["0.7", "./data/x", "0.30", str(tmp_path / "data" / "y")],
+                     [0.7, "data/x", 0.3, "data/y"]):
+            cfg = RunConfig(data=DataConfig(path=path))
+            report_sample_order(saved, cfg, tmp_path / "c", 6)
+            report_data_changes({"data/x": held, "data/y": held},
+                                {str(p): held for p in path[1::2]}, saved, cfg, tmp_path / "c", 6)
+        assert caplog.records == []
+        for path in ([0.5, "data/x", 0.5, "data/y"], [0.7, "data/x", 0.3, "data/z"]):
+            report_sample_order(saved, RunConfig(data=DataConfig(path=path)), tmp_path / "c", 6)
+    assert [r.getMessage().split(" differs")[0] for r in caplog.records] == [
+        "resume: data.path", "resume: data.path"]
+
+
 @pytest.mark.parametrize("rank, shown", [(0, 2), (1, 0)])
 def test_the_resume_warnings_every_rank_makes_alike_are_shown_from_rank_0(monkeypatch, tmp_path,
                                                                          rank, shown):
