@@ -36,8 +36,8 @@ import signal
 import sys
 from typing import Callable, NoReturn
 
-from megaloop.cli import (ArgumentParser, int_at_least, log_to_stderr, print_error,
-                          quiet_third_party_warnings)
+from megaloop.cli import (ALIKE_ON_EVERY_RANK, ArgumentParser, int_at_least, log_to_stderr,
+                          print_error, quiet_third_party_warnings)
 from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
@@ -74,6 +74,8 @@ def build_config(argv: list[str] | None = None):
         if args.config:
             cfg = load_yaml(args.config, base=cfg)
         cfg = apply_overrides(cfg, args.overrides)
+        if args.preset and args.config:
+            _warn_preset_unread(args, cfg.model)
         if args.preset:
             check_arch(args.preset, cfg.model.arch)
         return cfg.validate(), args
@@ -82,6 +84,32 @@ def build_config(argv: list[str] | None = None):
         # node-local copy, a stale one) or none: a refusal of its settings may be its own.
         e.config_file_read_on_each_node = bool(args.config)
         raise
+
+
+def _warn_preset_unread(args: argparse.Namespace, model) -> None:
+    """A warning line where ``--config`` sets every model field ``--preset`` sets (a run's saved
+    config.yaml holds them all), so that the preset changes nothing, while its model differs from
+    the one the run gets (``model``, overrides applied): a user who gave it for its dimensions
+    would otherwise train the config's without a word. Where the two agree (a relaunch naming the
+    run's preset), or the preset is in effect, nothing is said."""
+    from megaloop.config import ConfigError, ModelConfig, apply_overrides, load_yaml
+    from megaloop.presets import PRESETS
+
+    try:
+        if apply_overrides(load_yaml(args.config), args.overrides).model != model:
+            return  # the preset is in effect
+    except ConfigError:  # what the preset alone made valid: the preset is in effect
+        return
+    preset, config = args.preset, args.config
+    given, default = PRESETS[preset], ModelConfig()
+    differ = [f"model.{name}={getattr(model, name)!r} (the preset's {getattr(given, name)!r})"
+              for name in (field.name for field in dataclasses.fields(model))
+              if getattr(given, name) not in (getattr(default, name), getattr(model, name))]
+    if differ:
+        log.warning("--preset %s: without effect, --config %s sets every model field it sets: "
+                    "%s%s; give one of the two", preset, config,
+                    ", ".join(differ[:4]), f" and {len(differ) - 4} more" if len(differ) > 4
+                    else "", extra=ALIKE_ON_EVERY_RANK)
 
 
 class _Once(argparse.Action):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -248,9 +249,10 @@ def training_since(directory) -> str:
     return (directory / LOCK_FILE).read_text().split(" since ")[1].strip()
 
 
-def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path):
+def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcore, tmp_path,
+                                                                            caplog):
     """The models are trained in the staging directory; the run configs saved with their
-    checkpoints must name the files where they end up."""
+    checkpoints must name the files where they end up, and a resume finds its data unchanged."""
     from megaloop.api import load
     from megaloop.config import load_yaml
     from megaloop.hf.to_hf import export_checkpoint
@@ -266,10 +268,15 @@ def test_a_quickstart_model_loads_resumes_and_exports_from_where_it_ends_up(mcor
         str(out / "dense4"), [str(data / "corpus_text_document")], str(data / "tokenizer.model"),
         str(data / "cache"))
     assert load(checkpoints).cfg.num_layers == 4
-    trainer = Trainer(dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, train_steps=2),
-        checkpoint=dataclasses.replace(cfg.checkpoint, resume=True)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        trainer = Trainer(dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, train_steps=2),
+            checkpoint=dataclasses.replace(cfg.checkpoint, resume=True)))
     assert trainer.step == 1  # resumed from the quickstart's checkpoint
+    # Before: the staged data "is gone" and the installed "is new", samples said to differ.
+    assert [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith(f"resume: {out}")] == []
     assert trainer.train()["step"] == 2 and (checkpoints / "iter_0000002").is_dir()
     # Megatron-core's index cache is keyed by the dataset's path: only the final one's is there.
     described = [json.loads(p.read_text())["dataset_path"]

@@ -213,3 +213,27 @@ def test_dry_run_refuses_alrs_names_the_run_would_refuse(mcore, capsys, override
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.splitlines()[-1].startswith(message)
     assert main(argv) == 0 and "# rank layout" in capsys.readouterr().out
+
+
+def test_a_preset_a_complete_config_overrides_is_one_warning(tmp_path, caplog):
+    """A run's saved config.yaml sets every model field: with it, --preset changes nothing.
+    Before: ``--preset 60M --config runs/tiny/config.yaml`` trained the tiny model without a word."""
+    import logging
+
+    from megaloop.presets import preset
+
+    saved = tmp_path / "config.yaml"
+    save_yaml(RunConfig(model=preset("tiny", arch="asymloop", vocab_size=640)), saved)
+    given = ["--config", str(saved), "data.path=[x]", "data.eod_id=0"]
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        cfg, _ = build_config(["--preset", "60M", *given])
+        assert cfg.model.hidden_size == 128  # the config's
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"--preset 60M: without effect, --config {saved} sets every model field it sets: "
+            "model.num_layers=4 (the preset's 6), model.hidden_size=128 (the preset's 768)"), lines
+        caplog.clear()
+        build_config(["--preset", "tiny", *given, "model.vocab_size=4096"])  # the same model
+        path = Path(__file__).parents[1] / "examples" / "configs" / "asymloop_7b.yaml"
+        build_config(["--preset", "7B", "--config", str(path), "data.path=[x]", "data.eod_id=0"])
+    assert caplog.records == []  # a preset agreeing with the config, or in effect

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, nargs="+", help="files, directories or globs (as preprocess_data.py reads them)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to train on")
     p.add_argument("--output", required=True, help="path of the .model file to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --output that exists (refused otherwise)")
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--vocab-size", type=int_at_least(1), default=32000)
     p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
@@ -79,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     if "" in args.special_tokens:  # SentencePiece: "INTERNAL: ... [!sp->piece().empty()]"
         parser.error("--special-tokens: an empty piece (give each piece as text, e.g. "
                      "<|im_start|>)")
+    if os.path.lexists(args.output) and not os.path.isdir(args.output) and not args.overwrite:
+        # As preprocess_data.py refuses its outputs: the data and runs made with a tokenizer name
+        # it by its path, and a new one there would be taken for it (training refuses it beside
+        # the data's sidecars; an export only warns).
+        print(f"error: --output {args.output}: exists; pass --overwrite to replace it, or choose "
+              "another path", file=sys.stderr)
+        return 2
     try:
         report = train(args)
     except DataError as err:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import struct
 import warnings
@@ -204,6 +205,30 @@ def document_last_tokens(summary: IndexedSummary, count: int = 1000) -> numpy.nd
     end = pointers[last[nonempty]] // itemsize + lengths[last[nonempty]]
     tokens = numpy.memmap(bin_path(summary.prefix), dtype=summary.dtype, mode="r")
     return numpy.array(tokens[(end - 1)[end > begin]])
+
+
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 16, 1 << 16  # 1 MiB of any .bin, whatever its size
+
+
+def bin_sample_md5(prefix: str) -> str:
+    """An md5 of a .bin's size and of its bytes in ``SAMPLE_BLOCKS`` blocks of
+    ``SAMPLE_BLOCK_BYTES`` spread evenly from its first byte to its last (the whole file when
+    smaller): a check of its tokens that reads 1 MiB of a multi-TB file. Data tokenized anew
+    (another tokenizer, even one that splits the text alike) differs in every block; a change
+    confined to bytes between the blocks (a few flipped bytes) goes unseen."""
+    path = bin_path(prefix)
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(size.to_bytes(8, "little"))
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            digest.update(f.read())
+            return digest.hexdigest()
+        last = size - SAMPLE_BLOCK_BYTES
+        for block in range(SAMPLE_BLOCKS):
+            f.seek(last * block // (SAMPLE_BLOCKS - 1))
+            digest.update(f.read(SAMPLE_BLOCK_BYTES))
+    return digest.hexdigest()
 
 
 def _meant_prefix(prefix: str) -> str:

@@ -204,5 +204,30 @@ def check_stands_in_for_runs(path: str | Path, data, *, tokenizer_type: str | No
     if Path(data.tokenizer_model).exists():
         check_encodes_like(path, data.tokenizer_model, tokenizer_type=tokenizer_type,
                            original_type=data.tokenizer_type, legacy=data.legacy_tokenizer)
+        if Path(path).resolve() == Path(data.tokenizer_model).resolve():
+            _warn_if_rewritten_since(path, data)
     else:
         check_against_data(path, data, tokenizer_type=tokenizer_type)
+
+
+def _warn_if_rewritten_since(path: str | Path, data) -> None:
+    """One warning line where the run's own tokenizer file ``path`` is not the one a sidecar of
+    its data (``data``: the run's DataConfig) says the data was tokenized with: training refuses
+    such a pair at every start, so the file or the data was rewritten since the run (a tokenizer
+    trained anew under the same name was exported for the model without a word). Which of the two
+    cannot be told, so the export goes on."""
+    from megaloop.data.datasets import parse_blend
+    from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+
+    prefixes = parse_blend(data.path)[0] if data.format == "indexed" and data.path else []
+    sha256 = file_sha256(path)
+    for prefix in prefixes:
+        record = read_sidecar(prefix) or {}
+        if record.get("tokenizer_sha256", sha256) != sha256:
+            logging.getLogger("megaloop.hf").warning(
+                "tokenizer %s: sha256 %s, but %s says the run's data was tokenized with sha256 %s "
+                "(%r): the tokenizer or the data was rewritten since the run; if the tokenizer, "
+                "give the one the model was trained with as --tokenizer", path, sha256[:12],
+                sidecar_path(prefix), record["tokenizer_sha256"][:12],
+                record.get("tokenizer_model"))
+            return

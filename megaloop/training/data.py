@@ -21,7 +21,8 @@ import torch
 from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
-from megaloop.data.indexed import IndexedSummary, bin_path, document_last_tokens, idx_path
+from megaloop.data.indexed import (IndexedSummary, bin_path, bin_sample_md5, document_last_tokens,
+                                   idx_path)
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.data.readers import expand_inputs
 from megaloop.platform.files import write_text_atomic
@@ -86,18 +87,29 @@ def data_fingerprint(cfg: RunConfig, train) -> dict[str, dict]:
     cache is keyed by the same digests, so it builds new indices silently). Indexed data
     (``train``: build_datasets' training dataset): per prefix, its documents, tokens and the md5
     of its sequence lengths, which megatron-core's sample indices are made from and which
-    build_gpt_datasets computed already; the .bin tokens are not read, which on a multi-TB dataset
-    would take hours. Fine-tuning records: per file, its size and sha256, the file being read
-    and tokenized whole anyway."""
+    build_gpt_datasets computed already, and ``indexed.bin_sample_md5``, 1 MiB of the .bin's
+    tokens (data tokenized anew keeps every length where its tokenizer splits the text alike);
+    the whole .bin is not read, which on a multi-TB dataset would take hours. Fine-tuning
+    records: per file, its size and sha256, the file being read and tokenized whole anyway, and
+    the sha256 of ``data.tokenizer_model``, which makes the samples of those records (a tokenizer
+    trained anew under its name leaves every record file as it was)."""
     if cfg.data.format == "sft":
-        return {path: {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
-                for path in expand_inputs(cfg.data.path)}
-    digests = train.config.sequence_lengths_md5
+        records = {path: {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+                   for path in expand_inputs(cfg.data.path)}
+        tokenizer = cfg.data.tokenizer_model
+        if tokenizer is not None and os.path.isfile(tokenizer):  # else a directory: Hugging Face's
+            records[tokenizer] = {"tokenizer_sha256": file_sha256(tokenizer)}
+        return records
+    digests, parts = train.config.sequence_lengths_md5, getattr(train, "datasets", [train])
+    # Read by rank 0 alone: 16 seeks in each file of a blend of thousands, not on every rank.
+    samples = rank0_decides(lambda: {part.dataset.path_prefix: bin_sample_md5(
+        part.dataset.path_prefix) for part in parts}, (DataError,))
     return {part.dataset.path_prefix: {
         "documents": len(part.dataset.document_indices) - 1,
         "tokens": int(part.dataset.sequence_lengths.sum(dtype=numpy.int64)),
-        "sequence_lengths_md5": digests[part.dataset.path_prefix]}
-        for part in getattr(train, "datasets", [train])}  # a BlendedDataset's, or itself
+        "sequence_lengths_md5": digests[part.dataset.path_prefix],
+        "bin_sample_md5": samples[part.dataset.path_prefix]}
+        for part in parts}  # a BlendedDataset's, or itself
 
 
 def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ import torch
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.cli import ALIKE_ON_EVERY_RANK, decided_on_every_rank
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
+from megaloop.data.blend import parse_blend
+from megaloop.data.readers import DataError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
 from megaloop.training.collective import first_error, rank0_decides
@@ -289,8 +292,10 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     when the load itself has not already failed on a bucket's size). Where this run's ``optimizer``
     cut them otherwise (a changed parallel.overlap_grad_reduce or ddp_bucket_size does, unless
     every cut falls where it did: a model that fits one bucket either way, a pipeline rank after
-    the first, which megatron-core never cuts), every rank raises one line: a ConfigError naming
-    the changed setting, else a CheckpointError. The bucket sizes compared are those the
+    the first, which megatron-core never cuts), or holds them in other dtypes (a changed
+    train.precision: megatron-core keys the buckets by their weights' and gradients' dtypes),
+    every rank raises one line: a ConfigError naming the changed setting, else a
+    CheckpointError. The bucket sizes compared are those the
     checkpoint records (megatron-core's ``per_bucket_numel_unpadded``), per pipeline rank."""
     saved = ckpt.saved_config(path)
     if (not cfg.train.distributed_optimizer
@@ -321,20 +326,32 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     def sizes(layout):  # bucket sizes per grad buffer
         return [buckets for buffer in layout for buckets in buffer.values()]
 
+    def dtypes(layout):  # what megatron-core keys each grad buffer by besides its sizes
+        return ", ".join(f"{str(weights).removeprefix('torch.')} weights with "
+                         f"{str(grads).removeprefix('torch.')} gradients"
+                         for buffer in layout for weights, grads in buffer)
+
     error = next((f"{path} holds distributed-optimizer state in checkpoint.optimizer_format="
                   f"dp_reshardable, flat per megatron-core DDP bucket, of {sizes(recorded[key])} "
                   f"elements on rank {torch.distributed.get_rank()}, where this run cuts "
-                  f"{sizes(layout)}" for key, layout in live.items()
-                  if recorded[key] != layout), None)
+                  f"{sizes(layout)}" + ("" if dtypes(recorded[key]) == dtypes(layout) else
+                                        f" (its buckets hold {dtypes(recorded[key])}, this "
+                                        f"run's {dtypes(layout)})")
+                  for key, layout in live.items() if recorded[key] != layout), None)
     error = first_error(error)
     if error is None:
         return
-    before = {**to_dict(RunConfig())["parallel"], **(saved.get("parallel") or {})}
-    changed = [name for name in ("overlap_grad_reduce", "ddp_bucket_size")
-               if before[name] != getattr(cfg.parallel, name)]
+    # The settings that cut the buckets, and train.precision, which sets their dtypes.
+    defaults = to_dict(RunConfig())
+    before, now = {}, {}
+    for name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size", "train.precision"):
+        section, field = name.split(".")
+        before[name] = (saved.get(section) or {}).get(field, defaults[section][field])
+        now[name] = getattr(getattr(cfg, section), field)
+    changed = [name for name in now if before[name] != now[name]]
     if changed:
         raise decided_on_every_rank(ConfigError(
-            ", ".join(f"parallel.{n}={getattr(cfg.parallel, n)!r}" for n in changed)
+            ", ".join(f"{n}={now[n]!r}" for n in changed)
             + f": differs from {', '.join(repr(before[n]) for n in changed)} in "
             f"{path / 'config.yaml'}, and a resume cannot apply it ({error}); set it back, or "
             "start a new run"))
@@ -392,12 +409,31 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
     changed = []
     for name in SAMPLE_ORDER:
         section, field = name.split(".")
-        if saved.get(section, {}).get(field) != getattr(getattr(cfg, section), field):
+        before, now = saved.get(section, {}).get(field), getattr(getattr(cfg, section), field)
+        if name == "data.path":
+            before, now = _blend(before), _blend(now)
+        if before != now:
             changed.append(name)
     if changed:
         log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
                     "one the saved run would have seen", ", ".join(changed),
                     "" if len(changed) > 1 else "s", path, step + 1, extra=ALIKE_ON_EVERY_RANK)
+
+
+def _blend(data_path):
+    """``data.path`` as the datasets it names: the weights as numbers, each prefix (or file) by
+    its real path from this run's working directory, so that another spelling of the same blend
+    ("data/x", "./data/x", its absolute path) is no change; a value that is no blend, as it is."""
+    try:
+        prefixes, weights = parse_blend(data_path or [])
+    except DataError:
+        return data_path
+    return [os.path.realpath(prefix) for prefix in prefixes], weights
+
+
+# What a resume cannot see where a checkpoint's data fingerprint lacks an entry, by the entry.
+UNRECORDED_CHANGES = {"bin_sample_md5": "data rewritten with the same sequence lengths",
+                      "tokenizer_sha256": "a tokenizer rewritten under its name"}
 
 
 def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunConfig,
@@ -408,24 +444,55 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
     this run's (``data.data_fingerprint``). A warning, as ``report_sample_order``'s for the
     settings: data is rewritten on purpose too (a corrupt shard replaced, a corpus cleaned), and
     no setting could say so, where a refusal would leave only a new run. A dataset new or gone
-    while data.path changed is that warning's. ``recorded`` None (a checkpoint saved before
-    they were recorded): one line says no change can be seen."""
+    while data.path changed is that warning's; one gone whose fingerprint a new one has moved,
+    and its samples are the same; a fine-tuning run's tokenizer is one more entry (its file
+    read as the records are). ``recorded`` None (a checkpoint saved before they were recorded):
+    one line says no change can be seen; fingerprints lacking an entry this run's have
+    (``UNRECORDED_CHANGES``, recorded since) are compared on the rest, and one line names what
+    goes unchecked."""
     if recorded is None:
         log.info("resume: %s records no fingerprint of its training data (saved by an older "
                  "megaloop): a change of the data since then is not detected", path)
         return
-    path_changed = (saved.get("data") or {}).get("path") != cfg.data.path
-    for name in sorted(recorded.keys() | now.keys()):
+    path_changed = _blend((saved.get("data") or {}).get("path")) != _blend(cfg.data.path)
+    unrecorded = set()
+    if not any("tokenizer_sha256" in entry for entry in recorded.values()):
+        tokenizers = [name for name, entry in now.items() if "tokenizer_sha256" in entry]
+        if tokenizers:  # a fine-tuning checkpoint saved before its tokenizer was recorded
+            unrecorded.add("tokenizer_sha256")
+            now = {name: entry for name, entry in now.items() if name not in tokenizers}
+    for name in recorded.keys() & now.keys():
+        unrecorded |= now[name].keys() - recorded[name].keys()
+
+    def same(old: dict, new: dict) -> bool:  # on the entries both record
+        common = old.keys() & new.keys()
+        return bool(common) and all(old[key] == new[key] for key in common)
+
+    # Data moved, its fingerprint unchanged (a quickstart's, trained in its staging directory):
+    # the sample indices are made from the contents, not the name, so the samples are the same.
+    gone, moved = [name for name in recorded if name not in now], set()
+    for name in (name for name in now if name not in recorded):
+        source = next((old for old in gone if same(recorded[old], now[name])), None)
+        if source is not None:
+            gone.remove(source)
+            moved |= {source, name}
+    for name in sorted((recorded.keys() | now.keys()) - moved):
         old, new = recorded.get(name), now.get(name)
-        if old == new or (path_changed and (old is None or new is None)):
+        if old is not None and new is not None and same(old, new):
+            continue
+        if path_changed and (old is None or new is None):
             continue
         what = (f"is new since {path} was saved" if old is None else
                 f"is gone since {path} was saved" if new is None else
                 f"holds other data than when {path} was saved (" + ", ".join(
                     f"{key} {_shown(old.get(key))} -> {_shown(value)}"
-                    for key, value in new.items() if old.get(key) != value) + ")")
+                    for key, value in new.items() if key in old and old[key] != value) + ")")
         log.warning("resume: %s %s: the samples from step %d on are not the ones the saved run "
                     "would have seen", name, what, step + 1, extra=ALIKE_ON_EVERY_RANK)
+    if unrecorded:
+        log.info("resume: %s's fingerprint of its training data has no %s (saved by an older "
+                 "megaloop): %s is not detected", path, ", ".join(sorted(unrecorded)),
+                 " nor ".join(UNRECORDED_CHANGES[key] for key in sorted(unrecorded)))
 
 
 def _shown(value) -> str:

@@ -156,3 +156,51 @@ def test_a_replacement_cut_between_its_renames_leaves_no_pair_that_validates(tmp
     assert renamed == [prefix + ".bin"]
     with pytest.raises(DataError, match=r"\.idx: not found"):
         validate_indexed(prefix)
+
+
+def test_the_token_sample_sees_a_changed_block_and_reads_a_large_bin_in_part(tmp_path,
+                                                                            monkeypatch):
+    import builtins
+
+    from megaloop.data import indexed
+
+    prefix = str(tmp_path / "d")
+    tokens = numpy.random.default_rng(0).integers(0, 1000, 3 << 20, dtype=numpy.uint16)  # 6 MiB
+    tokens.tofile(indexed.bin_path(prefix))
+    before = indexed.bin_sample_md5(prefix)
+    read = []
+
+    class Counting:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def read(self, *size):
+            data = self.file.read(*size)
+            read.append(len(data))
+            return data
+
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    assert indexed.bin_sample_md5(prefix) == before  # the same bytes: the same digest
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert sum(read) == indexed.SAMPLE_BLOCKS * indexed.SAMPLE_BLOCK_BYTES
+    # In the first block, one between (the blocks start at k/15 of the bytes before the last
+    # block's) and the last.
+    between = (tokens.nbytes - indexed.SAMPLE_BLOCK_BYTES) * 7 // 15 // 2 + 100
+    for position in (0, between, tokens.size - 1):
+        changed = tokens.copy()
+        changed[position] += 1
+        changed.tofile(indexed.bin_path(prefix))
+        assert indexed.bin_sample_md5(prefix) != before, position
+    tokens[:-1].tofile(indexed.bin_path(prefix))  # one token fewer
+    assert indexed.bin_sample_md5(prefix) != before

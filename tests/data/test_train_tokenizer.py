@@ -118,3 +118,23 @@ def test_a_truncated_compressed_input_is_an_error_naming_it(tmp_path, capsys, to
     assert code == 2
     assert err.startswith(f"error: {corpus}: truncated compressed file, ends at line ") and len(err.splitlines()) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["cut.jsonl.gz"]
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, capsys, tool):
+    """Data preprocessed with a tokenizer and the runs trained on it name it by its path. Before:
+    a second run with the same --output replaced it without a word."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the {w} sat on {n} mats\n" for w in ("cat", "dog") for n in range(50)))
+    out = tmp_path / "tok.model"
+    def argv(vocab_size, *more):
+        return ["--input", str(corpus), "--output", str(out), "--vocab-size", str(vocab_size),
+                "--no-byte-fallback", "--threads", "1", *more]
+
+    assert tool.main(argv(40)) == 0, capsys.readouterr().err
+    first = out.read_bytes()
+    assert tool.main(argv(50)) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --output {out}: exists; pass --overwrite to replace it, or choose another path")
+    assert out.read_bytes() == first
+    assert tool.main(argv(50, "--overwrite")) == 0, capsys.readouterr().err
+    assert out.read_bytes() != first

@@ -266,3 +266,27 @@ def test_a_tokenizer_in_place_of_a_moved_one_is_checked_against_the_datas_sideca
     copy = Path(shutil.copy(run_tokenizer, tmp_path / "copy.model"))
     assert export_checkpoint(checkpoint, tmp_path / "out", tokenizer=str(copy))["tokenizer"] == \
         str(copy)
+
+
+def test_the_runs_tokenizer_trained_anew_under_its_name_is_one_warning(exports, tmp_path,
+                                                                       caplog):
+    """Training refuses data whose sidecar names another tokenizer than the run's file, so a
+    sidecar that does at export time means the file (or the data) was rewritten since. Before: the
+    new tokenizer was exported for the model without a word."""
+    from megaloop.data.preprocess import file_sha256, write_sidecar
+
+    run_tokenizer = _sentencepiece(tmp_path)
+    prefix = str(tmp_path / "data_text_document")
+    write_sidecar(prefix, {"tokenizer_type": "SentencePieceTokenizer",
+                           "tokenizer_model": "tok.model",
+                           "tokenizer_sha256": file_sha256(run_tokenizer)})
+    checkpoint = _with_tokenizer(exports, tmp_path, run_tokenizer, path=[prefix])
+    export_checkpoint(checkpoint, tmp_path / "before")
+    assert "rewritten" not in caplog.text  # the file the data was tokenized with
+    train_sentencepiece(LINES[::2], run_tokenizer, vocab_size=60, byte_fallback=False,
+                        hard_vocab_limit=False)
+    export_checkpoint(checkpoint, tmp_path / "after")
+    lines = [r.getMessage() for r in caplog.records if "rewritten" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"tokenizer {run_tokenizer}: sha256 {file_sha256(run_tokenizer)[:12]}, but "
+        f"{prefix}.tokenizer.json says the run's data was tokenized with sha256 "), lines

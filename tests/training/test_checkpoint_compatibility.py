@@ -181,3 +181,23 @@ def test_optimizer_state_of_the_other_optimizer_kind_is_refused(tmp_path, distri
         f"{distributed}, or set checkpoint.load_optimizer=false to start from its weights")
     ckpt.check_optimizer_state(path, dataclasses.replace(now, checkpoint=dataclasses.replace(
         now.checkpoint, load_optimizer=False)))
+
+
+def test_a_precision_that_recasts_dp_reshardable_buckets_is_refused_naming_it(mcore, tmp_path,
+                                                                            pattern_data):
+    """megatron-core keys dp_reshardable state by its buckets' dtypes as well as their sizes.
+    Before: "of [[N]] elements ..., where this run cuts [[N]]" (the same sizes), blaming the
+    data-parallel size or the versions for what train.precision changed."""
+    from megaloop.config import ConfigError
+    from megaloop.training.trainer import Trainer
+    from tests.training.conftest import tiny_run
+
+    Trainer(tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 1})).train()
+    with pytest.raises(ConfigError) as error:
+        Trainer(tiny_run(pattern_data, tmp_path / "run",
+                         train={"train_steps": 2, "precision": "bf16"}))
+    line = one_line(error)
+    assert line.startswith("train.precision='bf16': differs from 'auto' in "), line
+    assert line.endswith("(its buckets hold float32 weights with float32 gradients, this run's "
+                         "bfloat16 weights with float32 gradients)); set it back, or start a new "
+                         "run"), line

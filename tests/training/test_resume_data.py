@@ -5,6 +5,7 @@ same data written again is not, and a checkpoint saved before data was fingerpri
 import logging
 import shutil
 
+import numpy
 import pytest
 import torch
 
@@ -12,8 +13,8 @@ from megaloop.config import DataConfig, RunConfig
 from megaloop.training.data import data_fingerprint
 from megaloop.training.resume import report_data_changes, report_sample_order
 from megaloop.training.trainer import Trainer
-from tests.sft import arithmetic_records, write_jsonl
-from tests.training.conftest import tiny_run, write_pattern_dataset
+from tests.sft import arithmetic_records, train_tokenizer, write_jsonl
+from tests.training.conftest import EOD, tiny_run, write_pattern_dataset
 
 DATA = "data/pattern"  # relative: each test writes its own data under the name the run saved
 
@@ -37,11 +38,23 @@ def run_stopped_at_step_2(mcore, tmp_path_factory):
     return root / "run"
 
 
-def _resume(run, tmp_path, monkeypatch, caplog, seed):
+def _renumber_tokens(prefix):
+    """Every token but the EOD given another id, every length kept: the documents tokenized anew
+    by a tokenizer that splits the text alike."""
+    tokens = numpy.fromfile(f"{prefix}.bin", numpy.uint16)
+    text = tokens != EOD
+    tokens[text] = tokens[text] % 120 + 1
+    tokens.tofile(f"{prefix}.bin")
+
+
+def _resume(run, tmp_path, monkeypatch, caplog, seed, renumbered=False):
     """Resumes a copy of ``run`` in ``tmp_path`` on DATA written there with ``seed`` (0: the
-    documents it was trained on); its log records from WARNING, and the trainer's step."""
+    documents it was trained on), ``renumbered`` by _renumber_tokens; its log records from
+    WARNING, and the trainer's step."""
     monkeypatch.chdir(tmp_path)
     _write_data(tmp_path, seed)
+    if renumbered:
+        _renumber_tokens(tmp_path / DATA)
     shutil.copytree(run, tmp_path / "run")
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
         trainer = Trainer(tiny_run(DATA, tmp_path / "run", train={"train_steps": 4}))
@@ -67,6 +80,43 @@ def test_data_rewritten_under_its_prefix_is_one_warning_naming_it(run_stopped_at
     assert line.startswith(f"resume: {DATA} holds other data than when {path} was saved (")
     assert "sequence_lengths_md5 " in line and line.endswith(
         ": the samples from step 3 on are not the ones the saved run would have seen")
+
+
+def test_data_tokenized_anew_with_the_same_lengths_is_one_warning(run_stopped_at_step_2,
+                                                                  tmp_path, monkeypatch, caplog):
+    warnings, step = _resume(run_stopped_at_step_2, tmp_path, monkeypatch, caplog, seed=0,
+                             renumbered=True)
+    assert step == 2
+    # Before: none (documents, tokens and sequence lengths are all the same).
+    assert len(warnings) == 1, caplog.text
+    line = warnings[0].getMessage()
+    assert line.startswith(f"resume: {DATA} holds other data than when ")
+    assert "(bin_sample_md5 " in line and "sequence_lengths_md5" not in line
+
+
+def _without_the_token_sample(run, directory):
+    """A copy of ``run`` in ``directory`` whose checkpoint records data fingerprints as saved
+    before they held bin_sample_md5."""
+    shutil.copytree(run, directory)
+    common_file = directory / "checkpoints" / "iter_0000002" / "common.pt"
+    common = torch.load(common_file, weights_only=True)
+    for fingerprint in common["trainer"]["data"].values():
+        del fingerprint["bin_sample_md5"]
+    torch.save(common, common_file)
+    return directory
+
+
+@pytest.mark.parametrize("renumbered", [False, True])
+def test_a_fingerprint_without_the_token_sample_resumes_with_one_note(
+        run_stopped_at_step_2, tmp_path, monkeypatch, caplog, renumbered):
+    old = _without_the_token_sample(run_stopped_at_step_2, tmp_path / "old")
+    warnings, step = _resume(old, tmp_path, monkeypatch, caplog, seed=0, renumbered=renumbered)
+    assert step == 2 and warnings == []  # before: a warning that it held other data, unchanged
+    notes = [r.getMessage() for r in caplog.records if "bin_sample_md5" in r.getMessage()]
+    checkpoint = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    assert notes == [f"resume: {checkpoint}'s fingerprint of its training data has no "
+                     "bin_sample_md5 (saved by an older megaloop): data rewritten with the same "
+                     "sequence lengths is not detected"]
 
 
 def test_a_checkpoint_without_a_data_fingerprint_resumes_with_a_note(run_stopped_at_step_2,
@@ -101,6 +151,77 @@ def test_fine_tuning_records_rewritten_or_added_are_named(tmp_path, caplog):
     assert lines[0].startswith(f"resume: {records / 'a.jsonl'} holds other data than when ")
     assert lines[1].startswith(f"resume: {records / 'b.jsonl'} is new since ")
     assert all("from step 7 on" in line for line in lines)
+
+
+def test_data_moved_under_another_name_resumes_without_a_word_unless_it_changed(tmp_path,
+                                                                              caplog):
+    """As a quickstart's, whose saved configs are rewritten to name where its data ends up, while
+    its checkpoints' fingerprints name the staging directory it was made in. Before: two
+    warnings (staged data gone, installed data new) on every resume of a quickstart model."""
+    cfg = RunConfig(data=DataConfig(path=["out/data/corpus"]))
+    saved = {"data": {"path": cfg.data.path}}
+    held = {"documents": 60, "tokens": 900, "sequence_lengths_md5": "a" * 32,
+            "bin_sample_md5": "b" * 32}
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        report_data_changes({"out/.staging/data/corpus": held}, {"out/data/corpus": held}, saved,
+                            cfg, tmp_path / "ckpt", 6)
+        assert caplog.records == []
+        report_data_changes({"out/.staging/data/corpus": held},
+                            {"out/data/corpus": {**held, "bin_sample_md5": "c" * 32}}, saved,
+                            cfg, tmp_path / "ckpt", 6)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(" since ")[0] for line in lines] == [
+        "resume: out/.staging/data/corpus is gone", "resume: out/data/corpus is new"]
+
+
+def test_a_fine_tuning_tokenizer_trained_anew_under_its_name_is_named(tmp_path, caplog):
+    """Fine-tuning records are tokenized at every start: a tokenizer rewritten in place changes
+    every sample while each record file stays as it was. Before: resumed without a word."""
+    records = write_jsonl(tmp_path / "a.jsonl", arithmetic_records(4))
+    tokenizer = train_tokenizer(tmp_path / "tok.model", arithmetic_records(40))
+    cfg = RunConfig(data=DataConfig(path=[str(records)], format="sft",
+                                    tokenizer_model=str(tokenizer)))
+    saved = {"data": {"path": cfg.data.path}}
+    before = data_fingerprint(cfg, None)
+    train_tokenizer(tokenizer, arithmetic_records(40))  # the same tokenizer made again
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        report_data_changes(before, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+        assert caplog.records == []
+        train_tokenizer(tokenizer, arithmetic_records(40, seed=1)[:5])
+        report_data_changes(before, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"resume: {tokenizer} holds other data than when {tmp_path / 'c'} was saved "
+            "(tokenizer_sha256 "), lines
+        caplog.clear()  # a checkpoint saved before tokenizers were recorded: one note
+        old = {name: entry for name, entry in before.items() if name != str(tokenizer)}
+        report_data_changes(old, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.INFO, (
+        f"resume: {tmp_path / 'c'}'s fingerprint of its training data has no tokenizer_sha256 "
+        "(saved by an older megaloop): a tokenizer rewritten under its name is not detected"))]
+
+
+def test_the_same_blend_spelt_otherwise_is_no_change(tmp_path, monkeypatch, caplog):
+    """Before: "data.path differs ...: the sample order from step 7 on is not the one the saved
+    run would have seen" for data/x given as ./data/x or by its absolute path."""
+    from megaloop.config import to_dict
+
+    monkeypatch.chdir(tmp_path)
+    saved = to_dict(RunConfig(data=DataConfig(path=[0.7, "data/x", 0.3, "data/y"])))
+    held = {"documents": 60, "tokens": 900, "sequence_lengths_md5": "a" * 32,
+            "bin_sample_md5": "b" * 32}
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        for path in (["0.7", "./data/x", "0.30", str(tmp_path / "data" / "y")],
+                     [0.7, "data/x", 0.3, "data/y"]):
+            cfg = RunConfig(data=DataConfig(path=path))
+            report_sample_order(saved, cfg, tmp_path / "c", 6)
+            report_data_changes({"data/x": held, "data/y": held},
+                                {str(p): held for p in path[1::2]}, saved, cfg, tmp_path / "c", 6)
+        assert caplog.records == []
+        for path in ([0.5, "data/x", 0.5, "data/y"], [0.7, "data/x", 0.3, "data/z"]):
+            report_sample_order(saved, RunConfig(data=DataConfig(path=path)), tmp_path / "c", 6)
+    assert [r.getMessage().split(" differs")[0] for r in caplog.records] == [
+        "resume: data.path", "resume: data.path"]
 
 
 @pytest.mark.parametrize("rank, shown", [(0, 2), (1, 0)])
