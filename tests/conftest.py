@@ -4,6 +4,7 @@ import atexit
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -24,6 +25,12 @@ process_state_restored = process_state.process_state_restored
 # Trainer) waited 30 minutes for a rank 0.
 for key in [key for key in os.environ if process_state.LAUNCH_ENV.fullmatch(key)]:
     del os.environ[key]
+
+# Ctrl-C acts as in a terminal, however pytest was started: a script's background job (`pytest ... &`)
+# starts with SIGINT ignored, and Python then leaves it ignored, in pytest and in every child a test
+# starts. A preprocess run sent SIGINT by a test then never saw it and hung, in full runs started that way.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Remote-code models loaded by the tests (Hugging Face exports) are copied into transformers' module
 # cache, one folder per directory name; keep those copies out of the user's home. Set before any
