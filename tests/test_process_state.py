@@ -2,6 +2,7 @@
 for the tests after it."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -85,4 +86,22 @@ def test_under_a_launcher_the_tests_run_as_a_process_no_launcher_started():
          f"{__file__}::test_this_process_is_no_launchers_rank"], cwd=REPO, capture_output=True,
         text=True, env={**os.environ, **launched, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         timeout=300)
+    assert done.returncode == 0, done.stdout
+
+
+def test_ctrl_c_reaches_a_child_a_test_starts():
+    """What every test finds (the test below runs this one under a background job's SIGINT)."""
+    child = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT).__name__)"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == "default_int_handler", child.stderr
+
+
+def test_started_as_a_background_job_ctrl_c_still_reaches_a_test_s_child():
+    """A script's background job (`pytest ... &`) starts with SIGINT ignored, and children inherit
+    that: a preprocess run a test interrupted never saw the signal and hung."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{__file__}::test_ctrl_c_reaches_a_child_a_test_starts"], cwd=REPO, capture_output=True,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert done.returncode == 0, done.stdout
