@@ -99,9 +99,17 @@ def print_error(error: BaseException, *, alike: bool = False,
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser for a command that runs on every rank of a launch (megaloop-train under
     torchrun or srun): a usage error, which every rank finds alike in the same arguments, comes
-    from rank 0 alone (the launcher's rank: no process group is up yet), and every rank exits 2."""
+    from rank 0 alone (the launcher's rank: no process group is up yet), and every rank exits 2.
+    ``launchers``: those whose ranks run the command together (LaunchEnv.launcher; None: all);
+    under any other, the process is alone, and says its error whatever rank its environment
+    holds (torchrun's RANK is in every container of a PyTorchJob's worker pods)."""
+
+    launchers: tuple[str, ...] | None = None
 
     def error(self, message):
+        launch = _launch_env()
+        if self.launchers is not None and (launch is None or launch.launcher not in self.launchers):
+            super().error(message)
         if _rank() not in (0, None):
             _let_rank0_exit_first()
             self.exit(2)

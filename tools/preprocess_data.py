@@ -50,9 +50,15 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
+class _RanksParser(ArgumentParser):
+    """megaloop's: a usage error, alike on every rank, comes from rank 0 alone; the ranks are
+    mpiexec's (or srun's, refused later unless they are MPI's), as ``_mpi_comm`` finds them."""
+
+    launchers = ("mpi", "slurm")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    # megaloop's: a usage error, alike on every MPI rank, comes from rank 0 alone.
-    p = ArgumentParser(
+    p = _RanksParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("input data")

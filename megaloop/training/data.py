@@ -142,12 +142,26 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     # spends minutes building its indices, and leaves none in the cache.
     summaries = rank0_decides(check, (DataError,))
     _readable_on_every_rank(prefixes)
-    # Agreed: a cached index one node cannot read (or a corrupt one) failed there alone.
-    train, valid, _ = each_rank_agrees(lambda: build_gpt_datasets(
-        cfg.data.path, tokenizer, cfg.model.seq_length, samples,
-        split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
-        eod_mask_loss=cfg.data.eod_mask_loss, summaries=summaries,
-    ), (DataError,))
+    # Agreed: a cached index one node cannot read (or a corrupt one) failed there alone. Only
+    # the build's DataError, raised once megatron-core's barriers are passed (or before them,
+    # alike on every rank): a rank failing in the build itself (an OSError opening the data)
+    # leaves at once, for the launcher to end the others, where agreeing on it would have it
+    # wait in an all-gather while they wait in the build's next barrier.
+    try:
+        datasets, problem = build_gpt_datasets(
+            cfg.data.path, tokenizer, cfg.model.seq_length, samples,
+            split=cfg.data.split, seed=cfg.train.seed, cache_dir=cfg.data.cache_dir,
+            eod_mask_loss=cfg.data.eod_mask_loss, summaries=summaries,
+        ), None
+    except DataError as e:
+        datasets, problem = None, e
+
+    def built():
+        if problem is not None:
+            raise problem
+        return datasets
+
+    train, valid, _ = each_rank_agrees(built, (DataError,))
     if train is None:
         raise ConfigError(f"data.split={cfg.data.split!r}: gives the training split no data")
     if is_rank0():

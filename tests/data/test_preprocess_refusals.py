@@ -143,6 +143,21 @@ def test_a_usage_error_under_mpiexec_is_said_once(repo):
     assert done.stderr.count("usage: ") == 1 and done.stderr.count("error: ") == 1, done.stderr
 
 
+@pytest.mark.parametrize("launch", [{"RANK": "1", "WORLD_SIZE": "2"}, {}], ids=["torchrun_vars", "plain"])
+def test_a_usage_error_of_one_process_is_said_whatever_torchruns_variables_say(repo, launch):
+    """preprocess_data's ranks are mpiexec's (or srun's): a plain run in an environment holding
+    torchrun's RANK=1 (a worker pod of a PyTorchJob, a shell inside a torchrun job) is one
+    process, whose usage error no other rank says. Before: left to a "rank 0" that did not
+    exist, it was printed by no process."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "RANK", "WORLD_SIZE"))}
+    done = subprocess.run([sys.executable, str(repo / "tools" / "preprocess_data.py"), "--bad-flag"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**env, **launch, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2
+    assert done.stderr.count("usage: ") == 1 and done.stderr.count("error: ") == 1, done.stderr
+
+
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 

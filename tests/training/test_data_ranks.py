@@ -116,6 +116,52 @@ def test_a_cached_index_that_is_corrupt_or_one_rank_cannot_read_fails_every_rank
     assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
 
 
+def _build_failing_in_megatron_on_rank1(rank, world_size, data, out):
+    """Builds the datasets, rank 1's megatron-core build failing with an I/O error opening the
+    data (after megaloop's checks passed: a node losing its mount); what each rank raised, and
+    the seconds it took."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    def lost(dataset_path, config):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), dataset_path + ".idx")
+
+    cfg = tiny_run(data, Path(out))
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_QUICK_TIMEOUT_S):
+        if rank == 1:
+            monkeypatch.setattr(GPTDataset, "build_low_level_dataset", staticmethod(lost))
+        started = time.monotonic()
+        try:
+            build_datasets(cfg)
+        except Exception as e:  # what each rank raised is the outcome
+            return type(e).__name__, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+_QUICK_TIMEOUT_S = 10
+
+
+def test_a_rank_whose_dataset_build_fails_inside_megatron_core_leaves_at_once(tmp_path,
+                                                                             pattern_data):
+    """megatron-core's build holds barriers, which rank 0 waits in while rank 1 builds: an error
+    of rank 1's there (an OSError, other than the index cache's) is raised at once, for the
+    launcher to end the other ranks. Before: rank 1 entered the agreement on the build's errors
+    (an all-gather) while rank 0 waited in the build's next barrier, both until the
+    process-group timeout."""
+    from tests.distributed import close_all
+
+    try:  # rank 0 is left in megatron-core's barrier until the (short) timeout
+        (_, took0), (error1, took1) = run_distributed(
+            _build_failing_in_megatron_on_rank1, world_size=2, data=pattern_data,
+            out=str(tmp_path / "run"))
+    finally:
+        close_all()  # gloo closes a group whose collective timed out
+    assert error1 == "OSError", error1
+    assert took1 < _QUICK_TIMEOUT_S / 3 < took0, (took0, took1)
+
+
 def _build_sft_unreadable_on_rank1(rank, world_size, files, out):
     import torch.distributed as dist
 
