@@ -218,9 +218,10 @@ def _warn_if_rewritten_since(path: str | Path, data) -> None:
     cannot be told, so the export goes on."""
     from megaloop.data.datasets import parse_blend
     from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+    from megaloop.data.tokenizer import tokenizer_file
 
     prefixes = parse_blend(data.path)[0] if data.format == "indexed" and data.path else []
-    sha256 = file_sha256(path)
+    sha256 = file_sha256(tokenizer_file(path))  # a directory's tokenizer.json
     for prefix in prefixes:
         record = read_sidecar(prefix) or {}
         if record.get("tokenizer_sha256", sha256) != sha256:
