@@ -455,6 +455,10 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
                  "megaloop): a change of the data since then is not detected", path)
         return
     path_changed = _blend((saved.get("data") or {}).get("path")) != _blend(cfg.data.path)
+    # A file spelt otherwise (./data/x for data/x, as _blend allows) is compared with itself: else
+    # two swapped under a respelt blend were each taken for the other moved.
+    spelt = {os.path.realpath(name): name for name in now}
+    recorded = {spelt.get(os.path.realpath(name), name): entry for name, entry in recorded.items()}
     unrecorded = set()
     if not any("tokenizer_sha256" in entry for entry in recorded.values()):
         tokenizers = [name for name, entry in now.items() if "tokenizer_sha256" in entry]
