@@ -92,16 +92,17 @@ def _warn_preset_unread(args: argparse.Namespace, model) -> None:
     the one the run gets (``model``, overrides applied): a user who gave it for its dimensions
     would otherwise train the config's without a word. Where the two agree (a relaunch naming the
     run's preset), or the preset is in effect, nothing is said."""
-    from megaloop.config import ConfigError, ModelConfig, apply_overrides, load_yaml
+    from megaloop.config import ConfigError, ModelConfig, RunConfig, apply_overrides, load_yaml
     from megaloop.presets import PRESETS
 
     try:
         if apply_overrides(load_yaml(args.config), args.overrides).model != model:
             return  # the preset is in effect
+        # What the preset gives with the overrides: a field an override sets is no difference.
+        given = apply_overrides(RunConfig(model=PRESETS[args.preset]), args.overrides).model
     except ConfigError:  # what the preset alone made valid: the preset is in effect
         return
-    preset, config = args.preset, args.config
-    given, default = PRESETS[preset], ModelConfig()
+    preset, config, default = args.preset, args.config, ModelConfig()
     differ = [f"model.{name}={getattr(model, name)!r} (the preset's {getattr(given, name)!r})"
               for name in (field.name for field in dataclasses.fields(model))
               if getattr(given, name) not in (getattr(default, name), getattr(model, name))]

@@ -279,7 +279,7 @@ def test_decoding_stays_within_the_trained_context(mcore, tmp_path, capsys, capl
     assert json.loads(capsys.readouterr().out)["cut_at_context"] == 1
     row = json.loads((tmp_path / "p.jsonl").read_text())
     assert row["stopped_at_context"] and row["new_tokens"] == 128 - prompt
-    assert evaluate(argv + ["--max-new-tokens", "3", "--uncached"]) == 0
+    assert evaluate(argv + ["--max-new-tokens", "3", "--uncached", "--overwrite"]) == 0
     assert json.loads(capsys.readouterr().out)["cut_at_context"] == 0
     assert not json.loads((tmp_path / "p.jsonl").read_text())["stopped_at_context"]
 
@@ -439,7 +439,12 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
         assert out.tokens == logits[:, :tokenizer.vocab_size].argmax(-1).tolist()
     capsys.readouterr()
     # The canonical model without a cache (the reference) predicts what the cached decoder did.
-    assert evaluate(argv + ["--uncached"]) == 0
+    assert evaluate(argv + ["--uncached"]) == 2  # the predictions are there: refused
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --predictions {predictions}: exists; pass --overwrite to replace it, or choose "
+        "another path"]
+    assert [json.loads(line) for line in predictions.read_text().splitlines()] == rows
+    assert evaluate(argv + ["--uncached", "--overwrite"]) == 0
     assert json.loads(capsys.readouterr().out)["decoder"] == "uncached"
     assert [json.loads(line) for line in predictions.read_text().splitlines()] == rows
 
@@ -447,7 +452,7 @@ def test_finetune_then_evaluate_on_gsm8k_end_to_end(mcore, gsm8k_files, tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(gsm8k, "write_predictions", full_disk)
-    assert evaluate(argv + ["--limit", "1"]) == 2  # the accuracy is printed all the same
+    assert evaluate(argv + ["--limit", "1", "--overwrite"]) == 2  # the accuracy is printed
     out, err = capsys.readouterr()
     assert json.loads(out)["total"] == 1 and json.loads(out)["predictions"] is None
     assert err.splitlines()[-1] == (f"error: --predictions {predictions}: not written (No space "

@@ -237,3 +237,23 @@ def test_a_preset_a_complete_config_overrides_is_one_warning(tmp_path, caplog):
         path = Path(__file__).parents[1] / "examples" / "configs" / "asymloop_7b.yaml"
         build_config(["--preset", "7B", "--config", str(path), "data.path=[x]", "data.eod_id=0"])
     assert caplog.records == []  # a preset agreeing with the config, or in effect
+
+
+def test_a_preset_differing_only_where_overrides_set_the_model_is_no_warning(tmp_path, caplog):
+    """The depth-matched Dense baseline (slurm/train_paper.sh 135M dense model.num_layers=24)
+    relaunched with its saved config.yaml: the model is the preset's with the overrides given.
+    Before: a warning naming model.num_layers=24 (the preset's 12), which the override set."""
+    import logging
+
+    from megaloop.presets import preset
+
+    saved = tmp_path / "config.yaml"
+    save_yaml(RunConfig(model=preset("135M", arch="dense", num_layers=24)), saved)
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        cfg, _ = build_config(["--preset", "135M", "--config", str(saved), "model.arch=dense",
+                               "model.num_layers=24", "data.path=[x]", "data.eod_id=0"])
+        assert cfg.model.num_layers == 24 and caplog.records == []
+        build_config(["--preset", "135M", "--config", str(saved), "data.path=[x]",
+                      "data.eod_id=0"])  # the override not given: the preset's 12 is unread
+    assert [r.getMessage().split(": ")[-1] for r in caplog.records] == [
+        "model.num_layers=24 (the preset's 12); give one of the two"]

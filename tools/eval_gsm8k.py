@@ -2,11 +2,12 @@
 
     python tools/eval_gsm8k.py runs/asym1b_gsm8k/checkpoints --test gsm8k_test.jsonl \\
         [--max-new-tokens 512] [--num-iterations 6] [--limit 100] [--predictions preds.jsonl]
-        [--uncached]
+        [--overwrite] [--uncached]
 
 Prints one JSON object (accuracy, strict_accuracy, correct, total, ...) on stdout and writes one
 JSON line per question (reference, generation, extracted prediction, rule, correct) to
-``--predictions``, atomically. The prompt is the one the checkpoint was fine-tuned with
+``--predictions``, atomically (one already there is refused before decoding unless
+``--overwrite``). The prompt is the one the checkpoint was fine-tuned with
 (``data.sft_prompt``; megaloop.gsm8k.PROMPT for a checkpoint that was not), the tokenizer its
 ``data.tokenizer_model`` unless ``--tokenizer`` is given, encoding as its
 ``data.legacy_tokenizer`` says (a legacy SentencePiece run stops at the ``<EOD>`` id it was trained
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode without a KV cache, on the canonical model (the reference)")
     parser.add_argument("--predictions", default="gsm8k_predictions.jsonl",
                         help="output JSON lines (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the --predictions an earlier evaluation left (refused "
+                             "otherwise)")
     args = parser.parse_args(argv)
 
     quiet_third_party_warnings()
@@ -105,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             problem = "it is a --test file, which the predictions would replace"
         if problem is not None:
             raise ConfigError(f"--predictions {args.predictions}: cannot be written ({problem})")
+        if os.path.lexists(args.predictions) and not args.overwrite:
+            # Before decoding: the default gsm8k_predictions.jsonl of every checkpoint evaluated
+            # in one directory would replace the one before.
+            raise ConfigError(f"--predictions {args.predictions}: exists; pass --overwrite to "
+                              "replace it, or choose another path")
         path = ckpt.find_checkpoint(args.checkpoint)
         saved = ckpt.saved_config(path)
         model_cfg = ckpt.saved_section(path, ModelConfig, "model")

@@ -4,7 +4,7 @@ Harness, on local task files, as a results table (megaloop.hf.evaluate).
     python tools/evaluate.py runs/asym/checkpoints --data-dir /data/eval \\
         --tasks asymloop_tasks latentloop_tasks --num-fewshot 0 5 --depths 3 6 \\
         [--limit 100] [--batch-size 8] [--max-gen-toks 256] [--tokenizer FILE] \\
-        [--output eval_results]
+        [--output eval_results] [--overwrite]
 
 SOURCE: a checkpoint (iter_N) of any parallel layout, a run's checkpoint directory (its latest; or
 its ``latest`` pointer), or a Hugging Face directory (an export, or a native Llama/Qwen3/OLMo
@@ -17,15 +17,17 @@ hellaswag, winogrande, arc_easy, arc_challenge, openbookqa, lambada, sciq, mmlu,
 values refused before any export).
 
 Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every metric), atomically,
-and prints the table. Exit codes: 0 done, 2 bad input (one line naming the file, task or value)
-or results that could not be written at the end (a full disk: the table is printed all the same),
-1 the export's probe logits differ from the checkpoint's.
+and prints the table; results already there are refused before the evaluation unless --overwrite.
+Exit codes: 0 done, 2 bad input (one line naming the file, task or value) or results that could
+not be written at the end (a full disk: the table is printed all the same), 1 the export's probe
+logits differ from the checkpoint's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-dir", help="task YAMLs (default: the repository's examples/eval)")
     parser.add_argument("--output", default="eval_results",
                         help="writes OUTPUT.md and OUTPUT.json (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results an earlier evaluation left there (refused "
+                             "otherwise)")
     args = parser.parse_args(argv)
 
     quiet_third_party_warnings()
@@ -63,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     try:
-        ev.result_files(args.output)  # an unwritable --output fails before the evaluation
+        # An unwritable --output fails before the evaluation, as do earlier results there: the
+        # default eval_results of every evaluation run in one directory would replace them.
+        found = [str(file) for file in ev.result_files(args.output) if os.path.lexists(file)]
+        if found and not args.overwrite:
+            raise ev.EvaluationError(
+                f"--output {args.output}: {' and '.join(found)} exist"
+                f"{'s' if len(found) == 1 else ''}; pass --overwrite to replace "
+                f"{'it' if len(found) == 1 else 'them'}, or choose another --output")
         ev.check_depths(args.source, args.depths or ())  # and depths the model has not, before
         # the export (minutes for a large checkpoint), as are tasks, data and few-shot records
         ev.prepare_tasks(args.tasks, args.data_dir, args.task_dir or ev.TASK_DIR,

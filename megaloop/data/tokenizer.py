@@ -135,6 +135,12 @@ class LegacySentencePieceTokenizer(SentencePieceTextTokenizer):
         return result
 
 
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The file a tokenizer ``path`` is read from: ``tokenizer.json`` inside a directory, else the
+    path itself (the file a data sidecar's ``tokenizer_sha256`` digests)."""
+    return Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+
+
 class HuggingFaceTextTokenizer:
     """An HF ``tokenizers`` JSON file (or a directory holding ``tokenizer.json``), used as is.
 
@@ -145,10 +151,7 @@ class HuggingFaceTextTokenizer:
     def __init__(self, path: str | os.PathLike, eod_id: int | None = None, add_special_tokens: bool = False):
         from tokenizers import Tokenizer
 
-        p = Path(path)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        self.path = str(p)
+        self.path = str(tokenizer_file(path))
         _check_readable(self.path)
         try:
             self._tok = Tokenizer.from_file(self.path)
@@ -160,7 +163,7 @@ class HuggingFaceTextTokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eod = eod_id if eod_id is not None else self._find_eod(p.parent)
+        self.eod = eod_id if eod_id is not None else self._find_eod(Path(self.path).parent)
         self._add_special_tokens = add_special_tokens
 
     def _find_eod(self, directory: Path) -> int | None:

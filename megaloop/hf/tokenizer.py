@@ -218,11 +218,18 @@ def _warn_if_rewritten_since(path: str | Path, data) -> None:
     cannot be told, so the export goes on."""
     from megaloop.data.datasets import parse_blend
     from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
+    from megaloop.data.readers import DataError
+    from megaloop.data.tokenizer import tokenizer_file
 
     prefixes = parse_blend(data.path)[0] if data.format == "indexed" and data.path else []
-    sha256 = file_sha256(path)
+    sha256 = file_sha256(tokenizer_file(path))  # a directory's tokenizer.json
     for prefix in prefixes:
-        record = read_sidecar(prefix) or {}
+        try:
+            record = read_sidecar(prefix) or {}
+        except DataError as err:  # a check that only warns does not stop the export
+            logging.getLogger("megaloop.hf").warning("tokenizer %s: not compared with the run's "
+                                                     "data: %s", path, err)
+            continue
         if record.get("tokenizer_sha256", sha256) != sha256:
             logging.getLogger("megaloop.hf").warning(
                 "tokenizer %s: sha256 %s, but %s says the run's data was tokenized with sha256 %s "

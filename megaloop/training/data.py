@@ -25,6 +25,7 @@ from megaloop.data.indexed import (IndexedSummary, bin_path, bin_sample_md5, doc
                                    idx_path)
 from megaloop.data.preprocess import file_sha256, read_sidecar, sidecar_path
 from megaloop.data.readers import expand_inputs
+from megaloop.data.tokenizer import tokenizer_file
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.collective import each_rank_agrees, is_rank0, rank0_decides
 
@@ -97,8 +98,8 @@ def data_fingerprint(cfg: RunConfig, train) -> dict[str, dict]:
         records = {path: {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
                    for path in expand_inputs(cfg.data.path)}
         tokenizer = cfg.data.tokenizer_model
-        if tokenizer is not None and os.path.isfile(tokenizer):  # else a directory: Hugging Face's
-            records[tokenizer] = {"tokenizer_sha256": file_sha256(tokenizer)}
+        if tokenizer is not None:  # a directory's tokenizer.json, as HuggingFaceTokenizer reads
+            records[tokenizer] = {"tokenizer_sha256": file_sha256(tokenizer_file(tokenizer))}
         return records
     digests, parts = train.config.sequence_lengths_md5, getattr(train, "datasets", [train])
     # Read by rank 0 alone: 16 seeks in each file of a blend of thousands, not on every rank.

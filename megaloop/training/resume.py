@@ -47,7 +47,7 @@ from megaloop.data.blend import parse_blend
 from megaloop.data.readers import DataError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
-from megaloop.training.collective import first_error, rank0_decides
+from megaloop.training.collective import any_rank, first_error, rank0_decides
 
 log = logging.getLogger("megaloop.train")
 
@@ -341,10 +341,15 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     error = first_error(error)
     if error is None:
         return
+    # Collective, every rank being here: train.precision is named only where it recast a
+    # bucket ("auto" and "fp32" on CPU, "auto" and "bf16" on GPU hold the same dtypes).
+    recast = any_rank(any(dtypes(recorded[key]) != dtypes(layout)
+                          for key, layout in live.items()))
     # The settings that cut the buckets, and train.precision, which sets their dtypes.
     defaults = to_dict(RunConfig())
     before, now = {}, {}
-    for name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size", "train.precision"):
+    for name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size",
+                 *(["train.precision"] if recast else [])):
         section, field = name.split(".")
         before[name] = (saved.get(section) or {}).get(field, defaults[section][field])
         now[name] = getattr(getattr(cfg, section), field)
@@ -455,6 +460,10 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
                  "megaloop): a change of the data since then is not detected", path)
         return
     path_changed = _blend((saved.get("data") or {}).get("path")) != _blend(cfg.data.path)
+    # A file spelt otherwise (./data/x for data/x, as _blend allows) is compared with itself: else
+    # two swapped under a respelt blend were each taken for the other moved.
+    spelt = {os.path.realpath(name): name for name in now}
+    recorded = {spelt.get(os.path.realpath(name), name): entry for name, entry in recorded.items()}
     unrecorded = set()
     if not any("tokenizer_sha256" in entry for entry in recorded.values()):
         tokenizers = [name for name, entry in now.items() if "tokenizer_sha256" in entry]

@@ -321,6 +321,14 @@ def test_tool_writes_the_table_from_a_checkpoint(harness, tmp_path, capsys):
         assert cell in next(line for line in lines if line.startswith(f"| {row['task']} |"))
     assert lines[-1].startswith("| mean (8 tasks) |")
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.md"]
+    # Run again (another checkpoint, the same --output): refused before the evaluation, the
+    # results left as they were. Before: replaced without a word.
+    assert evaluate([str(harness["dense"].directory), "--data-dir", str(harness["data"]),
+                     "--tasks", "piqa", "--limit", "2", "--output", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --output {out}: {out}.md and {out}.json exist; pass --overwrite to replace "
+        "them, or choose another --output"]
+    assert out.with_suffix(".md").read_text() == table
 
 
 def test_results_that_cannot_be_written_at_the_end_still_print_the_table(harness, tmp_path,
@@ -349,9 +357,11 @@ def test_tool_results_record_the_settings_that_change_scores(harness, tmp_path):
     """OUTPUT.json names --max-gen-toks beside --limit and --data-dir (before: left out, so two
     gsm8k result files with other cut-offs could not be told apart)."""
     out = tmp_path / "gsm"
+    out.with_suffix(".json").write_text("{}")  # an earlier evaluation's, replaced as asked
     assert load_tool("evaluate").main([str(harness["asymloop"].directory), "--data-dir",
                                        str(harness["data"]), "--tasks", "gsm8k", "--limit", "1",
-                                       "--max-gen-toks", "3", "--output", str(out)]) == 0
+                                       "--max-gen-toks", "3", "--output", str(out),
+                                       "--overwrite"]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     assert (result["max_gen_toks"], result["limit"]) == (3, 1)
 

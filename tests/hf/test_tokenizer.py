@@ -290,3 +290,40 @@ def test_the_runs_tokenizer_trained_anew_under_its_name_is_one_warning(exports, 
     assert len(lines) == 1 and lines[0].startswith(
         f"tokenizer {run_tokenizer}: sha256 {file_sha256(run_tokenizer)[:12]}, but "
         f"{prefix}.tokenizer.json says the run's data was tokenized with sha256 "), lines
+
+
+def test_a_run_whose_tokenizer_is_a_directory_exports_and_is_compared(exports, tmp_path,
+                                                                       caplog):
+    """data.tokenizer_model may name a directory holding tokenizer.json (HuggingFaceTokenizer
+    reads that file, and the data's sidecar records its sha256). Before: the export failed with
+    IsADirectoryError while comparing the directory's sha256 with the sidecars'."""
+    from megaloop.data.preprocess import file_sha256, write_sidecar
+
+    directory = tmp_path / "tokenizer"
+    directory.mkdir()
+    tokenizer = _json_tokenizer(directory)
+    prefix = str(tmp_path / "data_text_document")
+    write_sidecar(prefix, {"tokenizer_type": "HuggingFaceTokenizer",
+                           "tokenizer_model": "tokenizer.json",
+                           "tokenizer_sha256": file_sha256(tokenizer)})
+    checkpoint = _with_tokenizer(exports, tmp_path, directory, path=[prefix],
+                                 tokenizer_type="HuggingFaceTokenizer")
+    assert export_checkpoint(checkpoint, tmp_path / "out")["tokenizer"] == str(directory)
+    assert "rewritten" not in caplog.text
+    tokenizer.write_text(tokenizer.read_text().replace('"mats"', '"mats" '))  # other bytes
+    export_checkpoint(checkpoint, tmp_path / "again")
+    assert len([r for r in caplog.records if "rewritten since the run" in r.getMessage()]) == 1
+
+
+def test_an_unreadable_sidecar_of_the_runs_data_does_not_stop_the_export(exports, tmp_path,
+                                                                         caplog):
+    """The comparison of the run's tokenizer with its data's sidecars only warns. Before: a
+    sidecar it could not read (corrupt, or on a mount the exporting user cannot read) was a
+    DataError traceback, where the export had gone on before the comparison was added."""
+    run_tokenizer = _sentencepiece(tmp_path)
+    prefix = str(tmp_path / "data_text_document")
+    Path(prefix + ".tokenizer.json").write_text("{cut short")
+    checkpoint = _with_tokenizer(exports, tmp_path, run_tokenizer, path=[prefix])
+    assert export_checkpoint(checkpoint, tmp_path / "out")["tokenizer"] == str(run_tokenizer)
+    assert [r.getMessage().split(": ")[:2] for r in caplog.records if "not compared" in
+            r.getMessage()] == [[f"tokenizer {run_tokenizer}", "not compared with the run's data"]]

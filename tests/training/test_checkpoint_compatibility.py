@@ -201,3 +201,21 @@ def test_a_precision_that_recasts_dp_reshardable_buckets_is_refused_naming_it(mc
     assert line.endswith("(its buckets hold float32 weights with float32 gradients, this run's "
                          "bfloat16 weights with float32 gradients)); set it back, or start a new "
                          "run"), line
+
+
+def test_a_precision_spelt_otherwise_is_not_named_for_buckets_cut_anew(mcore, tmp_path,
+                                                                      pattern_data):
+    """train.precision=fp32 for 'auto' on CPU holds the buckets in the same dtypes: the refusal
+    names what cut them anew, not it. Before: train.precision was named beside them."""
+    from megaloop.config import ConfigError
+    from megaloop.training.trainer import Trainer
+    from tests.training.conftest import tiny_run
+
+    Trainer(tiny_run(pattern_data, tmp_path / "run", train={"train_steps": 1})).train()
+    with pytest.raises(ConfigError) as error:
+        Trainer(tiny_run(pattern_data, tmp_path / "run",
+                         train={"train_steps": 2, "precision": "fp32"},
+                         parallel={"overlap_grad_reduce": True, "ddp_bucket_size": 2000}))
+    line = one_line(error)
+    assert line.startswith("parallel.overlap_grad_reduce=True, parallel.ddp_bucket_size=2000: "
+                           "differs from False, 0 in "), line

@@ -248,3 +248,46 @@ def test_the_resume_warnings_every_rank_makes_alike_are_shown_from_rank_0(monkey
     finally:
         logger.removeHandler(handler)
     assert len(records) == shown, [r.getMessage() for r in records]
+
+
+def test_two_datasets_swapped_under_a_blend_spelt_otherwise_are_named(tmp_path, monkeypatch,
+                                                                      caplog):
+    """data/x and data/y hold each other's former contents, the blend given as ./data/x and
+    ./data/y: the same files, so no sample-order warning; a dataset is matched to another's
+    fingerprint only where it moved. Before: each was taken for the other moved, not a word."""
+    from megaloop.config import to_dict
+
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig(data=DataConfig(path=[0.7, "./data/x", 0.3, "./data/y"]))
+    saved = to_dict(RunConfig(data=DataConfig(path=[0.7, "data/x", 0.3, "data/y"])))
+    x = {"documents": 60, "tokens": 900, "sequence_lengths_md5": "a" * 32,
+         "bin_sample_md5": "b" * 32}
+    y = {"documents": 70, "tokens": 800, "sequence_lengths_md5": "c" * 32,
+         "bin_sample_md5": "d" * 32}
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        report_sample_order(saved, cfg, tmp_path / "c", 6)
+        report_data_changes({"data/x": x, "data/y": y}, {"./data/x": y, "./data/y": x}, saved,
+                            cfg, tmp_path / "c", 6)
+    assert [r.getMessage().split(" than when ")[0] for r in caplog.records] == [
+        "resume: ./data/x holds other data", "resume: ./data/y holds other data"]
+
+
+def test_a_fine_tuning_tokenizer_directory_rewritten_is_named(tmp_path, caplog):
+    """data.tokenizer_model may name a directory holding tokenizer.json (HuggingFaceTokenizer).
+    Before: such a tokenizer was left out of the fingerprint, its rewrite resumed without a word."""
+    records = write_jsonl(tmp_path / "a.jsonl", arithmetic_records(4))
+    directory = tmp_path / "tokenizer"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text('{"version": "1.0"}')  # bytes are all it reads
+    cfg = RunConfig(data=DataConfig(path=[str(records)], format="sft",
+                                    tokenizer_type="HuggingFaceTokenizer",
+                                    tokenizer_model=str(directory)))
+    saved = {"data": {"path": cfg.data.path}}
+    before = data_fingerprint(cfg, None)
+    (directory / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": []}')
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        report_data_changes(before, data_fingerprint(cfg, None), saved, cfg, tmp_path / "c", 6)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"resume: {directory} holds other data than when {tmp_path / 'c'} was saved "
+        "(tokenizer_sha256 "), lines
