@@ -41,6 +41,13 @@ PREPROCESS_ARGS=(
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER"
   --append-eod --workers "$WORKERS"
 )
+# Ranks per node: MPICH's (and Intel MPI's) Hydra takes -ppn, which Open MPI's mpiexec refuses
+# ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike).
+MPIEXEC_VERSION="$(mpiexec --version 2>&1)" || true
+case "$MPIEXEC_VERSION" in
+  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node") ;;
+  *) PER_NODE=(-ppn "$TASKS_PER_NODE") ;;
+esac
 # $INPUT stays quoted: the tool expands globs itself, on every rank alike.
-mpiexec -n "$(( ${SLURM_NNODES:-1} * TASKS_PER_NODE ))" -ppn "$TASKS_PER_NODE" \
+mpiexec -n "$(( ${SLURM_NNODES:-1} * TASKS_PER_NODE ))" "${PER_NODE[@]}" \
   python tools/preprocess_data.py "${PREPROCESS_ARGS[@]}" "$@"
