@@ -12,7 +12,12 @@
 #   done
 #
 # AsymLoop runs K=3 and Full Loop R=2 (effective depth 2L). A depth-matched Dense baseline doubles
-# the layers (e.g. `... 135M dense model.num_layers=24`); ALRS adds `train.use_alrs=true`.
+# the layers, ALRS adds `train.use_alrs=true`, each in a run directory of its own (RUN_DIR; the
+# default, runs/ARCH_PRESET, is the loop's run's):
+#
+#   RUN_DIR=runs/dense24_135M sbatch slurm/train_paper.sh 135M dense model.num_layers=24
+#   RUN_DIR=runs/asymloop_alrs_135M sbatch slurm/train_paper.sh 135M asymloop train.use_alrs=true
+#
 # Extra arguments are megaloop-train overrides. DRY_RUN=1 prints what the job would run.
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -47,6 +52,14 @@ declare -A STEPS=([60M]=3200 [135M]=5200 [350M]=13600 [1B]=40000)
 declare -A MICRO_BATCH=([60M]=32 [135M]=32 [350M]=16 [1B]=8)
 if [ -z "${STEPS[$PRESET]:-}" ]; then
   echo "error: PRESET=$PRESET: one of ${!STEPS[*]}" >&2
+  exit 2
+fi
+# Overrides in the default run directory would resume the run without them (a use_alrs=true
+# continued its checkpoint, one warning line), or be refused there, or hold its lock.
+if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
+  echo "error: overrides ($*) without RUN_DIR: the default, runs/${ARCH}_${PRESET}, is the run" \
+       "directory of the $PRESET $ARCH run without them; set RUN_DIR to one of their own," \
+       "e.g. RUN_DIR=runs/${ARCH}_${PRESET}_variant" >&2
   exit 2
 fi
 RUN_DIR="${RUN_DIR:-runs/${ARCH}_${PRESET}}"

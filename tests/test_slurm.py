@@ -514,3 +514,21 @@ def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, 
                             text=True, capture_output=True)
     assert result.returncode == 0, result.stderr
     assert log.read_text().startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
+
+
+def test_paper_variants_run_in_a_run_directory_of_their_own():
+    """Before the fix: the header's variants (model.num_layers=24, train.use_alrs=true) took the
+    default runs/ARCH_PRESET, the loop's run's: the ALRS one continued the run without ALRS from
+    its checkpoint (one warning line), the deeper Dense was refused there. The header's own
+    commands, which give RUN_DIR, dry-run."""
+    refused = _dry_run("train_paper.sh", "135M", "asymloop", "train.use_alrs=true")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: overrides (train.use_alrs=true) without RUN_DIR: "
+                                     "the default, runs/asymloop_135M,"), refused.stderr
+    header = (REPO / "slurm" / "train_paper.sh").read_text()
+    examples = re.findall(r"^#   RUN_DIR=(\S+) sbatch slurm/train_paper\.sh (.+)$", header, re.M)
+    assert len(examples) == 2
+    run_dir, args = examples[1]
+    result = _dry_run("train_paper.sh", *args.split(), RUN_DIR=run_dir)
+    assert result.returncode == 0, result.stderr
+    assert "use_alrs: true" in result.stdout
