@@ -68,9 +68,13 @@ class AtomicIndexedWriter:
     def __init__(self, prefix: str, dtype: type[numpy.number]):
         self.prefix = prefix
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        # The pid keeps concurrent writers (MPI ranks on a shared filesystem) apart.
-        self.tmp_prefix = f"{prefix}.partial-{os.getpid()}"
-        self.builder = mcore_indexed().IndexedDatasetBuilder(bin_path(self.tmp_prefix), dtype=dtype)
+        # A .bin or .idx that is a symbolic link is written through, as platform.files' atomic
+        # writes are: its target replaced, the temporary beside it for the rename to stay on its
+        # filesystem. The pid keeps concurrent writers (MPI ranks on a shared filesystem) apart.
+        self.targets = (os.path.realpath(bin_path(prefix)), os.path.realpath(idx_path(prefix)))
+        self.temporaries = tuple(f"{target.removesuffix(suffix)}.partial-{os.getpid()}{suffix}"
+                                 for target, suffix in zip(self.targets, (".bin", ".idx")))
+        self.builder = mcore_indexed().IndexedDatasetBuilder(self.temporaries[0], dtype=dtype)
         self.committed = False
 
     def add_document(self, tokens: numpy.ndarray, lengths: Sequence[int]) -> None:
@@ -92,16 +96,16 @@ class AtomicIndexedWriter:
         self.builder.add_index(prefix)
 
     def commit(self) -> None:
-        self.builder.finalize(idx_path(self.tmp_prefix))
-        for path in (bin_path(self.tmp_prefix), idx_path(self.tmp_prefix)):
+        self.builder.finalize(self.temporaries[1])
+        for path in self.temporaries:
             sync_file(path)
         # .idx last: a reader needs both, and the .idx is what marks a dataset complete. A dataset
         # replaced loses its .idx first: interrupted between the renames, the new .bin is left
         # without one (refused as incomplete), never read through the old .idx.
         with contextlib.suppress(FileNotFoundError):
-            os.remove(idx_path(self.prefix))
-        os.replace(bin_path(self.tmp_prefix), bin_path(self.prefix))
-        os.replace(idx_path(self.tmp_prefix), idx_path(self.prefix))
+            os.remove(self.targets[1])
+        for temporary, target in zip(self.temporaries, self.targets):
+            os.replace(temporary, target)
         self.committed = True
 
     def __enter__(self) -> AtomicIndexedWriter:
@@ -110,7 +114,7 @@ class AtomicIndexedWriter:
     def __exit__(self, *exc) -> None:
         if not self.committed:
             self.builder.data_file.close()
-            for path in (bin_path(self.tmp_prefix), idx_path(self.tmp_prefix)):
+            for path in self.temporaries:
                 if os.path.exists(path):
                     os.remove(path)
 

@@ -323,9 +323,11 @@ def write_sidecar(prefix: str, record: dict) -> None:
 
 
 def remove_sidecar(prefix: str) -> None:
-    """Before new data replaces ``prefix``: an earlier run's sidecar must not outlive its data."""
+    """Before new data replaces ``prefix``: an earlier run's sidecar must not outlive its data.
+    A linked sidecar loses the file it names, the link kept for the new one to be written
+    through (``write_sidecar``)."""
     with contextlib.suppress(FileNotFoundError):
-        os.remove(sidecar_path(prefix))
+        os.remove(os.path.realpath(sidecar_path(prefix)))
 
 
 def read_sidecar(prefix: str) -> dict | None:

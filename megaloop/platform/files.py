@@ -38,8 +38,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yields a fresh path beside ``path`` for the block to write one file at (with any writer:
     numpy, matplotlib, ...). When the block ends without an exception the file is synced and
     renamed over ``path``, and stale temporaries of earlier writes of ``path`` are removed; on
-    any exception the temporary is removed and ``path`` is untouched."""
-    path = Path(path)
+    any exception the temporary is removed and ``path`` is untouched. A symbolic link is written
+    through, as a plain ``open`` writes: its target is replaced (the temporary beside the target,
+    for the rename to stay on its filesystem), the link kept."""
+    path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(_TOKEN_BYTES)}")
     try:
         yield tmp

@@ -146,8 +146,7 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
     from megaloop.training.sharded_load import load_sharded
     from megaloop.training.weight_loading import merge_swiglu_in_place
 
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"{path}: missing metadata.json, not a dist_checkpointing checkpoint")
+    _require_dist_checkpoint(path)
     from megaloop.models.specs import load_absent_extra_state_as_fresh
 
     try:
@@ -157,6 +156,25 @@ def load_checkpoint(path: Path, sharded_state: dict) -> dict:
     except (Exception, CheckpointException) as e:
         raise restating(e, CheckpointError(f"{path}: cannot be loaded into this run "
                                            f"({one_line(e)})")) from None
+
+
+def _require_dist_checkpoint(path: Path) -> None:
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: missing metadata.json, not a dist_checkpointing checkpoint")
+
+
+def sharded_metadata(path: Path) -> dict:
+    """megatron-core's index of the entries checkpoint ``path`` holds (its torch_dist
+    ``.metadata``), read outside ``load_checkpoint``: a missing or corrupt index is one
+    CheckpointError naming the file, as in the load itself."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    _require_dist_checkpoint(path)
+    try:
+        return load_sharded_metadata(str(path))
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{path / '.metadata'}: missing or unreadable "
+                              f"({one_line(e)})") from None
 
 
 def resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:

@@ -15,7 +15,7 @@ from megaloop.cli import ALIKE_ON_EVERY_RANK
 from megaloop.training.checkpoint_files import (CheckpointError, holds_training_state,
                                                 saved_config)
 from megaloop.training.checkpoint_load import (is_own_checkpoint, load_checkpoint,
-                                               same_parallel_layout)
+                                               same_parallel_layout, sharded_metadata)
 from megaloop.training.resume import (report_data_changes, report_sample_order,
                                       resume_schedule)
 from megaloop.training.rng import rng_state, set_rng_state
@@ -86,10 +86,8 @@ def rng_entry(by_expert_rank: bool):
 def rng_saved_by_expert_rank(path: Path) -> bool:
     """Whether checkpoint ``path`` holds its RNG states per expert-parallel rank
     (``rng_entry``): those saved before it did hold them per (pipeline, tensor) rank only."""
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
     return any(entry.key == "rng_state" and len(entry.global_shape) == 3
-               for entry in load_sharded_metadata(str(path)).values())
+               for entry in sharded_metadata(path).values())
 
 
 

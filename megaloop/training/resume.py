@@ -470,8 +470,6 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
         if tokenizers:  # a fine-tuning checkpoint saved before its tokenizer was recorded
             unrecorded.add("tokenizer_sha256")
             now = {name: entry for name, entry in now.items() if name not in tokenizers}
-    for name in recorded.keys() & now.keys():
-        unrecorded |= now[name].keys() - recorded[name].keys()
 
     def same(old: dict, new: dict) -> bool:  # on the entries both record
         common = old.keys() & new.keys()
@@ -480,11 +478,15 @@ def report_data_changes(recorded: dict | None, now: dict, saved: dict, cfg: RunC
     # Data moved, its fingerprint unchanged (a quickstart's, trained in its staging directory):
     # the sample indices are made from the contents, not the name, so the samples are the same.
     gone, moved = [name for name in recorded if name not in now], set()
+    compared = [(recorded[name], now[name]) for name in recorded.keys() & now.keys()]
     for name in (name for name in now if name not in recorded):
         source = next((old for old in gone if same(recorded[old], now[name])), None)
         if source is not None:
             gone.remove(source)
             moved |= {source, name}
+            compared.append((recorded[source], now[name]))
+    for saved_entry, entry in compared:  # moved data too: compared on fewer fields alike
+        unrecorded |= entry.keys() - saved_entry.keys()
     for name in sorted((recorded.keys() | now.keys()) - moved):
         old, new = recorded.get(name), now.get(name)
         if old is not None and new is not None and same(old, new):

@@ -286,6 +286,30 @@ def test_outputs_an_earlier_run_left_are_refused_unless_overwrite(tmp_path, run,
     assert pp.read_sidecar(f"{prefix}_text_document")["documents"] == 2
 
 
+def test_overwrite_through_symbolic_links_replaces_the_files_they_name(tmp_path, run, sp_model):
+    """Outputs kept on shared storage and linked under the prefix: --overwrite writes the new data
+    where the links point, as any other writer to them would. Before: each link was replaced by a
+    file, and the shared data left as it was."""
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "another"}\n{"text": "and a third"}\n')
+    shared, out = tmp_path / "shared", tmp_path / "out"
+    assert run("--input", tmp_path / "a.jsonl", "--output-prefix", shared / "o", "--workers", 1,
+               *sp_args(sp_model))[0] == 0
+    out.mkdir()
+    names = sorted(p.name for p in shared.iterdir())
+    for name in names:
+        (out / name).symlink_to(shared / name)
+    code, err = run("--input", tmp_path / "b.jsonl", "--output-prefix", out / "o", "--workers", 1,
+                    "--overwrite", *sp_args(sp_model))
+    assert code == 0, err
+    assert all((out / name).is_symlink() for name in names)
+    assert sorted(p.name for p in shared.iterdir()) == names  # no temporary left behind
+    assert pp.read_sidecar(f"{shared}/o_text_document")["documents"] == 2
+    from megaloop.data.indexed import validate_indexed
+
+    assert validate_indexed(f"{shared}/o_text_document").num_documents == 2
+
+
 class _OneRank:
     """mpi4py's COMM_WORLD as tools/preprocess_data.py uses it, for a world of one rank: its
     shard-and-merge path (run_mpi) in this process."""
@@ -323,7 +347,7 @@ def test_an_mpi_merge_that_fails_leaves_the_output_it_replaces_whole(tmp_path, r
     monkeypatch.setattr(preprocess_tool, "_mpi_comm", _OneRank)
 
     def disk_full(writer, prefix):
-        raise DataError(f"{writer.tmp_prefix}.bin: no space left on device")
+        raise DataError(f"{writer.temporaries[0]}: no space left on device")
 
     monkeypatch.setattr(AtomicIndexedWriter, "add_index", disk_full)
     code, err = run(*args, "--overwrite")

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from megaloop.data.tokenizer import load_tokenizer
@@ -138,3 +140,23 @@ def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, capsys, to
     assert out.read_bytes() == first
     assert tool.main(argv(50, "--overwrite")) == 0, capsys.readouterr().err
     assert out.read_bytes() != first
+
+
+def test_overwrite_through_a_symbolic_link_replaces_the_file_it_names(tmp_path, capsys, tool):
+    """A tokenizer kept on shared storage and linked into a project: --overwrite writes the new
+    model where the link points, as writing to the link with any other tool would. Before: the
+    link was replaced by a file, and the shared model left as it was."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the {w} sat on {n} mats\n" for w in ("cat", "dog") for n in range(50)))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / "tok.model"
+    target.write_bytes(b"the old model")
+    link = tmp_path / "project" / "tok.model"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    assert tool.main(["--input", str(corpus), "--output", str(link), "--vocab-size", "40",
+                      "--no-byte-fallback", "--threads", "1", "--overwrite"]) == 0, capsys.readouterr().err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert load_tokenizer("SentencePieceTokenizer", target).vocab_size == 40
+    assert sorted(p.name for p in shared.iterdir()) == ["tok.model"]  # no temporary left behind

@@ -220,6 +220,22 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(saved_run, pattern_dat
     assert "checkpoint.fallback_to_previous=true resumes from iter_0000002" in message
 
 
+@pytest.mark.parametrize("damage", [_truncate, os.remove], ids=["truncated", "removed"])
+def test_a_damaged_index_read_for_the_rng_entrys_kind_is_one_line_naming_it(saved_run, tmp_path,
+                                                                           damage):
+    from megaloop.training.checkpoint_state import rng_saved_by_expert_rank
+
+    path = _copy(saved_run, tmp_path) / "checkpoints" / "iter_0000004"
+    assert rng_saved_by_expert_rank(path) is False  # saved without expert parallelism
+    damage(path / ".metadata")
+    # Read before load_checkpoint on an expert-parallel resume; before the fix megatron-core's
+    # or pickle's traceback (EOFError, FileNotFoundError).
+    with pytest.raises(ckpt.CheckpointError) as error:
+        rng_saved_by_expert_rank(path)
+    message = one_line(error)
+    assert message.startswith(f"{path / '.metadata'}: missing or unreadable ("), message
+
+
 @pytest.mark.parametrize("content, reason", [
     (b"model: [1, 2\nparallel: {}\n", r"invalid YAML at line 2, column 9: expected ',' or ']', "
                                         r"but got ':'"),

@@ -174,6 +174,24 @@ def test_data_moved_under_another_name_resumes_without_a_word_unless_it_changed(
         "resume: out/.staging/data/corpus is gone", "resume: out/data/corpus is new"]
 
 
+def test_data_moved_from_an_older_checkpoints_name_resumes_with_one_note(tmp_path, caplog):
+    """A quickstart model saved before fingerprints held bin_sample_md5, its data installed since:
+    the data is compared on the fields both hold, and what that leaves unchecked said once, as
+    for data that kept its name. Before: not a word, the rewrite it cannot see left unsaid."""
+    cfg = RunConfig(data=DataConfig(path=["out/data/corpus"]))
+    saved = {"data": {"path": cfg.data.path}}
+    older = {"documents": 60, "tokens": 900, "sequence_lengths_md5": "a" * 32}
+    checkpoint = tmp_path / "ckpt"
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        report_data_changes({"out/.staging/data/corpus": older},
+                            {"out/data/corpus": {**older, "bin_sample_md5": "b" * 32}}, saved,
+                            cfg, checkpoint, 6)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"resume: {checkpoint}'s fingerprint of its training data has no bin_sample_md5 "
+                 "(saved by an older megaloop): data rewritten with the same sequence lengths is "
+                 "not detected")]
+
+
 def test_a_fine_tuning_tokenizer_trained_anew_under_its_name_is_named(tmp_path, caplog):
     """Fine-tuning records are tokenized at every start: a tokenizer rewritten in place changes
     every sample while each record file stays as it was. Before: resumed without a word."""
