@@ -251,6 +251,8 @@ def _indices_or_problem(dataset, build: Callable[[], tuple], cached: bool, files
     next one until the process-group timeout, with a traceback not naming the file (numpy:
     "mmap length is greater than file size")."""
     try:
+        if cached:
+            _refuse_pickles(files)
         return build()
     except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
         dataset.cache_problem = _problem_of(e, cached, files)
@@ -261,6 +263,14 @@ def _indices_or_problem(dataset, build: Callable[[], tuple], cached: bool, files
             return build()
     finally:
         dataset.config = config
+
+
+def _refuse_pickles(files: list[str]) -> None:
+    """Raises ValueError for a cached index that is not a plain numpy array: megatron-core loads
+    them with ``allow_pickle=True``, which runs any pickle found under an index's name (a cache
+    directory is often shared, and writable by others)."""
+    for path in files:
+        numpy.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def _problem_of(error: Exception, cached: bool, files: list[str]) -> str:
@@ -277,6 +287,9 @@ def _problem_of(error: Exception, cached: bool, files: list[str]) -> str:
         except OSError as e:
             return f"{path}: {e.strerror or e}"
         except (ValueError, EOFError) as e:
+            if "allow_pickle" in str(e):
+                return (f"{path}: a pickle, not a numpy index; not loaded, since unpickling runs "
+                        "code: delete it, and the next run builds it again")
             return f"{path}: corrupt ({e}); delete it, and the next run builds it again"
     raise error
 

@@ -121,6 +121,35 @@ def test_a_corrupt_cached_index_is_one_line_naming_it_and_is_built_again_once_de
     _assert_same(_indices(tokenized_articles, cache), expected)
 
 
+class _MakesDirectoryWhenUnpickled:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_pickle_under_a_cached_index_name_is_refused_unopened(tmp_path, tokenized_articles):
+    """megatron-core loads cached indices with allow_pickle=True: a pickle planted under an
+    index's name in a shared cache directory ran its code (here: making a directory)."""
+    import pickle
+
+    from megaloop.data import DataError
+
+    cache = tmp_path / "cache"
+    expected = _indices(tokenized_articles, cache)
+    [sample] = cache.glob("*-train-sample_index.npy")
+    ran = tmp_path / "the pickle ran"
+    sample.write_bytes(pickle.dumps(_MakesDirectoryWhenUnpickled(str(ran))))
+    with pytest.raises(DataError) as error:
+        _indices(tokenized_articles, cache)
+    assert not ran.exists()
+    assert str(error.value) == (f"{sample}: a pickle, not a numpy index; not loaded, since "
+                                "unpickling runs code: delete it, and the next run builds it again")
+    sample.unlink()
+    _assert_same(_indices(tokenized_articles, cache), expected)
+
+
 def test_indices_of_data_rewritten_under_the_same_prefix_are_rebuilt(tmp_path, sp_model, articles):
     # Before: the cache key held the prefix, not the data, so re-tokenized data under the same
     # prefix reused indices made for other documents.
