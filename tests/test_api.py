@@ -10,6 +10,7 @@ import torch
 
 import megaloop.api as ml
 from megaloop.config import ConfigError
+from tests.docs import documentation
 from tests.training.conftest import one_line
 
 
@@ -211,13 +212,12 @@ def test_load_refuses_a_depth_a_latentloop_cannot_run(mcore, tmp_path):
 REPO = Path(__file__).parents[1]
 
 
-def test_readme_python_api_snippet_runs_as_written(mcore):
-    """The README's Python API block, executed as it stands: its calls and the shapes its comments
-    state hold against the current API."""
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"### Python API.*?```python\n(.*?)```", readme, re.S).group(1)
+def test_documented_python_api_snippet_runs_as_written(mcore):
+    """The Python API block of the documentation (docs/models.md), executed as it stands: its calls
+    and the shapes its comments state hold against the current API."""
+    block = re.search(r"^#+ Python API.*?```python\n(.*?)```", documentation(), re.S | re.M).group(1)
     names = {}
-    exec(compile(block, "README.md (Python API)", "exec"), names)
+    exec(compile(block, "docs (Python API)", "exec"), names)
     tokens, vocab = names["tokens"], names["model"].cfg.vocab_size
     assert names["logits"].shape == (*tokens.shape, vocab)  # [B, N, V]
     assert names["losses"].shape == tokens.shape  # [B, N]

@@ -1,4 +1,5 @@
-"""The README's main job, shrunk: task corpus, tokenizer, indexed data, four models, tables."""
+"""The quickstart (README.md, docs/quickstart.md), shrunk: task corpus, tokenizer, indexed data,
+four models, tables."""
 
 import dataclasses
 import json

@@ -29,7 +29,7 @@ OTHER_VALUES = dict(
     latent_writeback_lag=[1], latent_reduction=["width", "top_k", "expert_ffn"],
     residual_scale=["fixed"], residual_scale_init=[[0.5, 1.0]], untie_attention=[True],
     untie_moe=[True])
-# (family, field): why a native class's config cannot hold it (the README says so too).
+# (family, field): why a native class's config cannot hold it (docs/huggingface.md says so too).
 NATIVE_LOSES = {
     **{("mixtral", name): "Mixtral has no dense FFN width (it comes back as expert width x top-k)"
        for name in ("ffn_hidden_size", "decoder_ffn_hidden_size")},

@@ -155,7 +155,7 @@ def test_bf16_main_params_are_paired_with_their_model_params(mcore, pattern_data
 
 def expected_lr(step: int, total: int, schedule: str, peak=1e-2, floor=1e-3, warmup=2,
                 decay=None, shape="linear") -> float:
-    """The LR after ``step`` completed steps, written out from the README's description: linear
+    """The LR after ``step`` completed steps, written out from docs/training.md's description: linear
     warmup from 0, then cosine or linear decay to the floor at ``total``, or (wsd) the peak until
     the last ``decay`` steps and a ``shape`` decay over them."""
     if step <= warmup:
