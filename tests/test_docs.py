@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs import PAGES, README, REPO
+from tests.docs import CODE_SPAN, FENCE, PAGES, README, REPO
 
-FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
-CODE_SPAN = re.compile(r"(`+)(?!`).*?(?<!`)\1(?!`)", re.S)
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
 
