@@ -481,41 +481,6 @@ def test_a_job_without_image_or_megaloop_environment_is_refused_before_srun(scri
         "error: IMAGE is not set, and the PATH's python, none, cannot import torch")
 
 
-# mpiexec as each flavour takes the ranks per node: Hydra (MPICH, Intel MPI) -ppn, Open MPI
-# --map-by ppr:N:node, refusing -ppn as an unknown option (exit 1).
-MPIEXEC = """#!/bin/bash
-if [ "$1" = --version ]; then echo "$STUB_MPIEXEC_VERSION"; exit 0; fi
-echo "$*" > "$STUB_LOG"
-case "$STUB_MPIEXEC_VERSION" in
-  *OpenRTE* | *"Open MPI"*) [[ " $* " != *" -ppn "* ]] || { echo "unknown option -ppn" >&2; exit 1; } ;;
-  *) [[ " $* " != *" --map-by "* ]] || { echo "unrecognized argument map-by" >&2; exit 255; } ;;
-esac
-"""
-
-
-@pytest.mark.parametrize("version, per_node", [
-    ("HYDRA build details:\n    Version:                                 4.2.2", "-ppn 4"),
-    ("mpiexec (OpenRTE) 4.1.5", "--map-by ppr:4:node"),
-    ("mpiexec (Open MPI) 5.0.3", "--map-by ppr:4:node"),
-])
-def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, per_node,
-                                                                       tmp_path):
-    """Before the fix: -ppn whatever the mpiexec, which the system's Open MPI refuses."""
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    (stubs / "mpiexec").write_text(MPIEXEC)
-    (stubs / "mpiexec").chmod(0o700)
-    log = tmp_path / "log"
-    env = {**os.environ, "INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
-           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", "TASKS_PER_NODE": "4",
-           "WORKERS": "8", "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
-           "PATH": os.pathsep.join([str(stubs), os.environ["PATH"]])}
-    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh")], cwd="/", env=env,
-                            text=True, capture_output=True)
-    assert result.returncode == 0, result.stderr
-    assert log.read_text().startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
-
-
 def test_paper_variants_run_in_a_run_directory_of_their_own():
     """Before the fix: the header's variants (model.num_layers=24, train.use_alrs=true) took the
     default runs/ARCH_PRESET, the loop's run's: the ALRS one continued the run without ALRS from

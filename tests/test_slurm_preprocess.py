@@ -1,0 +1,91 @@
+"""slurm/preprocess.sh with mpiexec stubbed: the ranks per node as the mpiexec on PATH takes them,
+and tokenizer processes that fit the node's CPUs."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# mpiexec as each flavour takes the ranks per node: Hydra (MPICH, Intel MPI) -ppn, Open MPI
+# --map-by ppr:N:node, refusing -ppn as an unknown option (exit 1).
+MPIEXEC = """#!/bin/bash
+if [ "$1" = --version ]; then echo "$STUB_MPIEXEC_VERSION"; exit 0; fi
+echo "$*" > "$STUB_LOG"
+case "$STUB_MPIEXEC_VERSION" in
+  *OpenRTE* | *"Open MPI"*) [[ " $* " != *" -ppn "* ]] || { echo "unknown option -ppn" >&2; exit 1; } ;;
+  *) [[ " $* " != *" --map-by "* ]] || { echo "unrecognized argument map-by" >&2; exit 255; } ;;
+esac
+"""
+HYDRA = "HYDRA build details:\n    Version:                                 4.2.2"
+
+
+def _preprocess(tmp_path, version=HYDRA, **settings):
+    """preprocess.sh under a stubbed mpiexec in an allocation of ``settings`` (SLURM_* variables,
+    TASKS_PER_NODE, WORKERS): the result and the mpiexec command line, None if not started."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "mpiexec").write_text(MPIEXEC)
+    (stubs / "mpiexec").chmod(0o700)
+    log = tmp_path / "log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env.update(INPUT="/in/*.parquet", OUTPUT="/out/fwe", TOKENIZER="/tok.model",
+               SLURM_SUBMIT_DIR=str(REPO), SLURM_NNODES="2", STUB_MPIEXEC_VERSION=version,
+               STUB_LOG=str(log), PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]),
+               **settings)
+    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh")], cwd="/", env=env,
+                            text=True, capture_output=True)
+    return result, (log.read_text() if log.exists() else None)
+
+
+@pytest.mark.parametrize("version, per_node", [
+    (HYDRA, "-ppn 4"),
+    ("mpiexec (OpenRTE) 4.1.5", "--map-by ppr:4:node"),
+    ("mpiexec (Open MPI) 5.0.3", "--map-by ppr:4:node"),
+])
+def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, per_node,
+                                                                       tmp_path):
+    """Before the fix: -ppn whatever the mpiexec, which the system's Open MPI refuses."""
+    result, command = _preprocess(tmp_path, version, SLURM_JOB_CPUS_PER_NODE="32(x2)",
+                                  TASKS_PER_NODE="4", WORKERS="8")
+    assert result.returncode == 0, result.stderr
+    assert command.startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
+
+
+@pytest.mark.parametrize("allocation, ranks, workers", [
+    # The header's --cpus-per-task=32 with 4 ranks a node: before, 32 workers each, 128 in all.
+    ({"SLURM_JOB_CPUS_PER_NODE": "32(x2)", "SLURM_NTASKS_PER_NODE": "1",
+      "SLURM_CPUS_PER_TASK": "32", "TASKS_PER_NODE": "4"}, 4, 8),
+    # No --cpus-per-task: before, 8 workers each, 64 on 16 CPUs.
+    ({"SLURM_JOB_CPUS_PER_NODE": "16(x2)", "TASKS_PER_NODE": "8"}, 8, 2),
+    # sbatch --ntasks-per-node 4 --cpus-per-task 8 on nodes of unequal size: before, 1 rank a
+    # node (the allocation's 4 ignored) of 8 workers, a quarter of the CPUs used.
+    ({"SLURM_JOB_CPUS_PER_NODE": "48,32", "SLURM_NTASKS_PER_NODE": "4",
+      "SLURM_CPUS_PER_TASK": "8"}, 4, 8),
+])
+def test_preprocess_by_default_runs_as_many_workers_per_node_as_it_has_cpus(allocation, ranks,
+                                                                            workers, tmp_path):
+    result, command = _preprocess(tmp_path, **allocation)
+    assert result.returncode == 0, result.stderr
+    assert command.startswith(f"-n {2 * ranks} -ppn {ranks} python tools/preprocess_data.py ")
+    assert command.endswith(f" --workers {workers}\n"), command
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"WORKERS": "32", "TASKS_PER_NODE": "4"},
+     "error: WORKERS=32 x TASKS_PER_NODE=4 = 128 tokenizer processes per node, more than a "
+     "node's 64 CPUs (SLURM_JOB_CPUS_PER_NODE=64(x2)): set WORKERS to at most 16, or unset it"),
+    ({"TASKS_PER_NODE": "65"}, "error: TASKS_PER_NODE=65 ranks per node, more than a node's 64 "
+                               "CPUs (SLURM_JOB_CPUS_PER_NODE=64(x2)): set TASKS_PER_NODE to "
+                               "at most 64"),
+    ({"WORKERS": "auto"}, "error: WORKERS=auto: a whole number, at least 1"),
+    ({"TASKS_PER_NODE": "0"}, "error: TASKS_PER_NODE=0: a whole number, at least 1"),
+])
+def test_preprocess_refuses_more_processes_than_cpus_in_one_line(settings, message, tmp_path):
+    """Before: started, 128 tokenizer processes on 64 CPUs; TASKS_PER_NODE=0 ran mpiexec -n 0."""
+    result, command = _preprocess(tmp_path, SLURM_JOB_CPUS_PER_NODE="64(x2)", **settings)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(message), result.stderr
+    assert command is None
