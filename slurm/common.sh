@@ -88,6 +88,30 @@ megaloop_require() {
   fi
 }
 
+# megaloop_run_dir DEFAULT RUN ARGS...: sets RUN_DIR, DEFAULT unless given, for a training script
+# whose extra ARGS (megaloop-train overrides) make a variant of RUN. Exits 2 in one line when ARGS
+# come without a RUN_DIR: in DEFAULT, RUN's run directory, the variant would resume RUN's checkpoint
+# (one warning line), be refused there, or hold its lock; and when ARGS set train.out_dir, which
+# would replace RUN_DIR's without a word and escape megaloop_mounted.
+megaloop_run_dir() {
+  local default="$1" run="$2" arg
+  shift 2
+  for arg in "$@"; do
+    if [ "${arg#train.out_dir=}" != "$arg" ]; then
+      echo "error: $arg among the overrides: the script sets train.out_dir from RUN_DIR; set" \
+           "RUN_DIR=${arg#train.out_dir=} instead" >&2
+      exit 2
+    fi
+  done
+  if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
+    echo "error: overrides ($*) without RUN_DIR: the default, $default, is the run directory of" \
+         "the $run run without them; set RUN_DIR to one of their own, e.g." \
+         "RUN_DIR=${default}_variant (or RUN_DIR=$default to continue that run with them)" >&2
+    exit 2
+  fi
+  RUN_DIR="${RUN_DIR:-$default}"
+}
+
 # megaloop_mounted NAME...: with IMAGE, exits 2 naming the first variable holding an absolute path
 # (DATA may hold several, comma-separated) outside the container's mounts: the checkout
 # at /workspace/megaloop and MOUNTS' destinations (SRC[:DST[:FLAGS]]). Inside, such a path does

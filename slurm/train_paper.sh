@@ -54,15 +54,7 @@ if [ -z "${STEPS[$PRESET]:-}" ]; then
   echo "error: PRESET=$PRESET: one of ${!STEPS[*]}" >&2
   exit 2
 fi
-# Overrides in the default run directory would resume the run without them (a use_alrs=true
-# continued its checkpoint, one warning line), or be refused there, or hold its lock.
-if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
-  echo "error: overrides ($*) without RUN_DIR: the default, runs/${ARCH}_${PRESET}, is the run" \
-       "directory of the $PRESET $ARCH run without them; set RUN_DIR to one of their own," \
-       "e.g. RUN_DIR=runs/${ARCH}_${PRESET}_variant" >&2
-  exit 2
-fi
-RUN_DIR="${RUN_DIR:-runs/${ARCH}_${PRESET}}"
+megaloop_run_dir "runs/${ARCH}_${PRESET}" "$PRESET $ARCH" "$@"
 megaloop_mounted DATA TOKENIZER RUN_DIR
 
 MODEL_ARGS=(--preset "$PRESET" model.arch="$ARCH")

@@ -481,19 +481,38 @@ def test_a_job_without_image_or_megaloop_environment_is_refused_before_srun(scri
         "error: IMAGE is not set, and the PATH's python, none, cannot import torch")
 
 
-def test_paper_variants_run_in_a_run_directory_of_their_own():
-    """Before the fix: the header's variants (model.num_layers=24, train.use_alrs=true) took the
-    default runs/ARCH_PRESET, the loop's run's: the ALRS one continued the run without ALRS from
-    its checkpoint (one warning line), the deeper Dense was refused there. The header's own
-    commands, which give RUN_DIR, dry-run."""
-    refused = _dry_run("train_paper.sh", "135M", "asymloop", "train.use_alrs=true")
+def _header_variants(script):
+    """The commands a script's header gives for a variant, with RUN_DIR (continued lines joined)."""
+    header = (REPO / "slurm" / script).read_text().replace("\\\n#   ", "")
+    return re.findall(r"^#   (.*\bRUN_DIR=.*sbatch .*)$", header, re.M)
+
+
+@pytest.mark.parametrize("script, args, default", [
+    ("train_paper.sh", ["135M", "asymloop", "train.use_alrs=true"], "runs/asymloop_135M"),
+    ("asymloop_7b.sh", ["model.iterations=2"], "runs/asymloop_7b"),
+])
+def test_variants_run_in_a_run_directory_of_their_own(script, args, default):
+    """Before the fix: a variant (train_paper.sh's header: model.num_layers=24, use_alrs=true;
+    a 7B run of K=2) took the default run directory, the run's without it: it continued that
+    run's checkpoint (one warning line), or was refused there. train.out_dir among the overrides
+    replaced RUN_DIR's without a word. The header's own variant commands dry-run."""
+    refused = _dry_run(script, *args)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("error: overrides (train.use_alrs=true) without RUN_DIR: "
-                                     "the default, runs/asymloop_135M,"), refused.stderr
-    header = (REPO / "slurm" / "train_paper.sh").read_text()
-    examples = re.findall(r"^#   RUN_DIR=(\S+) sbatch slurm/train_paper\.sh (.+)$", header, re.M)
-    assert len(examples) == 2
-    run_dir, args = examples[1]
-    result = _dry_run("train_paper.sh", *args.split(), RUN_DIR=run_dir)
-    assert result.returncode == 0, result.stderr
-    assert "use_alrs: true" in result.stdout
+    assert refused.stderr.startswith(f"error: overrides ({args[-1]}) without RUN_DIR: the "
+                                     f"default, {default}, is the run directory"), refused.stderr
+    out_dir = _dry_run(script, *args, "train.out_dir=runs/b", RUN_DIR="runs/a")
+    assert out_dir.returncode == 2 and out_dir.stderr == (
+        "error: train.out_dir=runs/b among the overrides: the script sets train.out_dir from "
+        "RUN_DIR; set RUN_DIR=runs/b instead\n"), out_dir.stderr
+    commands = _header_variants(script)
+    assert any(args[-1] in command for command in commands), commands
+    for command in commands:
+        nodes = re.search(r"--nodes (\d+)", command)
+        command = re.sub(r"\bsbatch( --[\w-]+ \S+)* ", "bash ", command)
+        run_dir = re.search(r"RUN_DIR=(\S+)", command).group(1)
+        result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True,
+                                env=_environment(DRY_RUN="1", DATA="/data/fwe",
+                                                 TOKENIZER="/data/tok.model",
+                                                 NODES=nodes.group(1) if nodes else "1"))
+        assert result.returncode == 0, (command, result.stderr)
+        assert f"out_dir: {run_dir}\n" in result.stdout, command
