@@ -48,10 +48,18 @@ else  # one from the submitting shell (sbatch exports it) would refuse the host'
   unset MEGALOOP_CONTAINER_MOUNTS
 fi
 
+# The job's CPUs per task (#SBATCH --cpus-per-task) for its srun steps: since Slurm 22.05 srun no
+# longer takes them from the job (SLURM_CPUS_PER_TASK), and each task got one CPU, its threads and
+# data loader workers on one core without a word.
+TASK_CPUS=()
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+  TASK_CPUS=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+fi
+
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
 megaloop_srun() {
   megaloop_python_ready
-  srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
+  srun ${CONTAINER[@]+"${CONTAINER[@]}"} ${TASK_CPUS[@]+"${TASK_CPUS[@]}"} "$@"
 }
 
 # megaloop_python_ready [--host]: without IMAGE the tasks run the interpreter on this node's PATH
@@ -237,7 +245,7 @@ megaloop_train() {
   # srun itself in the background, not megaloop_srun: $! would be the subshell running the
   # function, which SIGUSR1 kills (exit 138, srun orphaned, the tasks never told, no requeue).
   # The tasks start with the stop signals blocked (MEGALOOP_STOP_SIGNALS_BLOCKED, above).
-  srun ${CONTAINER[@]+"${CONTAINER[@]}"} --kill-on-bad-exit=0 --wait=120 \
+  srun ${CONTAINER[@]+"${CONTAINER[@]}"} ${TASK_CPUS[@]+"${TASK_CPUS[@]}"} --kill-on-bad-exit=0 --wait=120 \
     python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train "$@" &
   local srun_pid=$! rc=0 interrupted=0
   trap 'interrupted=1; kill -USR1 "$srun_pid" 2>/dev/null' USR1

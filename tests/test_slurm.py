@@ -105,13 +105,13 @@ def test_7b_recipe_dry_run_and_bad_input():
 # is the highest of the tasks', a task ended by signal n counting as 128 + n.
 SRUN = r'''#!/usr/bin/env python3
 import os, signal, subprocess, sys, time
+open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
 if os.environ["STUB_TASKS"] == "exec":  # one task, this process: the job's own command
     command = sys.argv[1:]
     while command[0].startswith("-"):
         command.pop(0)
     os.environ.update(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_LOCALID="0")
     open(os.environ["STUB_LOG"] + ".srun_pid", "w").write(str(os.getpid()))
-    open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
     os.execvp(command[0], command)
 TASK = """
 import os, signal, sys, time
@@ -360,6 +360,16 @@ def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
     assert "requeue" not in log.read_text()
     assert re.search(r"^[\d-]+ [\d:]+ megaloop: job 42, requeued \(restart 2\): 1 node\(s\) x "
                      r"\? tasks, rendezvous node1:20042$", (tmp_path / "job.out").read_text(), re.M)
+
+
+@pytest.mark.parametrize("script", ["asymloop_7b.sh", "convert.sh"])
+def test_the_tasks_get_the_cpus_the_job_asks_per_task(script, tmp_path):
+    """Before: srun without --cpus-per-task, which since Slurm 22.05 it no longer takes from the
+    job (#SBATCH --cpus-per-task=12): every task got one CPU, its threads on one core."""
+    job, log = _job(tmp_path, "crash", script=script, SLURM_CPUS_PER_TASK="12",
+                    CHECKPOINT="runs/a/checkpoints", OUT=str(tmp_path / "hf"))
+    assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
+    assert "--cpus-per-task=12" in (tmp_path / "log.srun_args").read_text().splitlines()
 
 
 def _refusal(script, tmp_path, **env):
