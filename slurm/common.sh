@@ -96,21 +96,36 @@ megaloop_require() {
   fi
 }
 
+# megaloop_set_by_variables OPTION:NAME... -- ARGS...: exits 2 in one line when an extra argument
+# (ARGS) gives an OPTION that the script sets from the variable NAME (train.out_dir from RUN_DIR,
+# --output-prefix from OUTPUT): the command reads the later one, so NAME would be ignored without a
+# word, and a path given so would escape megaloop_mounted.
+megaloop_set_by_variables() {
+  local pairs=() pair option arg
+  while [ "$1" != -- ]; do pairs+=("$1"); shift; done
+  shift
+  for arg in "$@"; do
+    for pair in "${pairs[@]}"; do
+      option="${pair%:*}"
+      if [ "$arg" = "$option" ] || [ "${arg#"$option"=}" != "$arg" ]; then
+        echo "error: $arg among the extra arguments: $(basename "$0") sets $option from" \
+             "${pair##*:}, which it would replace; set ${pair##*:} instead" >&2
+        exit 2
+      fi
+    done
+  done
+}
+
 # megaloop_run_dir DEFAULT RUN ARGS...: sets RUN_DIR, DEFAULT unless given, for a training script
 # whose extra ARGS (megaloop-train overrides) make a variant of RUN. Exits 2 in one line when ARGS
 # come without a RUN_DIR: in DEFAULT, RUN's run directory, the variant would resume RUN's checkpoint
-# (one warning line), be refused there, or hold its lock; and when ARGS set train.out_dir, which
-# would replace RUN_DIR's without a word and escape megaloop_mounted.
+# (one warning line), be refused there, or hold its lock. ARGS may not set what the script sets
+# from its variables (megaloop_set_by_variables).
 megaloop_run_dir() {
-  local default="$1" run="$2" arg
+  local default="$1" run="$2"
   shift 2
-  for arg in "$@"; do
-    if [ "${arg#train.out_dir=}" != "$arg" ]; then
-      echo "error: $arg among the overrides: the script sets train.out_dir from RUN_DIR; set" \
-           "RUN_DIR=${arg#train.out_dir=} instead" >&2
-      exit 2
-    fi
-  done
+  megaloop_set_by_variables train.out_dir:RUN_DIR data.path:DATA \
+    data.tokenizer_model:TOKENIZER -- "$@"
   if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
     echo "error: overrides ($*) without RUN_DIR: the default, $default, is the run directory of" \
          "the $run run without them; set RUN_DIR to one of their own, e.g." \

@@ -17,7 +17,8 @@
 #   slurm/preprocess.sh
 #
 # Extra arguments go to tools/preprocess_data.py (e.g. --min-int-score 3; --overwrite to replace the
-# output of an earlier run, which is refused otherwise).
+# output of an earlier run, which is refused otherwise), but for those the variables above set
+# (--input, --output-prefix, --tokenizer-model, --workers), which are refused.
 #SBATCH --job-name=preprocess
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -41,6 +42,8 @@ if [ -n "${IMAGE:-}" ]; then  # mpiexec starts the ranks on the nodes themselves
        "unset IMAGE and run it where megaloop is installed" >&2
   exit 2
 fi
+megaloop_set_by_variables --input:INPUT --output-prefix:OUTPUT --tokenizer-model:TOKENIZER \
+  --workers:WORKERS -- "$@"
 TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
 for NAME in TASKS_PER_NODE WORKERS; do
   if [ -n "${!NAME:-}" ] && ! [[ "${!NAME}" =~ ^[1-9][0-9]*$ ]]; then

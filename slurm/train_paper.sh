@@ -18,7 +18,8 @@
 #   RUN_DIR=runs/dense24_135M sbatch slurm/train_paper.sh 135M dense model.num_layers=24
 #   RUN_DIR=runs/asymloop_alrs_135M sbatch slurm/train_paper.sh 135M asymloop train.use_alrs=true
 #
-# Extra arguments are megaloop-train overrides. DRY_RUN=1 prints what the job would run.
+# Extra arguments are megaloop-train overrides (not data.path, data.tokenizer_model or
+# train.out_dir, which DATA, TOKENIZER and RUN_DIR set). DRY_RUN=1 prints what the job would run.
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8

@@ -504,16 +504,18 @@ def _header_variants(script):
 def test_variants_run_in_a_run_directory_of_their_own(script, args, default):
     """Before the fix: a variant (train_paper.sh's header: model.num_layers=24, use_alrs=true;
     a 7B run of K=2) took the default run directory, the run's without it: it continued that
-    run's checkpoint (one warning line), or was refused there. train.out_dir among the overrides
-    replaced RUN_DIR's without a word. The header's own variant commands dry-run."""
+    run's checkpoint (one warning line), or was refused there. train.out_dir or data.path among
+    the overrides replaced RUN_DIR or DATA without a word. The header's variant commands dry-run."""
     refused = _dry_run(script, *args)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert refused.stderr.startswith(f"error: overrides ({args[-1]}) without RUN_DIR: the "
                                      f"default, {default}, is the run directory"), refused.stderr
-    out_dir = _dry_run(script, *args, "train.out_dir=runs/b", RUN_DIR="runs/a")
-    assert out_dir.returncode == 2 and out_dir.stderr == (
-        "error: train.out_dir=runs/b among the overrides: the script sets train.out_dir from "
-        "RUN_DIR; set RUN_DIR=runs/b instead\n"), out_dir.stderr
+    for override, variable in (("train.out_dir=runs/b", "RUN_DIR"), ("data.path=[/b]", "DATA")):
+        replaced = _dry_run(script, *args, override, RUN_DIR="runs/a")
+        assert replaced.returncode == 2 and replaced.stderr == (
+            f"error: {override} among the extra arguments: {script} sets "
+            f"{override.split('=')[0]} from {variable}, which it would replace; set {variable} "
+            "instead\n"), replaced.stderr
     commands = _header_variants(script)
     assert any(args[-1] in command for command in commands), commands
     for command in commands:

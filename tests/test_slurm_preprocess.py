@@ -22,9 +22,10 @@ esac
 HYDRA = "HYDRA build details:\n    Version:                                 4.2.2"
 
 
-def _preprocess(tmp_path, version=HYDRA, **settings):
-    """preprocess.sh under a stubbed mpiexec in an allocation of ``settings`` (SLURM_* variables,
-    TASKS_PER_NODE, WORKERS): the result and the mpiexec command line, None if not started."""
+def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
+    """preprocess.sh ``args`` under a stubbed mpiexec in an allocation of ``settings`` (SLURM_*
+    variables, TASKS_PER_NODE, WORKERS): the result and the mpiexec command line, None if not
+    started."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     (stubs / "mpiexec").write_text(MPIEXEC)
@@ -35,7 +36,7 @@ def _preprocess(tmp_path, version=HYDRA, **settings):
                SLURM_SUBMIT_DIR=str(REPO), SLURM_NNODES="2", STUB_MPIEXEC_VERSION=version,
                STUB_LOG=str(log), PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]),
                **settings)
-    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh")], cwd="/", env=env,
+    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh"), *args], cwd="/", env=env,
                             text=True, capture_output=True)
     return result, (log.read_text() if log.exists() else None)
 
@@ -82,8 +83,16 @@ def test_preprocess_by_default_runs_as_many_workers_per_node_as_it_has_cpus(allo
                                "at most 64"),
     ({"WORKERS": "auto"}, "error: WORKERS=auto: a whole number, at least 1"),
     ({"TASKS_PER_NODE": "0"}, "error: TASKS_PER_NODE=0: a whole number, at least 1"),
+    # Extra arguments the tool reads after the script's own: before, WORKERS's check passed and
+    # 64 workers started; OUTPUT was ignored.
+    ({"WORKERS": "8", "args": ["--workers", "64"]}, "error: --workers among the extra arguments: "
+     "preprocess.sh sets --workers from WORKERS, which it would replace; set WORKERS instead"),
+    ({"args": ["--min-int-score", "3", "--output-prefix=/b/fwe"]},
+     "error: --output-prefix=/b/fwe among the extra arguments: preprocess.sh sets --output-prefix "
+     "from OUTPUT, which it would replace; set OUTPUT instead"),
 ])
-def test_preprocess_refuses_more_processes_than_cpus_in_one_line(settings, message, tmp_path):
+def test_preprocess_refuses_settings_it_would_overrun_or_ignore_in_one_line(settings, message,
+                                                                          tmp_path):
     """Before: started, 128 tokenizer processes on 64 CPUs; TASKS_PER_NODE=0 ran mpiexec -n 0."""
     result, command = _preprocess(tmp_path, SLURM_JOB_CPUS_PER_NODE="64(x2)", **settings)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
