@@ -87,6 +87,18 @@ sys.exit(not all(u.find_spec(m) for m in ("torch", "megatron.core", "megaloop"))
   fi
 }
 
+# megaloop_whole_number NAME...: exits 2 in one line when a variable NAME is set to other than a
+# whole number of at least 1 (bash's arithmetic would read NODES=x as an unset variable, exit 1).
+megaloop_whole_number() {
+  local name
+  for name in "$@"; do
+    if [ -n "${!name:-}" ] && ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+      echo "error: $name=${!name}: a whole number, at least 1" >&2
+      exit 2
+    fi
+  done
+}
+
 # megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
 # when it is unset or empty (bash's ${NAME:?HOW} exits 1, naming the script's line).
 megaloop_require() {
@@ -207,6 +219,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])'
 # would queue a job of its own, so this host's interpreter runs it, and a line says so.
 megaloop_dry_run() {
   # NODES first: a dry run in a small allocation (salloc, for IMAGE) is of the job NODES says.
+  megaloop_whole_number NODES GPUS_PER_NODE
   local nodes="${NODES:-${SLURM_NNODES:-1}}"
   local command=(python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@")
   export LOCAL_WORLD_SIZE="$GPUS_PER_NODE"

@@ -45,12 +45,7 @@ fi
 megaloop_set_by_variables --input:INPUT --output-prefix:OUTPUT --tokenizer-model:TOKENIZER \
   --workers:WORKERS -- "$@"
 TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
-for NAME in TASKS_PER_NODE WORKERS; do
-  if [ -n "${!NAME:-}" ] && ! [[ "${!NAME}" =~ ^[1-9][0-9]*$ ]]; then
-    echo "error: $NAME=${!NAME}: a whole number, at least 1" >&2
-    exit 2
-  fi
-done
+megaloop_whole_number TASKS_PER_NODE WORKERS
 # The CPUs of the allocation's smallest node (SLURM_JOB_CPUS_PER_NODE, e.g. "64,32(x3)"), for
 # every node runs TASKS_PER_NODE ranks; outside an allocation, this machine's.
 NODE_CPUS=

@@ -57,7 +57,7 @@ def _environment(**settings):
 
 
 def _dry_run(script, *args, nodes=1, **settings):
-    env = _environment(**settings, DRY_RUN="1", NODES=str(nodes), DATA="/data/fwe",
+    env = _environment(**{"NODES": str(nodes), **settings}, DRY_RUN="1", DATA="/data/fwe",
                        TOKENIZER="/data/tok.model")
     return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd="/",
                           capture_output=True, text=True)
@@ -82,6 +82,16 @@ def test_every_architecture_the_paper_loop_submits_dry_runs_and_writes_nothing(a
     assert "-> fits" in result.stdout, result.stdout[-400:]
     assert "\n4     1     0    0/1   0      4/8 " in result.stdout
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting", [{"NODES": "x"}, {"NODES": "0"}, {"GPUS_PER_NODE": "2.5"}])
+def test_a_dry_run_of_a_node_or_gpu_count_that_is_no_number_is_refused_in_one_line(setting):
+    """Before: "common.sh: line 211: x: unbound variable", exit 1; NODES=0 reached megaloop-train
+    as --world-size 0, refused in a usage message."""
+    (name, value), = setting.items()
+    result = _dry_run("asymloop_7b.sh", **setting)
+    assert (result.returncode, result.stderr) == (
+        2, f"error: {name}={value}: a whole number, at least 1\n")
 
 
 def test_7b_recipe_dry_run_and_bad_input():
