@@ -81,10 +81,12 @@ PREPROCESS_ARGS=(
   --append-eod --workers "$WORKERS"
 )
 # Ranks per node: MPICH's (and Intel MPI's) Hydra takes -ppn, which Open MPI's mpiexec refuses
-# ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike).
+# ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike),
+# and --bind-to none: by default it binds each rank to one core (2 ranks or fewer) or one socket,
+# and the rank's tokenizer processes with it (WORKERS of them on one core). Hydra binds nothing.
 MPIEXEC_VERSION="$(mpiexec --version 2>&1)" || true
 case "$MPIEXEC_VERSION" in
-  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node") ;;
+  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node" --bind-to none) ;;
   *) PER_NODE=(-ppn "$TASKS_PER_NODE") ;;
 esac
 # $INPUT stays quoted: the tool expands globs itself, on every rank alike.

@@ -43,12 +43,14 @@ def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
 
 @pytest.mark.parametrize("version, per_node", [
     (HYDRA, "-ppn 4"),
-    ("mpiexec (OpenRTE) 4.1.5", "--map-by ppr:4:node"),
-    ("mpiexec (Open MPI) 5.0.3", "--map-by ppr:4:node"),
+    ("mpiexec (OpenRTE) 4.1.5", "--map-by ppr:4:node --bind-to none"),
+    ("mpiexec (Open MPI) 5.0.3", "--map-by ppr:4:node --bind-to none"),
 ])
 def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, per_node,
                                                                        tmp_path):
-    """Before the fix: -ppn whatever the mpiexec, which the system's Open MPI refuses."""
+    """Before the fix: -ppn whatever the mpiexec, which the system's Open MPI refuses; then Open
+    MPI's default binding (a core for 2 ranks or fewer, else a socket), which each rank's
+    tokenizer processes inherit: all on one core."""
     result, command = _preprocess(tmp_path, version, SLURM_JOB_CPUS_PER_NODE="32(x2)",
                                   TASKS_PER_NODE="4", WORKERS="8")
     assert result.returncode == 0, result.stderr
