@@ -2,6 +2,7 @@
 and tokenizer processes that fit the node's CPUs."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -32,10 +33,10 @@ def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
     (stubs / "mpiexec").chmod(0o700)
     log = tmp_path / "log"
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
-    env.update(INPUT="/in/*.parquet", OUTPUT="/out/fwe", TOKENIZER="/tok.model",
-               SLURM_SUBMIT_DIR=str(REPO), SLURM_NNODES="2", STUB_MPIEXEC_VERSION=version,
-               STUB_LOG=str(log), PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]),
-               **settings)
+    env.update({"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
+                "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", **settings,
+                "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
+                "PATH": os.pathsep.join([str(stubs), os.environ["PATH"]])})
     result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh"), *args], cwd="/", env=env,
                             text=True, capture_output=True)
     return result, (log.read_text() if log.exists() else None)
@@ -100,3 +101,30 @@ def test_preprocess_refuses_settings_it_would_overrun_or_ignore_in_one_line(sett
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(message), result.stderr
     assert command is None
+
+
+def _sbatch_allocation(command):
+    """The environment a job of ``command`` (``VAR=... sbatch [OPTIONS] slurm/preprocess.sh``,
+    options over the script's #SBATCH ones) sees: its variables and SLURM's, for nodes of as
+    many CPUs as the job asks."""
+    script = (REPO / "slurm" / "preprocess.sh").read_text()
+    options = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
+    variables, given = command.split(" sbatch ")
+    options.update(re.findall(r"--([\w-]+)[ =](\d+)", given))
+    nodes, tasks, cpus = (int(options[o]) for o in ("nodes", "ntasks-per-node", "cpus-per-task"))
+    return {**dict(re.findall(r"(\w+)=(\S+)", variables)), "SLURM_NNODES": str(nodes),
+            "SLURM_NTASKS_PER_NODE": str(tasks), "SLURM_CPUS_PER_TASK": str(cpus),
+            "SLURM_JOB_CPUS_PER_NODE": f"{tasks * cpus}(x{nodes})"}, nodes, tasks, cpus
+
+
+def test_the_headers_commands_use_every_cpu_of_their_nodes(tmp_path):
+    header = (REPO / "slurm" / "preprocess.sh").read_text().replace("\\\n#   ", "")
+    commands = re.findall(r"^#   (.* sbatch .*)$", header, re.M)
+    assert len(commands) == 2, commands
+    for number, command in enumerate(commands):
+        allocation, nodes, tasks, cpus = _sbatch_allocation(command.replace("'", ""))
+        (tmp_path / str(number)).mkdir()
+        result, mpiexec = _preprocess(tmp_path / str(number), **allocation)
+        assert result.returncode == 0, (command, result.stderr)
+        assert mpiexec.startswith(f"-n {nodes * tasks} -ppn {tasks} "), (command, mpiexec)
+        assert mpiexec.endswith(f" --workers {cpus}\n"), (command, mpiexec)
