@@ -13,7 +13,8 @@
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it); with IMAGE, in
 #                   the image inside an allocation, on the host's interpreter outside one
-#   NODES           node count for DRY_RUN (default: the allocation's, outside one 1)
+#   NODES           node count for DRY_RUN (default: the allocation's, outside one 1); a job
+#                   given another than its allocation's (sbatch --nodes) is refused
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
 case "${DRY_RUN:-0}" in
@@ -204,6 +205,16 @@ megaloop_one_task_per_gpu() {
   fi
 }
 
+# megaloop_nodes_as_given: exits 2 when a job is given a NODES (read by the dry run only) other
+# than its allocation's node count: NODES=4 with the script's #SBATCH --nodes=16 ran on 16.
+megaloop_nodes_as_given() {
+  if [ -n "${NODES:-}" ] && [ "$NODES" != "${SLURM_NNODES:-1}" ]; then
+    echo "error: NODES=$NODES is read by DRY_RUN only, and this job runs on" \
+         "${SLURM_NNODES:-1} node(s): submit with sbatch --nodes $NODES, or unset NODES" >&2
+    exit 2
+  fi
+}
+
 # The tasks run python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train ..., which is
 # python -m megaloop.train ... started with SIGTERM and SIGUSR1 blocked (the -I -S interpreter
 # takes about 10 ms), for megaloop.train's handlers to take once installed
@@ -252,6 +263,7 @@ megaloop_train() {
     exit 2
   fi
   megaloop_one_task_per_gpu
+  megaloop_nodes_as_given
   megaloop_python_ready
   # sed reads every line: head would exit after the first, and scontrol, still writing a long
   # node list, would die of SIGPIPE, which pipefail and set -e turn into a silent exit 141.

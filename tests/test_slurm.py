@@ -473,9 +473,12 @@ def test_container_paths_outside_its_mounts_are_refused(script, env, refused, tm
     ({"SLURM_GPUS_ON_NODE": "4"},
      "error: 8 tasks per node (--ntasks-per-node) for 4 GPUs per node"),
     ({"GPUS_PER_NODE": "4"}, "error: GPUS_PER_NODE=4 is read by DRY_RUN only"),
+    ({"NODES": "4", "SLURM_NNODES": "16"}, "error: NODES=4 is read by DRY_RUN only, and this job "
+                                          "runs on 16 node(s): submit with sbatch --nodes 4"),
 ])
 def test_a_job_with_other_than_one_task_per_gpu_is_refused_before_srun(env, message, tmp_path):
-    """Before: two ranks per GPU, refused by NCCL in a traceback per rank; GPUS_PER_NODE ignored."""
+    """Before: two ranks per GPU, refused by NCCL in a traceback per rank; GPUS_PER_NODE and
+    NODES ignored (the job ran on the script's 16 nodes)."""
     allocation = {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42",
                   "SLURM_NTASKS_PER_NODE": "8"}
     assert _refusal("asymloop_7b.sh", tmp_path, **allocation, **env).startswith(message)
