@@ -27,7 +27,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   }
   pipq --upgrade pip
   pipq "$torch" "megatron-core==0.16.1"
-  pipq -e "$root[test,mpi,hf,eval]" "$torch"  # the pin again: nothing may move torch
+  pipq -e "${root}[test,mpi,hf,eval]" "$torch"  # the pin again: nothing may move torch
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

