@@ -15,7 +15,14 @@
 # sends SIGTERM, on which srun kills the tasks without a save (the requeued job resumes from the
 # last periodic checkpoint) unless the cluster sends --signal on preemption (PreemptParameters=
 # send_user_signal). `scancel --batch --signal=USR1 JOBID` stops the job with a save and a requeue.
-# Extra arguments are megaloop-train overrides (section.field=value).
+# Extra arguments are megaloop-train overrides (section.field=value; not data.path,
+# data.tokenizer_model or train.out_dir, which DATA, TOKENIZER and RUN_DIR set), a variant of the
+# run, in a run directory of its own (RUN_DIR; the default, runs/asymloop_7b, is the run's without
+# them), e.g. K=2 loop iterations rather than 3:
+#
+#   DATA=/lustre/fwe/fwe_text_document TOKENIZER=/lustre/tok/tokenizer.model \
+#   IMAGE=/lustre/images/megaloop.sqsh MOUNTS=/lustre:/lustre RUN_DIR=runs/asymloop_7b_k2 \
+#   sbatch --nodes 16 slurm/asymloop_7b.sh model.iterations=2
 #SBATCH --job-name=asymloop-7b
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=8
@@ -40,7 +47,7 @@ ROOT="${MEGALOOP_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}"
 source "$ROOT/slurm/common.sh"
 megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
 megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
-RUN_DIR="${RUN_DIR:-runs/asymloop_7b}"
+megaloop_run_dir runs/asymloop_7b "7B AsymLoop" "$@"
 megaloop_mounted DATA TOKENIZER RUN_DIR
 
 TRAIN_ARGS=(

@@ -13,7 +13,8 @@
 #                   `DRY_RUN=1 NODES=16 DATA=x TOKENIZER=x bash slurm/asymloop_7b.sh`
 #                   (training scripts; preprocess.sh and convert.sh refuse it); with IMAGE, in
 #                   the image inside an allocation, on the host's interpreter outside one
-#   NODES           node count for DRY_RUN (default: the allocation's, outside one 1)
+#   NODES           node count for DRY_RUN (default: the allocation's, outside one 1); a job
+#                   given another than its allocation's (sbatch --nodes) is refused
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
 case "${DRY_RUN:-0}" in
@@ -48,10 +49,18 @@ else  # one from the submitting shell (sbatch exports it) would refuse the host'
   unset MEGALOOP_CONTAINER_MOUNTS
 fi
 
+# The job's CPUs per task (#SBATCH --cpus-per-task) for its srun steps: since Slurm 22.05 srun no
+# longer takes them from the job (SLURM_CPUS_PER_TASK), and each task got one CPU, its threads and
+# data loader workers on one core without a word.
+TASK_CPUS=()
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+  TASK_CPUS=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+fi
+
 # megaloop_srun [SRUN OPTIONS] COMMAND...: runs a command on every task of the allocation.
 megaloop_srun() {
   megaloop_python_ready
-  srun ${CONTAINER[@]+"${CONTAINER[@]}"} "$@"
+  srun ${CONTAINER[@]+"${CONTAINER[@]}"} ${TASK_CPUS[@]+"${TASK_CPUS[@]}"} "$@"
 }
 
 # megaloop_python_ready [--host]: without IMAGE the tasks run the interpreter on this node's PATH
@@ -79,6 +88,18 @@ sys.exit(not all(u.find_spec(m) for m in ("torch", "megatron.core", "megaloop"))
   fi
 }
 
+# megaloop_whole_number NAME...: exits 2 in one line when a variable NAME is set to other than a
+# whole number of at least 1 (bash's arithmetic would read NODES=x as an unset variable, exit 1).
+megaloop_whole_number() {
+  local name
+  for name in "$@"; do
+    if [ -n "${!name:-}" ] && ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+      echo "error: $name=${!name}: a whole number, at least 1" >&2
+      exit 2
+    fi
+  done
+}
+
 # megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
 # when it is unset or empty (bash's ${NAME:?HOW} exits 1, naming the script's line).
 megaloop_require() {
@@ -86,6 +107,45 @@ megaloop_require() {
     echo "error: $1 is not set: $2" >&2
     exit 2
   fi
+}
+
+# megaloop_set_by_variables OPTION:NAME... -- ARGS...: exits 2 in one line when an extra argument
+# (ARGS) gives an OPTION that the script sets from the variable NAME (train.out_dir from RUN_DIR,
+# --output-prefix from OUTPUT): the command reads the later one, so NAME would be ignored without a
+# word, and a path given so would escape megaloop_mounted.
+megaloop_set_by_variables() {
+  local pairs=() pair option arg
+  while [ "$1" != -- ]; do pairs+=("$1"); shift; done
+  shift
+  for arg in "$@"; do
+    for pair in "${pairs[@]}"; do
+      option="${pair%:*}"
+      if [ "$arg" = "$option" ] || [ "${arg#"$option"=}" != "$arg" ]; then
+        echo "error: $arg among the extra arguments: $(basename "$0") sets $option from" \
+             "${pair##*:}, which it would replace; set ${pair##*:} instead" >&2
+        exit 2
+      fi
+    done
+  done
+}
+
+# megaloop_run_dir DEFAULT RUN ARGS...: sets RUN_DIR, DEFAULT unless given, for a training script
+# whose extra ARGS (megaloop-train overrides) make a variant of RUN. Exits 2 in one line when ARGS
+# come without a RUN_DIR: in DEFAULT, RUN's run directory, the variant would resume RUN's checkpoint
+# (one warning line), be refused there, or hold its lock. ARGS may not set what the script sets
+# from its variables (megaloop_set_by_variables).
+megaloop_run_dir() {
+  local default="$1" run="$2"
+  shift 2
+  megaloop_set_by_variables train.out_dir:RUN_DIR data.path:DATA \
+    data.tokenizer_model:TOKENIZER -- "$@"
+  if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
+    echo "error: overrides ($*) without RUN_DIR: the default, $default, is the run directory of" \
+         "the $run run without them; set RUN_DIR to one of their own, e.g." \
+         "RUN_DIR=${default}_variant (or RUN_DIR=$default to continue that run with them)" >&2
+    exit 2
+  fi
+  RUN_DIR="${RUN_DIR:-$default}"
 }
 
 # megaloop_mounted NAME...: with IMAGE, exits 2 naming the first variable holding an absolute path
@@ -145,6 +205,16 @@ megaloop_one_task_per_gpu() {
   fi
 }
 
+# megaloop_nodes_as_given: exits 2 when a job is given a NODES (read by the dry run only) other
+# than its allocation's node count: NODES=4 with the script's #SBATCH --nodes=16 ran on 16.
+megaloop_nodes_as_given() {
+  if [ -n "${NODES:-}" ] && [ "$NODES" != "${SLURM_NNODES:-1}" ]; then
+    echo "error: NODES=$NODES is read by DRY_RUN only, and this job runs on" \
+         "${SLURM_NNODES:-1} node(s): submit with sbatch --nodes $NODES, or unset NODES" >&2
+    exit 2
+  fi
+}
+
 # The tasks run python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train ..., which is
 # python -m megaloop.train ... started with SIGTERM and SIGUSR1 blocked (the -I -S interpreter
 # takes about 10 ms), for megaloop.train's handlers to take once installed
@@ -160,6 +230,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])'
 # would queue a job of its own, so this host's interpreter runs it, and a line says so.
 megaloop_dry_run() {
   # NODES first: a dry run in a small allocation (salloc, for IMAGE) is of the job NODES says.
+  megaloop_whole_number NODES GPUS_PER_NODE
   local nodes="${NODES:-${SLURM_NNODES:-1}}"
   local command=(python -m megaloop.train --dry-run --world-size "$((nodes * GPUS_PER_NODE))" "$@")
   export LOCAL_WORLD_SIZE="$GPUS_PER_NODE"
@@ -192,6 +263,7 @@ megaloop_train() {
     exit 2
   fi
   megaloop_one_task_per_gpu
+  megaloop_nodes_as_given
   megaloop_python_ready
   # sed reads every line: head would exit after the first, and scontrol, still writing a long
   # node list, would die of SIGPIPE, which pipefail and set -e turn into a silent exit 141.
@@ -213,7 +285,7 @@ megaloop_train() {
   # srun itself in the background, not megaloop_srun: $! would be the subshell running the
   # function, which SIGUSR1 kills (exit 138, srun orphaned, the tasks never told, no requeue).
   # The tasks start with the stop signals blocked (MEGALOOP_STOP_SIGNALS_BLOCKED, above).
-  srun ${CONTAINER[@]+"${CONTAINER[@]}"} --kill-on-bad-exit=0 --wait=120 \
+  srun ${CONTAINER[@]+"${CONTAINER[@]}"} ${TASK_CPUS[@]+"${TASK_CPUS[@]}"} --kill-on-bad-exit=0 --wait=120 \
     python -I -S -c "$MEGALOOP_STOP_SIGNALS_BLOCKED" -m megaloop.train "$@" &
   local srun_pid=$! rc=0 interrupted=0
   trap 'interrupted=1; kill -USR1 "$srun_pid" 2>/dev/null' USR1

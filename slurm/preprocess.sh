@@ -7,9 +7,18 @@
 #   TOKENIZER=/lustre/tok/t5.model sbatch --nodes 4 slurm/preprocess.sh
 #
 # writes $OUTPUT_text_document.bin/.idx. mpiexec (the `mpi` extra's MPICH, or the system's) starts
-# TASKS_PER_NODE ranks per node of the allocation; each runs WORKERS tokenizer processes.
+# TASKS_PER_NODE ranks per node of the allocation (default: its tasks per node, --ntasks-per-node);
+# each runs WORKERS tokenizer processes (default: its share of the node's CPUs, those of the
+# allocation's smallest node divided by TASKS_PER_NODE). More workers in all than a node's CPUs
+# are refused. Four ranks of 8 workers on each node of 32 CPUs:
+#
+#   INPUT='/lustre/fineweb-edu/sample/10BT/*.parquet' OUTPUT=/lustre/fwe/fwe \
+#   TOKENIZER=/lustre/tok/t5.model sbatch --nodes 4 --ntasks-per-node 4 --cpus-per-task 8 \
+#   slurm/preprocess.sh
+#
 # Extra arguments go to tools/preprocess_data.py (e.g. --min-int-score 3; --overwrite to replace the
-# output of an earlier run, which is refused otherwise).
+# output of an earlier run, which is refused otherwise), but for those the variables above set
+# (--input, --output-prefix, --tokenizer-model, --workers), which are refused.
 #SBATCH --job-name=preprocess
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -27,12 +36,42 @@ source "$ROOT/slurm/common.sh"
 megaloop_require INPUT "set INPUT to files, directories or globs of .parquet/.jsonl"
 megaloop_require OUTPUT "set OUTPUT to the output prefix"
 megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
-TASKS_PER_NODE="${TASKS_PER_NODE:-1}"
-WORKERS="${WORKERS:-${SLURM_CPUS_PER_TASK:-8}}"
 megaloop_no_dry_run
 if [ -n "${IMAGE:-}" ]; then  # mpiexec starts the ranks on the nodes themselves, not in IMAGE
   echo "error: IMAGE=$IMAGE: preprocess.sh runs mpiexec on the nodes, outside any container;" \
        "unset IMAGE and run it where megaloop is installed" >&2
+  exit 2
+fi
+megaloop_set_by_variables --input:INPUT --output-prefix:OUTPUT --tokenizer-model:TOKENIZER \
+  --workers:WORKERS -- "$@"
+TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
+megaloop_whole_number TASKS_PER_NODE WORKERS
+# The CPUs of the allocation's smallest node (SLURM_JOB_CPUS_PER_NODE, e.g. "64,32(x3)"), for
+# every node runs TASKS_PER_NODE ranks; outside an allocation, this machine's.
+NODE_CPUS=
+IFS=, read -ra NODE_ENTRIES <<< "${SLURM_JOB_CPUS_PER_NODE:-}"
+for NODE_ENTRY in ${NODE_ENTRIES[@]+"${NODE_ENTRIES[@]}"}; do
+  NODE_ENTRY="${NODE_ENTRY%%(*}"
+  if [ -z "$NODE_CPUS" ] || [ "$NODE_ENTRY" -lt "$NODE_CPUS" ]; then NODE_CPUS="$NODE_ENTRY"; fi
+done
+NODE_CPUS="${NODE_CPUS:-$(nproc)}"
+NODE_SOURCE="${SLURM_JOB_CPUS_PER_NODE:+SLURM_JOB_CPUS_PER_NODE=$SLURM_JOB_CPUS_PER_NODE}"
+NODE_SOURCE="${NODE_SOURCE:-nproc, outside an allocation}"
+# Refused, not warned about: every worker holds a tokenizer and its chunks, so an oversubscribed
+# node runs the hours-long job slower and can run out of memory, while the warning line would sit
+# unread in the job's log; the job has done nothing yet.
+if [ -z "${WORKERS:-}" ]; then
+  WORKERS="$(( NODE_CPUS / TASKS_PER_NODE ))"
+  if [ "$WORKERS" -eq 0 ]; then
+    echo "error: TASKS_PER_NODE=$TASKS_PER_NODE ranks per node, more than a node's $NODE_CPUS" \
+         "CPUs ($NODE_SOURCE): set TASKS_PER_NODE to at most $NODE_CPUS" >&2
+    exit 2
+  fi
+elif [ "$(( WORKERS * TASKS_PER_NODE ))" -gt "$NODE_CPUS" ]; then
+  echo "error: WORKERS=$WORKERS x TASKS_PER_NODE=$TASKS_PER_NODE =" \
+       "$(( WORKERS * TASKS_PER_NODE )) tokenizer processes per node," \
+       "more than a node's $NODE_CPUS CPUs ($NODE_SOURCE): set WORKERS to at most" \
+       "$(( NODE_CPUS / TASKS_PER_NODE )), or unset it for the ranks' share of the CPUs" >&2
   exit 2
 fi
 
@@ -42,10 +81,12 @@ PREPROCESS_ARGS=(
   --append-eod --workers "$WORKERS"
 )
 # Ranks per node: MPICH's (and Intel MPI's) Hydra takes -ppn, which Open MPI's mpiexec refuses
-# ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike).
+# ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike),
+# and --bind-to none: by default it binds each rank to one core (2 ranks or fewer) or one socket,
+# and the rank's tokenizer processes with it (WORKERS of them on one core). Hydra binds nothing.
 MPIEXEC_VERSION="$(mpiexec --version 2>&1)" || true
 case "$MPIEXEC_VERSION" in
-  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node") ;;
+  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node" --bind-to none) ;;
   *) PER_NODE=(-ppn "$TASKS_PER_NODE") ;;
 esac
 # $INPUT stays quoted: the tool expands globs itself, on every rank alike.

@@ -18,7 +18,8 @@
 #   RUN_DIR=runs/dense24_135M sbatch slurm/train_paper.sh 135M dense model.num_layers=24
 #   RUN_DIR=runs/asymloop_alrs_135M sbatch slurm/train_paper.sh 135M asymloop train.use_alrs=true
 #
-# Extra arguments are megaloop-train overrides. DRY_RUN=1 prints what the job would run.
+# Extra arguments are megaloop-train overrides (not data.path, data.tokenizer_model or
+# train.out_dir, which DATA, TOKENIZER and RUN_DIR set). DRY_RUN=1 prints what the job would run.
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
@@ -54,15 +55,7 @@ if [ -z "${STEPS[$PRESET]:-}" ]; then
   echo "error: PRESET=$PRESET: one of ${!STEPS[*]}" >&2
   exit 2
 fi
-# Overrides in the default run directory would resume the run without them (a use_alrs=true
-# continued its checkpoint, one warning line), or be refused there, or hold its lock.
-if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
-  echo "error: overrides ($*) without RUN_DIR: the default, runs/${ARCH}_${PRESET}, is the run" \
-       "directory of the $PRESET $ARCH run without them; set RUN_DIR to one of their own," \
-       "e.g. RUN_DIR=runs/${ARCH}_${PRESET}_variant" >&2
-  exit 2
-fi
-RUN_DIR="${RUN_DIR:-runs/${ARCH}_${PRESET}}"
+megaloop_run_dir "runs/${ARCH}_${PRESET}" "$PRESET $ARCH" "$@"
 megaloop_mounted DATA TOKENIZER RUN_DIR
 
 MODEL_ARGS=(--preset "$PRESET" model.arch="$ARCH")

@@ -59,7 +59,7 @@ def _environment(**settings):
 
 
 def _dry_run(script, *args, nodes=1, **settings):
-    env = _environment(**settings, DRY_RUN="1", NODES=str(nodes), DATA="/data/fwe",
+    env = _environment(**{"NODES": str(nodes), **settings}, DRY_RUN="1", DATA="/data/fwe",
                        TOKENIZER="/data/tok.model")
     return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd="/",
                           capture_output=True, text=True)
@@ -86,6 +86,16 @@ def test_every_architecture_the_paper_loop_submits_dry_runs_and_writes_nothing(a
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("setting", [{"NODES": "x"}, {"NODES": "0"}, {"GPUS_PER_NODE": "2.5"}])
+def test_a_dry_run_of_a_node_or_gpu_count_that_is_no_number_is_refused_in_one_line(setting):
+    """Before: "common.sh: line 211: x: unbound variable", exit 1; NODES=0 reached megaloop-train
+    as --world-size 0, refused in a usage message."""
+    (name, value), = setting.items()
+    result = _dry_run("asymloop_7b.sh", **setting)
+    assert (result.returncode, result.stderr) == (
+        2, f"error: {name}={value}: a whole number, at least 1\n")
+
+
 def test_7b_recipe_dry_run_and_bad_input():
     """As the documentation gives the command, on every page that gives it (before, it left out
     DATA and TOKENIZER, which the script requires: "DATA: set DATA to the dataset prefix")."""
@@ -109,13 +119,13 @@ def test_7b_recipe_dry_run_and_bad_input():
 # is the highest of the tasks', a task ended by signal n counting as 128 + n.
 SRUN = r'''#!/usr/bin/env python3
 import os, signal, subprocess, sys, time
+open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
 if os.environ["STUB_TASKS"] == "exec":  # one task, this process: the job's own command
     command = sys.argv[1:]
     while command[0].startswith("-"):
         command.pop(0)
     os.environ.update(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_LOCALID="0")
     open(os.environ["STUB_LOG"] + ".srun_pid", "w").write(str(os.getpid()))
-    open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
     os.execvp(command[0], command)
 TASK = """
 import os, signal, sys, time
@@ -366,6 +376,16 @@ def test_a_crash_ends_the_job_with_its_exit_code_and_no_requeue(tmp_path):
                      r"\? tasks, rendezvous node1:20042$", (tmp_path / "job.out").read_text(), re.M)
 
 
+@pytest.mark.parametrize("script", ["asymloop_7b.sh", "convert.sh"])
+def test_the_tasks_get_the_cpus_the_job_asks_per_task(script, tmp_path):
+    """Before: srun without --cpus-per-task, which since Slurm 22.05 it no longer takes from the
+    job (#SBATCH --cpus-per-task=12): every task got one CPU, its threads on one core."""
+    job, log = _job(tmp_path, "crash", script=script, SLURM_CPUS_PER_TASK="12",
+                    CHECKPOINT="runs/a/checkpoints", OUT=str(tmp_path / "hf"))
+    assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
+    assert "--cpus-per-task=12" in (tmp_path / "log.srun_args").read_text().splitlines()
+
+
 def _refusal(script, tmp_path, **env):
     variables = {"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
                  "CHECKPOINT": "/runs/a/checkpoints", "OUT": "/hf/a", "DATA": "/data/fwe",
@@ -457,9 +477,12 @@ def test_container_paths_outside_its_mounts_are_refused(script, env, refused, tm
     ({"SLURM_GPUS_ON_NODE": "4"},
      "error: 8 tasks per node (--ntasks-per-node) for 4 GPUs per node"),
     ({"GPUS_PER_NODE": "4"}, "error: GPUS_PER_NODE=4 is read by DRY_RUN only"),
+    ({"NODES": "4", "SLURM_NNODES": "16"}, "error: NODES=4 is read by DRY_RUN only, and this job "
+                                          "runs on 16 node(s): submit with sbatch --nodes 4"),
 ])
 def test_a_job_with_other_than_one_task_per_gpu_is_refused_before_srun(env, message, tmp_path):
-    """Before: two ranks per GPU, refused by NCCL in a traceback per rank; GPUS_PER_NODE ignored."""
+    """Before: two ranks per GPU, refused by NCCL in a traceback per rank; GPUS_PER_NODE and
+    NODES ignored (the job ran on the script's 16 nodes)."""
     allocation = {"SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "42",
                   "SLURM_NTASKS_PER_NODE": "8"}
     assert _refusal("asymloop_7b.sh", tmp_path, **allocation, **env).startswith(message)
@@ -485,54 +508,40 @@ def test_a_job_without_image_or_megaloop_environment_is_refused_before_srun(scri
         "error: IMAGE is not set, and the PATH's python, none, cannot import torch")
 
 
-# mpiexec as each flavour takes the ranks per node: Hydra (MPICH, Intel MPI) -ppn, Open MPI
-# --map-by ppr:N:node, refusing -ppn as an unknown option (exit 1).
-MPIEXEC = """#!/bin/bash
-if [ "$1" = --version ]; then echo "$STUB_MPIEXEC_VERSION"; exit 0; fi
-echo "$*" > "$STUB_LOG"
-case "$STUB_MPIEXEC_VERSION" in
-  *OpenRTE* | *"Open MPI"*) [[ " $* " != *" -ppn "* ]] || { echo "unknown option -ppn" >&2; exit 1; } ;;
-  *) [[ " $* " != *" --map-by "* ]] || { echo "unrecognized argument map-by" >&2; exit 255; } ;;
-esac
-"""
+def _header_variants(script):
+    """The commands a script's header gives for a variant, with RUN_DIR (continued lines joined)."""
+    header = (REPO / "slurm" / script).read_text().replace("\\\n#   ", "")
+    return re.findall(r"^#   (.*\bRUN_DIR=.*sbatch .*)$", header, re.M)
 
 
-@pytest.mark.parametrize("version, per_node", [
-    ("HYDRA build details:\n    Version:                                 4.2.2", "-ppn 4"),
-    ("mpiexec (OpenRTE) 4.1.5", "--map-by ppr:4:node"),
-    ("mpiexec (Open MPI) 5.0.3", "--map-by ppr:4:node"),
+@pytest.mark.parametrize("script, args, default", [
+    ("train_paper.sh", ["135M", "asymloop", "train.use_alrs=true"], "runs/asymloop_135M"),
+    ("asymloop_7b.sh", ["model.iterations=2"], "runs/asymloop_7b"),
 ])
-def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, per_node,
-                                                                       tmp_path):
-    """Before the fix: -ppn whatever the mpiexec, which the system's Open MPI refuses."""
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    (stubs / "mpiexec").write_text(MPIEXEC)
-    (stubs / "mpiexec").chmod(0o700)
-    log = tmp_path / "log"
-    env = {**os.environ, "INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
-           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", "TASKS_PER_NODE": "4",
-           "WORKERS": "8", "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
-           "PATH": os.pathsep.join([str(stubs), os.environ["PATH"]])}
-    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh")], cwd="/", env=env,
-                            text=True, capture_output=True)
-    assert result.returncode == 0, result.stderr
-    assert log.read_text().startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
-
-
-def test_paper_variants_run_in_a_run_directory_of_their_own():
-    """Before the fix: the header's variants (model.num_layers=24, train.use_alrs=true) took the
-    default runs/ARCH_PRESET, the loop's run's: the ALRS one continued the run without ALRS from
-    its checkpoint (one warning line), the deeper Dense was refused there. The header's own
-    commands, which give RUN_DIR, dry-run."""
-    refused = _dry_run("train_paper.sh", "135M", "asymloop", "train.use_alrs=true")
+def test_variants_run_in_a_run_directory_of_their_own(script, args, default):
+    """Before the fix: a variant (train_paper.sh's header: model.num_layers=24, use_alrs=true;
+    a 7B run of K=2) took the default run directory, the run's without it: it continued that
+    run's checkpoint (one warning line), or was refused there. train.out_dir or data.path among
+    the overrides replaced RUN_DIR or DATA without a word. The header's variant commands dry-run."""
+    refused = _dry_run(script, *args)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("error: overrides (train.use_alrs=true) without RUN_DIR: "
-                                     "the default, runs/asymloop_135M,"), refused.stderr
-    header = (REPO / "slurm" / "train_paper.sh").read_text()
-    examples = re.findall(r"^#   RUN_DIR=(\S+) sbatch slurm/train_paper\.sh (.+)$", header, re.M)
-    assert len(examples) == 2
-    run_dir, args = examples[1]
-    result = _dry_run("train_paper.sh", *args.split(), RUN_DIR=run_dir)
-    assert result.returncode == 0, result.stderr
-    assert "use_alrs: true" in result.stdout
+    assert refused.stderr.startswith(f"error: overrides ({args[-1]}) without RUN_DIR: the "
+                                     f"default, {default}, is the run directory"), refused.stderr
+    for override, variable in (("train.out_dir=runs/b", "RUN_DIR"), ("data.path=[/b]", "DATA")):
+        replaced = _dry_run(script, *args, override, RUN_DIR="runs/a")
+        assert replaced.returncode == 2 and replaced.stderr == (
+            f"error: {override} among the extra arguments: {script} sets "
+            f"{override.split('=')[0]} from {variable}, which it would replace; set {variable} "
+            "instead\n"), replaced.stderr
+    commands = _header_variants(script)
+    assert any(args[-1] in command for command in commands), commands
+    for command in commands:
+        nodes = re.search(r"--nodes (\d+)", command)
+        command = re.sub(r"\bsbatch( --[\w-]+ \S+)* ", "bash ", command)
+        run_dir = re.search(r"RUN_DIR=(\S+)", command).group(1)
+        result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True,
+                                env=_environment(DRY_RUN="1", DATA="/data/fwe",
+                                                 TOKENIZER="/data/tok.model",
+                                                 NODES=nodes.group(1) if nodes else "1"))
+        assert result.returncode == 0, (command, result.stderr)
+        assert f"out_dir: {run_dir}\n" in result.stdout, command

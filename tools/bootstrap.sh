@@ -9,6 +9,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${MEGALOOP_VENV:-$root/.venv}"
+# Absolute: the command runs from $root, where a relative venv's bin on PATH would name another
+# directory, or none, and the command would run on the system's python without a word.
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac
 stamp="$venv/.megaloop-stamp"
 torch="torch==2.13.0"
 if [ -n "${MEGALOOP_TORCH:-}" ]; then torch="torch==$MEGALOOP_TORCH"; fi
@@ -24,7 +27,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   }
   pipq --upgrade pip
   pipq "$torch" "megatron-core==0.16.1"
-  pipq -e "$root[test,mpi,hf,eval]" "$torch"  # the pin again: nothing may move torch
+  pipq -e "${root}[test,mpi,hf,eval]" "$torch"  # the pin again: nothing may move torch
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

@@ -146,10 +146,15 @@ def setting_notes(args: argparse.Namespace) -> list[str]:
 def leftover_notes(prefix: str, keys: list[str]) -> list[str]:
     """A line for each temporary .bin/.idx of these outputs (or of their MPI shards) that a killed
     run (SIGKILL: the out-of-memory killer, a scheduler's last resort) left: nothing else removes
-    them, and a .bin may be as large as the dataset."""
-    stems = (glob.escape(prefix), glob.escape(prefix) + ".shard*-of-*")  # shard_prefix's names
-    leftovers = sorted(path for stem in stems for key in keys
-                       for path in glob.glob(f"{stem}_{glob.escape(key)}_document.partial-*"))
+    them, and a .bin may be as large as the dataset. An output that is a symbolic link has its
+    temporaries beside the file it names."""
+    from megaloop.data.indexed import partial_leftovers
+    from megaloop.data.preprocess import output_prefix
+
+    shards = glob.escape(prefix) + ".shard*-of-*"  # shard_prefix's names
+    leftovers = sorted({path for key in keys for path in partial_leftovers(output_prefix(prefix, key))}
+                       | {path for key in keys
+                          for path in glob.glob(f"{shards}_{glob.escape(key)}_document.partial-*")})
     return [f"{path} ({os.path.getsize(path) / 1e9:.2f} GB) is left from a run that was killed; "
             "remove it unless a run is writing it now" for path in leftovers if os.path.isfile(path)]
 
@@ -245,6 +250,7 @@ def shard_prefix(prefix: str, rank: int, world: int) -> str:
 
 def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
     """Every rank's shard files, committed or partial: a failed run leaves no dataset that looks valid."""
+    from megaloop.data.indexed import partial_leftovers
     from megaloop.data.preprocess import output_prefix, sidecar_path
     from megaloop.platform.files import atomic_write_leftovers
 
@@ -252,7 +258,7 @@ def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
         for key in keys:
             shard = output_prefix(shard_prefix(prefix, rank, world), key)
             base, sidecar = glob.escape(shard), sidecar_path(shard)
-            for path in (glob.glob(base + ".bin") + glob.glob(base + ".idx") + glob.glob(base + ".partial-*")
+            for path in (glob.glob(base + ".bin") + glob.glob(base + ".idx") + partial_leftovers(shard)
                          + glob.glob(glob.escape(sidecar)) + atomic_write_leftovers(sidecar)):
                 try:
                     os.remove(path)

@@ -58,6 +58,25 @@ def token_dtype(vocab_size: int) -> type[numpy.number]:
     return mcore_indexed().DType.optimal_dtype(vocab_size)
 
 
+_SUFFIXES = (".bin", ".idx")
+
+
+def _partial_path(target: str, suffix: str, pid: str) -> str:
+    """The temporary name of ``target`` (a .bin or .idx) while process ``pid`` writes it."""
+    return f"{target.removesuffix(suffix)}.partial-{pid}{suffix}"
+
+
+def partial_leftovers(prefix: str) -> list[str]:
+    """The temporary .bin/.idx files of ``AtomicIndexedWriter(prefix)`` that a killed process
+    (SIGKILL, which no clean-up survives) left: beside ``prefix``'s files and, where those are
+    symbolic links, beside their targets, where the writer puts them. Live writers' included."""
+    found = set()
+    for path, suffix in zip((bin_path(prefix), idx_path(prefix)), _SUFFIXES):
+        for target in [path] + ([os.path.realpath(path)] if os.path.islink(path) else []):
+            found.update(glob.glob(_partial_path(glob.escape(target), suffix, "*")))
+    return sorted(found)
+
+
 class AtomicIndexedWriter:
     """An ``IndexedDatasetBuilder`` writing to temporary names, renamed into place on ``commit``.
 
@@ -72,8 +91,8 @@ class AtomicIndexedWriter:
         # writes are: its target replaced, the temporary beside it for the rename to stay on its
         # filesystem. The pid keeps concurrent writers (MPI ranks on a shared filesystem) apart.
         self.targets = (os.path.realpath(bin_path(prefix)), os.path.realpath(idx_path(prefix)))
-        self.temporaries = tuple(f"{target.removesuffix(suffix)}.partial-{os.getpid()}{suffix}"
-                                 for target, suffix in zip(self.targets, (".bin", ".idx")))
+        self.temporaries = tuple(_partial_path(target, suffix, str(os.getpid()))
+                                 for target, suffix in zip(self.targets, _SUFFIXES))
         self.builder = mcore_indexed().IndexedDatasetBuilder(self.temporaries[0], dtype=dtype)
         self.committed = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import secrets
@@ -18,6 +19,8 @@ import torch
 PROBE_TOLERANCE = 1e-4
 # What an export may store its weights in (config.json's ``dtype`` names the same).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STAGING_TOKEN_BYTES = 4  # of the staging directory name's random part
+log = logging.getLogger("megaloop.hf")
 
 
 def quiet_transformers() -> None:
@@ -59,7 +62,8 @@ def staged_output(out: str | os.PathLike):
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"{out}: already exists and is not an empty directory; choose a new "
                               "output directory")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    _note_killed_stagings(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -81,6 +85,19 @@ def staged_output(out: str | os.PathLike):
         if failure is None:
             raise
         raise ConversionError(failure) from None
+
+
+def _note_killed_stagings(out: Path) -> None:
+    """A warning line for each staging directory of ``out`` that a killed conversion (SIGKILL: the
+    out-of-memory killer, a scheduler's last resort) left: nothing else removes it, nor could
+    tell it from one a conversion into ``out`` is writing now, and it is as large as a model."""
+    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-\d+-[0-9a-f]{{{2 * _STAGING_TOKEN_BYTES}}}")
+    if not out.parent.is_dir():
+        return
+    for leftover in sorted(p for p in out.parent.iterdir() if staging.fullmatch(p.name)):
+        size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
+        log.warning("%s (%.2f GB) is left from a conversion that was killed; remove it unless a "
+                    "conversion is writing it now", leftover, size / 1e9)
 
 
 def _io_failure(out: Path, error: BaseException) -> str | None:

@@ -41,7 +41,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     any exception the temporary is removed and ``path`` is untouched. A symbolic link is written
     through, as a plain ``open`` writes: its target is replaced (the temporary beside the target,
     for the rename to stay on its filesystem), the link kept."""
-    path = Path(os.path.realpath(path))
+    given, path = path, Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(_TOKEN_BYTES)}")
     try:
         yield tmp
@@ -50,7 +50,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _remove_stale_temporaries(path)
+    _remove_stale_temporaries(given)
 
 
 @contextlib.contextmanager
@@ -108,7 +108,7 @@ def sync_tree(directory: str | os.PathLike,
         sync_directory(root)
 
 
-def _remove_stale_temporaries(path: Path) -> None:
+def _remove_stale_temporaries(path: str | os.PathLike) -> None:
     """Best effort: the write itself succeeded, so a leftover that cannot be removed stays."""
     cutoff = time.time() - STALE_TEMPORARY_SECONDS
     for leftover in atomic_write_leftovers(path):
@@ -120,11 +120,19 @@ def _remove_stale_temporaries(path: Path) -> None:
 
 
 def atomic_write_leftovers(path: str | os.PathLike) -> list[Path]:
-    """The temporary files that atomic writes of ``path`` left beside it when their process was
-    killed between the write and the rename. All are stale only where no other process is writing
-    ``path`` (a run's ``latest``, under its lock); every write removes those older than
-    ``STALE_TEMPORARY_SECONDS`` itself."""
+    """The temporary files that atomic writes of ``path`` left when their process was killed
+    between the write and the rename: beside ``path`` and, where ``path`` is a symbolic link,
+    beside its target, where ``atomic_path`` writes them. All are stale only where no other
+    process is writing ``path`` (a run's ``latest``, under its lock); every write removes those
+    older than ``STALE_TEMPORARY_SECONDS`` itself."""
     path = Path(path)
+    found = _temporaries_of(path)
+    if path.is_symlink():
+        found += _temporaries_of(Path(os.path.realpath(path)))
+    return found
+
+
+def _temporaries_of(path: Path) -> list[Path]:
     return [p for p in temporaries_in(path.parent) if _TEMPORARY.fullmatch(p.name)["target"]
             == path.name]
 

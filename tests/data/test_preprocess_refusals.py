@@ -248,6 +248,27 @@ def test_temporary_files_a_killed_run_left_are_noted(tmp_path, run, sp_model):
         f"note: {leftover} (0.00 GB) is left from a run that was killed; remove it unless a run is writing it now"]
 
 
+def test_temporary_files_a_killed_run_left_beside_a_linked_outputs_target_are_noted(tmp_path, run, sp_model):
+    """A linked output is written beside the file the link names, its temporaries too, under that file's name.
+    Before: they were looked for beside the prefix only, so the .bin a killed --overwrite left there, as large
+    as the dataset, was never noted."""
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    shared, out = tmp_path / "shared", tmp_path / "out"
+    assert run("--input", tmp_path / "a.jsonl", "--output-prefix", shared / "v", "--workers", 1,
+               *sp_args(sp_model))[0] == 0
+    out.mkdir()
+    for suffix in (".bin", ".idx"):
+        (out / f"o_text_document{suffix}").symlink_to(shared / f"v_text_document{suffix}")
+    leftover = shared / "v_text_document.partial-4242.bin"
+    leftover.write_bytes(b"\0" * 1000)
+    (shared / "w_text_document.partial-4243.bin").write_bytes(b"another output's")
+    code, err = run("--input", tmp_path / "a.jsonl", "--output-prefix", out / "o", "--workers", 1, "--overwrite",
+                    *sp_args(sp_model))
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("note:")] == [
+        f"note: {leftover} (0.00 GB) is left from a run that was killed; remove it unless a run is writing it now"]
+
+
 def test_files_a_directory_input_leaves_out_and_txt_read_as_json_lines_are_reported(tmp_path, run, sp_model):
     d = tmp_path / "in"
     d.mkdir()

@@ -5,7 +5,10 @@ import errno
 import os
 import re
 import stat
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +93,49 @@ def test_an_atomic_write_removes_only_stale_temporaries_of_its_own_path(tmp_path
     assert atomic_write_leftovers(tmp_path / "config.yaml") == [killed, live]
     write_text_atomic(tmp_path / "config.yaml", "arch: dense\n")
     assert sorted(tmp_path.iterdir()) == sorted([tmp_path / "config.yaml", live, *others])
+
+
+KILLED_WRITE = """
+import sys, time
+from megaloop.platform.files import atomic_open
+with atomic_open(sys.argv[1]) as f:
+    f.write("iter_0000002\\n")
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)  # killed here, between the write and the rename
+"""
+
+
+def test_a_write_killed_through_a_symbolic_link_leaves_a_temporary_clean_up_finds(tmp_path):
+    """A link is written through, its temporary beside the target. Before: clean-up looked for
+    a link's leftovers beside the link only, so the temporary of a write killed there (SIGKILL)
+    stayed for good (a run's `latest` linked to shared storage: every save's clean-up missed it);
+    one left beside the link itself stayed through later writes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "pointer").write_text("iter_0000001\n")
+    link = tmp_path / "latest"
+    link.symlink_to(shared / "pointer")
+    beside_link = tmp_path / ".latest-4242-0123abcd"
+    beside_link.write_text("partial")
+    repo = Path(__file__).resolve().parents[2]
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITE, str(link)], text=True,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert writer.stdout.readline() == "writing\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    killed = [p for p in shared.iterdir() if p.name != "pointer"]
+    assert len(killed) == 1 and killed[0].name.startswith(f".pointer-{writer.pid}-"), killed
+    assert atomic_write_leftovers(link) == [beside_link, killed[0]]
+    old = time.time() - STALE_TEMPORARY_SECONDS - 60
+    for leftover in (beside_link, killed[0]):
+        os.utime(leftover, (old, old))
+    write_text_atomic(link, "iter_0000003\n")
+    assert link.is_symlink() and link.read_text() == "iter_0000003\n"
+    assert sorted(tmp_path.iterdir()) == [link, shared]
+    assert list(shared.iterdir()) == [shared / "pointer"]
 
 
 def test_temporaries_in_a_directory_by_the_suffix_of_their_target(tmp_path):
