@@ -65,14 +65,16 @@ def decided_on_every_rank(error: E) -> E:
     return error
 
 
-def _decided_on_every_rank(error: BaseException) -> bool:
+def is_decided_on_every_rank(error: BaseException) -> bool:
+    """Whether ``error`` bears ``decided_on_every_rank``'s mark: raised alike on every rank, none
+    of which waits in a collective for it."""
     return getattr(error, "decided_on_every_rank", False)
 
 
 def restating(cause: BaseException, error: E) -> E:
     """``error``, which says ``cause`` in more words (a save's or load's error naming the
     failure): decided on every rank when ``cause`` was."""
-    return decided_on_every_rank(error) if _decided_on_every_rank(cause) else error
+    return decided_on_every_rank(error) if is_decided_on_every_rank(cause) else error
 
 
 def print_error(error: BaseException, *, alike: bool = False,
@@ -85,7 +87,7 @@ def print_error(error: BaseException, *, alike: bool = False,
     another node may not (``alike_on_its_node``: a file each node reads for itself), so that no
     node's error is left unsaid. Any other error may be this rank's own (a file its node cannot
     read, a fault in its part of the model), and every rank that has one says it."""
-    if alike or _decided_on_every_rank(error):
+    if alike or is_decided_on_every_rank(error):
         if _rank() not in (0, None):
             _let_rank0_exit_first()
             return

@@ -168,6 +168,9 @@ def test_yaml_file_errors_are_one_line(tmp_path):
     (" 0.9, 0.1 ,0 ", [0.9, 0.1, 0]),
     ("90;10", None), ("-1,2", None), ("0,1,0", None), ("1,2,3,4", None), ("abc", None),
     ("", None), ("nan,1", None),
+    # Read by float(), but megatron-core reads the digits alone: "1e2" as 1,2 (a third trained),
+    # "1_000,1" as 1,0,1, "9.9e1,1" as 9.9,1,1; before, accepted and so trained.
+    ("1e2", None), ("1_000,1", None), ("9.9e1,1", None),
 ])
 def test_split_strings(split, weights):
     assert split_weights(split) == weights
@@ -186,7 +189,8 @@ def test_split_strings(split, weights):
     # tokenizer the flag would be read by nobody.
     (["data.legacy_tokenizer=true"], "data.legacy_tokenizer=True: must be false unless "
      "data.tokenizer_model is given"),
-    (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative numbers"),
+    (["data.split=1,2,3,4"], "data.split='1,2,3,4': must be up to three non-negative decimal "
+     "numbers"),
     (["model.arch=dense", "model.iterations=1", "train.eval_depths=[2]"],
      "train.eval_depths=[2]: must be empty for model.arch=dense"),
     # Before the fix, refused by the final evaluation, after the last step and before its save.

@@ -395,10 +395,12 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return expand_inputs(args.input, skipped), skipped
 
 
-class FailedOnEveryRank(Exception):
-    """A check before any collective that failed on some MPI rank, agreed by every rank: none
-    is left waiting, so each exits with status 2 without MPI_Abort. ``line``: what this rank
-    prints (None: another rank says it)."""
+class CheckFailedOnSomeRank(Exception):
+    """Raised on every MPI rank once a check before any collective failed on one or more of
+    them (``_agreed``): none is left waiting, so each exits with status 2 without MPI_Abort.
+    ``line``: what this rank prints (None: another rank says it). Not megaloop.cli's
+    ``decided_on_every_rank`` mark, whose error is the same on every rank and said by rank 0:
+    here ranks that failed otherwise each say their own line."""
 
     def __init__(self, line: str | None):
         super().__init__(line)
@@ -407,7 +409,7 @@ class FailedOnEveryRank(Exception):
 
 def _agreed(comm, check):
     """``check()``, whose DataError or TokenizerError on any MPI rank fails every rank
-    (FailedOnEveryRank): an error every rank found alike is said by rank 0 alone, and a rank's
+    (CheckFailedOnSomeRank): an error every rank found alike is said by rank 0 alone, and a rank's
     own (a file its node does not see) by that rank, after ``rank N: ``. Before, every rank
     printed its error and called MPI_Abort, and as many ranks said the same line as reached it
     before the first abort ended them (2 to 4 of 4 ranks)."""
@@ -423,8 +425,8 @@ def _agreed(comm, check):
         return result
     rank = comm.Get_rank()
     if all(p == problem for p in every):
-        raise FailedOnEveryRank(f"error: {problem}" if rank == 0 else None)
-    raise FailedOnEveryRank(None if problem is None else f"error: rank {rank}: {problem}")
+        raise CheckFailedOnSomeRank(f"error: {problem}" if rank == 0 else None)
+    raise CheckFailedOnSomeRank(None if problem is None else f"error: rank {rank}: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,7 +447,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         comm = _mpi_comm()
         run(args, comm)
-    except FailedOnEveryRank as failed:
+    except CheckFailedOnSomeRank as failed:
         if failed.line is not None:
             _print(failed.line)
         # The ranks exit together: mpiexec ends every rank at the first failed exit, and one

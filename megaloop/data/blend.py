@@ -12,7 +12,8 @@ from typing import Sequence
 from megaloop.data.readers import DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
-SPLIT_RULE = "up to three non-negative numbers train,valid,test with train > 0, e.g. '969,30,1'"
+SPLIT_RULE = ("up to three non-negative decimal numbers train,valid,test with train > 0, e.g. "
+              "'969,30,1'")
 
 
 def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
@@ -54,12 +55,12 @@ def _is_number(text: str) -> bool:
 def split_weights(split: str) -> list[float] | None:
     """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
     when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
-    0,0,0, then divides by zero)."""
+    0,0,0, then divides by zero; "1e2" as 1,2, "1_000" as 1,000): each weight is plain decimal
+    digits, which it reads as float() does."""
     parts = re.split(r"[,/]", split.strip())
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
+    if not all(re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*", part) for part in parts):
         return None
-    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights):
+    weights = [float(p) for p in parts]
+    if not 1 <= len(weights) <= 3:
         return None
     return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None

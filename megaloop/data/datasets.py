@@ -14,7 +14,9 @@ caller:
   sequence lengths, not only its path;
 - a cached index that cannot be read or written (corrupt, or unreadable on one node) is a
   DataError naming the file, raised once megatron-core's build has passed every barrier: the
-  caller can agree on it across ranks (megaloop.training.data does).
+  caller can agree on it across ranks (megaloop.training.data does); a refusal of the arguments
+  alone, or of the split that summaries the caller gave leave empty, comes before any collective
+  and is the same on every rank: marked ``cli.decided_on_every_rank``, said once.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy
 
+from megaloop.cli import decided_on_every_rank
 from megaloop.data.blend import SPLIT_NAMES, SPLIT_RULE, parse_blend, split_weights
 from megaloop.data.index_cache import (atomic_npy_writes, before_building, exclusive_build,
                                        sequence_lengths_md5)
@@ -91,33 +94,29 @@ def build_gpt_datasets(
     import torch
 
     mcore = _import_mcore_datasets()
-    if (data_path is None) == (per_split_data_paths is None):
-        raise DataError("give exactly one of data_path and per_split_data_paths")
-    blend = parse_blend(data_path) if data_path is not None else None
-    blend_per_split = None
-    if per_split_data_paths is not None:
-        blend_per_split = [parse_blend(p) if p else None for p in per_split_data_paths]
-    prefixes = blend[0] if blend else [p for b in blend_per_split if b for p in b[0]]
     if summaries and check_token_ids:
         raise ValueError("check_token_ids scans the files while validating them: give it or summaries")
-    known = summaries or {}
-    summaries = {p: known[p] if p in known else
-                 validate_indexed(p, tokenizer.vocab_size, check_token_ids) for p in prefixes}
-    weighted = [b for b in ([blend] if blend else blend_per_split) if b and b[1] is not None]
-    if weighted and any(n is None for n in num_samples):
-        # megatron-core only asserts this deep inside its builder.
-        raise DataError("a weighted blend needs a sample count for every split (0 for an unused one), not None")
-    if blend is not None:
-        if split_weights(split) is None:  # megatron-core reads "-1,2" as 1,2
-            raise DataError(f"split {split!r}: must be {SPLIT_RULE}")
-        _check_splits_have_tokens(summaries, split, num_samples, mcore)
-    if cache_dir is None:
-        cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
-    if len(prefixes) > 1 and not torch.distributed.is_initialized():
+    try:
+        blend, blend_per_split = _blends(data_path, per_split_data_paths, split, num_samples)
+    except DataError as e:
+        raise decided_on_every_rank(e) from None
+    prefixes = blend[0] if blend else [p for b in blend_per_split if b for p in b[0]]
+    if len(prefixes) > 1 and not torch.distributed.is_initialized():  # a single process's
         raise DataError(
             "blending several datasets needs torch.distributed initialised (megatron-core's "
             "BlendedDataset asks for the rank); a world of 1 is fine"
         )
+    known = summaries or {}
+    summaries = {p: known[p] if p in known else
+                 validate_indexed(p, tokenizer.vocab_size, check_token_ids) for p in prefixes}
+    if blend is not None:
+        try:
+            _check_splits_have_tokens(summaries, split, num_samples, mcore)
+        except DataError as e:
+            # The caller's summaries are the same on every rank (the trainer's: rank 0's).
+            raise decided_on_every_rank(e) if set(prefixes) <= set(known) else e from None
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
     config = mcore.GPTDatasetConfig(
         sequence_lengths_md5={p: sequence_lengths_md5(s) for p, s in summaries.items()},
         random_seed=seed,
@@ -145,6 +144,25 @@ def build_gpt_datasets(
     if problem is not None:  # after megatron-core's barriers: see _indices_or_problem
         raise DataError(problem)
     return datasets
+
+
+def _blends(data_path, per_split_data_paths, split: str, num_samples: Sequence[int | None]):
+    """``(blend, blend_per_split)`` as megatron-core's config takes them, or a DataError that
+    follows from build_gpt_datasets' arguments alone, before any file is read: every rank, given
+    the same arguments (as megatron-core's build needs), raises it alike."""
+    if (data_path is None) == (per_split_data_paths is None):
+        raise DataError("give exactly one of data_path and per_split_data_paths")
+    blend = parse_blend(data_path) if data_path is not None else None
+    blend_per_split = None
+    if per_split_data_paths is not None:
+        blend_per_split = [parse_blend(p) if p else None for p in per_split_data_paths]
+    weighted = [b for b in ([blend] if blend else blend_per_split) if b and b[1] is not None]
+    if weighted and any(n is None for n in num_samples):
+        # megatron-core only asserts this deep inside its builder.
+        raise DataError("a weighted blend needs a sample count for every split (0 for an unused one), not None")
+    if blend is not None and split_weights(split) is None:  # megatron-core reads "-1,2" as 1,2
+        raise DataError(f"split {split!r}: must be {SPLIT_RULE}")
+    return blend, blend_per_split
 
 
 def _check_splits_have_tokens(summaries: dict, split: str, num_samples: Sequence[int | None], mcore) -> None:

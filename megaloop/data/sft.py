@@ -120,13 +120,20 @@ class SFTDataset(torch.utils.data.Dataset):
         return sft_sample(prompt, solution, self.seq_length, self.pad_id)
 
 
-def split_bounds(weights: Sequence[float], count: int) -> list[tuple[int, int]]:
-    """[begin, end) record ranges of the train, valid and test splits: cumulative proportions
-    times ``count``, rounded (megatron-core's BlendedMegatronDatasetBuilder rounds the same way)."""
+def split_edges(weights: Sequence[float]) -> list[float]:
+    """Where the splits of ``weights`` begin and end, as shares of the records (0.0, ..., 1.0):
+    cumulative proportions, in the floats ``split_bounds`` cuts by."""
     total, edges, running = sum(weights), [0.0], 0.0
     for weight in weights:
         running += weight
         edges.append(running / total)
+    return edges
+
+
+def split_bounds(weights: Sequence[float], count: int) -> list[tuple[int, int]]:
+    """[begin, end) record ranges of the train, valid and test splits: cumulative proportions
+    times ``count``, rounded (megatron-core's BlendedMegatronDatasetBuilder rounds the same way)."""
+    edges = split_edges(weights)
     return [(int(round(edges[i] * count)), int(round(edges[i + 1] * count)))
             for i in range(len(weights))]
 

@@ -263,7 +263,9 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         megaloop's own decoding (megaloop.generation) refuses them; here a warning, as Hugging
         Face models go on past their context, and a padded prompt's rows (padding counted in its
         length) may all stay within it. (transformers' own "friendly reminder" comes once per
-        process, after the tokens past the context.)"""
+        process, after the tokens past the context.) A private method of GenerationMixin's: no
+        public hook sees the max_length generate() resolves before its first token; a test
+        fails by name where the installed transformers renames or drops it."""
         super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
         context, total = self.config.max_position_embeddings, generation_config.max_length
         if total is not None and total > context:

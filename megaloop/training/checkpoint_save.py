@@ -37,7 +37,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megaloop.cli import decided_on_every_rank, restating
+from megaloop.cli import decided_on_every_rank, is_decided_on_every_rank, restating
 from megaloop.config import RunConfig, save_yaml
 from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
                                      write_text_atomic)
@@ -47,7 +47,7 @@ from megaloop.training.checkpoint_writer import (died_of, refuse_unguarded_main,
                                                  start_results_queue, watched)
 from megaloop.training.collective import (any_rank, first_error, is_rank0, rank0_decides,
                                           said_by_this_rank)
-from megaloop.training.sharded_save import FailedOnEveryRank, save_sharded
+from megaloop.training.sharded_save import save_sharded
 
 log = logging.getLogger("megaloop.train")
 
@@ -203,9 +203,9 @@ def _write(save: _Save, state: dict, queue) -> None:
     started, call_idx, error = len(queue.async_calls), queue.call_idx, None
     try:
         request = save_sharded(state, save.tmp)
-    except FailedOnEveryRank as e:  # raised alike on every rank: none waits in a collective
-        raise decided_on_every_rank(_write_failed(save, str(e))) from None
     except (Exception, CheckpointException) as e:
+        if is_decided_on_every_rank(e):  # sharded_save's: none waits in a collective
+            raise restating(e, _write_failed(save, str(e))) from None
         error = one_line(e)
     else:
         try:
@@ -241,7 +241,7 @@ def _written(save: _Save, queue, blocking: bool, part: str = "") -> bool:
         return bool(queue.maybe_finalize_async_calls(blocking=blocking))
     except (Exception, CheckpointException) as e:
         died = save.writer is not None and died_of(save.writer)
-        # The finalize's own failures (sharded_save.FailedOnEveryRank) were agreed on.
+        # The finalize's own failures (sharded_save's) were agreed on: restated as such.
         raise restating(e, _write_failed(save, f"its writer process died of {died}" if died
                                          else e, part)) from None
 

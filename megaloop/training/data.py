@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from megaloop.cli import decided_on_every_rank, is_decided_on_every_rank
 from megaloop.config import ConfigError, DataConfig, RunConfig
 from megaloop.data import (DataError, DatasetTokenizer, TokenizerError, build_gpt_datasets,
                            load_tokenizer, parse_blend, validate_indexed)
@@ -74,10 +75,11 @@ def build_datasets(cfg: RunConfig, step: int = 0, consumed_samples: int = 0):
     interval, depths = cfg.train.eval_interval, cfg.train.eval_depths
     asked = (f"train.eval_interval={interval}" if interval
              else f"train.eval_depths={depths}" if depths else None)
-    if valid is None and asked:
-        raise ConfigError(f"data.split={cfg.data.split!r}: gives the validation split no data, "
-                          f"but {asked} asks for evaluations; give it a weight, or train without "
-                          "evaluation (train.eval_interval=0, train.eval_depths=[])")
+    if valid is None and asked:  # no weight or no samples for it: the settings', on every rank
+        raise decided_on_every_rank(ConfigError(
+            f"data.split={cfg.data.split!r}: gives the validation split no data, but {asked} asks "
+            "for evaluations; give it a weight, or train without evaluation "
+            "(train.eval_interval=0, train.eval_depths=[])"))
     return train, valid
 
 
@@ -144,10 +146,12 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     summaries = rank0_decides(check, (DataError,))
     _readable_on_every_rank(prefixes)
     # Agreed: a cached index one node cannot read (or a corrupt one) failed there alone. Only
-    # the build's DataError, raised once megatron-core's barriers are passed (or before them,
-    # alike on every rank): a rank failing in the build itself (an OSError opening the data)
-    # leaves at once, for the launcher to end the others, where agreeing on it would have it
-    # wait in an all-gather while they wait in the build's next barrier.
+    # the build's DataError, raised once megatron-core's barriers are passed: a rank failing in
+    # the build itself (an OSError opening the data) leaves at once, for the launcher to end the
+    # others, where agreeing on it would have it wait in an all-gather while they wait in the
+    # build's next barrier. A refusal before the build (of the settings, or of the split the
+    # agreed summaries give) is raised alike on every rank, none waiting: said once, as the
+    # settings', not as rank 0's own.
     try:
         datasets, problem = build_gpt_datasets(
             cfg.data.path, tokenizer, cfg.model.seq_length, samples,
@@ -155,6 +159,8 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
             eod_mask_loss=cfg.data.eod_mask_loss, summaries=summaries,
         ), None
     except DataError as e:
+        if is_decided_on_every_rank(e):
+            raise
         datasets, problem = None, e
 
     def built():

@@ -43,7 +43,7 @@ import torch
 from megaloop.alrs.schedule import ALLOCATION_OPTIONS, BOOST_OPTIONS
 from megaloop.cli import ALIKE_ON_EVERY_RANK, decided_on_every_rank
 from megaloop.config import ConfigError, RunConfig, TrainConfig, to_dict
-from megaloop.data.blend import parse_blend
+from megaloop.data.blend import parse_blend, split_weights
 from megaloop.data.readers import DataError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
@@ -250,7 +250,19 @@ def _differences(path: Path, cfg: RunConfig, sections: tuple[str, ...]) -> tuple
     for section in sections:
         before.update(_flat({**defaults[section], **(saved.get(section) or {})}, section))
         after.update(_flat(now[section], section))
-    return before, {k: (before[k], after[k]) for k in after if before.get(k) != after[k]}
+    return before, {k: (before[k], after[k]) for k in after
+                    if not _same_setting(k, before.get(k), after[k], cfg)}
+
+
+def _same_setting(name: str, old, new, cfg: RunConfig) -> bool:
+    """Whether setting ``name`` of a checkpoint's config (``old``) and of this run (``new``,
+    ``cfg``'s) is the same: data.path and data.split are compared as the data they cut, so that
+    another spelling of the same value is no change (``_blend``, ``_split_cut``)."""
+    if name == "data.path":
+        return _blend(old) == _blend(new)
+    if name == "data.split":
+        return _split_cut(old, cfg.data.format) == _split_cut(new, cfg.data.format)
+    return old == new
 
 
 def _change_line(where: str, name: str, old, new, effect: str) -> str:
@@ -411,18 +423,20 @@ def _eigenvalue_log_refusal(cfg: RunConfig) -> str | None:
 def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> None:
     """Warns, in one line, of the settings that decide which samples the steps after ``step``
     read and that differ from those of ``saved``, the config of checkpoint ``path``."""
-    changed = []
+    changed, values = [], []
     for name in SAMPLE_ORDER:
         section, field = name.split(".")
         before, now = saved.get(section, {}).get(field), getattr(getattr(cfg, section), field)
-        if name == "data.path":
-            before, now = _blend(before), _blend(now)
-        if before != now:
+        if not _same_setting(name, before, now, cfg):
             changed.append(name)
+            if name != "data.path":  # a blend may list thousands of prefixes: not in one line
+                values.append(f"{name} {before!r} -> {now!r}")
     if changed:
-        log.warning("resume: %s differ%s from %s's: the sample order from step %d on is not the "
-                    "one the saved run would have seen", ", ".join(changed),
-                    "" if len(changed) > 1 else "s", path, step + 1, extra=ALIKE_ON_EVERY_RANK)
+        log.warning("resume: %s differ%s from %s's%s: the sample order from step %d on is not "
+                    "the one the saved run would have seen", ", ".join(changed),
+                    "" if len(changed) > 1 else "s", path,
+                    f" ({'; '.join(values)})" if values else "", step + 1,
+                    extra=ALIKE_ON_EVERY_RANK)
 
 
 def _blend(data_path):
@@ -434,6 +448,24 @@ def _blend(data_path):
     except DataError:
         return data_path
     return [os.path.realpath(prefix) for prefix in prefixes], weights
+
+
+def _split_cut(split, data_format: str):
+    """``data.split`` as the shares its data is cut by: megatron-core normalises the weights, so
+    that "99,1,0", "99, 1", "990/10/0" and "0.99,0.01,0" cut alike and are no change. In the
+    floats it cuts by (``data_format`` sft: the records' edges, data.sft), compared exactly:
+    "0.7,0.2,0.1" sums to 0.9999999999999999 there, and cuts 15 documents otherwise than
+    "7,2,1". A value that is no split, as it is."""
+    weights = split_weights(str(split))
+    if weights is None:
+        return split
+    if data_format == "sft":
+        from megaloop.data.sft import split_edges
+
+        return split_edges(weights)
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    return parse_and_normalize_split(str(split))
 
 
 # What a resume cannot see where a checkpoint's data fingerprint lacks an entry, by the entry.

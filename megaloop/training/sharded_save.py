@@ -9,7 +9,7 @@ under rank 0's files) was raised on that rank alone: its error path's next colle
 others' next one in megatron-core, or it left them in one, until the process-group timeout (30
 minutes by default). Here ``save_sharded`` runs the same steps in megatron-core's order with the
 outcome agreed after each, the finalize's too, and every rank raises the first failure, naming
-its rank (``FailedOnEveryRank``).
+its rank, as a RuntimeError marked ``cli.decided_on_every_rank``.
 
 Still megatron-core's alone: the write's planning (torch DCP's decentralised plan: each rank
 plans, rank 0 gathers the plans), whose failure on one rank before that gather leaves rank 0
@@ -25,16 +25,10 @@ import weakref
 from pathlib import Path
 
 
+from megaloop.cli import decided_on_every_rank
 from megaloop.training.checkpoint_files import one_line
 from megaloop.training.collective import first_error, is_rank0, said_by_this_rank
 from megaloop.training.sharded_load import agreed_refusal
-
-
-class FailedOnEveryRank(RuntimeError):
-    """A save's failure raised alike on every rank, its message naming the rank it came from;
-    no rank is left in a collective."""
-
-    decided_on_every_rank = True  # megaloop.cli: printed by rank 0 alone
 
 
 def _on_this_rank(error: BaseException) -> str:
@@ -44,13 +38,13 @@ def _on_this_rank(error: BaseException) -> str:
 def _agreed(problem: str | None) -> None:
     problem = first_error(problem)
     if problem is not None:
-        raise FailedOnEveryRank(problem)
+        raise decided_on_every_rank(RuntimeError(problem))
 
 
 def save_sharded(state: dict, path: Path):
     """Collective: ``dist_checkpointing.save(state, path, async_sharded_save=True)``, the
     AsyncRequest of the write (to schedule), with its finalize; a failure before the write's
-    planning raises FailedOnEveryRank on every rank."""
+    planning raises the same RuntimeError on every rank (``cli.is_decided_on_every_rank``)."""
     from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
@@ -61,7 +55,7 @@ def save_sharded(state: dict, path: Path):
         problem = _on_this_rank(e)
     refusal = agreed_refusal(problem, sharded, common)
     if refusal is not None:
-        raise FailedOnEveryRank(refusal)
+        raise decided_on_every_rank(RuntimeError(refusal))
     try:
         get_default_save_common_strategy().save_common(common, str(path))  # on rank 0 alone
     except Exception as e:

@@ -57,11 +57,12 @@ def test_an_empty_split_is_refused_even_when_no_samples_are_drawn_from_it(tmp_pa
     assert len(train) >= 10 and len(valid) >= 10 and test is None
 
 
-@pytest.mark.parametrize("split", ["-1,2", "90;10", "1,2,3,4"])
+@pytest.mark.parametrize("split", ["-1,2", "90;10", "1,2,3,4", "1e2"])
 def test_a_malformed_split_is_refused(tmp_path, tokenized_articles, split):
-    # Before: megatron-core read the digits it found ("-1,2" as 1,2; "90;10" as 9010) and built.
+    # Before: megatron-core read the digits it found ("-1,2" as 1,2; "90;10" as 9010; "1e2", which
+    # float() reads as 100, as 1,2) and built.
     with pytest.raises(DataError, match=f"^split '{split}': must be up to three non-negative "
-                                        "numbers train,valid,test with train > 0"):
+                                        "decimal numbers train,valid,test with train > 0"):
         build_gpt_datasets([tokenized_articles], TOKENIZER, 64, (10, 10, 0), split=split,
                            cache_dir=str(tmp_path))
 

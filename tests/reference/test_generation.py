@@ -382,3 +382,31 @@ def test_generate_warns_before_running_past_the_trained_context(variant):
                       f"tokens run past the model's {context}-token context .*; generate at most "
                       "4 new tokens$"):
         assert model.generate(prompt, max_new_tokens=6, do_sample=False).shape[1] == context + 2
+
+
+def test_the_context_warning_hooks_a_method_generate_still_calls(monkeypatch):
+    """The warning above overrides GenerationMixin._validate_generated_length, a private method:
+    no public hook sees generate()'s max_length (its arguments, the model's generation config
+    and transformers' defaults merged) before the first token (a LogitsProcessor or
+    StoppingCriteria sees the tokens so far, not the length asked for). Were it renamed or
+    dropped in the installed transformers, generate() would no longer reach the override and
+    the warning would be gone without an error: this test names the cause."""
+    import transformers
+    from transformers import GenerationMixin
+
+    hook = vars(GenerationMixin).get("_validate_generated_length")
+    assert hook is not None, (f"transformers {transformers.__version__} has no GenerationMixin."
+                              "_validate_generated_length: move the reference models' context "
+                              "warning to what generate() now calls with its max_length")
+    calls = []
+
+    def recorded(self, generation_config, input_ids_length, *args, **kwargs):
+        calls.append((generation_config.max_length, input_ids_length))
+        return hook(self, generation_config, input_ids_length, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_validate_generated_length", recorded)
+    reference_model("asymloop").generate(tokens(batch=1, length=5), max_new_tokens=3,
+                                         do_sample=False)
+    assert calls == [(8, 5)], (f"transformers {transformers.__version__}'s generate() calls "
+                               "_validate_generated_length otherwise than with (generation_config "
+                               f"of the max_length asked for, the prompt's length): {calls}")

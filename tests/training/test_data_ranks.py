@@ -195,3 +195,49 @@ def test_fine_tuning_records_one_rank_cannot_read_fail_every_rank_in_one_line(tm
     assert error0 == error1 and error0.startswith(f"rank 1: {files[0]}: "), (error0, error1)
     assert "Permission denied" in error0 and "\n" not in error0, error0
     assert max(took0, took1) < _TIMEOUT_S / 3, (took0, took1)
+
+
+def _printed_by_each_rank(rank, world_size, data, out, split, eval_interval):
+    """What megaloop-train prints on this rank (print_error) of build_datasets' refusal of
+    ``data.split``."""
+    import contextlib
+    import io
+
+    from megaloop import cli
+    from megaloop.config import ConfigError
+    from megaloop.data import DataError
+    from megaloop.training.data import build_datasets
+    from tests.training.conftest import tiny_run
+
+    cfg = tiny_run(data, Path(out), train={"eval_interval": eval_interval})
+    cfg.data.split = split
+    with pytest.MonkeyPatch.context() as monkeypatch, collective_timeout(_TIMEOUT_S):
+        monkeypatch.setattr(cli, "RANK0_GRACE_S", 0)
+        try:
+            build_datasets(cfg)
+        except (ConfigError, DataError) as e:
+            with contextlib.redirect_stderr(io.StringIO()) as printed:
+                cli.print_error(e)
+            return printed.getvalue()
+    return None
+
+
+@pytest.mark.parametrize("split, eval_interval, says", [
+    # The pattern data's 400 documents: 1 in 1000 rounds to none (build_gpt_datasets' check).
+    ("999,1,0", 0, "{data}: split '999,1,0' gives the valid split 0 of its 400 documents and no "
+                   "tokens, which megatron-core cannot build; use more data or a split such as "
+                   "'1000,0,0'"),
+    ("100,0,0", 5, "data.split='100,0,0': gives the validation split no data, but "
+                   "train.eval_interval=5 asks for evaluations; give it a weight, or train "
+                   "without evaluation (train.eval_interval=0, train.eval_depths=[])")])
+def test_a_split_refused_alike_on_every_rank_is_said_once_without_a_rank(tmp_path, pattern_data,
+                                                                        split, eval_interval,
+                                                                        says):
+    """Every rank decides these from the config and the data's summaries, which rank 0 read and
+    every rank received: before, the first was said as rank 0's own ("error: rank 0: ..."), and
+    the second by every rank."""
+    with workers_discarded_on_failure():
+        printed = run_distributed(_printed_by_each_rank, world_size=2, data=pattern_data,
+                                  out=str(tmp_path / "run"), split=split,
+                                  eval_interval=eval_interval)
+    assert printed == [f"error: {says.format(data=pattern_data)}\n", ""], printed

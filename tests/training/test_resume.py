@@ -123,21 +123,31 @@ def test_an_unset_wsd_field_and_its_default_are_the_same_schedule(pattern_data, 
     assert len(changes) == 1 and "train.train_steps changed from 4 to 5" in changes[0], changes
 
 
+# The saved run's data.split, "90,10,0", spelt otherwise: megatron-core normalises the weights,
+# and cuts the data alike (before: "data.split differs ...: the sample order ... is not the one").
+SPLIT_RESPELT = ["90,10,0", "9, 1", "0.9/0.1/0"]
+
+
+@pytest.mark.parametrize("split", SPLIT_RESPELT)
 def test_an_unchanged_config_resumes_without_a_word(run_stopped_at_step_4, pattern_data,
-                                                    tmp_path, caplog):
+                                                    tmp_path, caplog, split):
     out = _copy(run_stopped_at_step_4, tmp_path)
+    cfg = tiny_run(pattern_data, out)
+    cfg.data.split = split
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
-        trainer = Trainer(tiny_run(pattern_data, out))
+        trainer = Trainer(cfg)
     trainer.close()
     assert trainer.step == 4 and not trainer.complete
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+@pytest.mark.parametrize("split", ["90,10,0", "0.9, 0.1"])
 def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, pattern_data,
-                                                            tmp_path, caplog, monkeypatch):
+                                                            tmp_path, caplog, monkeypatch, split):
     """Before the fix: exit 0 with no word, after a new validation and a duplicate eval row of
     step 4 in metrics.jsonl (and TensorBoard); then after building the datasets, whose index
-    files (cache_dir) take minutes at scale."""
+    files (cache_dir) take minutes at scale. The saved split spelt otherwise is the same: before,
+    "changed settings not applied: data.split"."""
     import megaloop.models.model as model_module
 
     def no_model(*a, **k):
@@ -151,8 +161,10 @@ def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, patte
     shutil.rmtree(out / "cache")  # the dataset indexes: building the datasets writes them again
     before = files()
     monkeypatch.setattr(model_module, "LoopedLM", no_model)
+    cfg = tiny_run(pattern_data, out, train={"train_steps": 4})
+    cfg.data.split = split
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
-        result = Trainer(tiny_run(pattern_data, out, train={"train_steps": 4})).train()
+        result = Trainer(cfg).train()
     assert result == {"step": 4, "complete": True}
     path = out / "checkpoints" / "iter_0000004"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
@@ -161,19 +173,22 @@ def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, patte
     assert files() == before  # metrics.jsonl included
 
 
-@pytest.mark.parametrize("change, named", [
-    (dict(model={"seq_length": 16}), "model.seq_length"),
-    (dict(train={"seed": 7}), "train.seed"),
+@pytest.mark.parametrize("change, named, values", [
+    (dict(model={"seq_length": 16}), "model.seq_length", "32 -> 16"),
+    (dict(train={"seed": 7}), "train.seed", "1234 -> 7"),
+    (dict(split="80,20,0"), "data.split", "'90,10,0' -> '80,20,0'"),
 ])
 def test_a_change_of_the_sample_order_is_warned(run_stopped_at_step_4, pattern_data, tmp_path,
-                                                caplog, change, named):
+                                                caplog, change, named, values):
     out = _copy(run_stopped_at_step_4, tmp_path)
+    cfg = tiny_run(pattern_data, out, model=change.get("model"), train=change.get("train"))
+    cfg.data.split = change.get("split", cfg.data.split)
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
-        Trainer(tiny_run(pattern_data, out, model=change.get("model"),
-                         train=change.get("train"))).close()
+        Trainer(cfg).close()
     lines = [r.getMessage() for r in caplog.records if "sample order" in r.getMessage()]
     assert len(lines) == 1 and named in lines[0], caplog.text
     assert f"{named} differs from " in lines[0] and "from step 5 on" in lines[0]  # before: 4
+    assert f"({named} {values}): " in lines[0], lines[0]  # before: neither value
 
 
 def test_lr_multipliers_set_by_hand_survive_save_and_resume_group_by_group(

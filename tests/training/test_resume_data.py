@@ -309,3 +309,40 @@ def test_a_fine_tuning_tokenizer_directory_rewritten_is_named(tmp_path, caplog):
     assert len(lines) == 1 and lines[0].startswith(
         f"resume: {directory} holds other data than when {tmp_path / 'c'} was saved "
         "(tokenizer_sha256 "), lines
+
+
+def _split_warnings(saved_split, splits, data_format, tmp_path, caplog) -> list[str]:
+    """report_sample_order's lines for a resume, with each of ``splits``, of a run saved with
+    ``saved_split``."""
+    from megaloop.config import to_dict
+
+    def config(split):
+        return RunConfig(data=DataConfig(path=[DATA], split=split, format=data_format))
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        for split in splits:
+            report_sample_order(to_dict(config(saved_split)), config(split), tmp_path / "c", 6)
+    return [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("data_format", ["indexed", "sft"])
+def test_the_same_split_spelt_otherwise_is_no_change(tmp_path, caplog, data_format):
+    """The split's weights are normalised (megatron-core's, or the records' edges). Before:
+    "data.split differs ...: the sample order from step 7 on is not the one the saved run would
+    have seen" for each spelling."""
+    assert _split_warnings("99,1,0", ["99,1,0", "99, 1, 0", "990,10,0", "0.99,0.01,0", "99,1",
+                                      "99/1/0"], data_format, tmp_path, caplog) == []
+
+
+@pytest.mark.parametrize("data_format", ["indexed", "sft"])
+def test_another_split_is_named_with_both_values(tmp_path, caplog, data_format):
+    """0.7 + 0.2 + 0.1 is 0.9999999999999999 in the floats the data is cut by: of 15 documents,
+    "7,2,1" gives training 10, "0.7,0.2,0.1" 11, and "70,20,10" cuts as "7,2,1" does."""
+    path = tmp_path / "c"
+    assert _split_warnings("99,1,0", ["98,2,0"], data_format, tmp_path, caplog) == [
+        f"resume: data.split differs from {path}'s (data.split '99,1,0' -> '98,2,0'): the sample "
+        "order from step 7 on is not the one the saved run would have seen"]
+    assert [line.split(": the sample")[0] for line in _split_warnings(
+        "7,2,1", ["70,20,10", "0.7,0.2,0.1"], data_format, tmp_path, caplog)] == [
+        f"resume: data.split differs from {path}'s (data.split '7,2,1' -> '0.7,0.2,0.1')"]

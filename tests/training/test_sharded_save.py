@@ -191,12 +191,14 @@ def test_the_dot_metadata_failure_is_recorded_by_the_strategys_hook(mcore, tmp_p
     finalize unrecorded (on two ranks: the other waits until the process-group timeout)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megaloop.training.sharded_save import FailedOnEveryRank, save_sharded
+    from megaloop.cli import is_decided_on_every_rank
+    from megaloop.training.sharded_save import save_sharded
 
     _dot_metadata_on_a_full_disk(monkeypatch)
     (tmp_path / "ckpt").mkdir()
     request = save_sharded({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))},
                            tmp_path / "ckpt")
-    with pytest.raises(FailedOnEveryRank, match="No space left on device"):
+    with pytest.raises(RuntimeError, match="No space left on device") as failed:
         request.execute_sync()
+    assert is_decided_on_every_rank(failed.value)  # agreed: printed by rank 0 alone
     assert not (tmp_path / "ckpt" / "metadata.json").exists()
