@@ -170,6 +170,20 @@ def test_refuses_what_megaloop_does_not_compute_naming_the_field(exports, tmp_pa
     _refused(directory, tmp_path, match)
 
 
+@pytest.mark.parametrize("variant, fields, match", [
+    ("mixtral", dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1: must be 0"),
+    ("qwen3_moe", dict(attention_dropout=0.1), r"attention_dropout=0.1: must be 0"),
+    ("dense", dict(attention_dropout=0.1), r"attention_dropout=0.1: must be 0"),
+])
+def test_refuses_training_noise_megaloop_does_not_apply_naming_the_field(exports, tmp_path,
+                                                                         variant, fields, match):
+    """Dropout and router jitter act only in training, so the probe's eval-mode logits agree: the
+    import passed, and fine-tuning it trained without them, unsaid."""
+    directory = _copy(exports, variant, tmp_path)
+    _edit_config(directory, **fields)
+    _refused(directory, tmp_path, match)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_refuses_a_damaged_safetensors_file_naming_it(exports, tmp_path, damage):
     """One shard of a sharded directory (a native model saved in pieces), cut short or
