@@ -158,6 +158,21 @@ def test_refuses_a_directory_without_safetensors_or_config(exports, tmp_path):
     _refused(directory, tmp_path, r"config.json: missing or unreadable")
 
 
+def test_a_megaloop_checkpoint_given_to_import_names_to_hf(exports, tmp_path):
+    """Before: only "config.json: missing or unreadable", for the other direction's input."""
+    checkpoint = exports.get("dense").checkpoint
+    for source in (checkpoint, checkpoint.parent):  # an iter_N directory, its run's directory
+        with pytest.raises(ConversionError) as error:
+            import_hf(source, tmp_path / "out")
+        message = str(error.value)
+        assert message.startswith(f"{source / 'config.json'}: missing or unreadable")
+        assert message.endswith(": tools/convert_checkpoint.py to-hf converts that direction")
+        assert "\n" not in message and not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError) as error:  # an empty directory: no such hint
+        import_hf(tmp_path, tmp_path / "out")
+    assert "to-hf" not in str(error.value)
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(attention_bias=True), r"attention_bias=True: must be false"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu': must be 'silu'"),
