@@ -38,6 +38,19 @@ MEGALOOP_MODEL_TYPES = ("megaloop", "megaloop_latentloop")
 log = logging.getLogger("megaloop.hf")
 
 
+def _megaloop_checkpoint_hint(directory: Path) -> str:
+    """The other direction's input given to this one: say so, not only that config.json is
+    missing (as to-hf does for a Hugging Face directory)."""
+    from megaloop.training import checkpoint as ckpt
+
+    try:
+        ckpt.find_checkpoint(directory)
+    except ckpt.CheckpointError:
+        return ""
+    return ("; it is a megaloop checkpoint: tools/convert_checkpoint.py to-hf converts that "
+            "direction")
+
+
 def read_config(directory: Path):
     """(transformers config, megaloop ModelConfig, model class, native family or None) of the
     Hugging Face directory's config.json; a ConversionError naming the file (and field) where it
@@ -51,7 +64,8 @@ def read_config(directory: Path):
     try:
         model_type = json.loads(config_file.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError) as e:
-        raise ConversionError(f"{config_file}: missing or unreadable ({e})") from None
+        raise ConversionError(f"{config_file}: missing or unreadable ({e})"
+                              + _megaloop_checkpoint_hint(directory)) from None
     if model_type in MEGALOOP_MODEL_TYPES:
         config_class = LatentLoopConfig if model_type == "megaloop_latentloop" else MegaloopConfig
         hf = config_class.from_pretrained(directory)

@@ -144,6 +144,10 @@ def model_config_from_native(hf) -> ModelConfig:
     _require(not getattr(hf, "use_sliding_window", False) and (
         family in ("qwen3", "qwen3_moe") or getattr(hf, "sliding_window", None) is None),
         "sliding_window", getattr(hf, "sliding_window", None), "off")
+    # Training-only noise: the probe's eval-mode logits cannot tell it is missing.
+    for name in ("attention_dropout", "router_jitter_noise"):
+        value = getattr(hf, name, 0.0) or 0.0
+        _require(value == 0, name, value, "0")
     heads, groups = hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     moe = {}

@@ -156,15 +156,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *,
         path = checkpoint_path(checkpoint)
         with still_there(path):  # its last read is stored_dtype's
             changed = {} if requested is None else requested_settings(path, requested)
+            tokenizer, special_tokens, untokenized = _write_tokenizer(path, tokenizer,
+                                                                      with_tokenizer, staging)
+            model, run, path = load_checkpoint_model(
+                path, **{name: value for name, (_, value) in changed.items()})
+            # Once the model takes them (a depth it cannot run is refused there, in one line).
             if changed:  # config.json will hold them, not the values the weights were trained at
                 log.warning("%s: exported with the config's model settings, not those it was "
                             "trained with: %s", path, ", ".join(
                                 f"model.{name}={new!r} (trained: {old!r})"
                                 for name, (old, new) in changed.items()))
-            tokenizer, special_tokens, untokenized = _write_tokenizer(path, tokenizer,
-                                                                      with_tokenizer, staging)
-            model, run, path = load_checkpoint_model(
-                path, **{name: value for name, (_, value) in changed.items()})
             chosen = stored_dtype(path, model) if chosen is None else chosen
         cfg = run.model
         ids = probe_ids(cfg.vocab_size, probe_length(cfg))

@@ -176,8 +176,24 @@ class LoopedRouter(TopKRouter):
     # Padding (a ``padding_mask``) is routed by no one, and the ranks' shares of the valid tokens
     # differ: ``valid_tokens`` (this rank's, the group's) counts them (megatron-core's own count,
     # ``valid_token_count``, is the group's under padding: its all-reduce works in place).
+    # A LatentLoop compressed visit routes k times fewer tokens (its latents) than the loss counts
+    # positions: scaled by its own tokens, its auxiliary losses weighed 1/k of their coefficients
+    # in training (at the model level, without per-token loss, 1). ``micro_batch_positions``
+    # (weigh_auxiliary_losses; a micro-batch's positions, all its shards) gives each routed token
+    # the positions it stands for (``_positions_per_token``), from the shapes of the call itself,
+    # so that an activation recomputation's replay weighs alike.
     loss_token_fraction: float = 1.0
+    micro_batch_positions: int | None = None
     valid_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _positions_per_token(self, routed: int) -> float:
+        """Positions of the micro-batch per token this call routes (``routed`` on this rank, its
+        tensor-parallel group's shards together): 1, or a compressed visit's stride (whole:
+        training's sequences hold whole latents; a shorter tail, which forms no latent, is left
+        out)."""
+        if not self.micro_batch_positions or not routed:
+            return 1
+        return max(1, self.micro_batch_positions // (routed * self.tp_cp_group.size()))
 
     def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss,
                                            aux_loss_name, reduce_group, reduce_group_has_dp=False,
@@ -188,7 +204,8 @@ class LoopedRouter(TopKRouter):
             else:
                 local = activation.shape[0] if valid_token_count is None else valid_token_count
                 group = local * self.tp_cp_group.size()
-            valid_token_count = group * self.loss_token_fraction
+            valid_token_count = (group * self.loss_token_fraction
+                                 * self._positions_per_token(activation.shape[0]))
         return super().attach_and_log_load_balancing_loss(
             activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
             reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count)
@@ -220,7 +237,8 @@ class LoopedRouter(TopKRouter):
         # over all tokens, which the tensor-parallel reduction completes.
         z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
         local = logits.shape[0] if padding_mask is None else (~padding_mask).sum()
-        return MoEAuxLossAutoScaler.apply(logits, z_loss * local * self.loss_token_fraction)
+        weight = self.loss_token_fraction * self._positions_per_token(logits.shape[0])
+        return MoEAuxLossAutoScaler.apply(logits, z_loss * local * weight)
 
     def routing(self, logits: torch.Tensor, padding_mask=None):
         """megatron-core's routing, and the statistics. With a ``padding_mask`` ([N, B], True at
@@ -326,6 +344,8 @@ def weigh_auxiliary_losses(models: list[torch.nn.Module], batches: list[dict]) -
     if torch.distributed.is_initialized():  # replicas (TP, PP) count alike: the ratio holds
         torch.distributed.all_reduce(counts)
     fraction = (counts[0] / counts[1]).item() if counts[1] else 1.0
+    positions = batches[0]["loss_mask"].numel() if batches else None  # all alike: [B, seq]
     for model in models:
         for router in routers(model):
             router.loss_token_fraction = fraction
+            router.micro_batch_positions = positions

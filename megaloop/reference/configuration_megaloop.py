@@ -6,7 +6,8 @@ resolved (megaloop.models.export.reference_config fills them), so the mapping is
 ``tie_word_embeddings``, ``max_position_embeddings`` (megaloop's seq_length: the trained context;
 RoPE itself has no limit) and ``initializer_range`` are the Hugging Face names. ``moe_aux_loss_coeff``, ``moe_z_loss_coeff`` and
 ``joint_attention`` are megaloop's training settings (router losses, attention kernel), which these
-models do not read: carried so that an import (megaloop.hf.from_hf) trains as the run did.
+models do not apply (their loss is the cross-entropy alone; a MoE model's first training loss
+warns so): carried so that an import (megaloop.hf.from_hf) trains as the run did.
 
 ``iterations`` is K (AsymLoop), R (Full Loop) or the number of visits (LatentLoop). Set it at load
 time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
@@ -66,7 +67,7 @@ class MegaloopConfig(PretrainedConfig):
         self.latent_visits = list(latent_visits)  # compressed visits, 1-based
         self.latent_stride = latent_stride
         self.latent_writeback_lag = latent_writeback_lag
-        self.latent_reduction = latent_reduction  # sequence | top_k
+        self.latent_reduction = latent_reduction  # sequence | top_k | width | expert_ffn
         self.residual_scale = residual_scale  # learned | fixed
         self.residual_scale_init = list(residual_scale_init)  # per visit; empty: 1.0
         self.untie_attention = untie_attention

@@ -359,8 +359,26 @@ class MegaloopPreTrainedModel(PreTrainedModel):
                                    reduction="mean" if num_items_in_batch is None else "sum")
             if num_items_in_batch is not None:
                 loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+            if self.training and torch.is_grad_enabled():
+                self._note_router_losses_left_out()
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache})
         return out if return_dict is not False else out.to_tuple()
+
+    def _note_router_losses_left_out(self) -> None:
+        """One warning per model, on its first training loss: the config's router loss
+        coefficients (carried for megaloop, module docstring of configuration_megaloop) are not
+        applied here, so a fine-tuning (transformers' Trainer) went without them, unsaid."""
+        cfg = self.config
+        given = [f"{name}={getattr(cfg, name):g}" for name in ("moe_aux_loss_coeff",
+                                                              "moe_z_loss_coeff")
+                 if getattr(cfg, name)]
+        if not cfg.num_experts or not given or getattr(self, "_router_losses_noted", False):
+            return
+        self._router_losses_noted = True
+        warnings.warn(f"{', '.join(given)} (config.json): this model's loss is the cross-entropy "
+                      "alone, so training it here leaves the routers' load-balancing and z-losses "
+                      "out (megaloop's training applies them: tools/convert_checkpoint.py "
+                      "from-hf, then checkpoint.load)", stacklevel=3)
 
     def _init_weights(self, module):
         """Fresh weights (transformers' init functions leave loaded tensors alone)."""

@@ -158,6 +158,21 @@ def test_refuses_a_directory_without_safetensors_or_config(exports, tmp_path):
     _refused(directory, tmp_path, r"config.json: missing or unreadable")
 
 
+def test_a_megaloop_checkpoint_given_to_import_names_to_hf(exports, tmp_path):
+    """Before: only "config.json: missing or unreadable", for the other direction's input."""
+    checkpoint = exports.get("dense").checkpoint
+    for source in (checkpoint, checkpoint.parent):  # an iter_N directory, its run's directory
+        with pytest.raises(ConversionError) as error:
+            import_hf(source, tmp_path / "out")
+        message = str(error.value)
+        assert message.startswith(f"{source / 'config.json'}: missing or unreadable")
+        assert message.endswith(": tools/convert_checkpoint.py to-hf converts that direction")
+        assert "\n" not in message and not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError) as error:  # an empty directory: no such hint
+        import_hf(tmp_path, tmp_path / "out")
+    assert "to-hf" not in str(error.value)
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(attention_bias=True), r"attention_bias=True: must be false"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu': must be 'silu'"),
@@ -166,6 +181,20 @@ def test_refuses_a_directory_without_safetensors_or_config(exports, tmp_path):
 def test_refuses_what_megaloop_does_not_compute_naming_the_field(exports, tmp_path, fields,
                                                                  match):
     directory = _copy(exports, "dense", tmp_path)
+    _edit_config(directory, **fields)
+    _refused(directory, tmp_path, match)
+
+
+@pytest.mark.parametrize("variant, fields, match", [
+    ("mixtral", dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1: must be 0"),
+    ("qwen3_moe", dict(attention_dropout=0.1), r"attention_dropout=0.1: must be 0"),
+    ("dense", dict(attention_dropout=0.1), r"attention_dropout=0.1: must be 0"),
+])
+def test_refuses_training_noise_megaloop_does_not_apply_naming_the_field(exports, tmp_path,
+                                                                         variant, fields, match):
+    """Dropout and router jitter act only in training, so the probe's eval-mode logits agree: the
+    import passed, and fine-tuning it trained without them, unsaid."""
+    directory = _copy(exports, variant, tmp_path)
     _edit_config(directory, **fields)
     _refused(directory, tmp_path, match)
 

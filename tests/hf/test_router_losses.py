@@ -1,5 +1,6 @@
 """Mixtral / Qwen3-MoE <-> megaloop: the load-balancing coefficient is carried both ways, converted
-between transformers' one loss over all layers' gates and megatron-core's loss per layer."""
+between transformers' one loss over all layers' gates and megatron-core's loss per layer; the
+remote-code models, which carry the coefficients without applying them, say so when trained."""
 
 import logging
 
@@ -62,3 +63,33 @@ def test_imported_mixtral_trains_with_the_aux_loss_weight_transformers_applies(s
     for router, reference in zip(routers, weights):
         assert reference.grad.abs().max() > 0
         torch.testing.assert_close(router.weight.grad, reference.grad, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("variant", ["asymloop_moe", "latentloop_moe"])
+def test_a_remote_code_moe_model_says_once_that_its_training_loss_has_no_router_losses(
+        seeded, variant):
+    """Its config.json carries moe_aux_loss_coeff and moe_z_loss_coeff for megaloop; its loss
+    is the cross-entropy alone. Before, fine-tuning it (transformers' Trainer) trained the routers
+    without load balancing, unsaid. Evaluation and models without experts say nothing."""
+    import warnings
+
+    from megaloop.models.export import to_reference
+    from megaloop.models.model import build_model
+    from tests.models.variants import small_config
+
+    def warned(model, train=True, grad=True):
+        model.train(train)
+        tokens = torch.randint(0, model.config.vocab_size, (1, 8))
+        with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(grad):
+            warnings.simplefilter("always")
+            model(tokens, labels=tokens, use_cache=False)
+        return [str(w.message) for w in caught if "router" in str(w.message)]
+
+    moe = to_reference(build_model(small_config(variant)))
+    assert warned(moe, train=False) == [] and warned(moe, grad=False) == []
+    [message] = warned(moe)
+    assert message.startswith("moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001 (config.json): "
+                              "this model's loss is the cross-entropy alone")
+    assert warned(moe) == []  # once per model
+    dense = variant.removesuffix("_moe")
+    assert warned(to_reference(build_model(small_config(dense)))) == []

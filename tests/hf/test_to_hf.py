@@ -170,6 +170,25 @@ def test_refuses_a_checkpoint_of_another_architecture(exports, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
+def test_a_depth_the_model_cannot_run_is_refused_without_an_exported_warning(exports, tmp_path,
+                                                                             caplog):
+    """LatentLoop runs only its own visits. Before: "exported with the config's model settings:
+    model.iterations=3" was logged, then the refusal: two lines, the first saying what did not
+    happen."""
+    import logging
+
+    from megaloop.config import ConfigError
+
+    exported = exports.get("latentloop")
+    requested = dataclasses.replace(exported.cfg, iterations=exported.cfg.num_iterations + 1)
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        with pytest.raises(ConfigError, match=r"^model.iterations=3: .*arch=latentloop runs "
+                                              r"exactly its iterations=2 visits"):
+            export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
+    assert not [r for r in caplog.records if "config's model settings" in r.getMessage()]
+    _assert_nothing_written(tmp_path / "out")
+
+
 def test_a_depth_the_config_changes_is_exported_with_one_warning_naming_both(exports, tmp_path,
                                                                              caplog):
     """Before: config.json got the config's iterations without a word (only the JSON report's

@@ -212,6 +212,32 @@ def _routing_of(model, *batches: dict) -> tuple[dict, dict]:
                                           if "router" in n}
 
 
+@pytest.mark.parametrize("name, fields", [
+    ("asymloop_moe", {}), ("latentloop_moe", {}), ("latentloop_moe", dict(latent_stride=4)),
+    ("latentloop_moe", dict(latent_stride=4, latent_visits=[1, 2]))])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_training_weighs_every_application_s_auxiliary_losses_with_its_coefficient(
+        seeded, name, fields, recompute):
+    """The trainer's per-token loss sums (divided by the tokens afterwards) give the routers the
+    gradient of the mean loss plus every application's auxiliary losses times their
+    coefficients. Before, a LatentLoop compressed visit, which routes 1/k of the positions (its
+    latents), weighed its losses by its own token count: 1/k of their coefficients in training
+    (the middle block's router gradients from the z-loss: 0.75x, stride 4: 0.57x)."""
+    cfg = small_config(name, moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.2, **fields)
+    model = build_model(cfg, ParallelConfig(recompute="full" if recompute else "none")).train()
+    x, labels = _tokens(cfg), _tokens(cfg, seed=1)
+    _, per_token = _routing_of(model, {"tokens": x, "labels": labels,
+                                       "loss_mask": torch.ones(x.shape)})
+    for router in moe.routers(model):
+        router.calculate_per_token_loss = False
+    model.zero_grad()
+    model(x, labels=labels).mean().backward()
+    for key, p in model.named_parameters():
+        if "router" in key:
+            torch.testing.assert_close(per_token[key] / x.numel(), p.grad, rtol=1e-4,
+                                       atol=1e-7, msg=key)
+
+
 @pytest.mark.parametrize("name, recompute", [
     ("dense_moe_shared", False), ("fullloop_moe", False), ("asymloop_moe", False),
     ("asymloop_moe", True), ("latentloop_moe", False), ("latentloop_moe", True),

@@ -21,12 +21,12 @@ def _perturb_norms(model):
 
 @pytest.mark.parametrize("variant", list(ALL_VARIANTS))
 def test_reference_matches_megatron_core(seeded, variant):
-    # MoE auxiliary losses are training terms of the canonical model; its logits do not include
-    # them, and without them its gradients are the cross-entropy's alone, like the reference's.
+    # MoE auxiliary losses are training terms of the canonical model: its logits (in training
+    # mode, where the routers attach them, with large coefficients) do not include them, and
+    # without them its gradients are the cross-entropy's alone, like the reference's.
     cfg = small_config(variant)
-    if cfg.num_experts:
-        cfg = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
-    model = build_model(cfg)
+    model = build_model(cfg if not cfg.num_experts else dataclasses.replace(
+        cfg, moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.5)).train()
     _perturb_norms(model)
     reference = to_reference(model)
     g = torch.Generator().manual_seed(0)
@@ -36,6 +36,11 @@ def test_reference_matches_megatron_core(seeded, variant):
     logits = model(x)
     ref_logits = reference(x).logits
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    if cfg.num_experts:
+        plain = build_model(dataclasses.replace(cfg, moe_aux_loss_coeff=0.0,
+                                                moe_z_loss_coeff=0.0)).train()
+        plain.load_state_dict(model.state_dict())
+        model = plain
 
     model(x, labels=labels).mean().backward()
     torch.nn.functional.cross_entropy(reference(x).logits.flatten(0, 1), labels.flatten()).backward()
