@@ -56,11 +56,12 @@ def split_weights(split: str) -> list[float] | None:
     """A Megatron ``--split`` string ("969,30,1"; "/" also separates) as three weights, or None
     when malformed. megatron-core's own parser reads any digits it finds ("-1,2" as 1,2; "abc" as
     0,0,0, then divides by zero; "1e2" as 1,2, "1_000" as 1,000): each weight is plain decimal
-    digits, which it reads as float() does."""
+    digits, which it reads as float() does, and finite (a weight of over 308 digits is inf to
+    both, and megatron-core's normalised shares NaN)."""
     parts = re.split(r"[,/]", split.strip())
     if not all(re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*", part) for part in parts):
         return None
     weights = [float(p) for p in parts]
-    if not 1 <= len(weights) <= 3:
+    if not 1 <= len(weights) <= 3 or not all(map(math.isfinite, weights)):
         return None
     return (weights + [0.0, 0.0])[:3] if weights[0] > 0 else None
