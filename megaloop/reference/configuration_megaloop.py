@@ -101,8 +101,9 @@ class MegaloopConfig(PretrainedConfig):
         scales the safetensors do not hold, would run them without a word), learned scales'
         ``residual_scale_init``, any architecture field. Compared as this class stores them
         (``latent_visits`` in any order is the same model)."""
+        # (use_cache: what forward does by default, no setting of the model)
         own = [name for name in inspect.signature(MegaloopConfig.__init__).parameters
-               if name in kwargs and name not in ("self", "kwargs")]
+               if name in kwargs and name not in ("self", "kwargs", "use_cache")]
         if own:
             saved, asked = cls(**config_dict), cls(**{**config_dict, **{n: kwargs[n] for n in own}})
             for name in own:
