@@ -105,21 +105,28 @@ class MegaloopConfig(PretrainedConfig):
         own = [name for name in inspect.signature(MegaloopConfig.__init__).parameters
                if name in kwargs and name not in ("self", "kwargs", "use_cache")]
         if own:
-            saved, asked = cls(**config_dict), cls(**{**config_dict, **{n: kwargs[n] for n in own}})
+            saved = cls(**config_dict)
+            asked = cls(**{**config_dict, **{name: kwargs[name] for name in own}})
             for name in own:
-                before, value = getattr(saved, name), getattr(asked, name)
-                if before != value:
-                    problem = saved.load_time_refusal(name, before)
+                value = getattr(asked, name)
+                if value != getattr(saved, name):
+                    problem = saved.load_time_refusal(name, value)
                     if problem:
                         raise ValueError(f"{name}={kwargs[name]!r}: {problem}")
         return super().from_dict(config_dict, **kwargs)
 
-    def load_time_refusal(self, name: str, saved) -> str | None:
-        """Why a loaded model of this (saved) config cannot take another value of field ``name``
-        (saved as ``saved``); None where it can."""
+    def load_time_refusal(self, name: str, value) -> str | None:
+        """Why a loaded model of this (saved) config cannot take ``value`` for field ``name`` (a
+        depth as megaloop's ModelConfig.depth_refusal); None where it can."""
+        saved = getattr(self, name)
         if name not in LOAD_TIME_SETTINGS:
             return (f"fixed by the saved weights (config.json has {saved!r}); from_pretrained may "
                     f"change only {', '.join(LOAD_TIME_SETTINGS)}")
+        if name == "iterations" and value < 1:
+            return "must be >= 1"
+        if name == "iterations" and self.arch == "dense":
+            return ("arch=dense has no depth to vary (it would loop its layers; arch=fullloop is "
+                    "the looped stack)")
         if name == "iterations" and self.arch == "latentloop":
             return (f"arch=latentloop runs exactly its iterations={saved} visits (each has its "
                     "own scales)")

@@ -74,6 +74,17 @@ def test_an_asymloop_takes_another_depth_and_refuses_another_injection(tmp_path)
     assert type(model).from_pretrained(tmp_path, iterations=5).config.iterations == 5
     with pytest.raises(ValueError, match=r"^injection='none': fixed by the saved weights"):
         type(model).from_pretrained(tmp_path, injection="none")
+    with pytest.raises(ValueError, match=r"^iterations=0: must be >= 1$"):
+        type(model).from_pretrained(tmp_path, iterations=0)
+
+
+def test_a_dense_model_refuses_a_depth_at_load_time(tmp_path):
+    """As megaloop.api.load does (ModelConfig.depth_refusal). Before: loaded, and its first
+    forward failed."""
+    model = reference_model("dense_olmo")  # remote code: the OLMo block with several heads
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^iterations=2: arch=dense has no depth to vary"):
+        type(model).from_pretrained(tmp_path, iterations=2)
 
 
 def test_reduced_visits_in_any_order_are_one_config():
