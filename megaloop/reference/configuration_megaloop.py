@@ -78,7 +78,10 @@ class MegaloopConfig(PretrainedConfig):
         # LatentLoop (modeling_latentloop)
         self.prelude_layers = prelude_layers
         self.coda_layers = coda_layers
-        self.latent_visits = sorted(latent_visits)  # reduced visits, 1-based: a set
+        # Reduced visits, 1-based: a set (sorted). An edited config.json's other types are left
+        # as written, for megaloop's import to name (megaloop.hf.from_hf).
+        self.latent_visits = sorted(latent_visits) if all(
+            isinstance(v, int) for v in latent_visits) else list(latent_visits)
         self.latent_stride = latent_stride
         self.latent_writeback_lag = latent_writeback_lag
         self.latent_reduction = latent_reduction  # sequence | top_k | width | expert_ffn
