@@ -76,8 +76,10 @@ def load_with(build, checkpoint: str | os.PathLike, *, export: bool = False, **o
     initialise the weights (``build_model(..., initialize=False)``): every tensor of the model's
     state dict is set to NaN (or, not being floating point, must be in the loaded state), and one
     the checkpoint leaves so is a CheckpointError naming it. ``export``: the caller writes the
-    overrides into an export's configuration and reports them (megaloop.hf), so initial values
-    are taken too."""
+    overrides into an export's configuration and reports them (megaloop.hf), so ``init_std`` is
+    taken too: config.json's ``initializer_range``, which transformers initialises the weights it
+    makes itself with (resize_token_embeddings). Learned scales' ``residual_scale_init`` is
+    without effect there too (the file holds the scales; from_pretrained refuses it alike)."""
     import dataclasses
 
     from megaloop.config import ConfigError, ModelConfig, check_field_names
@@ -98,7 +100,8 @@ def load_with(build, checkpoint: str | os.PathLike, *, export: bool = False, **o
         raise ConfigError(f"model.iterations={depth}: {path}: {problem}")
     # Taken, they would change model.cfg, not the model.
     for name, why in cfg.replaced_by_loaded_weights().items():
-        if not export and name in overrides and overrides[name] != getattr(cfg, name):
+        if name in overrides and overrides[name] != getattr(cfg, name) and not (
+                export and name == "init_std"):
             raise ConfigError(f"model.{name}={overrides[name]!r}: {path}: without effect on a "
                               f"loaded model ({why})")
     model = build(dataclasses.replace(cfg, **overrides))

@@ -94,7 +94,7 @@ class ModelConfig:
     # LatentLoop (arch=latentloop)
     prelude_layers: int | None = None  # None: num_layers // 4 (at least 1)
     coda_layers: int | None = None  # None: num_layers // 4 (at least 1)
-    latent_visits: list[int] = field(default_factory=lambda: [1])  # reduced visits, 1-based
+    latent_visits: list[int] = field(default_factory=lambda: [1])  # reduced visits, 1-based, any order
     latent_stride: int = 2  # tokens per latent
     latent_writeback_lag: int = 0  # 1: latent j writes to the k positions one later
     # sequence: the reduced visits run on latents; top_k: they route to moe_top_k // 2 experts;
@@ -223,6 +223,8 @@ class ModelConfig:
             self.decoder_ffn_hidden_size = self.ffn_hidden_size
         if self.arch == "latentloop":
             self.prelude_layers, self.coda_layers = self.num_prelude_layers, self.num_coda_layers
+        # A set of visit numbers: [2, 1] and [1, 2] are one model (checkpoints, config.json).
+        self.latent_visits = sorted(self.latent_visits)
         # A moe_top_k below 1 is refused by validate, which resolves first: nothing to derive.
         if self.uses_moe and self.moe_ffn_hidden_size is None and self.moe_top_k >= 1:
             # Paper App. I: top-k experts of width FFN / k keep the active FFN parameters.

@@ -102,8 +102,10 @@ def requested_settings(path: Path, requested: ModelConfig) -> dict[str, tuple]:
     fields are changeable for; the export's config.json then holds the requested values and its
     probe logits are checked against the checkpoint's model built with them. The others
     (the attention kernel and loss weights, which a remote-code config.json carries for an
-    import and no Hugging Face model reads; the initialisation) change no logit; applied alike,
-    they are reported with the rest."""
+    import and no Hugging Face model reads; the initialisation scale, transformers' for weights
+    it makes itself) change no logit; applied alike, they are reported with the rest. Learned
+    scales' residual_scale_init, which the file's scales replace, is refused when the checkpoint
+    is loaded (``megaloop.api.load_with``)."""
     ckpt.check_compatible(path, RunConfig(model=requested))
     saved = vars(ckpt.saved_section(path, ModelConfig, "model").resolve())
     wanted = vars(dataclasses.replace(requested).resolve())

@@ -209,24 +209,31 @@ def kv_cache_per_token(cfg: ModelConfig) -> Fraction:
     return 2 * g * (cached + (cfg.num_decoder_layers if cfg.uses_global_kv else 0))
 
 
-def moe_layer_copies(cfg: ModelConfig) -> int:
-    """Physical MoE layers (each with its own experts): a layer shared by K applications once."""
+def active_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters a token's forward pass uses: all but the expert hidden units its router does not
+    pick. Each physical MoE layer counts its widest application: one that only LatentLoop's
+    reduced visits run (untie_moe, or every visit reduced) routes to their moe_top_k // 2 experts
+    (top_k) or uses half of each expert's hidden units (expert_ffn)."""
     cfg = cfg.resolve()
     if not cfg.uses_moe:
-        return 0
-    copies = cfg.num_encoder_layers if cfg.moe_in("encoder") else 0
-    looped = cfg.num_decoder_layers if cfg.moe_in("decoder") else 0
+        return parameter_count(cfg)
+    full = [cfg]
+    copies = [(cfg.num_encoder_layers if cfg.moe_in("encoder") else 0, full),
+              (cfg.num_coda_layers, full)]  # (layers, the block configs that apply them)
     if cfg.arch == "latentloop":
-        looped *= cfg.iterations if cfg.untie_moe else 1
-    return copies + looped + cfg.num_coda_layers
+        visits = [cfg.visit_block_config(v) for v in range(1, cfg.iterations + 1)]
+        copies += ([(cfg.num_decoder_layers, [block]) for block in visits] if cfg.untie_moe
+                   else [(cfg.num_decoder_layers, visits)])
+    elif cfg.moe_in("decoder"):
+        copies.append((cfg.num_decoder_layers, full))
 
+    def hidden_units(block: ModelConfig, experts: int) -> int:  # of routed and shared experts
+        return experts * block.moe_ffn_hidden_size + block.moe_shared_expert_size
 
-def active_parameter_count(cfg: ModelConfig) -> int:
-    """Parameters a token's forward pass uses: all but the experts its router does not pick."""
-    cfg = cfg.resolve()
-    unused = moe_layer_copies(cfg) * (cfg.num_experts - cfg.moe_top_k) * 3 * cfg.hidden_size \
-        * (cfg.moe_ffn_hidden_size or 0)
-    return parameter_count(cfg) - unused
+    built = hidden_units(cfg, cfg.num_experts)
+    unused = sum(layers * (built - max(hidden_units(b, b.moe_top_k) for b in blocks))
+                 for layers, blocks in copies)
+    return parameter_count(cfg) - 3 * cfg.hidden_size * unused
 
 
 def budget(cfg: ModelConfig) -> dict[str, float]:

@@ -11,12 +11,26 @@ warns so): carried so that an import (megaloop.hf.from_hf) trains as the run did
 
 ``iterations`` is K (AsymLoop), R (Full Loop) or the number of visits (LatentLoop). Set it at load
 time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
-call with ``num_iterations=`` (forward and generate); LatentLoop runs only its own.
+call with ``num_iterations=`` (forward and generate); LatentLoop runs only its own. Of the fields
+here, ``from_pretrained`` takes other values of ``LOAD_TIME_SETTINGS`` alone (``MegaloopConfig.
+from_dict``).
 """
 
 from __future__ import annotations
 
+import inspect
+
 from transformers import PretrainedConfig
+
+# The fields a loaded model may take other values of, ``from_pretrained(dir, name=value)``: those
+# of megaloop's checkpoint.RESUMABLE_MODEL_FIELDS (test-time depth, the context, RoPE base, norm
+# epsilon, routing width, the settings carried for an import, the initialisation of weights the
+# file lacks), each applied. Every other field decides what the saved weights are: another value
+# would build another model around them, so it is refused; so is ``residual_scale_init`` of
+# learned scales, which the loaded scales replace.
+LOAD_TIME_SETTINGS = ("iterations", "max_position_embeddings", "rotary_base", "norm_eps",
+                      "moe_top_k", "moe_aux_loss_coeff", "moe_z_loss_coeff", "joint_attention",
+                      "initializer_range", "residual_scale_init")
 
 
 class MegaloopConfig(PretrainedConfig):
@@ -64,7 +78,10 @@ class MegaloopConfig(PretrainedConfig):
         # LatentLoop (modeling_latentloop)
         self.prelude_layers = prelude_layers
         self.coda_layers = coda_layers
-        self.latent_visits = list(latent_visits)  # compressed visits, 1-based
+        # Reduced visits, 1-based: a set (sorted). An edited config.json's other types are left
+        # as written, for megaloop's import to name (megaloop.hf.from_hf).
+        self.latent_visits = sorted(latent_visits) if all(
+            isinstance(v, int) for v in latent_visits) else list(latent_visits)
         self.latent_stride = latent_stride
         self.latent_writeback_lag = latent_writeback_lag
         self.latent_reduction = latent_reduction  # sequence | top_k | width | expert_ffn
@@ -76,6 +93,51 @@ class MegaloopConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.use_cache = use_cache  # forward returns a cache unless told otherwise
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """As PretrainedConfig.from_dict (which ``from_pretrained`` calls with its keyword
+        arguments), refusing in one line a field of this config in ``kwargs`` that differs from
+        the saved one where the saved weights fix it or replace it (``LOAD_TIME_SETTINGS``): a
+        LatentLoop's ``iterations`` (each visit has its own scales, so the model runs exactly the
+        visits it was trained with, as megaloop refuses other depths; a MoE Loop, whose fixed
+        scales the safetensors do not hold, would run them without a word), learned scales'
+        ``residual_scale_init``, any architecture field. Compared as this class stores them
+        (``latent_visits`` in any order is the same model)."""
+        # (use_cache: what forward does by default, no setting of the model)
+        own = [name for name in inspect.signature(MegaloopConfig.__init__).parameters
+               if name in kwargs and name not in ("self", "kwargs", "use_cache")]
+        if own:
+            saved = cls(**config_dict)
+            asked = cls(**{**config_dict, **{name: kwargs[name] for name in own}})
+            for name in own:
+                value = getattr(asked, name)
+                if value != getattr(saved, name):
+                    problem = saved.load_time_refusal(name, value)
+                    if problem:
+                        raise ValueError(f"{name}={kwargs[name]!r}: {problem}")
+        return super().from_dict(config_dict, **kwargs)
+
+    def load_time_refusal(self, name: str, value) -> str | None:
+        """Why a loaded model of this (saved) config cannot take ``value`` for field ``name`` (a
+        depth as megaloop's ModelConfig.depth_refusal); None where it can."""
+        saved = getattr(self, name)
+        if name not in LOAD_TIME_SETTINGS:
+            return (f"fixed by the saved weights (config.json has {saved!r}); from_pretrained may "
+                    f"change only {', '.join(LOAD_TIME_SETTINGS)}")
+        if name == "iterations" and value < 1:
+            return "must be >= 1"
+        if name == "iterations" and self.arch == "dense":
+            return ("arch=dense has no depth to vary (it would loop its layers; arch=fullloop is "
+                    "the looped stack)")
+        if name == "iterations" and self.arch == "latentloop":
+            return (f"arch=latentloop runs exactly its iterations={saved} visits (each has its "
+                    "own scales)")
+        if name == "residual_scale_init" and self.arch == "latentloop" \
+                and self.residual_scale == "learned":
+            return ("without effect on a loaded model (its residual scales are learned weights, "
+                    "loaded from the safetensors)")
+        return None
 
     @property
     def num_encoder_layers(self) -> int:
@@ -91,15 +153,3 @@ class LatentLoopConfig(MegaloopConfig):
 
     def __init__(self, arch="latentloop", **kwargs):
         super().__init__(arch=arch, **kwargs)
-
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        """As PretrainedConfig.from_dict, refusing ``iterations`` other than the saved one (e.g.
-        ``from_pretrained(dir, iterations=3)``): each visit has its own residual scale, so the
-        model runs exactly the visits it was trained with (as megaloop refuses other depths). A
-        MoE Loop, whose fixed scales the safetensors do not hold, would run them without a word."""
-        saved = config_dict.get("iterations")
-        if saved is not None and kwargs.get("iterations", saved) != saved:
-            raise ValueError(f"iterations={kwargs['iterations']}: arch=latentloop runs exactly its "
-                             f"iterations={saved} visits (each has its own scales)")
-        return super().from_dict(config_dict, **kwargs)

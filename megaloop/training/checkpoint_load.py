@@ -24,8 +24,8 @@ from megaloop.config import ConfigError, ModelConfig, ParallelConfig, RunConfig,
 from megaloop.platform.files import write_text_atomic
 from megaloop.training.checkpoint_files import (LATEST, NAME_PATTERN, CheckpointError,
                                                 complete_checkpoints, latest_checkpoint,
-                                                one_line, pointed_name, saved_config, step_of,
-                                                verify_checkpoint)
+                                                one_line, pointed_name, saved_config,
+                                                saved_section, step_of, verify_checkpoint)
 from megaloop.training.collective import rank0_decides
 
 log = logging.getLogger("megaloop.train")
@@ -117,8 +117,9 @@ def check_optimizer_state(path: Path, cfg: RunConfig) -> None:
 
 def check_compatible(path: Path, cfg: RunConfig) -> None:
     """Refuses, in one line, to resume a checkpoint of a different architecture."""
-    # A field newer than the checkpoint had its default value when the checkpoint was written.
-    saved = {**vars(ModelConfig()), **saved_config(path)["model"]}
+    # A field newer than the checkpoint had its default value when the checkpoint was written;
+    # resolved, as the run's is (a canonical spelling, e.g. latent_visits sorted).
+    saved = vars(saved_section(path, ModelConfig, "model").resolve())
     current = dict(vars(cfg.model.resolve()))
     by_default = vars(dataclasses.replace(
         cfg.model, **dict.fromkeys(DERIVED_FROM_RESUMABLE)).resolve())

@@ -257,7 +257,10 @@ def _differences(path: Path, cfg: RunConfig, sections: tuple[str, ...]) -> tuple
 def _same_setting(name: str, old, new, cfg: RunConfig) -> bool:
     """Whether setting ``name`` of a checkpoint's config (``old``) and of this run (``new``,
     ``cfg``'s) is the same: data.path and data.split are compared as the data they cut, so that
-    another spelling of the same value is no change (``_blend``, ``_split_cut``)."""
+    another spelling of the same value is no change (``_blend``, ``_split_cut``), and
+    model.latent_visits as the set it is (a checkpoint may hold it unsorted)."""
+    if name == "model.latent_visits":
+        return sorted(old) == sorted(new)
     if name == "data.path":
         return _blend(old) == _blend(new)
     if name == "data.split":

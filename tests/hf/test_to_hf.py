@@ -94,7 +94,7 @@ def test_remote_code_is_the_reference_and_imports_only_torch_and_transformers(ex
         modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                     if isinstance(node, ast.ImportFrom) and node.level == 0}
         # (and the standard library's modules, always there)
-        assert modules <= {"__future__", "math", "warnings", "torch", "transformers"}, \
+        assert modules <= {"__future__", "inspect", "math", "warnings", "torch", "transformers"}, \
             (name, modules)
 
 
@@ -184,6 +184,25 @@ def test_a_depth_the_model_cannot_run_is_refused_without_an_exported_warning(exp
     with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
         with pytest.raises(ConfigError, match=r"^model.iterations=3: .*arch=latentloop runs "
                                               r"exactly its iterations=2 visits"):
+            export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
+    assert not [r for r in caplog.records if "config's model settings" in r.getMessage()]
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_an_initial_scale_the_weights_replace_is_refused_without_an_exported_warning(
+        exports, tmp_path, caplog):
+    """Learned residual scales are weights of the file: a --config's residual_scale_init is
+    without effect (from_pretrained refuses it alike). Before: written into config.json, with a
+    warning that it was exported."""
+    import logging
+
+    from megaloop.config import ConfigError
+
+    exported = exports.get("latentloop")
+    requested = dataclasses.replace(exported.cfg, residual_scale_init=[0.5, 1.0])
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        with pytest.raises(ConfigError, match=r"^model.residual_scale_init=\[0.5, 1.0\]: .*"
+                                              r"without effect on a loaded model \(learned"):
             export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
     assert not [r for r in caplog.records if "config's model settings" in r.getMessage()]
     _assert_nothing_written(tmp_path / "out")

@@ -185,6 +185,27 @@ def test_active_parameters_are_what_one_token_touches(seeded):
     assert touched == active_parameter_count(cfg) < parameter_count(cfg)
 
 
+@pytest.mark.parametrize("name, fields", [
+    # visit 2 has MoE layers of its own that route to moe_top_k // 2 = 2 of 8 experts
+    ("latentloop_moe_topk", dict(untie_moe=True, latent_visits=[2])),
+    # visit 1 alone runs the shared MoE layers, with half of each expert's hidden units
+    ("latentloop_moe_expert_ffn", dict(untie_moe=True)),
+])
+def test_active_parameters_of_reduced_visits_are_what_one_token_touches(seeded, name, fields):
+    """A LatentLoop MoE layer that only reduced visits run uses their fewer (top_k) or narrower
+    (expert_ffn) experts. Before: counted at the full top-k and width (12288 and 15360 too many).
+    An expert's weights count by element, so that the unused half of a narrowed one does not."""
+    from megaloop.models.flops import active_parameter_count
+
+    cfg = small_config(name, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0, **fields)
+    model = build_model(cfg)
+    token = _tokens(cfg)[:1, :1]
+    model(token, labels=token).sum().backward()
+    touched = sum(int(p.grad.count_nonzero()) if "experts" in n else p.numel()
+                  for n, p in model.named_parameters() if p.grad is not None and p.grad.any())
+    assert touched == active_parameter_count(cfg)
+
+
 def _sft_batch(cfg, real: int, length: int) -> dict:
     """Two fine-tuning samples (megaloop.data.sft) of ``real`` positions padded to ``length``."""
     from megaloop.data.sft import sft_sample

@@ -87,6 +87,29 @@ def test_a_resumable_change_that_moves_a_derived_width_names_the_field_changed(t
                                                                     moe_ffn_hidden_size=32)))
 
 
+@pytest.mark.parametrize("saved_visits, visits", [([1, 2], [2, 1]), ([2, 1], [1, 2])])
+def test_the_reduced_visits_in_another_order_are_the_same_architecture(tmp_path, saved_visits,
+                                                                       visits):
+    """latent_visits is a set of visit numbers. Before: [2, 1] against a checkpoint saved with
+    [1, 2] was refused as "a different architecture"; a checkpoint saved unsorted (before
+    resolve() sorted them) resumes with the sorted spelling too, and no "changed" line."""
+    from megaloop.training.resume import _differences
+
+    path = tmp_path / "iter_0000001"
+    path.mkdir()
+    latent = dict(arch="latentloop", num_layers=4, hidden_size=32, ffn_hidden_size=64,
+                  num_attention_heads=4, vocab_size=128, iterations=2)
+    saved = RunConfig(model=ModelConfig(**latent).resolve())
+    saved.model.latent_visits = saved_visits  # as written, unsorted by an older version
+    save_yaml(saved, path / "config.yaml")
+    run = RunConfig(model=ModelConfig(**latent, latent_visits=visits).resolve())
+    ckpt.check_compatible(path, run)
+    assert "model.latent_visits" not in _differences(path, run, ("model",))[1]
+    with pytest.raises(ckpt.CheckpointError, match=r"model.latent_visits=\[1, 2\] in the "
+                                                   r"checkpoint, \[2\] now"):
+        ckpt.check_compatible(path, RunConfig(model=ModelConfig(**latent, latent_visits=[2])))
+
+
 def ckpt_model(path) -> ModelConfig:
     from megaloop.config import from_dict
 

@@ -1,0 +1,93 @@
+"""Load-time settings of the remote-code models: ``from_pretrained(dir, name=value)`` applies the
+settings a loaded model may change (as megaloop's checkpoint.RESUMABLE_MODEL_FIELDS) and refuses,
+in one line naming the field, one the saved weights fix or replace."""
+
+import re
+
+import pytest
+import torch
+
+from megaloop.models.export import reference_config
+from megaloop.reference.configuration_megaloop import LOAD_TIME_SETTINGS
+from megaloop.training.checkpoint_load import ARCHITECTURE_FIELDS, RESUMABLE_MODEL_FIELDS
+from tests.models.variants import small_config
+from tests.reference.test_generation import reference_model, tokens
+
+# megaloop's names of the fields config.json holds under Hugging Face names.
+HF_NAMES = {"seq_length": "max_position_embeddings", "init_std": "initializer_range",
+            "tie_embeddings": "tie_word_embeddings"}
+
+
+def test_the_load_time_settings_are_megaloops_resumable_fields():
+    assert set(LOAD_TIME_SETTINGS) == {HF_NAMES.get(n, n) for n in RESUMABLE_MODEL_FIELDS}
+    assert not set(LOAD_TIME_SETTINGS) & {HF_NAMES.get(n, n) for n in ARCHITECTURE_FIELDS}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A LatentLoop (learned scales, visits [1, 2] compressed) saved with save_pretrained."""
+    model = reference_model("latentloop", latent_visits=[1, 2])
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+@pytest.mark.parametrize("name, value", [
+    ("latent_writeback_lag", 1), ("latent_visits", [2]), ("latent_stride", 4),
+    ("residual_scale", "fixed"), ("tie_word_embeddings", True), ("qk_norm", True)])
+def test_a_setting_the_weights_fix_is_refused_naming_it(saved, name, value):
+    """Before: latent_writeback_lag=1 built another model around the weights without a word."""
+    model, directory = saved
+    given = re.escape(f"{name}={value!r}")
+    with pytest.raises(ValueError, match=rf"^{given}: fixed by the saved weights \(config.json "
+                                         r"has .*\); from_pretrained may change only iterations, "):
+        type(model).from_pretrained(directory, **{name: value})
+
+
+def test_learned_residual_scales_refuse_an_initial_value_the_weights_replace(saved):
+    """Before: taken into the config, then overwritten by the loaded scales."""
+    model, directory = saved
+    with pytest.raises(ValueError, match=r"^residual_scale_init=\[0.5, 2.0\]: without effect on "
+                                         "a loaded model .*learned"):
+        type(model).from_pretrained(directory, residual_scale_init=[0.5, 2.0])
+
+
+def test_the_same_model_spelt_otherwise_and_applied_settings_load(saved):
+    """The visits in another order are the same model; a fixed scale's initial value is the
+    scale (applied); the saved value given again is no change; use_cache is no model setting."""
+    model, directory = saved
+    x = tokens(batch=1, length=6)
+    same = type(model).from_pretrained(directory, latent_visits=[2, 1], latent_stride=2,
+                                       use_cache=False)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x).logits, model(x).logits)
+    fixed = reference_model("moe_loop")
+    fixed.save_pretrained(directory / "fixed")
+    halved = type(fixed).from_pretrained(directory / "fixed", residual_scale_init=[0.5, 0.5])
+    assert halved.residual_scales.tolist() == [0.5, 0.5]
+    with torch.no_grad():
+        assert not torch.allclose(halved(x).logits, fixed(x).logits)
+
+
+def test_an_asymloop_takes_another_depth_and_refuses_another_injection(tmp_path):
+    model = reference_model("asymloop")
+    model.save_pretrained(tmp_path)
+    assert type(model).from_pretrained(tmp_path, iterations=5).config.iterations == 5
+    with pytest.raises(ValueError, match=r"^injection='none': fixed by the saved weights"):
+        type(model).from_pretrained(tmp_path, injection="none")
+    with pytest.raises(ValueError, match=r"^iterations=0: must be >= 1$"):
+        type(model).from_pretrained(tmp_path, iterations=0)
+
+
+def test_a_dense_model_refuses_a_depth_at_load_time(tmp_path):
+    """As megaloop.api.load does (ModelConfig.depth_refusal). Before: loaded, and its first
+    forward failed."""
+    model = reference_model("dense_olmo")  # remote code: the OLMo block with several heads
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^iterations=2: arch=dense has no depth to vary"):
+        type(model).from_pretrained(tmp_path, iterations=2)
+
+
+def test_reduced_visits_in_any_order_are_one_config():
+    spelt = [reference_config(small_config("latentloop", latent_visits=v)).to_dict()
+             for v in ([1, 2], [2, 1])]
+    assert spelt[0] == spelt[1]
