@@ -54,7 +54,8 @@ for NODE_ENTRY in ${NODE_ENTRIES[@]+"${NODE_ENTRIES[@]}"}; do
   NODE_ENTRY="${NODE_ENTRY%%(*}"
   if [ -z "$NODE_CPUS" ] || [ "$NODE_ENTRY" -lt "$NODE_CPUS" ]; then NODE_CPUS="$NODE_ENTRY"; fi
 done
-NODE_CPUS="${NODE_CPUS:-$(nproc)}"
+# nproc reads OMP_NUM_THREADS as its answer (coreutils): a shell's OMP_NUM_THREADS=1 is no CPU count.
+NODE_CPUS="${NODE_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"
 NODE_SOURCE="${SLURM_JOB_CPUS_PER_NODE:+SLURM_JOB_CPUS_PER_NODE=$SLURM_JOB_CPUS_PER_NODE}"
 NODE_SOURCE="${NODE_SOURCE:-nproc, outside an allocation}"
 # Refused, not warned about: every worker holds a tokenizer and its chunks, so an oversubscribed

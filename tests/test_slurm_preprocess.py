@@ -128,3 +128,13 @@ def test_the_headers_commands_use_every_cpu_of_their_nodes(tmp_path):
         assert result.returncode == 0, (command, result.stderr)
         assert mpiexec.startswith(f"-n {nodes * tasks} -ppn {tasks} "), (command, mpiexec)
         assert mpiexec.endswith(f" --workers {cpus}\n"), (command, mpiexec)
+
+
+def test_outside_an_allocation_workers_fill_the_cpus_whatever_omp_num_threads(tmp_path):
+    """nproc answers OMP_NUM_THREADS when it is set: before, a shell's OMP_NUM_THREADS=1 made
+    the machine one CPU, so WORKERS defaulted to 1 (and WORKERS=2 was refused)."""
+    cpus = len(os.sched_getaffinity(0))
+    result, command = _preprocess(tmp_path, SLURM_NNODES="1", OMP_NUM_THREADS="1",
+                                  OMP_THREAD_LIMIT="1")
+    assert result.returncode == 0, result.stderr
+    assert command.endswith(f" --workers {cpus}\n"), command
