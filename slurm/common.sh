@@ -100,6 +100,34 @@ megaloop_whole_number() {
   done
 }
 
+# megaloop_node_cpus: sets NODE_CPUS to the CPUs of the allocation's smallest node
+# (SLURM_JOB_CPUS_PER_NODE, e.g. "72(x2),36"); outside an allocation, this machine's (nproc, which
+# answers OMP_NUM_THREADS when it is set: a shell's OMP_NUM_THREADS=1 is no CPU count).
+megaloop_node_cpus() {
+  local entries entry
+  NODE_CPUS=
+  IFS=, read -ra entries <<< "${SLURM_JOB_CPUS_PER_NODE:-}"
+  for entry in ${entries[@]+"${entries[@]}"}; do
+    entry="${entry%%(*}"
+    if [ -z "$NODE_CPUS" ] || [ "$entry" -lt "$NODE_CPUS" ]; then NODE_CPUS="$entry"; fi
+  done
+  NODE_CPUS="${NODE_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"
+}
+
+# megaloop_task_threads: the default OMP_NUM_THREADS of a training task: its CPUs (the job's
+# --cpus-per-task; without it, its node's share), at most 8. More threads than the task's CPUs
+# share them (before: 8 whatever the CPUs, two threads a CPU with --cpus-per-task=4); a GPU
+# task's CPU work gains little beyond 8, and NCCL's and the checkpoint writer's threads need CPUs.
+megaloop_task_threads() {
+  local cpus="${SLURM_CPUS_PER_TASK:-}"
+  if [ -z "$cpus" ]; then
+    megaloop_node_cpus
+    cpus=$(( NODE_CPUS / ${SLURM_NTASKS_PER_NODE:-1} ))
+  fi
+  if [ "$cpus" -gt 8 ]; then cpus=8; elif [ "$cpus" -lt 1 ]; then cpus=1; fi
+  echo "$cpus"
+}
+
 # megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
 # when it is unset or empty (bash's ${NAME:?HOW} exits 1, naming the script's line).
 megaloop_require() {
@@ -272,7 +300,8 @@ megaloop_train() {
   export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
   export CUDA_DEVICE_MAX_CONNECTIONS=1  # tensor-parallel communication overlap in megatron-core
   export NCCL_IB_TIMEOUT=22 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(megaloop_task_threads)}"
+  export OMP_NUM_THREADS
   # Where each run of the job starts in its log, which a requeued job appends to.
   local restart="${SLURM_RESTART_COUNT:+, requeued (restart $SLURM_RESTART_COUNT)}"
   echo "$(date '+%F %T') megaloop: job $SLURM_JOB_ID$restart: ${SLURM_NNODES:-1} node(s) x" \

@@ -46,16 +46,8 @@ megaloop_set_by_variables --input:INPUT --output-prefix:OUTPUT --tokenizer-model
   --workers:WORKERS -- "$@"
 TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
 megaloop_whole_number TASKS_PER_NODE WORKERS
-# The CPUs of the allocation's smallest node (SLURM_JOB_CPUS_PER_NODE, e.g. "64,32(x3)"), for
-# every node runs TASKS_PER_NODE ranks; outside an allocation, this machine's.
-NODE_CPUS=
-IFS=, read -ra NODE_ENTRIES <<< "${SLURM_JOB_CPUS_PER_NODE:-}"
-for NODE_ENTRY in ${NODE_ENTRIES[@]+"${NODE_ENTRIES[@]}"}; do
-  NODE_ENTRY="${NODE_ENTRY%%(*}"
-  if [ -z "$NODE_CPUS" ] || [ "$NODE_ENTRY" -lt "$NODE_CPUS" ]; then NODE_CPUS="$NODE_ENTRY"; fi
-done
-# nproc reads OMP_NUM_THREADS as its answer (coreutils): a shell's OMP_NUM_THREADS=1 is no CPU count.
-NODE_CPUS="${NODE_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"
+# Every node runs TASKS_PER_NODE ranks: their share is of the smallest node's CPUs.
+megaloop_node_cpus
 NODE_SOURCE="${SLURM_JOB_CPUS_PER_NODE:+SLURM_JOB_CPUS_PER_NODE=$SLURM_JOB_CPUS_PER_NODE}"
 NODE_SOURCE="${NODE_SOURCE:-nproc, outside an allocation}"
 # Refused, not warned about: every worker holds a tokenizer and its chunks, so an oversubscribed

@@ -120,6 +120,7 @@ def test_7b_recipe_dry_run_and_bad_input():
 SRUN = r'''#!/usr/bin/env python3
 import os, signal, subprocess, sys, time
 open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
+open(os.environ["STUB_LOG"] + ".srun_threads", "w").write(os.environ.get("OMP_NUM_THREADS", ""))
 if os.environ["STUB_TASKS"] == "exec":  # one task, this process: the job's own command
     command = sys.argv[1:]
     while command[0].startswith("-"):
@@ -200,6 +201,7 @@ def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
            "SLURM_SUBMIT_DIR": str(REPO), "STUB_TASKS": tasks, "STUB_LOG": str(log), **settings,
            "PATH": os.pathsep.join([str(stubs), os.path.dirname(sys.executable),
                                     os.environ["PATH"]])}
+    env = {key: value for key, value in env.items() if value is not None}  # None: unset
     # Output to a file: a pipe would stay open in a stray srun after a failure.
     with open(tmp_path / "job.out", "w") as out:
         job = subprocess.Popen(["bash", str(REPO / "slurm" / script), *args], env=env,
@@ -384,6 +386,22 @@ def test_the_tasks_get_the_cpus_the_job_asks_per_task(script, tmp_path):
                     CHECKPOINT="runs/a/checkpoints", OUT=str(tmp_path / "hf"))
     assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
     assert "--cpus-per-task=12" in (tmp_path / "log.srun_args").read_text().splitlines()
+
+
+@pytest.mark.parametrize("allocation, threads", [
+    ({"SLURM_CPUS_PER_TASK": "4"}, "4"),  # before: 8, two threads a CPU
+    ({"SLURM_CPUS_PER_TASK": "12"}, "8"),
+    # No --cpus-per-task: the node's share of the smallest node's CPUs.
+    ({"SLURM_JOB_CPUS_PER_NODE": "24,96(x3)"}, "3"),
+    ({"SLURM_JOB_CPUS_PER_NODE": "8(x16)", "SLURM_NTASKS_PER_NODE": "16"}, "1"),
+    ({"SLURM_CPUS_PER_TASK": "4", "OMP_NUM_THREADS": "6"}, "6"),  # the user's, as given
+])
+def test_the_tasks_threads_default_to_their_cpus(allocation, threads, tmp_path):
+    job, log = _job(tmp_path, "crash", **{"SLURM_NTASKS_PER_NODE": "8", "OMP_NUM_THREADS": None,
+                                          "SLURM_CPUS_PER_TASK": None,
+                                          "SLURM_JOB_CPUS_PER_NODE": None, **allocation})
+    assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
+    assert (tmp_path / "log.srun_threads").read_text() == threads
 
 
 def _refusal(script, tmp_path, **env):
