@@ -15,6 +15,8 @@
 #                   the image inside an allocation, on the host's interpreter outside one
 #   NODES           node count for DRY_RUN (default: the allocation's, outside one 1); a job
 #                   given another than its allocation's (sbatch --nodes) is refused
+# Relative paths in the scripts' variables (DATA, RUN_DIR, OUT, ...) are read from the directory
+# the script started in (a job's submit directory), those among extra arguments from the checkout.
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
 case "${DRY_RUN:-0}" in
@@ -25,7 +27,11 @@ esac
 GPUS_PER_NODE_GIVEN="${GPUS_PER_NODE:-}"  # a job checks it against its allocation
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 # Absolute: it is the container's mount source.
-MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+# Where the script was started (a job: sbatch's submit directory, or its --chdir), which the
+# relative paths a user gives are read from (megaloop_from_start_dir); the commands run from the
+# checkout. Both physical (pwd -P): a checkout reached through a link is still the checkout.
+MEGALOOP_START_DIR="$(pwd -P)"
 cd "$MEGALOOP_ROOT" || exit 1
 
 # srun's container options (pyxis/enroot), none without IMAGE. MEGALOOP_CONTAINER_MOUNTS, the
@@ -174,6 +180,41 @@ megaloop_run_dir() {
     exit 2
   fi
   RUN_DIR="${RUN_DIR:-$default}"
+}
+
+# megaloop_from_start_dir NAME... [--blend NAME...]: a relative path in a variable NAME is read
+# from where the script was started (MEGALOOP_START_DIR), as the user typed it, not from the
+# checkout the commands run in (submitted from elsewhere with MEGALOOP_ROOT, runs/x was the
+# checkout's): one inside the checkout stays relative (the container's workdir is the checkout),
+# another becomes absolute. After --blend, a comma-separated list of prefixes, with weights
+# before them ("0.3,a,0.7,b"), as megaloop reads data.path. The scripts' defaults (RUN_DIR's)
+# stay the checkout's: give the variables before filling them in.
+megaloop_from_start_dir() {
+  local prefix name blend=0 words index weighted lead
+  case "$MEGALOOP_START_DIR/" in
+    "$MEGALOOP_ROOT"/) return 0 ;;
+    "$MEGALOOP_ROOT"/*) prefix="${MEGALOOP_START_DIR#"$MEGALOOP_ROOT"/}/" ;;
+    *) prefix="${MEGALOOP_START_DIR%/}/" ;;
+  esac
+  for name in "$@"; do
+    if [ "$name" = --blend ]; then blend=1; continue; fi
+    [ -n "${!name:-}" ] || continue
+    if [ "$blend" = 1 ]; then IFS=, read -ra words <<< "${!name}"; else words=("${!name}"); fi
+    weighted=0  # weights at even positions: an even count, the first a number
+    if [ "$blend" = 1 ] && [ $(( ${#words[@]} % 2 )) = 0 ] &&
+       [[ "${words[0]// /}" =~ ^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$ ]]; then
+      weighted=1
+    fi
+    for index in "${!words[@]}"; do
+      [ "$weighted" = 0 ] || [ $(( index % 2 )) = 1 ] || continue
+      lead="${words[$index]%%[! ]*}"  # blanks after a comma, as in DATA='a, b'
+      case "${words[$index]#"$lead"}" in
+        /* | "") ;;
+        *) words[index]="$lead$prefix${words[$index]#"$lead"}" ;;
+      esac
+    done
+    printf -v "$name" '%s' "$(IFS=,; printf '%s' "${words[*]}")"
+  done
 }
 
 # megaloop_mounted NAME...: with IMAGE, exits 2 naming the first variable holding an absolute path

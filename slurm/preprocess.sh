@@ -42,6 +42,7 @@ if [ -n "${IMAGE:-}" ]; then  # mpiexec starts the ranks on the nodes themselves
        "unset IMAGE and run it where megaloop is installed" >&2
   exit 2
 fi
+megaloop_from_start_dir INPUT OUTPUT TOKENIZER
 megaloop_set_by_variables --input:INPUT --output-prefix:OUTPUT --tokenizer-model:TOKENIZER \
   --workers:WORKERS -- "$@"
 TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"

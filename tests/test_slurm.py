@@ -183,7 +183,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
+def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", cwd="/", **settings):
     """A job script (the 7B one) under stubbed srun and scontrol (STUB_TASKS: "stop", "crash",
     or "exec": srun runs the job's command as one task; ``settings``: more environment, e.g.
     STUB_NODES, the allocation's node count)."""
@@ -205,7 +205,7 @@ def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
     # Output to a file: a pipe would stay open in a stray srun after a failure.
     with open(tmp_path / "job.out", "w") as out:
         job = subprocess.Popen(["bash", str(REPO / "slurm" / script), *args], env=env,
-                               cwd="/", stdout=out, stderr=subprocess.STDOUT)
+                               cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     return job, log
 
 
@@ -404,6 +404,39 @@ def test_the_tasks_threads_default_to_their_cpus(allocation, threads, tmp_path):
     assert (tmp_path / "log.srun_threads").read_text() == threads
 
 
+def test_relative_paths_are_read_from_where_the_job_was_submitted(tmp_path):
+    """Submitted from elsewhere (MEGALOOP_ROOT naming the checkout), a relative path is the one
+    under the submit directory the user typed it in. Before: the checkout's (the script moves
+    there), its data "not found", its run and conversion written there. A blend's weights stay."""
+    submitted = tmp_path / "home"
+    submitted.mkdir()
+    where = {"cwd": submitted, "SLURM_SUBMIT_DIR": str(submitted), "MEGALOOP_ROOT": str(REPO)}
+    (tmp_path / "convert").mkdir()
+    job, log = _job(tmp_path / "convert", "crash", script="convert.sh",
+                    CHECKPOINT="runs/a/checkpoints", OUT="hf/a", **where)
+    assert job.wait(timeout=60) == 3, (tmp_path / "convert" / "job.out").read_text()
+    srun = (tmp_path / "convert" / "log.srun_args").read_text().splitlines()
+    assert srun[-2:] == [f"{submitted}/runs/a/checkpoints", f"{submitted}/hf/a"], srun
+    (tmp_path / "train").mkdir()
+    job, log = _job(tmp_path / "train", "crash", DATA="0.3,fwe_a, 0.7, /lustre/fwe_b",
+                    TOKENIZER="tok.model", RUN_DIR="runs/b", **where)
+    assert job.wait(timeout=60) == 3, (tmp_path / "train" / "job.out").read_text()
+    srun = (tmp_path / "train" / "log.srun_args").read_text().splitlines()
+    assert {f"data.path=[0.3,{submitted}/fwe_a, 0.7, /lustre/fwe_b]",
+            f"data.tokenizer_model={submitted}/tok.model",
+            f"train.out_dir={submitted}/runs/b"} <= set(srun), srun
+
+
+def test_relative_paths_given_inside_the_checkout_stay_relative_for_the_container(tmp_path):
+    """From a directory of the checkout a relative path lies in it: mounted in the container
+    (IMAGE), where the checkout is the working directory."""
+    job, log = _job(tmp_path, "crash", script="convert.sh", cwd=REPO / "docs",
+                    CHECKPOINT="../runs/a/checkpoints", OUT="hf/a", IMAGE="/images/m.sqsh")
+    assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
+    srun = (tmp_path / "log.srun_args").read_text().splitlines()
+    assert srun[-2:] == ["docs/../runs/a/checkpoints", "docs/hf/a"], srun
+
+
 def _refusal(script, tmp_path, **env):
     variables = {"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
                  "CHECKPOINT": "/runs/a/checkpoints", "OUT": "/hf/a", "DATA": "/data/fwe",
@@ -479,7 +512,7 @@ def test_container_paths_outside_its_mounts_are_refused(script, env, refused, tm
     args = ["60M", "dense"] if script == "train_paper.sh" else []
     variables = {"DATA": "fwe", "TOKENIZER": "tok.model", "CHECKPOINT": "runs/a/checkpoints",
                  "OUT": "hf/a", "RUN_DIR": "runs/x", "IMAGE": "/images/megaloop.sqsh", **env}
-    result = subprocess.run(["bash", str(REPO / "slurm" / script), *args], cwd="/", text=True,
+    result = subprocess.run(["bash", str(REPO / "slurm" / script), *args], cwd=REPO, text=True,
                             capture_output=True, env={**os.environ, **variables,
                                                       "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

@@ -23,7 +23,7 @@ esac
 HYDRA = "HYDRA build details:\n    Version:                                 4.2.2"
 
 
-def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
+def _preprocess(tmp_path, version=HYDRA, args=(), cwd="/", **settings):
     """preprocess.sh ``args`` under a stubbed mpiexec in an allocation of ``settings`` (SLURM_*
     variables, TASKS_PER_NODE, WORKERS): the result and the mpiexec command line, None if not
     started."""
@@ -37,8 +37,8 @@ def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
                 "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", **settings,
                 "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
                 "PATH": os.pathsep.join([str(stubs), os.environ["PATH"]])})
-    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh"), *args], cwd="/", env=env,
-                            text=True, capture_output=True)
+    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh"), *args], cwd=cwd,
+                            env=env, text=True, capture_output=True)
     return result, (log.read_text() if log.exists() else None)
 
 
@@ -138,3 +138,15 @@ def test_outside_an_allocation_workers_fill_the_cpus_whatever_omp_num_threads(tm
                                   OMP_THREAD_LIMIT="1")
     assert result.returncode == 0, result.stderr
     assert command.endswith(f" --workers {cpus}\n"), command
+
+
+def test_relative_paths_are_read_from_where_the_job_was_submitted(tmp_path):
+    """Before: from the checkout (MEGALOOP_ROOT), where the script moves: no input found there,
+    or the dataset written into the checkout."""
+    result, command = _preprocess(tmp_path, cwd=tmp_path, SLURM_SUBMIT_DIR=str(tmp_path),
+                                  MEGALOOP_ROOT=str(REPO), SLURM_JOB_CPUS_PER_NODE="8(x2)",
+                                  INPUT="fwe/*.parquet", OUTPUT="out/fwe", TOKENIZER="t5.model")
+    assert result.returncode == 0, result.stderr
+    assert (f" --input {tmp_path}/fwe/*.parquet --output-prefix {tmp_path}/out/fwe "
+            f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {tmp_path}/t5.model "
+            ) in command, command
