@@ -174,9 +174,11 @@ megaloop_run_dir() {
   megaloop_set_by_variables train.out_dir:RUN_DIR data.path:DATA \
     data.tokenizer_model:TOKENIZER -- "$@"
   if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
-    echo "error: overrides ($*) without RUN_DIR: the default, $default, is the run directory of" \
+    local typed="$default"  # as a RUN_DIR given where the script was started names it
+    [ "$MEGALOOP_START_DIR" = "$MEGALOOP_ROOT" ] || typed="$MEGALOOP_ROOT/$default"
+    echo "error: overrides ($*) without RUN_DIR: the default, $typed, is the run directory of" \
          "the $run run without them; set RUN_DIR to one of their own, e.g." \
-         "RUN_DIR=${default}_variant (or RUN_DIR=$default to continue that run with them)" >&2
+         "RUN_DIR=${typed}_variant (or RUN_DIR=$typed to continue that run with them)" >&2
     exit 2
   fi
   RUN_DIR="${RUN_DIR:-$default}"
@@ -185,17 +187,12 @@ megaloop_run_dir() {
 # megaloop_from_start_dir NAME... [--blend NAME...]: a relative path in a variable NAME is read
 # from where the script was started (MEGALOOP_START_DIR), as the user typed it, not from the
 # checkout the commands run in (submitted from elsewhere with MEGALOOP_ROOT, runs/x was the
-# checkout's): one inside the checkout stays relative (the container's workdir is the checkout),
-# another becomes absolute. After --blend, a comma-separated list of prefixes, with weights
-# before them ("0.3,a,0.7,b"), as megaloop reads data.path. The scripts' defaults (RUN_DIR's)
-# stay the checkout's: give the variables before filling them in.
+# checkout's). A path in the checkout, absolute or not, becomes relative to it: the container's
+# workdir, where the checkout is mounted (IMAGE); another becomes absolute. After --blend, a
+# comma-separated list of prefixes, with weights before them ("0.3,a,0.7,b"), as megaloop reads
+# data.path. The scripts' defaults (RUN_DIR's) are the checkout's: call this before filling them.
 megaloop_from_start_dir() {
-  local prefix name blend=0 words index weighted lead
-  case "$MEGALOOP_START_DIR/" in
-    "$MEGALOOP_ROOT"/) return 0 ;;
-    "$MEGALOOP_ROOT"/*) prefix="${MEGALOOP_START_DIR#"$MEGALOOP_ROOT"/}/" ;;
-    *) prefix="${MEGALOOP_START_DIR%/}/" ;;
-  esac
+  local name blend=0 words index weighted lead path
   for name in "$@"; do
     if [ "$name" = --blend ]; then blend=1; continue; fi
     [ -n "${!name:-}" ] || continue
@@ -208,10 +205,14 @@ megaloop_from_start_dir() {
     for index in "${!words[@]}"; do
       [ "$weighted" = 0 ] || [ $(( index % 2 )) = 1 ] || continue
       lead="${words[$index]%%[! ]*}"  # blanks after a comma, as in DATA='a, b'
-      case "${words[$index]#"$lead"}" in
-        /* | "") ;;
-        *) words[index]="$lead$prefix${words[$index]#"$lead"}" ;;
+      path="${words[$index]#"$lead"}"
+      [ -n "$path" ] || continue
+      case "$path" in /*) ;; *) path="${MEGALOOP_START_DIR%/}/$path" ;; esac
+      case "$path" in
+        "$MEGALOOP_ROOT") path=. ;;
+        "$MEGALOOP_ROOT"/*) path="${path#"$MEGALOOP_ROOT"/}" ;;
       esac
+      words[index]="$lead$path"
     done
     printf -v "$name" '%s' "$(IFS=,; printf '%s' "${words[*]}")"
   done

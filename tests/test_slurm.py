@@ -61,7 +61,7 @@ def _environment(**settings):
 def _dry_run(script, *args, nodes=1, **settings):
     env = _environment(**{"NODES": str(nodes), **settings}, DRY_RUN="1", DATA="/data/fwe",
                        TOKENIZER="/data/tok.model")
-    return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd="/",
+    return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd=REPO,
                           capture_output=True, text=True)
 
 
@@ -425,16 +425,23 @@ def test_relative_paths_are_read_from_where_the_job_was_submitted(tmp_path):
     assert {f"data.path=[0.3,{submitted}/fwe_a, 0.7, /lustre/fwe_b]",
             f"data.tokenizer_model={submitted}/tok.model",
             f"train.out_dir={submitted}/runs/b"} <= set(srun), srun
+    # The default run directory, the checkout's, as the refusal of overrides without RUN_DIR
+    # names it for RUN_DIR given there.
+    refused = subprocess.run(["bash", str(REPO / "slurm" / "asymloop_7b.sh"), "model.x=1"],
+                             cwd=submitted, capture_output=True, text=True,
+                             env=_environment(DATA="d", TOKENIZER="t", MEGALOOP_ROOT=str(REPO)))
+    assert f"RUN_DIR={REPO}/runs/asymloop_7b to continue" in refused.stderr, refused.stderr
 
 
-def test_relative_paths_given_inside_the_checkout_stay_relative_for_the_container(tmp_path):
-    """From a directory of the checkout a relative path lies in it: mounted in the container
-    (IMAGE), where the checkout is the working directory."""
+def test_paths_in_the_checkout_are_given_relative_to_it_for_the_container(tmp_path):
+    """A path in the checkout, relative from a directory of it or absolute, is mounted in the
+    container (IMAGE), where the checkout is the working directory. Before: the relative one was
+    the checkout's (hf/a, not docs/hf/a); the absolute one refused as not mounted."""
     job, log = _job(tmp_path, "crash", script="convert.sh", cwd=REPO / "docs",
-                    CHECKPOINT="../runs/a/checkpoints", OUT="hf/a", IMAGE="/images/m.sqsh")
+                    CHECKPOINT=f"{REPO}/runs/a/checkpoints", OUT="hf/a", IMAGE="/images/m.sqsh")
     assert job.wait(timeout=60) == 3, (tmp_path / "job.out").read_text()
     srun = (tmp_path / "log.srun_args").read_text().splitlines()
-    assert srun[-2:] == ["docs/../runs/a/checkpoints", "docs/hf/a"], srun
+    assert srun[-2:] == ["runs/a/checkpoints", "docs/hf/a"], srun
 
 
 def _refusal(script, tmp_path, **env):
