@@ -77,10 +77,18 @@ PREPROCESS_ARGS=(
 # Ranks per node: MPICH's (and Intel MPI's) Hydra takes -ppn, which Open MPI's mpiexec refuses
 # ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike),
 # and --bind-to none: by default it binds each rank to one core (2 ranks or fewer) or one socket,
-# and the rank's tokenizer processes with it (WORKERS of them on one core). Hydra binds nothing.
+# and the rank's tokenizer processes with it (WORKERS of them on one core). A binding policy the
+# user set (Open MPI 4's OMPI_MCA_hwloc_base_binding_policy, 5's PRTE_MCA_hwloc_default_binding_
+# policy, e.g. package for a rank per socket) holds: the command line would override it. MPICH's
+# Hydra binds nothing.
 MPIEXEC_VERSION="$(mpiexec --version 2>&1)" || true
 case "$MPIEXEC_VERSION" in
-  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node" --bind-to none) ;;
+  *"Open MPI"* | *OpenRTE*)
+    PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node")
+    if [ -z "${OMPI_MCA_hwloc_base_binding_policy:-}${PRTE_MCA_hwloc_default_binding_policy:-}" ]
+    then
+      PER_NODE+=(--bind-to none)
+    fi ;;
   *) PER_NODE=(-ppn "$TASKS_PER_NODE") ;;
 esac
 # $INPUT stays quoted: the tool expands globs itself, on every rank alike.

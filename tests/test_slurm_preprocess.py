@@ -32,7 +32,8 @@ def _preprocess(tmp_path, version=HYDRA, args=(), cwd="/", **settings):
     (stubs / "mpiexec").write_text(MPIEXEC)
     (stubs / "mpiexec").chmod(0o700)
     log = tmp_path / "log"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "OMPI_MCA_", "PRTE_MCA_"))}
     env.update({"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
                 "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", **settings,
                 "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
@@ -56,6 +57,18 @@ def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, 
                                   TASKS_PER_NODE="4", WORKERS="8")
     assert result.returncode == 0, result.stderr
     assert command.startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
+
+
+@pytest.mark.parametrize("binding", ["OMPI_MCA_hwloc_base_binding_policy",
+                                     "PRTE_MCA_hwloc_default_binding_policy"])
+def test_a_binding_policy_the_user_set_for_open_mpi_holds(binding, tmp_path):
+    """Before: --bind-to none overrode it without a word (package: a rank per socket, its
+    workers on that socket's cores)."""
+    result, command = _preprocess(tmp_path, "mpiexec (Open MPI) 5.0.3",
+                                  SLURM_JOB_CPUS_PER_NODE="32(x2)", TASKS_PER_NODE="2",
+                                  **{binding: "package"})
+    assert result.returncode == 0, result.stderr
+    assert command.startswith("-n 4 --map-by ppr:2:node python tools/preprocess_data.py "), command
 
 
 @pytest.mark.parametrize("allocation, ranks, workers", [
