@@ -239,8 +239,8 @@ megaloop_mounted() {
         fi
       done
       echo "error: $name=${!name}: $word is not mounted in the container (IMAGE): add its file" \
-           "system to MOUNTS (now '${MOUNTS:-}'), e.g. MOUNTS=/lustre:/lustre, or give a path" \
-           "relative to the checkout (mounted at /workspace/megaloop)" >&2
+           "system to MOUNTS (now '${MOUNTS:-}'), e.g. MOUNTS=/lustre:/lustre, or use a path" \
+           "in the checkout (mounted at /workspace/megaloop)" >&2
       exit 2
     done
   done
