@@ -80,9 +80,13 @@ PREPROCESS_ARGS=(
 # and the rank's tokenizer processes with it (WORKERS of them on one core). A binding policy the
 # user set (Open MPI 4's OMPI_MCA_hwloc_base_binding_policy, 5's PRTE_MCA_hwloc_default_binding_
 # policy, e.g. package for a rank per socket) holds: the command line would override it. MPICH's
-# Hydra binds nothing.
+# Hydra binds nothing; Intel MPI's pins each rank (I_MPI_PIN, on by default) to a core of its own
+# unless told otherwise: off as for Open MPI, unless an I_MPI_PIN* setting of the user's says how.
 MPIEXEC_VERSION="$(mpiexec --version 2>&1)" || true
 case "$MPIEXEC_VERSION" in
+  *"Intel(R) MPI"*)
+    PER_NODE=(-ppn "$TASKS_PER_NODE")
+    if [ -z "$(compgen -v I_MPI_PIN)" ]; then export I_MPI_PIN=off; fi ;;
   *"Open MPI"* | *OpenRTE*)
     PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node")
     if [ -z "${OMPI_MCA_hwloc_base_binding_policy:-}${PRTE_MCA_hwloc_default_binding_policy:-}" ]

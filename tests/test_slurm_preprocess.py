@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = """#!/bin/bash
 if [ "$1" = --version ]; then echo "$STUB_MPIEXEC_VERSION"; exit 0; fi
 echo "$*" > "$STUB_LOG"
+echo "I_MPI_PIN=${I_MPI_PIN-unset}" > "$STUB_LOG.env"
 case "$STUB_MPIEXEC_VERSION" in
   *OpenRTE* | *"Open MPI"*) [[ " $* " != *" -ppn "* ]] || { echo "unknown option -ppn" >&2; exit 1; } ;;
   *) [[ " $* " != *" --map-by "* ]] || { echo "unrecognized argument map-by" >&2; exit 255; } ;;
@@ -33,7 +34,7 @@ def _preprocess(tmp_path, version=HYDRA, args=(), cwd="/", **settings):
     (stubs / "mpiexec").chmod(0o700)
     log = tmp_path / "log"
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("SLURM_", "OMPI_MCA_", "PRTE_MCA_"))}
+           if not key.startswith(("SLURM_", "OMPI_MCA_", "PRTE_MCA_", "I_MPI_PIN"))}
     env.update({"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
                 "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", **settings,
                 "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
@@ -57,6 +58,19 @@ def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, 
                                   TASKS_PER_NODE="4", WORKERS="8")
     assert result.returncode == 0, result.stderr
     assert command.startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
+
+
+@pytest.mark.parametrize("settings, pinning", [
+    ({}, "off"), ({"I_MPI_PIN_DOMAIN": "socket"}, "unset")])
+def test_intel_mpi_leaves_the_workers_the_ranks_cpus(settings, pinning, tmp_path):
+    """Before: Intel MPI pinned each rank, and its tokenizer processes with it, to one core; an
+    I_MPI_PIN* setting of the user's holds."""
+    result, command = _preprocess(tmp_path, "Intel(R) MPI Library for Linux* OS, Version 2021.10 "
+                                  "Build 20230619", SLURM_JOB_CPUS_PER_NODE="32(x2)",
+                                  TASKS_PER_NODE="2", **settings)
+    assert result.returncode == 0, result.stderr
+    assert command.startswith("-n 4 -ppn 2 python tools/preprocess_data.py "), command
+    assert (tmp_path / "log.env").read_text() == f"I_MPI_PIN={pinning}\n"
 
 
 @pytest.mark.parametrize("binding", ["OMPI_MCA_hwloc_base_binding_policy",
