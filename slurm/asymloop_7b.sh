@@ -47,6 +47,7 @@ ROOT="${MEGALOOP_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}"
 source "$ROOT/slurm/common.sh"
 megaloop_require DATA "set DATA to the dataset prefix from tools/preprocess_data.py"
 megaloop_require TOKENIZER "set TOKENIZER to the SentencePiece model"
+megaloop_from_start_dir RUN_DIR TOKENIZER --blend DATA
 megaloop_run_dir runs/asymloop_7b "7B AsymLoop" "$@"
 megaloop_mounted DATA TOKENIZER RUN_DIR
 

@@ -15,6 +15,8 @@
 #                   the image inside an allocation, on the host's interpreter outside one
 #   NODES           node count for DRY_RUN (default: the allocation's, outside one 1); a job
 #                   given another than its allocation's (sbatch --nodes) is refused
+# Relative paths in the scripts' variables (DATA, RUN_DIR, OUT, ...) are read from the directory
+# the script started in (a job's submit directory), those among extra arguments from the checkout.
 
 # Any other DRY_RUN (true, yes) would be read as "not a dry run" and start the real job.
 case "${DRY_RUN:-0}" in
@@ -25,7 +27,11 @@ esac
 GPUS_PER_NODE_GIVEN="${GPUS_PER_NODE:-}"  # a job checks it against its allocation
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 # Absolute: it is the container's mount source.
-MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MEGALOOP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+# Where the script was started (a job: sbatch's submit directory, or its --chdir), which the
+# relative paths a user gives are read from (megaloop_from_start_dir); the commands run from the
+# checkout. Both physical (pwd -P): a checkout reached through a link is still the checkout.
+MEGALOOP_START_DIR="$(pwd -P)"
 cd "$MEGALOOP_ROOT" || exit 1
 
 # srun's container options (pyxis/enroot), none without IMAGE. MEGALOOP_CONTAINER_MOUNTS, the
@@ -100,6 +106,34 @@ megaloop_whole_number() {
   done
 }
 
+# megaloop_node_cpus: sets NODE_CPUS to the CPUs of the allocation's smallest node
+# (SLURM_JOB_CPUS_PER_NODE, e.g. "72(x2),36"); outside an allocation, this machine's (nproc, which
+# answers OMP_NUM_THREADS when it is set: a shell's OMP_NUM_THREADS=1 is no CPU count).
+megaloop_node_cpus() {
+  local entries entry
+  NODE_CPUS=
+  IFS=, read -ra entries <<< "${SLURM_JOB_CPUS_PER_NODE:-}"
+  for entry in ${entries[@]+"${entries[@]}"}; do
+    entry="${entry%%(*}"
+    if [ -z "$NODE_CPUS" ] || [ "$entry" -lt "$NODE_CPUS" ]; then NODE_CPUS="$entry"; fi
+  done
+  NODE_CPUS="${NODE_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"
+}
+
+# megaloop_task_threads: the default OMP_NUM_THREADS of a training task: its CPUs (the job's
+# --cpus-per-task; without it, its node's share), at most 8. More threads than the task's CPUs
+# share them (before: 8 whatever the CPUs, two threads a CPU with --cpus-per-task=4); a GPU
+# task's CPU work gains little beyond 8, and NCCL's and the checkpoint writer's threads need CPUs.
+megaloop_task_threads() {
+  local cpus="${SLURM_CPUS_PER_TASK:-}"
+  if [ -z "$cpus" ]; then
+    megaloop_node_cpus
+    cpus=$(( NODE_CPUS / ${SLURM_NTASKS_PER_NODE:-1} ))
+  fi
+  if [ "$cpus" -gt 8 ]; then cpus=8; elif [ "$cpus" -lt 1 ]; then cpus=1; fi
+  echo "$cpus"
+}
+
 # megaloop_require NAME HOW: exits 2, the status of bad input, with one line saying HOW to set NAME
 # when it is unset or empty (bash's ${NAME:?HOW} exits 1, naming the script's line).
 megaloop_require() {
@@ -140,12 +174,48 @@ megaloop_run_dir() {
   megaloop_set_by_variables train.out_dir:RUN_DIR data.path:DATA \
     data.tokenizer_model:TOKENIZER -- "$@"
   if [ $# -gt 0 ] && [ -z "${RUN_DIR:-}" ]; then
-    echo "error: overrides ($*) without RUN_DIR: the default, $default, is the run directory of" \
+    local typed="$default"  # as a RUN_DIR given where the script was started names it
+    [ "$MEGALOOP_START_DIR" = "$MEGALOOP_ROOT" ] || typed="$MEGALOOP_ROOT/$default"
+    echo "error: overrides ($*) without RUN_DIR: the default, $typed, is the run directory of" \
          "the $run run without them; set RUN_DIR to one of their own, e.g." \
-         "RUN_DIR=${default}_variant (or RUN_DIR=$default to continue that run with them)" >&2
+         "RUN_DIR=${typed}_variant (or RUN_DIR=$typed to continue that run with them)" >&2
     exit 2
   fi
   RUN_DIR="${RUN_DIR:-$default}"
+}
+
+# megaloop_from_start_dir NAME... [--blend NAME...]: a relative path in a variable NAME is read
+# from where the script was started (MEGALOOP_START_DIR), as the user typed it, not from the
+# checkout the commands run in (submitted from elsewhere with MEGALOOP_ROOT, runs/x was the
+# checkout's). A path in the checkout, absolute or not, becomes relative to it: the container's
+# workdir, where the checkout is mounted (IMAGE); another becomes absolute. After --blend, a
+# comma-separated list of prefixes, with weights before them ("0.3,a,0.7,b"), as megaloop reads
+# data.path. The scripts' defaults (RUN_DIR's) are the checkout's: call this before filling them.
+megaloop_from_start_dir() {
+  local name blend=0 words index weighted lead path
+  for name in "$@"; do
+    if [ "$name" = --blend ]; then blend=1; continue; fi
+    [ -n "${!name:-}" ] || continue
+    if [ "$blend" = 1 ]; then IFS=, read -ra words <<< "${!name}"; else words=("${!name}"); fi
+    weighted=0  # weights at even positions: an even count, the first a number
+    if [ "$blend" = 1 ] && [ $(( ${#words[@]} % 2 )) = 0 ] &&
+       [[ "${words[0]// /}" =~ ^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$ ]]; then
+      weighted=1
+    fi
+    for index in "${!words[@]}"; do
+      [ "$weighted" = 0 ] || [ $(( index % 2 )) = 1 ] || continue
+      lead="${words[$index]%%[! ]*}"  # blanks after a comma, as in DATA='a, b'
+      path="${words[$index]#"$lead"}"
+      [ -n "$path" ] || continue
+      case "$path" in /*) ;; *) path="${MEGALOOP_START_DIR%/}/$path" ;; esac
+      case "$path" in
+        "$MEGALOOP_ROOT") path=. ;;
+        "$MEGALOOP_ROOT"/*) path="${path#"$MEGALOOP_ROOT"/}" ;;
+      esac
+      words[index]="$lead$path"
+    done
+    printf -v "$name" '%s' "$(IFS=,; printf '%s' "${words[*]}")"
+  done
 }
 
 # megaloop_mounted NAME...: with IMAGE, exits 2 naming the first variable holding an absolute path
@@ -169,8 +239,8 @@ megaloop_mounted() {
         fi
       done
       echo "error: $name=${!name}: $word is not mounted in the container (IMAGE): add its file" \
-           "system to MOUNTS (now '${MOUNTS:-}'), e.g. MOUNTS=/lustre:/lustre, or give a path" \
-           "relative to the checkout (mounted at /workspace/megaloop)" >&2
+           "system to MOUNTS (now '${MOUNTS:-}'), e.g. MOUNTS=/lustre:/lustre, or use a path" \
+           "in the checkout (mounted at /workspace/megaloop)" >&2
       exit 2
     done
   done
@@ -272,7 +342,8 @@ megaloop_train() {
   export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
   export CUDA_DEVICE_MAX_CONNECTIONS=1  # tensor-parallel communication overlap in megatron-core
   export NCCL_IB_TIMEOUT=22 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(megaloop_task_threads)}"
+  export OMP_NUM_THREADS
   # Where each run of the job starts in its log, which a requeued job appends to.
   local restart="${SLURM_RESTART_COUNT:+, requeued (restart $SLURM_RESTART_COUNT)}"
   echo "$(date '+%F %T') megaloop: job $SLURM_JOB_ID$restart: ${SLURM_NNODES:-1} node(s) x" \

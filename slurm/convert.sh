@@ -26,6 +26,7 @@ source "$ROOT/slurm/common.sh"
 megaloop_require CHECKPOINT "set CHECKPOINT to the checkpoint directory of a run, or one iter_NNNNNNN"
 megaloop_require OUT "set OUT to the Hugging Face output directory"
 megaloop_no_dry_run
+megaloop_from_start_dir CHECKPOINT OUT
 megaloop_mounted CHECKPOINT OUT
 
 megaloop_srun python tools/convert_checkpoint.py to-hf "$CHECKPOINT" "$OUT" "$@"

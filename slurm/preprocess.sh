@@ -42,19 +42,13 @@ if [ -n "${IMAGE:-}" ]; then  # mpiexec starts the ranks on the nodes themselves
        "unset IMAGE and run it where megaloop is installed" >&2
   exit 2
 fi
+megaloop_from_start_dir INPUT OUTPUT TOKENIZER
 megaloop_set_by_variables --input:INPUT --output-prefix:OUTPUT --tokenizer-model:TOKENIZER \
   --workers:WORKERS -- "$@"
 TASKS_PER_NODE="${TASKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
 megaloop_whole_number TASKS_PER_NODE WORKERS
-# The CPUs of the allocation's smallest node (SLURM_JOB_CPUS_PER_NODE, e.g. "64,32(x3)"), for
-# every node runs TASKS_PER_NODE ranks; outside an allocation, this machine's.
-NODE_CPUS=
-IFS=, read -ra NODE_ENTRIES <<< "${SLURM_JOB_CPUS_PER_NODE:-}"
-for NODE_ENTRY in ${NODE_ENTRIES[@]+"${NODE_ENTRIES[@]}"}; do
-  NODE_ENTRY="${NODE_ENTRY%%(*}"
-  if [ -z "$NODE_CPUS" ] || [ "$NODE_ENTRY" -lt "$NODE_CPUS" ]; then NODE_CPUS="$NODE_ENTRY"; fi
-done
-NODE_CPUS="${NODE_CPUS:-$(nproc)}"
+# Every node runs TASKS_PER_NODE ranks: their share is of the smallest node's CPUs.
+megaloop_node_cpus
 NODE_SOURCE="${SLURM_JOB_CPUS_PER_NODE:+SLURM_JOB_CPUS_PER_NODE=$SLURM_JOB_CPUS_PER_NODE}"
 NODE_SOURCE="${NODE_SOURCE:-nproc, outside an allocation}"
 # Refused, not warned about: every worker holds a tokenizer and its chunks, so an oversubscribed
@@ -83,10 +77,22 @@ PREPROCESS_ARGS=(
 # Ranks per node: MPICH's (and Intel MPI's) Hydra takes -ppn, which Open MPI's mpiexec refuses
 # ("unknown option"); it takes --map-by ppr:N:node instead (Open MPI 4's OpenRTE and 5's alike),
 # and --bind-to none: by default it binds each rank to one core (2 ranks or fewer) or one socket,
-# and the rank's tokenizer processes with it (WORKERS of them on one core). Hydra binds nothing.
+# and the rank's tokenizer processes with it (WORKERS of them on one core). A binding policy the
+# user set (Open MPI 4's OMPI_MCA_hwloc_base_binding_policy, 5's PRTE_MCA_hwloc_default_binding_
+# policy, e.g. package for a rank per socket) holds: the command line would override it. MPICH's
+# Hydra binds nothing; Intel MPI's pins each rank (I_MPI_PIN, on by default) to a core of its own
+# unless told otherwise: off as for Open MPI, unless an I_MPI_PIN* setting of the user's says how.
 MPIEXEC_VERSION="$(mpiexec --version 2>&1)" || true
 case "$MPIEXEC_VERSION" in
-  *"Open MPI"* | *OpenRTE*) PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node" --bind-to none) ;;
+  *"Intel(R) MPI"*)
+    PER_NODE=(-ppn "$TASKS_PER_NODE")
+    if [ -z "$(compgen -v I_MPI_PIN)" ]; then export I_MPI_PIN=off; fi ;;
+  *"Open MPI"* | *OpenRTE*)
+    PER_NODE=(--map-by "ppr:$TASKS_PER_NODE:node")
+    if [ -z "${OMPI_MCA_hwloc_base_binding_policy:-}${PRTE_MCA_hwloc_default_binding_policy:-}" ]
+    then
+      PER_NODE+=(--bind-to none)
+    fi ;;
   *) PER_NODE=(-ppn "$TASKS_PER_NODE") ;;
 esac
 # $INPUT stays quoted: the tool expands globs itself, on every rank alike.

@@ -55,6 +55,7 @@ if [ -z "${STEPS[$PRESET]:-}" ]; then
   echo "error: PRESET=$PRESET: one of ${!STEPS[*]}" >&2
   exit 2
 fi
+megaloop_from_start_dir RUN_DIR TOKENIZER --blend DATA
 megaloop_run_dir "runs/${ARCH}_${PRESET}" "$PRESET $ARCH" "$@"
 megaloop_mounted DATA TOKENIZER RUN_DIR
 

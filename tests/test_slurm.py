@@ -61,7 +61,7 @@ def _environment(**settings):
 def _dry_run(script, *args, nodes=1, **settings):
     env = _environment(**{"NODES": str(nodes), **settings}, DRY_RUN="1", DATA="/data/fwe",
                        TOKENIZER="/data/tok.model")
-    return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd="/",
+    return subprocess.run(["bash", str(REPO / "slurm" / script), *args], env=env, cwd=REPO,
                           capture_output=True, text=True)
 
 
@@ -120,6 +120,7 @@ def test_7b_recipe_dry_run_and_bad_input():
 SRUN = r'''#!/usr/bin/env python3
 import os, signal, subprocess, sys, time
 open(os.environ["STUB_LOG"] + ".srun_args", "w").write("\n".join(sys.argv[1:]))
+open(os.environ["STUB_LOG"] + ".srun_threads", "w").write(os.environ.get("OMP_NUM_THREADS", ""))
 if os.environ["STUB_TASKS"] == "exec":  # one task, this process: the job's own command
     command = sys.argv[1:]
     while command[0].startswith("-"):
@@ -182,7 +183,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
+def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", cwd="/", **settings):
     """A job script (the 7B one) under stubbed srun and scontrol (STUB_TASKS: "stop", "crash",
     or "exec": srun runs the job's command as one task; ``settings``: more environment, e.g.
     STUB_NODES, the allocation's node count)."""
@@ -200,10 +201,11 @@ def _job(tmp_path, tasks, *args, script="asymloop_7b.sh", **settings):
            "SLURM_SUBMIT_DIR": str(REPO), "STUB_TASKS": tasks, "STUB_LOG": str(log), **settings,
            "PATH": os.pathsep.join([str(stubs), os.path.dirname(sys.executable),
                                     os.environ["PATH"]])}
+    env = {key: value for key, value in env.items() if value is not None}  # None: unset
     # Output to a file: a pipe would stay open in a stray srun after a failure.
     with open(tmp_path / "job.out", "w") as out:
         job = subprocess.Popen(["bash", str(REPO / "slurm" / script), *args], env=env,
-                               cwd="/", stdout=out, stderr=subprocess.STDOUT)
+                               cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     return job, log
 
 
@@ -461,7 +463,7 @@ def test_container_paths_outside_its_mounts_are_refused(script, env, refused, tm
     args = ["60M", "dense"] if script == "train_paper.sh" else []
     variables = {"DATA": "fwe", "TOKENIZER": "tok.model", "CHECKPOINT": "runs/a/checkpoints",
                  "OUT": "hf/a", "RUN_DIR": "runs/x", "IMAGE": "/images/megaloop.sqsh", **env}
-    result = subprocess.run(["bash", str(REPO / "slurm" / script), *args], cwd="/", text=True,
+    result = subprocess.run(["bash", str(REPO / "slurm" / script), *args], cwd=REPO, text=True,
                             capture_output=True, env={**os.environ, **variables,
                                                       "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

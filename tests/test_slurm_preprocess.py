@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = """#!/bin/bash
 if [ "$1" = --version ]; then echo "$STUB_MPIEXEC_VERSION"; exit 0; fi
 echo "$*" > "$STUB_LOG"
+echo "I_MPI_PIN=${I_MPI_PIN-unset}" > "$STUB_LOG.env"
 case "$STUB_MPIEXEC_VERSION" in
   *OpenRTE* | *"Open MPI"*) [[ " $* " != *" -ppn "* ]] || { echo "unknown option -ppn" >&2; exit 1; } ;;
   *) [[ " $* " != *" --map-by "* ]] || { echo "unrecognized argument map-by" >&2; exit 255; } ;;
@@ -23,7 +24,7 @@ esac
 HYDRA = "HYDRA build details:\n    Version:                                 4.2.2"
 
 
-def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
+def _preprocess(tmp_path, version=HYDRA, args=(), cwd="/", **settings):
     """preprocess.sh ``args`` under a stubbed mpiexec in an allocation of ``settings`` (SLURM_*
     variables, TASKS_PER_NODE, WORKERS): the result and the mpiexec command line, None if not
     started."""
@@ -32,13 +33,14 @@ def _preprocess(tmp_path, version=HYDRA, args=(), **settings):
     (stubs / "mpiexec").write_text(MPIEXEC)
     (stubs / "mpiexec").chmod(0o700)
     log = tmp_path / "log"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "OMPI_MCA_", "PRTE_MCA_", "I_MPI_PIN"))}
     env.update({"INPUT": "/in/*.parquet", "OUTPUT": "/out/fwe", "TOKENIZER": "/tok.model",
                 "SLURM_SUBMIT_DIR": str(REPO), "SLURM_NNODES": "2", **settings,
                 "STUB_MPIEXEC_VERSION": version, "STUB_LOG": str(log),
                 "PATH": os.pathsep.join([str(stubs), os.environ["PATH"]])})
-    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh"), *args], cwd="/", env=env,
-                            text=True, capture_output=True)
+    result = subprocess.run(["bash", str(REPO / "slurm" / "preprocess.sh"), *args], cwd=cwd,
+                            env=env, text=True, capture_output=True)
     return result, (log.read_text() if log.exists() else None)
 
 
@@ -56,6 +58,31 @@ def test_preprocess_starts_its_ranks_per_node_with_the_mpiexec_on_path(version, 
                                   TASKS_PER_NODE="4", WORKERS="8")
     assert result.returncode == 0, result.stderr
     assert command.startswith(f"-n 8 {per_node} python tools/preprocess_data.py --input ")
+
+
+@pytest.mark.parametrize("settings, pinning", [
+    ({}, "off"), ({"I_MPI_PIN_DOMAIN": "socket"}, "unset")])
+def test_intel_mpi_leaves_the_workers_the_ranks_cpus(settings, pinning, tmp_path):
+    """Before: Intel MPI pinned each rank, and its tokenizer processes with it, to one core; an
+    I_MPI_PIN* setting of the user's holds."""
+    result, command = _preprocess(tmp_path, "Intel(R) MPI Library for Linux* OS, Version 2021.10 "
+                                  "Build 20230619", SLURM_JOB_CPUS_PER_NODE="32(x2)",
+                                  TASKS_PER_NODE="2", **settings)
+    assert result.returncode == 0, result.stderr
+    assert command.startswith("-n 4 -ppn 2 python tools/preprocess_data.py "), command
+    assert (tmp_path / "log.env").read_text() == f"I_MPI_PIN={pinning}\n"
+
+
+@pytest.mark.parametrize("binding", ["OMPI_MCA_hwloc_base_binding_policy",
+                                     "PRTE_MCA_hwloc_default_binding_policy"])
+def test_a_binding_policy_the_user_set_for_open_mpi_holds(binding, tmp_path):
+    """Before: --bind-to none overrode it without a word (package: a rank per socket, its
+    workers on that socket's cores)."""
+    result, command = _preprocess(tmp_path, "mpiexec (Open MPI) 5.0.3",
+                                  SLURM_JOB_CPUS_PER_NODE="32(x2)", TASKS_PER_NODE="2",
+                                  **{binding: "package"})
+    assert result.returncode == 0, result.stderr
+    assert command.startswith("-n 4 --map-by ppr:2:node python tools/preprocess_data.py "), command
 
 
 @pytest.mark.parametrize("allocation, ranks, workers", [
@@ -128,3 +155,25 @@ def test_the_headers_commands_use_every_cpu_of_their_nodes(tmp_path):
         assert result.returncode == 0, (command, result.stderr)
         assert mpiexec.startswith(f"-n {nodes * tasks} -ppn {tasks} "), (command, mpiexec)
         assert mpiexec.endswith(f" --workers {cpus}\n"), (command, mpiexec)
+
+
+def test_outside_an_allocation_workers_fill_the_cpus_whatever_omp_num_threads(tmp_path):
+    """nproc answers OMP_NUM_THREADS when it is set: before, a shell's OMP_NUM_THREADS=1 made
+    the machine one CPU, so WORKERS defaulted to 1 (and WORKERS=2 was refused)."""
+    cpus = len(os.sched_getaffinity(0))
+    result, command = _preprocess(tmp_path, SLURM_NNODES="1", OMP_NUM_THREADS="1",
+                                  OMP_THREAD_LIMIT="1")
+    assert result.returncode == 0, result.stderr
+    assert command.endswith(f" --workers {cpus}\n"), command
+
+
+def test_relative_paths_are_read_from_where_the_job_was_submitted(tmp_path):
+    """Before: from the checkout (MEGALOOP_ROOT), where the script moves: no input found there,
+    or the dataset written into the checkout."""
+    result, command = _preprocess(tmp_path, cwd=tmp_path, SLURM_SUBMIT_DIR=str(tmp_path),
+                                  MEGALOOP_ROOT=str(REPO), SLURM_JOB_CPUS_PER_NODE="8(x2)",
+                                  INPUT="fwe/*.parquet", OUTPUT="out/fwe", TOKENIZER="t5.model")
+    assert result.returncode == 0, result.stderr
+    assert (f" --input {tmp_path}/fwe/*.parquet --output-prefix {tmp_path}/out/fwe "
+            f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {tmp_path}/t5.model "
+            ) in command, command

@@ -4,10 +4,10 @@
 # transformers, sentencepiece, safetensors, tensorboard, rich, psutil and pyarrow, but no
 # megatron-core, zarr or Transformer Engine. Run from the repository root:
 #
-#   bash tools/gpu_check.sh            # results under $OUT (default ./gpu_check_out)
+#   bash tools/gpu_check.sh            # results under $OUT (default: gpu_check_out in the checkout)
 #
-# What is missing comes from ./wheels (gitignored, about 36 MB; the device tool carries it with
-# carry=["wheels"]), filled beforehand on a machine that reaches PyPI, at the versions CPU CI tests:
+# What is missing comes from the checkout's wheels/ (or MEGALOOP_WHEELS; gitignored, about 36 MB;
+# the device tool carries it with carry=["wheels"]), filled beforehand on a machine that reaches PyPI, at the versions CPU CI tests:
 #
 #   pip download -d wheels --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
@@ -32,9 +32,10 @@
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
+# A relative OUT or MEGALOOP_WHEELS is the caller's, as typed, not the checkout's the script moves to.
+out="$(realpath -m "${OUT:-$root/gpu_check_out}")"
+wheels="$(realpath -m "${MEGALOOP_WHEELS:-$root/wheels}")"
 cd "$root" || exit 1
-out="${OUT:-$root/gpu_check_out}"
-wheels="${MEGALOOP_WHEELS:-$root/wheels}"
 mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export MEGALOOP_GPU_RECORD="$out/gpu_record.jsonl"

@@ -89,15 +89,33 @@ def staged_output(out: str | os.PathLike):
 
 def _note_killed_stagings(out: Path) -> None:
     """A warning line for each staging directory of ``out`` that a killed conversion (SIGKILL: the
-    out-of-memory killer, a scheduler's last resort) left: nothing else removes it, nor could
-    tell it from one a conversion into ``out`` is writing now, and it is as large as a model."""
-    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-\d+-[0-9a-f]{{{2 * _STAGING_TOKEN_BYTES}}}")
+    out-of-memory killer, a scheduler's last resort) left: nothing else removes it, and it is as
+    large as a model. Not removed, and said so: a conversion into ``out`` that is still running
+    (on this machine or, on a shared file system, another) has one of the same form."""
+    token = f"[0-9a-f]{{{2 * _STAGING_TOKEN_BYTES}}}"
+    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-{token}")
     if not out.parent.is_dir():
         return
     for leftover in sorted(p for p in out.parent.iterdir() if staging.fullmatch(p.name)):
-        size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
-        log.warning("%s (%.2f GB) is left from a conversion that was killed; remove it unless a "
-                    "conversion is writing it now", leftover, size / 1e9)
+        size = _tree_bytes(leftover)
+        if not leftover.exists():  # a running conversion has just moved it into place, or failed
+            continue
+        log.warning("%s (%.2f GB): the staging directory of a conversion into %s by process %s, "
+                    "which was killed or is still running; not removed: remove it unless that "
+                    "conversion is running", leftover, size / 1e9, out,
+                    staging.fullmatch(leftover.name)[1])
+
+
+def _tree_bytes(directory: Path) -> int:
+    """The bytes of the files under ``directory``, as far as they stay: a running conversion may
+    rename or remove them (or the directory) while they are counted."""
+    total = 0
+    with contextlib.suppress(OSError):  # the directory itself renamed or removed
+        for path in directory.rglob("*"):
+            with contextlib.suppress(OSError):
+                if path.is_file():
+                    total += path.stat().st_size
+    return total
 
 
 def _io_failure(out: Path, error: BaseException) -> str | None:

@@ -1,16 +1,20 @@
 """The staged output directory both conversion directions write into."""
 
 import logging
+from pathlib import Path
 
-from megaloop.hf.common import staged_output
+import pytest
+
+from megaloop.hf.common import ConversionError, staged_output
 
 
 def test_a_staging_directory_a_killed_conversion_left_is_named_with_its_size(tmp_path, caplog):
     """Before: not a word; nothing removes it (a SIGKILL cannot be caught: the out-of-memory
-    killer), and it holds a model's weights."""
+    killer), and it holds a model's weights. It is not removed, and the line does not claim the
+    conversion was killed: one still running (here or on another node) has the same name."""
     killed = tmp_path / ".hf.tmp-4242-0123abcd"
     killed.mkdir()
-    (killed / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    (killed / "model.safetensors").write_bytes(b"\0" * 20_000_000)
     others = [tmp_path / ".hf2.tmp-4243-89abcdef", tmp_path / ".hf.tmp-x-0123abcd"]
     for other in others:
         other.mkdir()
@@ -18,7 +22,33 @@ def test_a_staging_directory_a_killed_conversion_left_is_named_with_its_size(tmp
         with staged_output(tmp_path / "hf") as staging:
             (staging / "config.json").write_text("{}")
     assert [r.getMessage() for r in caplog.records] == [
-        f"{killed} (0.00 GB) is left from a conversion that was killed; remove it unless a "
-        "conversion is writing it now"]
+        f"{killed} (0.02 GB): the staging directory of a conversion into {tmp_path / 'hf'} by "
+        "process 4242, which was killed or is still running; not removed: remove it unless that "
+        "conversion is running"]
     assert (tmp_path / "hf" / "config.json").read_text() == "{}"
     assert sorted(tmp_path.iterdir()) == sorted([killed, *others, tmp_path / "hf"])
+
+
+def test_a_running_conversion_finishing_while_its_staging_is_measured_is_no_traceback(
+        tmp_path, caplog, monkeypatch):
+    """Another conversion into the same OUT moves its staging directory into place while this
+    one measures it. Before: FileNotFoundError from the measuring, a traceback; now the line a
+    conversion whose OUT was written meanwhile gets, and no warning of a directory now gone."""
+    running = tmp_path / ".hf.tmp-4242-0123abcd"
+    running.mkdir()
+    (running / "config.json").write_text('{"theirs": 1}')
+    is_file = Path.is_file
+
+    def finishes_after_listing(path):
+        found = is_file(path)
+        if path.parent == running:
+            running.rename(tmp_path / "hf")
+        return found
+
+    monkeypatch.setattr(Path, "is_file", finishes_after_listing)
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        with pytest.raises(ConversionError, match="cannot move the conversion there"):
+            with staged_output(tmp_path / "hf") as staging:
+                (staging / "config.json").write_text("{}")
+    assert caplog.records == []
+    assert (tmp_path / "hf" / "config.json").read_text() == '{"theirs": 1}'

@@ -2,8 +2,10 @@
 nothing installs and the command runs on the venv's python."""
 
 import hashlib
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,46 @@ def test_bootstrap_passes_shellcheck():
     result = subprocess.run([shellcheck, "tools/bootstrap.sh"], cwd=REPO, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout
+
+
+PIP = """#!/bin/sh
+echo "pip $*" >> "$STUB_LOG"
+case " $* " in
+  *" --dry-run "*) cat "$STUB_REPORT" ;;
+  *" torch=="*) echo "pip installs torch" ;;
+esac
+"""
+
+
+def _report(version, url, requires):
+    return json.dumps({"install": [{"download_info": {"url": url}, "metadata": {
+        "name": "torch", "version": version, "requires_dist": requires}}]})
+
+
+@pytest.mark.parametrize("version, url, requires, said", [
+    ("2.13.0", "https://files.pythonhosted.org/x/torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64"
+     ".whl", ["filelock", "nvidia-cublas==13.1.0.3; platform_system == \"Linux\""], True),
+    ("2.13.0+cpu", "file:///opt/wheels/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+     ["filelock"], False),
+])
+def test_a_cuda_torch_is_said_in_one_line_before_it_installs(version, url, requires, said,
+                                                             tmp_path):
+    """Before: a machine without a local CPU wheel pulled PyPI's CUDA torch (several GB) without
+    a word, while the header said the venv was pinned to the CPU wheel. pip and the install are
+    stubbed: the dry run's report is the one pip gives for each."""
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "venv" / "bin" / "pip").write_text(PIP)
+    (tmp_path / "venv" / "bin" / "pip").chmod(0o755)
+    (tmp_path / "report.json").write_text(_report(version, url, requires))
+    env = {key: value for key, value in os.environ.items() if key != "MEGALOOP_TORCH"}
+    result = subprocess.run(["bash", str(REPO / "tools" / "bootstrap.sh"), "true"], cwd=tmp_path,
+                            env={**env, "MEGALOOP_VENV": str(tmp_path / "venv"),
+                                 "STUB_LOG": str(tmp_path / "log"),
+                                 "STUB_REPORT": str(tmp_path / "report.json")},
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert result.returncode == 0, result.stdout
+    line = (f"bootstrap: installing torch 2.13.0, a CUDA build (several GB with its nvidia-* "
+            f"packages), from {url}: pip found no CPU build; for one, set "
+            "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu\n")
+    assert result.stdout == (line if said else "") + "pip installs torch\n" * 2, result.stdout
