@@ -254,6 +254,13 @@ def _differences(path: Path, cfg: RunConfig, sections: tuple[str, ...]) -> tuple
                     if not _same_setting(k, before.get(k), after[k], cfg)}
 
 
+def _saved_setting(saved: dict, name: str):
+    """Setting ``name`` ("section.field") of a checkpoint's config ``saved``: its default where
+    that config lacks it (saved before the field existed, the run had the default)."""
+    section, field = name.split(".")
+    return (saved.get(section) or {}).get(field, to_dict(RunConfig())[section][field])
+
+
 def _same_setting(name: str, old, new, cfg: RunConfig) -> bool:
     """Whether setting ``name`` of a checkpoint's config (``old``) and of this run (``new``,
     ``cfg``'s) is the same: data.path and data.split are compared as the data they cut, so that
@@ -361,12 +368,11 @@ def check_bucket_layout(path: Path, cfg: RunConfig, optimizer) -> None:
     recast = any_rank(any(dtypes(recorded[key]) != dtypes(layout)
                           for key, layout in live.items()))
     # The settings that cut the buckets, and train.precision, which sets their dtypes.
-    defaults = to_dict(RunConfig())
     before, now = {}, {}
     for name in ("parallel.overlap_grad_reduce", "parallel.ddp_bucket_size",
                  *(["train.precision"] if recast else [])):
         section, field = name.split(".")
-        before[name] = (saved.get(section) or {}).get(field, defaults[section][field])
+        before[name] = _saved_setting(saved, name)
         now[name] = getattr(getattr(cfg, section), field)
     changed = [name for name in now if before[name] != now[name]]
     if changed:
@@ -429,7 +435,7 @@ def report_sample_order(saved: dict, cfg: RunConfig, path: Path, step: int) -> N
     changed, values = [], []
     for name in SAMPLE_ORDER:
         section, field = name.split(".")
-        before, now = saved.get(section, {}).get(field), getattr(getattr(cfg, section), field)
+        before, now = _saved_setting(saved, name), getattr(getattr(cfg, section), field)
         if not _same_setting(name, before, now, cfg):
             changed.append(name)
             if name != "data.path":  # a blend may list thousands of prefixes: not in one line

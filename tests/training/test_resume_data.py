@@ -346,3 +346,20 @@ def test_another_split_is_named_with_both_values(tmp_path, caplog, data_format):
     assert [line.split(": the sample")[0] for line in _split_warnings(
         "7,2,1", ["70,20,10", "0.7,0.2,0.1"], data_format, tmp_path, caplog)] == [
         f"resume: data.split differs from {path}'s (data.split '7,2,1' -> '0.7,0.2,0.1')"]
+
+
+def test_a_setting_an_older_config_lacks_is_compared_as_its_default(tmp_path, caplog):
+    """A checkpoint's config.yaml written before data.eod_mask_loss existed: it ran with the
+    default. Before: "data.eod_mask_loss differs ... (data.eod_mask_loss None -> False)", a
+    false warning that the sample order changed on every resume of such a checkpoint."""
+    from megaloop.config import to_dict
+
+    cfg = RunConfig(data=DataConfig(path=[DATA]))
+    saved = to_dict(cfg)
+    del saved["data"]["eod_mask_loss"]
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        report_sample_order(saved, cfg, tmp_path / "c", 6)
+        assert caplog.records == []
+        report_sample_order(saved, RunConfig(data=DataConfig(path=[DATA], eod_mask_loss=True)),
+                            tmp_path / "c", 6)
+    assert "(data.eod_mask_loss False -> True)" in caplog.records[0].getMessage()
