@@ -192,7 +192,7 @@ megaloop_run_dir() {
 # comma-separated list of prefixes, with weights before them ("0.3,a,0.7,b"), as megaloop reads
 # data.path. The scripts' defaults (RUN_DIR's) are the checkout's: call this before filling them.
 megaloop_from_start_dir() {
-  local name blend=0 words index weighted lead path
+  local name blend=0 words index weighted lead path resolved
   for name in "$@"; do
     if [ "$name" = --blend ]; then blend=1; continue; fi
     [ -n "${!name:-}" ] || continue
@@ -208,6 +208,11 @@ megaloop_from_start_dir() {
       path="${words[$index]#"$lead"}"
       [ -n "$path" ] || continue
       case "$path" in /*) ;; *) path="${MEGALOOP_START_DIR%/}/$path" ;; esac
+      # Its . and .. resolved: "../x" from the checkout leaves it (not mounted with it), and
+      # "/lustre/../x" leaves /lustre. A trailing / kept: OUTPUT=dir/ is a prefix in dir.
+      resolved="$(realpath -ms -- "$path")"
+      case "$path" in */) [ "$resolved" = / ] || resolved="$resolved/" ;; esac
+      path="$resolved"
       case "$path" in
         "$MEGALOOP_ROOT") path=. ;;
         "$MEGALOOP_ROOT"/*) path="${path#"$MEGALOOP_ROOT"/}" ;;

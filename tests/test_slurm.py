@@ -455,9 +455,14 @@ def test_a_missing_setting_is_bad_input_refused_in_one_line(script, missing, tmp
     ("train_paper.sh", {"TOKENIZER": "/scratch/tok.model", "MOUNTS": "/scratch/x:/scratch/x"},
      "TOKENIZER"),
     ("convert.sh", {"OUT": "/hf/a"}, "OUT"),
+    # Leaving the checkout: before, "../x" counted as in it, made at /workspace/x in the container.
+    ("asymloop_7b.sh", {"RUN_DIR": "../x"}, "RUN_DIR"),
+    ("convert.sh", {"CHECKPOINT": "/lustre/../scratch/a", "MOUNTS": "/lustre"}, "CHECKPOINT"),
     # Mounted (a destination other than the source, flags): on to the next check.
     ("asymloop_7b.sh", {"RUN_DIR": "/data/run", "DATA": "/data/fwe, fwe_local",
                         "TOKENIZER": "/tok/t.model", "MOUNTS": "/lustre/p:/data:ro,/tok/"}, None),
+    ("asymloop_7b.sh", {"RUN_DIR": "runs/../runs/./x", "DATA": "/data/../data/fwe",
+                        "MOUNTS": "/data"}, None),
 ])
 def test_container_paths_outside_its_mounts_are_refused(script, env, refused, tmp_path):
     args = ["60M", "dense"] if script == "train_paper.sh" else []
