@@ -104,9 +104,14 @@ class ArgumentParser(argparse.ArgumentParser):
     from rank 0 alone (the launcher's rank: no process group is up yet), and every rank exits 2.
     ``launchers``: those whose ranks run the command together (LaunchEnv.launcher; None: all);
     under any other, the process is alone, and says its error whatever rank its environment
-    holds (torchrun's RANK is in every container of a PyTorchJob's worker pods)."""
+    holds (torchrun's RANK is in every container of a PyTorchJob's worker pods). An option cut
+    short is refused, as Megatron-LM's parsers do (allow_abbrev=False): else --output-pre was
+    --output-prefix, its meaning changed by a later option sharing the prefix."""
 
     launchers: tuple[str, ...] | None = None
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def error(self, message):
         launch = _launch_env()

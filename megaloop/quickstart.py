@@ -343,7 +343,7 @@ def layout(model: ModelConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", help="corpus files (default: generated multi-hop)")
     parser.add_argument("--out", default="runs/quickstart", help="output directory")
     parser.add_argument("--steps", type=int_at_least(1), default=1000,

@@ -360,8 +360,8 @@ def problem(command: Command) -> str | None:
         script = REPO / "tools" / f"{name}.py"
         if not (os.access(script, os.X_OK) and script.read_text().startswith("#!")):
             return f"{script.relative_to(REPO)} is not executable: run it with python"
-    # Options by their full names: argparse takes a unique abbreviation (--num-iteration), which
-    # an option added later makes ambiguous; a mention's options must be the tool's.
+    # Options by their full names: the tools refuse an abbreviation (--num-iteration), as
+    # argparse's allow_abbrev=False does; a mention's options must be the tool's.
     parser = _run_until_parsed(_main_of(command), _shown(command), [], parse=False).parser
     options = _options(parser, command.args)
     unknown = [a for a in command.args if OPTION.match(a) and a.split("=")[0] not in options]

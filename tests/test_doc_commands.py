@@ -71,7 +71,7 @@ def test_a_command_that_would_not_work_is_found(tmp_path):
         ("page.md:10", "--config examples/configs/gone.yaml: no such file in the repository"),
         ("page.md:11", None),  # the user's run.yaml: a placeholder naming data stands for it
         ("page.md:12", "megaloop-train: error: argument --world-size: 0: must be >= 1"),
-        ("page.md:13", "tools/eval_gsm8k.py: no option --num-iteration"),  # argparse takes it
+        ("page.md:13", "tools/eval_gsm8k.py: no option --num-iteration"),  # cut short
         ("page.md:14", "train_throughput.py: error: argument --rows: invalid choice: 'sparse'"),
         ("page.md:15", "unknown field train.micro_batchsize (did you mean micro_batch_size?)"),
         ("page.md:16", "tools/gone.py: no such tool"),

@@ -38,9 +38,10 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
-    to_hf = sub.add_parser("to-hf", help="megaloop checkpoint -> Hugging Face directory")
+    to_hf = sub.add_parser("to-hf", help="megaloop checkpoint -> Hugging Face directory",
+                           allow_abbrev=False)
     to_hf.add_argument("checkpoint")
     to_hf.add_argument("out")
     to_hf.add_argument("--config", help="run config YAML whose model the checkpoint must match; its "
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
     # Checked by export_checkpoint (one line, exit 2), not by argparse (usage and error, 3 lines).
     to_hf.add_argument("--dtype", metavar="{float32,bfloat16,float16}",
                        help="dtype of the exported weights (default: the checkpoint's)")
-    from_hf = sub.add_parser("from-hf", help="Hugging Face directory -> megaloop checkpoint")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face directory -> megaloop checkpoint",
+                             allow_abbrev=False)
     from_hf.add_argument("hf_dir")
     from_hf.add_argument("out")
     args = parser.parse_args(argv)

@@ -127,7 +127,7 @@ def download(source, output: str, paths: list[str], sizes: dict[str, int], log=p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--name", help=f"named subset: {', '.join(SUBSETS)}")
     which.add_argument("--shards", nargs="+", help="glob patterns of repository paths, e.g. 'data/CC-MAIN-2024-10/*'")

@@ -73,7 +73,7 @@ def run_tokenizer_type(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="an iter_N directory or a run's checkpoint directory")
     parser.add_argument("--test", required=True, nargs="+",
                         help="GSM8K test .jsonl (fields question, answer)")

@@ -35,7 +35,7 @@ from megaloop.cli import int_at_least, log_to_stderr, quiet_third_party_warnings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="megaloop checkpoint or Hugging Face directory")
     parser.add_argument("--data-dir", required=True, help="directory of the tasks' data files")
     parser.add_argument("--tasks", nargs="+", default=["asymloop_tasks"],

@@ -263,7 +263,7 @@ def plot(result: dict, path: str, target: float | None) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR")
     parser.add_argument("--target", type=float_above(0), help="NLL at which to compare compute")
     parser.add_argument("--baseline", help="label the savings are measured against")

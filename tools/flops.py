@@ -181,7 +181,7 @@ def _worst_difference(result: dict) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true",
                         help="print JSON instead of a table (with --measure too)")
     parser.add_argument("--iterations", type=int, default=3, help="AsymLoop K (odd; default 3)")

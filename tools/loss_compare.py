@@ -117,7 +117,7 @@ def check_layouts_and_out(texts: list[str], layouts: list, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", nargs="+", required=True, help="e.g. single dp2 tp2,sp pp2")
     parser.add_argument("--steps", type=int_at_least(1), default=10)
     parser.add_argument("--preset", help="model size preset (as megaloop-train)")

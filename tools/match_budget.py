@@ -131,7 +131,7 @@ def tier_list(value: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--tier", type=tier_list, action="extend", metavar="TIER[,TIER...]",
                         help=f"tiers to match, comma-separated or flag by flag ({', '.join(LATENTLOOP_TIERS)}; "
                              "default: all)")

@@ -27,7 +27,7 @@ NO_DATA = "a placeholder (the data section plays no part in a memory estimate)"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", help="model size preset (as megaloop-train)")
     parser.add_argument("--config", help="YAML run config (as megaloop-train)")
     parser.add_argument("--world-size", type=int_at_least(1), required=True, help="number of GPUs")

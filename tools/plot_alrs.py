@@ -150,7 +150,8 @@ def _read(path: str, need_lrs: bool, flag: str) -> ALRSLogData:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Figures 3 and 4 of the paper from ALRS logs")
+    parser = argparse.ArgumentParser(description="Figures 3 and 4 of the paper from ALRS logs",
+                                     allow_abbrev=False)
     parser.add_argument("--alrs", required=True, help="zarr log of the ALRS run")
     parser.add_argument("--uniform", help="zarr log of the uniform-LR run, for Figure 4")
     parser.add_argument("--out", default=".", help="directory for the PNG files")

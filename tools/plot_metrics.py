@@ -20,7 +20,8 @@ from megaloop.training.plots import MetricsError, load_run, plot_runs, run_label
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="PNG curves of loss, LR and tokens/s of runs")
+    parser = argparse.ArgumentParser(description="PNG curves of loss, LR and tokens/s of runs",
+                                     allow_abbrev=False)
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default="curves.png",
                         help="image file to write; its suffix sets the format (.png, .svg, .pdf)")

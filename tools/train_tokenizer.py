@@ -28,7 +28,7 @@ COVERAGE = (0.98, 1.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, nargs="+", help="files, directories or globs (as preprocess_data.py reads them)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to train on")
     p.add_argument("--output", required=True, help="path of the .model file to write")

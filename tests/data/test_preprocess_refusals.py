@@ -56,6 +56,16 @@ def test_a_log_interval_below_one_is_refused(preprocess_tool, capsys):
     assert capsys.readouterr().err.endswith("error: argument --log-interval: 0: must be >= 1\n")
 
 
+def test_an_abbreviated_option_is_refused(preprocess_tool, capsys):
+    """Before: --output-pre was taken for --output-prefix (argparse's allow_abbrev), so that
+    slurm/preprocess.sh's refusal of an --output-prefix among its extra arguments let it by."""
+    with pytest.raises(SystemExit) as exc:
+        preprocess_tool.main(["--input", "x", "--output-prefix", "y", "--workers", "1", "--tokenizer-type",
+                              "SentencePieceTokenizer", "--output-pre", "z"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: --output-pre z\n")
+
+
 def test_a_json_key_given_twice_is_refused(preprocess_tool, capsys):
     # Before: both keys' writers wrote {prefix}_text_document at once, and exit 0.
     with pytest.raises(SystemExit) as exc:

@@ -33,6 +33,21 @@ def test_a_tool_help_opens_with_its_docstring_summary(load_tool, capsys, monkeyp
     assert summary in text or first_line not in text  # plot_*: a description of their own
 
 
+@pytest.mark.parametrize("command", [*SCRIPTS, "megaloop.train", "megaloop.quickstart"])
+def test_a_command_refuses_an_abbreviated_option(load_tool, capsys, monkeypatch, command):
+    """--hel, as any option cut short. Before: taken for --help (argparse's allow_abbrev), as
+    --output-pre was for --output-prefix, and a later option sharing the prefix changed its
+    meaning; Megatron-LM's parsers refuse them too."""
+    import importlib
+
+    module = (importlib.import_module(command) if command.startswith("megaloop.")
+              else load_tool(command))
+    monkeypatch.setattr(sys, "argv", [command, "--hel"])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2 and capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("name", ["megaloop.train", "megaloop.quickstart"])
 def test_an_entry_point_help_opens_with_its_docstring_summary(capsys, monkeypatch, name):
     import importlib

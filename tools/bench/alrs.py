@@ -194,7 +194,7 @@ def training_step_seconds(seq: int, reps: int = 2) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int_at_least(1), default=2)
     parser.add_argument("--reps", type=int_at_least(1), default=3)
     parser.add_argument("--seq", type=int_at_least(1), default=1024)

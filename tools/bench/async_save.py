@@ -125,7 +125,7 @@ def _summary(runs: list[dict], steps: int) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int_at_least(2), default=24)
     parser.add_argument("--save-interval", type=int_at_least(1), default=4)
     parser.add_argument("--hidden-size", type=int_at_least(1), default=512,

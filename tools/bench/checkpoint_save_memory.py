@@ -92,7 +92,7 @@ def measure(preset_name: str, arch: str, layout: str) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop", choices=sorted(DEFAULT_ITERATIONS))
     parser.add_argument("--measure", metavar="LAYOUT", help=argparse.SUPPRESS)  # the child

@@ -80,7 +80,7 @@ def measure(checkpoint: str, dtype: str, workdir: str) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])

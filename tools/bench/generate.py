@@ -52,7 +52,7 @@ def decode(model, prompt: torch.Tensor, steps: int, cached: bool) -> tuple[float
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--arch", default="asymloop", choices=["fullloop", "asymloop"])
     parser.add_argument("--iterations", type=int_at_least(1), default=3)

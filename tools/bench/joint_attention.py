@@ -92,7 +92,7 @@ def peak_memory(impl, args) -> int:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int_at_least(1), default=1)
     parser.add_argument("--heads", type=int_at_least(1), default=4)
     parser.add_argument("--seq", type=int_at_least(1), default=1024)

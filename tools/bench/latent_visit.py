@@ -39,7 +39,7 @@ def visit_flops(cfg, visit: int) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int_at_least(1), default=256)
     parser.add_argument("--heads", type=int_at_least(1), default=4)
     parser.add_argument("--middle-layers", type=int_at_least(1), default=2)

@@ -32,7 +32,7 @@ PHASES = (("router", "", "route"), ("dispatch", "token_dispatcher", "token_dispa
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int_at_least(1), default=512)
     parser.add_argument("--ffn", type=int_at_least(1), default=1376)
     parser.add_argument("--experts", type=int_at_least(1), default=8)

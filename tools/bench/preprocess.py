@@ -131,7 +131,7 @@ def repeat(src: Path, copies: int, dest: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--articles", type=Path, default=SHARED / "wikitext2_raw_test_articles.jsonl")
     p.add_argument("--tokenizer-model", type=Path, default=SHARED / "llama2_tokenizer.model")
     p.add_argument("--copies", type=int_at_least(1), default=40)

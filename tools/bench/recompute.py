@@ -33,7 +33,7 @@ from megaloop.models.flops import executed_backward_flops, forward_flops
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int_at_least(1), default=256)
     parser.add_argument("--ffn", type=int_at_least(1), default=688)
     parser.add_argument("--heads", type=int_at_least(1), default=4)

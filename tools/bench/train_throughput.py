@@ -238,7 +238,7 @@ def looped_row(args, tmp: Path) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", choices=("dense", "looped"),
                         default=["dense", "looped"])
     parser.add_argument("--looped-steps", type=int_at_least(1), default=8,
