@@ -100,10 +100,21 @@ def _note_killed_stagings(out: Path) -> None:
         size = _tree_bytes(leftover)
         if not leftover.exists():  # a running conversion has just moved it into place, or failed
             continue
-        log.warning("%s (%.2f GB): the staging directory of a conversion into %s by process %s, "
+        log.warning("%s (%s): the staging directory of a conversion into %s by process %s, "
                     "which was killed or is still running; not removed: remove it unless that "
-                    "conversion is running", leftover, size / 1e9, out,
+                    "conversion is running", leftover, _shown_size(size), out,
                     staging.fullmatch(leftover.name)[1])
+
+
+def _shown_size(size: int) -> str:
+    """``size`` bytes in the largest decimal unit it reaches, "1.5 KB", "20.0 MB": a leftover of
+    config files only is no "0.00 GB", which reads as empty."""
+    if size < 1000:
+        return f"{size} bytes"
+    for unit in ("KB", "MB", "GB", "TB"):
+        size /= 1000
+        if round(size, 1) < 1000 or unit == "TB":  # 999,960 bytes: 1.0 MB, no 1000.0 KB
+            return f"{size:.1f} {unit}"
 
 
 def _tree_bytes(directory: Path) -> int:

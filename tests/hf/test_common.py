@@ -22,11 +22,26 @@ def test_a_staging_directory_a_killed_conversion_left_is_named_with_its_size(tmp
         with staged_output(tmp_path / "hf") as staging:
             (staging / "config.json").write_text("{}")
     assert [r.getMessage() for r in caplog.records] == [
-        f"{killed} (0.02 GB): the staging directory of a conversion into {tmp_path / 'hf'} by "
+        f"{killed} (20.0 MB): the staging directory of a conversion into {tmp_path / 'hf'} by "
         "process 4242, which was killed or is still running; not removed: remove it unless that "
         "conversion is running"]
     assert (tmp_path / "hf" / "config.json").read_text() == "{}"
     assert sorted(tmp_path.iterdir()) == sorted([killed, *others, tmp_path / "hf"])
+
+
+@pytest.mark.parametrize("size, shown", [(0, "0 bytes"), (700, "700 bytes"), (1_500, "1.5 KB"),
+                                         (3_210_000_000, "3.2 GB")])
+def test_a_staging_directory_left_is_named_with_a_size_in_its_unit(tmp_path, caplog, size, shown):
+    """Before: "(0.00 GB)" for a leftover of some KB (a killed conversion's config files only),
+    which reads as empty."""
+    killed = tmp_path / ".hf.tmp-4242-0123abcd"
+    killed.mkdir()
+    with open(killed / "model.safetensors", "wb") as weights:
+        weights.truncate(size)  # sparse: its size, no bytes written
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        with staged_output(tmp_path / "hf"):
+            pass
+    assert caplog.records[0].getMessage().startswith(f"{killed} ({shown}): the staging")
 
 
 def test_a_running_conversion_finishing_while_its_staging_is_measured_is_no_traceback(
