@@ -170,39 +170,27 @@ def test_refuses_a_checkpoint_of_another_architecture(exports, tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
-def test_a_depth_the_model_cannot_run_is_refused_without_an_exported_warning(exports, tmp_path,
-                                                                             caplog):
-    """LatentLoop runs only its own visits. Before: "exported with the config's model settings:
-    model.iterations=3" was logged, then the refusal: two lines, the first saying what did not
-    happen."""
+@pytest.mark.parametrize("setting, refusal", [
+    # LatentLoop runs only its own visits.
+    ("iterations", r"^model.iterations=3: .*arch=latentloop runs exactly its iterations=2 visits"),
+    # Learned residual scales are weights of the file (from_pretrained refuses it alike).
+    ("residual_scale_init", r"^model.residual_scale_init=\[0.5, 1.0\]: .*without effect on a "
+                            r"loaded model \(learned"),
+])
+def test_a_setting_the_export_cannot_take_is_refused_without_an_exported_warning(
+        exports, tmp_path, caplog, setting, refusal):
+    """Before: "exported with the config's model settings: model.iterations=3" was logged, then
+    the refusal (two lines, the first saying what did not happen); residual_scale_init was written
+    into config.json, without effect, with a warning that it was exported."""
     import logging
 
     from megaloop.config import ConfigError
 
     exported = exports.get("latentloop")
-    requested = dataclasses.replace(exported.cfg, iterations=exported.cfg.num_iterations + 1)
+    value = exported.cfg.num_iterations + 1 if setting == "iterations" else [0.5, 1.0]
+    requested = dataclasses.replace(exported.cfg, **{setting: value})
     with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
-        with pytest.raises(ConfigError, match=r"^model.iterations=3: .*arch=latentloop runs "
-                                              r"exactly its iterations=2 visits"):
-            export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
-    assert not [r for r in caplog.records if "config's model settings" in r.getMessage()]
-    _assert_nothing_written(tmp_path / "out")
-
-
-def test_an_initial_scale_the_weights_replace_is_refused_without_an_exported_warning(
-        exports, tmp_path, caplog):
-    """Learned residual scales are weights of the file: a --config's residual_scale_init is
-    without effect (from_pretrained refuses it alike). Before: written into config.json, with a
-    warning that it was exported."""
-    import logging
-
-    from megaloop.config import ConfigError
-
-    exported = exports.get("latentloop")
-    requested = dataclasses.replace(exported.cfg, residual_scale_init=[0.5, 1.0])
-    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
-        with pytest.raises(ConfigError, match=r"^model.residual_scale_init=\[0.5, 1.0\]: .*"
-                                              r"without effect on a loaded model \(learned"):
+        with pytest.raises(ConfigError, match=refusal):
             export_checkpoint(exported.checkpoint, tmp_path / "out", requested=requested)
     assert not [r for r in caplog.records if "config's model settings" in r.getMessage()]
     _assert_nothing_written(tmp_path / "out")
