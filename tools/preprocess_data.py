@@ -268,9 +268,7 @@ def remove_shards(prefix: str, world: int, keys: list[str]) -> None:
 
 def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     """Each rank tokenizes a contiguous slice of the global record order; rank 0 merges them."""
-    from megaloop.data.indexed import merge_indexed
-    from megaloop.data.preprocess import (WorkerDied, check_usable, output_prefix, preprocess, read_sidecar,
-                                          remove_sidecar, shard_ranges, write_sidecar)
+    from megaloop.data.preprocess import WorkerDied, preprocess, shard_ranges
 
     rank, world = comm.Get_rank(), comm.Get_size()
     try:  # this rank's own part: its error names it (_main's MPI_Abort ends the others)
@@ -284,22 +282,41 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     except (DataError, TokenizerError, WorkerDied) as err:
         raise type(err)(f"rank {rank}: {err}") from None
     all_stats = comm.gather(stats, root=0)
+    failed = None
     if rank == 0:
-        shards = {key: [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
-                  for key in args.json_keys}
-        total = merged_stats(all_stats, shards, args.max_docs)
-        check_usable(total, args.json_keys, files)  # as a single process checks: the documents kept
-        for key, parts in shards.items():
-            merged = output_prefix(args.output_prefix, key)
-            # An output replaced (--overwrite) keeps its sidecar until the merge is written: one
-            # that fails (a full disk) leaves the old output whole.
-            merge_indexed(parts, merged, args.max_docs, before_commit=functools.partial(remove_sidecar, merged))
-            # Every shard's sidecar describes the same tokenizer; the counts are the merge's.
-            write_sidecar(merged, {**read_sidecar(parts[0]), "documents": total.docs,
-                                   "tokens": total.key_tokens[key]})
-        remove_shards(args.output_prefix, world, args.json_keys)
-        _report(total, [output_prefix(args.output_prefix, k) for k in args.json_keys])
-    comm.Barrier()
+        try:
+            _merge(args, files, all_stats, world)
+        except DataError as err:
+            remove_shards(args.output_prefix, world, args.json_keys)
+            failed = f"error: {err}"
+    # Every rank learns the merge's outcome and a failed one ends them together, rank 0 saying
+    # why: with MPI_Abort, mpiexec could end the job before it forwarded rank 0's line (under
+    # load the run exited 2 having said nothing).
+    failed = comm.bcast(failed, root=0)
+    if failed is not None:
+        raise CheckFailedOnSomeRank(failed if rank == 0 else None)
+
+
+def _merge(args: argparse.Namespace, files: list[str], all_stats: list, world: int) -> None:
+    """Rank 0's part of an MPI run: the ranks' shards (``all_stats``: their counts) merged into
+    the outputs, checked as a single process checks its documents, and removed."""
+    from megaloop.data.indexed import merge_indexed
+    from megaloop.data.preprocess import check_usable, output_prefix, read_sidecar, remove_sidecar, write_sidecar
+
+    shards = {key: [output_prefix(shard_prefix(args.output_prefix, r, world), key) for r in range(world)]
+              for key in args.json_keys}
+    total = merged_stats(all_stats, shards, args.max_docs)
+    check_usable(total, args.json_keys, files)  # as a single process checks: the documents kept
+    for key, parts in shards.items():
+        merged = output_prefix(args.output_prefix, key)
+        # An output replaced (--overwrite) keeps its sidecar until the merge is written: one
+        # that fails (a full disk) leaves the old output whole.
+        merge_indexed(parts, merged, args.max_docs, before_commit=functools.partial(remove_sidecar, merged))
+        # Every shard's sidecar describes the same tokenizer; the counts are the merge's.
+        write_sidecar(merged, {**read_sidecar(parts[0]), "documents": total.docs,
+                               "tokens": total.key_tokens[key]})
+    remove_shards(args.output_prefix, world, args.json_keys)
+    _report(total, [output_prefix(args.output_prefix, k) for k in args.json_keys])
 
 
 def merged_stats(all_stats: list, shards: dict[str, list[str]], max_docs: int | None):
@@ -397,7 +414,7 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 class CheckFailedOnSomeRank(Exception):
     """Raised on every MPI rank once a check before any collective failed on one or more of
-    them (``_agreed``): none is left waiting, so each exits with status 2 without MPI_Abort.
+    them (``_agreed``), or rank 0's merge failed (``run_mpi``): none is left waiting, so each exits with status 2 without MPI_Abort.
     ``line``: what this rank prints (None: another rank says it). Not megaloop.cli's
     ``decided_on_every_rank`` mark, whose error is the same on every rank and said by rank 0:
     here ranks that failed otherwise each say their own line."""

@@ -357,6 +357,9 @@ class _OneRank:
     def gather(self, value, root=0):
         return [value]
 
+    def bcast(self, value, root=0):
+        return value
+
     def Barrier(self):
         pass
 
