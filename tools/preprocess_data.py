@@ -271,16 +271,25 @@ def run_mpi(args: argparse.Namespace, files: list[str], comm) -> None:
     from megaloop.data.preprocess import WorkerDied, preprocess, shard_ranges
 
     rank, world = comm.Get_rank(), comm.Get_size()
-    try:  # this rank's own part: its error names it (_main's MPI_Abort ends the others)
-        # Ranks count disjoint subsets of the files, then all learn every count.
-        mine = {i: count_records(files[i]) for i in range(rank, len(files), world)}
-        counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
-        ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
+    # Ranks count disjoint subsets of the files, then all learn every count.
+    mine = _agreed(comm, lambda: {i: count_records(files[i]) for i in range(rank, len(files), world)})
+    counts = {i: n for part in comm.allgather(mine) for i, n in part.items()}
+    ranges = shard_ranges([(f, counts[i]) for i, f in enumerate(files)], world, rank)
+    stats = problem = None
+    try:  # this rank's own part: its error names it
         shard = shard_prefix(args.output_prefix, rank, world)
         with ProgressReporter([r[0] for r in ranges], args.log_interval, label=f"[rank {rank}] ") as reporter:
             stats = preprocess(ranges, shard, _options(args), reporter, allow_empty=True)
     except (DataError, TokenizerError, WorkerDied) as err:
-        raise type(err)(f"rank {rank}: {err}") from None
+        problem = (1 if isinstance(err, WorkerDied) else 2, f"error: rank {rank}: {err}")
+    # A rank's failure ends every rank together, each failed rank saying its own line, rather
+    # than by MPI_Abort, with which mpiexec could end the job before it forwarded that line.
+    problems = comm.allgather(problem)
+    if any(p is not None for p in problems):
+        if rank == 0:  # the others' shards, committed already
+            remove_shards(args.output_prefix, world, args.json_keys)
+        code = next(p[0] for p in problems if p is not None)
+        raise CheckFailedOnSomeRank(None if problem is None else problem[1], code)
     all_stats = comm.gather(stats, root=0)
     failed = None
     if rank == 0:
@@ -414,14 +423,15 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 class CheckFailedOnSomeRank(Exception):
     """Raised on every MPI rank once a check before any collective failed on one or more of
-    them (``_agreed``), or rank 0's merge failed (``run_mpi``): none is left waiting, so each exits with status 2 without MPI_Abort.
-    ``line``: what this rank prints (None: another rank says it). Not megaloop.cli's
-    ``decided_on_every_rank`` mark, whose error is the same on every rank and said by rank 0:
-    here ranks that failed otherwise each say their own line."""
+    them (``_agreed``), a rank's tokenizing failed, or rank 0's merge failed (``run_mpi``): none
+    is left waiting, so each exits with status ``code`` without MPI_Abort. ``line``: what this
+    rank prints (None: another rank says it). Not megaloop.cli's ``decided_on_every_rank`` mark,
+    whose error is the same on every rank and said by rank 0: here ranks that failed otherwise
+    each say their own line."""
 
-    def __init__(self, line: str | None):
+    def __init__(self, line: str | None, code: int = 2):
         super().__init__(line)
-        self.line = line
+        self.line, self.code = line, code
 
 
 def _agreed(comm, check):
@@ -470,7 +480,7 @@ def _main(argv: list[str] | None) -> int:
         # The ranks exit together: mpiexec ends every rank at the first failed exit, and one
         # that left the line to another could end that one before it is said.
         comm.Barrier()
-        return 2
+        return failed.code
     except (DataError, TokenizerError) as err:
         return _fail(2, f"error: {err}", args, comm)
     except WorkerDied as err:

@@ -389,6 +389,26 @@ def test_failed_mpiexec_run_leaves_no_shards(tmp_path, repo, sp_model, articles)
     assert sorted(os.listdir(tmp_path)) == ["shards"]
 
 
+def test_a_rank_s_own_tokenizing_error_under_mpiexec_ends_every_rank_and_is_said(tmp_path, repo, sp_model):
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip package mpich) not installed")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text("".join(json.dumps({"text": f"fine {i}"}) + "\n" for i in range(4)))
+    (inputs / "b.jsonl").write_text('{"text": "fine"}\n{"text": \n{"text": "x"}\n{"text": "y"}\n')
+    # --strict: rank 1's slice (b.jsonl) holds a malformed record; rank 0's is whole.
+    cmd = [mpiexec, "-n", "2", sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(inputs),
+           "--output-prefix", str(tmp_path / "mpi"), "--workers", "1", "--strict", *map(str, sp_args(sp_model))]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2, result.stderr
+    assert f"error: rank 1: {inputs / 'b.jsonl'}:2: malformed JSON" in result.stderr
+    # Before: the rank called MPI_Abort, and under load mpiexec could end the job before it
+    # forwarded the rank's line.
+    assert "MPI_Abort" not in result.stderr, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["in"]
+
+
 @pytest.mark.parametrize("receiver", ["main thread", "another thread"])
 def test_a_sigterm_as_an_output_file_is_created_leaves_none(tmp_path, run, sp_model, articles_path, monkeypatch,
                                                              receiver):
