@@ -314,6 +314,8 @@ def print_task_table(results: dict, hops) -> None:
         print(f"{name:<9} {r['layers']:>5} {r['depth']:>3} {r['params'] / 1e6:>6.2f}M "
               f"{r['matched']:>8} {r['val_loss']:>7.3f} {r['tokens_per_s']:>6.0f} "
               f"{acc['all']:>5.2f}  " + " ".join(f"{acc['hops'][h]:>5.2f}" for h in hops))
+    if not any(r.get("accuracy_by_depth") for r in results.values()):
+        return  # no looped model: no test-time depth to vary
     print("answer accuracy at test-time depth K (R for fullloop); chance 0.50")
     print(f"{'model':<9} {'K':>2} {'J':>3} {'acc':>5}  " + " ".join(f"{h}-hop" for h in hops))
     for name, r in results.items():

@@ -11,7 +11,8 @@ import socket
 import pytest
 
 from megaloop.data.tokenizer import SentencePieceTextTokenizer
-from megaloop.quickstart import EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, StagedOutput, main
+from megaloop.quickstart import (EVAL_HOPS, REPLACED, RUNS, STAGING, TEST_DEPTHS, StagedOutput, main,
+                                 print_task_table)
 from megaloop.training.run_dir import LOCK_FILE, RunLock
 
 SMALL = ["--steps", "1", "--eval-per-hop", "2", "--models", "dense4", "--documents", "60"]
@@ -46,6 +47,17 @@ def test_quickstart_runs_end_to_end(mcore, tmp_path, capsys):
     assert len(tokenizer.encode_batch(["g=d;c=a;?e="])[0]) == 4  # space, 2 bindings, query
     table = capsys.readouterr().out
     assert "5-hop" in table and "matched" in table and "2+2x3" in table
+    assert "answer accuracy at test-time depth" in table
+
+
+def test_without_a_looped_model_no_empty_test_time_depth_table_is_printed(capsys):
+    # Before: --models dense8 printed the depth table's title and header with no row under them.
+    hops = EVAL_HOPS
+    accuracy = {"all": 0.5, "hops": {h: 0.5 for h in hops}}
+    print_task_table({"dense8": {"layers": 8, "depth": 8, "params": 4.7e5, "matched": "compute",
+                                 "val_loss": 2.2, "tokens_per_s": 9000.0, "accuracy": accuracy}}, hops)
+    table = capsys.readouterr().out
+    assert table.count("\n") == 2 and table.startswith("model") and "dense8" in table
 
 
 def test_a_rerun_replaces_the_previous_quickstart_and_a_foreign_directory_is_left_alone(
