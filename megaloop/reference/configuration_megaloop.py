@@ -33,6 +33,13 @@ LOAD_TIME_SETTINGS = ("iterations", "max_position_embeddings", "rotary_base", "n
                       "initializer_range", "residual_scale_init")
 
 
+def model_fields() -> list[str]:
+    """The names of MegaloopConfig's model settings: its own fields but ``use_cache`` (what forward
+    does by default, no setting of the model)."""
+    return [name for name in inspect.signature(MegaloopConfig.__init__).parameters
+            if name not in ("self", "kwargs", "use_cache")]
+
+
 class MegaloopConfig(PretrainedConfig):
     model_type = "megaloop"
     attribute_map = {"num_hidden_layers": "num_layers"}
@@ -104,9 +111,7 @@ class MegaloopConfig(PretrainedConfig):
         scales the safetensors do not hold, would run them without a word), learned scales'
         ``residual_scale_init``, any architecture field. Compared as this class stores them
         (``latent_visits`` in any order is the same model)."""
-        # (use_cache: what forward does by default, no setting of the model)
-        own = [name for name in inspect.signature(MegaloopConfig.__init__).parameters
-               if name in kwargs and name not in ("self", "kwargs", "use_cache")]
+        own = [name for name in model_fields() if name in kwargs]
         if own:
             saved = cls(**config_dict)
             asked = cls(**{**config_dict, **{name: kwargs[name] for name in own}})

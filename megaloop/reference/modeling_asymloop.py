@@ -22,6 +22,7 @@ everything cached before them, so a prompt fed in chunks gives the logits of one
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -33,7 +34,7 @@ from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_megaloop import MegaloopConfig
+from .configuration_megaloop import MegaloopConfig, model_fields
 from .modeling_moe import MLP, MoEFeedForward
 
 # What transformers calls the cache, in outputs and generate() arguments: ``cache`` since 5.24,
@@ -229,6 +230,50 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def post_init(self):
+        super().post_init()
+        # The config the modules were built from: a field edited later (model.config.x = v) is
+        # applied or refused at the next forward (``_apply_config_edits``), not run past.
+        self._built_config = copy.deepcopy(self.config)
+
+    def _apply_config_edits(self) -> None:
+        """Each field of ``self.config`` a user changed since the model was built, applied as
+        ``from_pretrained(dir, name=value)`` would have (the modules that hold ``norm_eps``,
+        ``moe_top_k`` or fixed residual scales take the new value; ``iterations``, ``rotary_base``
+        and ``max_position_embeddings`` are read at each call) or a one-line ValueError naming it
+        where from_pretrained refuses it: another architecture field would run another model on
+        these weights, or (``qk_norm``, a LatentLoop's ``iterations``) fail or be ignored."""
+        built, cfg = self._built_config, self.config
+        for name in model_fields():
+            value = getattr(cfg, name)
+            was = getattr(built, name)
+            same = sorted(value) == sorted(was) if name == "latent_visits" else \
+                (list(value) == list(was) if isinstance(was, list) else value == was)
+            if same or (name == "vocab_size" and value == self.embed_tokens.num_embeddings):
+                setattr(built, name, copy.deepcopy(value))  # (resize_token_embeddings sets it)
+                continue
+            problem = built.load_time_refusal(name, value)
+            if problem:
+                raise ValueError(f"model.config.{name}={value!r} (changed after loading; the model "
+                                 f"was built with {was!r}): {problem}")
+            for module in self.modules():
+                if name == "norm_eps" and isinstance(module, nn.RMSNorm):
+                    module.eps = value
+                elif name == "moe_top_k" and isinstance(module, MoEFeedForward):
+                    module.top_k = value
+            if name == "residual_scale_init":
+                self._set_fixed_scales(value)
+            setattr(built, name, copy.deepcopy(value))
+
+    def _set_fixed_scales(self, value) -> None:
+        """LatentLoop's fixed residual scales set to ``value`` (a model without them: none)."""
+
+    def save_pretrained(self, *args, **kwargs):
+        """As PreTrainedModel's, after the config edits are applied or refused: a refused one
+        would write a config.json that builds another model around the saved weights."""
+        self._apply_config_edits()
+        return super().save_pretrained(*args, **kwargs)
+
     def get_input_embeddings(self):
         return self.embed_tokens
 
@@ -326,6 +371,7 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             raise TypeError(f"forward() got an unexpected keyword argument {unexpected[0]!r}")
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds: not supported, pass input_ids")
+        self._apply_config_edits()
         cfg = self.config
         steps = cfg.iterations if num_iterations is None else num_iterations
         if steps < 1:

@@ -129,6 +129,17 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         return torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations,
                             dtype=torch.get_default_dtype())
 
+    def _set_fixed_scales(self, value) -> None:
+        """A fixed scale's edited ``residual_scale_init`` (learned scales refuse one), as
+        from_pretrained would set it; a ValueError where it is not one value per visit."""
+        scales = torch.tensor(value or [1.0] * self.config.iterations,
+                              dtype=self.residual_scales.dtype, device=self.residual_scales.device)
+        if scales.shape != self.residual_scales.shape:
+            raise ValueError(f"model.config.residual_scale_init={value!r}: one value per visit "
+                             f"(iterations={self.config.iterations})")
+        with torch.no_grad():
+            self.residual_scales.copy_(scales)
+
     def _init_weights(self, module):
         """transformers' init functions leave loaded tensors alone; a fixed scale is a buffer
         outside the state dict, so it is always set here."""

@@ -91,3 +91,48 @@ def test_reduced_visits_in_any_order_are_one_config():
     spelt = [reference_config(small_config("latentloop", latent_visits=v)).to_dict()
              for v in ([1, 2], [2, 1])]
     assert spelt[0] == spelt[1]
+
+
+@pytest.mark.parametrize("variant, name, value", [
+    ("asymloop", "norm_eps", 0.5), ("asymloop_moe", "moe_top_k", 1),
+    ("moe_loop", "residual_scale_init", [0.5, 0.25]), ("asymloop", "iterations", 5),
+    ("asymloop", "rotary_base", 500.0)])
+def test_a_setting_edited_after_loading_is_applied_as_at_load_time(tmp_path, variant, name, value):
+    """model.config.<name> = value, then forward: the logits of from_pretrained(dir, name=value).
+    Before: norm_eps, moe_top_k and fixed scales' residual_scale_init were ignored (the modules
+    keep what they were built with), without a word."""
+    model = reference_model(variant)
+    model.save_pretrained(tmp_path)
+    x = tokens(batch=1, length=6)
+    setattr(model.config, name, value)
+    loaded = type(model).from_pretrained(tmp_path, **{name: value})
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, loaded(x).logits)
+        assert not torch.allclose(model(x).logits, type(model).from_pretrained(tmp_path)(x).logits)
+
+
+@pytest.mark.parametrize("variant, name, value, problem", [
+    ("latentloop", "iterations", 1, "arch=latentloop runs exactly its iterations=2 visits"),
+    ("asymloop", "injection", "none", "fixed by the saved weights"),
+    ("asymloop", "qk_norm", False, "fixed by the saved weights")])
+def test_a_setting_edited_after_loading_that_load_time_refuses_is_refused(tmp_path, variant, name,
+                                                                          value, problem):
+    """Before: a LatentLoop ran 1 of its 2 visits, an AsymLoop without its Global KV, and QK-norm
+    stayed on: another model than the weights', or the edit ignored. Refused by forward and by
+    save_pretrained (whose config.json would build another model around the weights)."""
+    model = reference_model(variant)
+    setattr(model.config, name, value)
+    expected = rf"^model\.config\.{name}={re.escape(repr(value))} \(changed after loading; .*" \
+               + re.escape(problem)
+    with pytest.raises(ValueError, match=expected):
+        model(tokens(batch=1, length=6))
+    with pytest.raises(ValueError, match=expected):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_resized_token_embeddings_are_no_config_edit():
+    """resize_token_embeddings sets config.vocab_size to the new embedding's rows."""
+    model = reference_model("asymloop")
+    model.resize_token_embeddings(model.config.vocab_size + 8)
+    assert model(tokens(batch=1, length=6)).logits.shape[-1] == model.config.vocab_size
