@@ -10,6 +10,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -63,7 +64,8 @@ def staged_output(out: str | os.PathLike):
         raise ConversionError(f"{out}: already exists and is not an empty directory; choose a new "
                               "output directory")
     _note_killed_stagings(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
+    tmp = out.with_name(f".{out.name}.tmp-{_host()}-{os.getpid()}-"
+                        f"{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -88,22 +90,50 @@ def staged_output(out: str | os.PathLike):
 
 
 def _note_killed_stagings(out: Path) -> None:
-    """A warning line for each staging directory of ``out`` that a killed conversion (SIGKILL: the
-    out-of-memory killer, a scheduler's last resort) left: nothing else removes it, and it is as
-    large as a model. Not removed, and said so: a conversion into ``out`` that is still running
-    (on this machine or, on a shared file system, another) has one of the same form."""
+    """A warning line for each staging directory of ``out`` that another conversion made: nothing
+    else removes one a killed conversion (SIGKILL: the out-of-memory killer, a scheduler's last
+    resort) left, and it is as large as a model. Not removed. Its name holds the host and process
+    that made it: on this host, the line says whether that process still runs (a conversion into
+    the same ``out`` running beside this one: the later to finish is refused) or has ended (the
+    leftover of a killed one); made on another host (a shared file system), or before the name
+    held the host, the line cannot tell the two apart."""
     token = f"[0-9a-f]{{{2 * _STAGING_TOKEN_BYTES}}}"
-    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-{token}")
+    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-(?:(.+)-)?(\d+)-{token}")
     if not out.parent.is_dir():
         return
     for leftover in sorted(p for p in out.parent.iterdir() if staging.fullmatch(p.name)):
         size = _tree_bytes(leftover)
         if not leftover.exists():  # a running conversion has just moved it into place, or failed
             continue
-        log.warning("%s (%s): the staging directory of a conversion into %s by process %s, "
-                    "which was killed or is still running; not removed: remove it unless that "
-                    "conversion is running", leftover, _shown_size(size), out,
-                    staging.fullmatch(leftover.name)[1])
+        host, pid = staging.fullmatch(leftover.name).groups()
+        head = f"{leftover} ({_shown_size(size)}): the staging directory of a conversion into {out}"
+        if host != _host():
+            where = f" on host {host}" if host else ""
+            log.warning("%s by process %s%s, which was killed or is still running; not removed: "
+                        "remove it unless that conversion is running", head, pid, where)
+        elif _running(int(pid)):
+            log.warning("%s by process %s on this host, still running: of the two conversions "
+                        "into it, the later to finish will be refused", head, pid)
+        else:
+            log.warning("%s by process %s on this host, which has ended (killed); not removed: "
+                        "remove it", head, pid)
+
+
+def _host() -> str:
+    """This host's name as staging directory names hold it (file-name characters only)."""
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "_"
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's included: PermissionError).
+    0 would signal this process group; a number past the pid range names no process."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return pid > 0
 
 
 def _shown_size(size: int) -> str:

@@ -1,11 +1,14 @@
 """The staged output directory both conversion directions write into."""
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from megaloop.hf.common import ConversionError, staged_output
+from megaloop.hf.common import ConversionError, _host, staged_output
 
 
 def test_a_staging_directory_a_killed_conversion_left_is_named_with_its_size(tmp_path, caplog):
@@ -67,3 +70,31 @@ def test_a_running_conversion_finishing_while_its_staging_is_measured_is_no_trac
                 (staging / "config.json").write_text("{}")
     assert caplog.records == []
     assert (tmp_path / "hf" / "config.json").read_text() == '{"theirs": 1}'
+
+
+def test_a_staging_directory_on_this_host_is_named_running_or_killed_by_its_process(tmp_path,
+                                                                                    caplog):
+    """The staging name holds the host and process. Before: a running conversion's staging
+    directory (here: this process's) was reported as a killed one's leftover, "remove it", as
+    was one whose process has ended; now each says which it is. Another host's cannot be told."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = _host()
+    running = tmp_path / f".hf.tmp-{host}-{os.getpid()}-0123abcd"
+    killed = tmp_path / f".hf.tmp-{host}-{ended.pid}-89abcdef"
+    elsewhere = tmp_path / f".hf.tmp-{host}x-4242-00000000"
+    for directory in (running, killed, elsewhere):
+        directory.mkdir()
+    out = tmp_path / "hf"
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        with staged_output(out) as staging:
+            assert staging.name.startswith(f".hf.tmp-{host}-{os.getpid()}-")
+    assert sorted(r.getMessage() for r in caplog.records) == sorted([
+        f"{running} (0 bytes): the staging directory of a conversion into {out} by process "
+        f"{os.getpid()} on this host, still running: of the two conversions into it, the later "
+        "to finish will be refused",
+        f"{killed} (0 bytes): the staging directory of a conversion into {out} by process "
+        f"{ended.pid} on this host, which has ended (killed); not removed: remove it",
+        f"{elsewhere} (0 bytes): the staging directory of a conversion into {out} by process 4242 "
+        f"on host {host}x, which was killed or is still running; not removed: remove it unless "
+        "that conversion is running"])
