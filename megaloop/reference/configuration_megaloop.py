@@ -19,6 +19,7 @@ from_dict``).
 from __future__ import annotations
 
 import inspect
+import math
 
 from transformers import PretrainedConfig
 
@@ -31,6 +32,29 @@ from transformers import PretrainedConfig
 LOAD_TIME_SETTINGS = ("iterations", "max_position_embeddings", "rotary_base", "norm_eps",
                       "moe_top_k", "moe_aux_loss_coeff", "moe_z_loss_coeff", "joint_attention",
                       "initializer_range", "residual_scale_init")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+# What a load-time setting's value must be, as megaloop's ModelConfig.validate refuses (rather than
+# a traceback from torch, NaN logits from RoPE or a norm, or no effect): (said, test).
+_VALUES = {
+    "iterations": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "max_position_embeddings": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "rotary_base": ("a number > 0", lambda v: _number(v) and v > 0),
+    "initializer_range": ("a number > 0", lambda v: _number(v) and v > 0),
+    "norm_eps": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "moe_aux_loss_coeff": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "moe_z_loss_coeff": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "joint_attention": ("'fused' or 'masked'", lambda v: v in ("fused", "masked")),
+    "moe_top_k": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+}
 
 
 def model_fields() -> list[str]:
@@ -130,18 +154,31 @@ class MegaloopConfig(PretrainedConfig):
         if name not in LOAD_TIME_SETTINGS:
             return (f"fixed by the saved weights (config.json has {saved!r}); from_pretrained may "
                     f"change only {', '.join(LOAD_TIME_SETTINGS)}")
-        if name == "iterations" and value < 1:
-            return "must be >= 1"
+        if name in _VALUES and not _VALUES[name][1](value):
+            return f"must be {_VALUES[name][0]}"
+        if name.startswith("moe_") and not self.num_experts:
+            return "without effect: the model has no experts (num_experts=0)"
+        if name == "moe_top_k":
+            low = 2 if self.latent_reduction == "top_k" and self.latent_visits else 1
+            if not low <= value <= self.num_experts:
+                return (f"must be in [{low}, num_experts={self.num_experts}]"
+                        + (" (its reduced visits route to moe_top_k // 2 experts)" if low == 2
+                           else ""))
         if name == "iterations" and self.arch == "dense":
             return ("arch=dense has no depth to vary (it would loop its layers; arch=fullloop is "
                     "the looped stack)")
         if name == "iterations" and self.arch == "latentloop":
             return (f"arch=latentloop runs exactly its iterations={saved} visits (each has its "
                     "own scales)")
-        if name == "residual_scale_init" and self.arch == "latentloop" \
-                and self.residual_scale == "learned":
+        if name == "residual_scale_init" and self.arch != "latentloop":
+            return f"without effect: arch={self.arch} has no residual scales (arch=latentloop's)"
+        if name == "residual_scale_init" and self.residual_scale == "learned":
             return ("without effect on a loaded model (its residual scales are learned weights, "
                     "loaded from the safetensors)")
+        if name == "residual_scale_init" and not (
+                isinstance(value, (list, tuple)) and len(value) in (0, self.iterations)
+                and all(_number(v) for v in value)):
+            return f"must be {self.iterations} numbers, one per visit (or [] for 1.0 each)"
         return None
 
     @property

@@ -130,15 +130,10 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
                             dtype=torch.get_default_dtype())
 
     def _set_fixed_scales(self, value) -> None:
-        """A fixed scale's edited ``residual_scale_init`` (learned scales refuse one), as
-        from_pretrained would set it; a ValueError where it is not one value per visit."""
-        scales = torch.tensor(value or [1.0] * self.config.iterations,
-                              dtype=self.residual_scales.dtype, device=self.residual_scales.device)
-        if scales.shape != self.residual_scales.shape:
-            raise ValueError(f"model.config.residual_scale_init={value!r}: one value per visit "
-                             f"(iterations={self.config.iterations})")
+        """A fixed scale's edited ``residual_scale_init`` (one value per visit, checked by
+        load_time_refusal; learned scales refuse one), as from_pretrained would set it."""
         with torch.no_grad():
-            self.residual_scales.copy_(scales)
+            self.residual_scales.copy_(torch.tensor(value or [1.0] * self.config.iterations))
 
     def _init_weights(self, module):
         """transformers' init functions leave loaded tensors alone; a fixed scale is a buffer

@@ -74,7 +74,7 @@ def test_an_asymloop_takes_another_depth_and_refuses_another_injection(tmp_path)
     assert type(model).from_pretrained(tmp_path, iterations=5).config.iterations == 5
     with pytest.raises(ValueError, match=r"^injection='none': fixed by the saved weights"):
         type(model).from_pretrained(tmp_path, injection="none")
-    with pytest.raises(ValueError, match=r"^iterations=0: must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^iterations=0: must be an integer >= 1$"):
         type(model).from_pretrained(tmp_path, iterations=0)
 
 
@@ -136,3 +136,29 @@ def test_resized_token_embeddings_are_no_config_edit():
     model = reference_model("asymloop")
     model.resize_token_embeddings(model.config.vocab_size + 8)
     assert model(tokens(batch=1, length=6)).logits.shape[-1] == model.config.vocab_size
+
+
+@pytest.mark.parametrize("variant, name, value, problem", [
+    ("asymloop", "residual_scale_init", [0.5, 0.5, 0.5],
+     "without effect: arch=asymloop has no residual scales"),
+    ("moe_loop", "residual_scale_init", [0.5], "must be 2 numbers, one per visit"),
+    ("asymloop_moe", "moe_top_k", 100, "must be in [1, num_experts=4]"),
+    ("asymloop_moe", "moe_top_k", 0, "must be an integer >= 1"),
+    ("asymloop", "moe_top_k", 3, "without effect: the model has no experts"),
+    ("latentloop_moe_topk", "moe_top_k", 1, "must be in [2, num_experts=8]"),
+    ("asymloop", "norm_eps", -1.0, "must be a number >= 0"),
+    ("asymloop", "rotary_base", 0.0, "must be a number > 0"),
+    ("asymloop", "max_position_embeddings", 0, "must be an integer >= 1"),
+    ("asymloop", "joint_attention", "bogus", "must be 'fused' or 'masked'"),
+    ("asymloop", "iterations", 2.5, "must be an integer >= 1")])
+def test_a_load_time_setting_the_model_cannot_run_is_refused_naming_it(tmp_path, variant, name,
+                                                                       value, problem):
+    """As megaloop's ModelConfig.validate. Before: loaded, then an IndexError (too few scales), a
+    RuntimeError from topk (more experts than there are) or a TypeError at the first forward; NaN
+    logits (norm_eps < 0, rotary_base 0); or loaded and silently without effect (an AsymLoop's
+    residual scales, a dense FFN's top-k, moe_top_k=0 routing to no expert, a top-k reduced visit
+    routing to moe_top_k // 2 = 0, so to all of them)."""
+    model = reference_model(variant)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^{re.escape(f'{name}={value!r}: {problem}')}"):
+        type(model).from_pretrained(tmp_path, **{name: value})
