@@ -10,7 +10,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -72,7 +74,8 @@ def staged_output(out: str | os.PathLike):
     except OSError as e:
         raise ConversionError(f"{out}: cannot create it ({e.strerror}: {e.filename})") from None
     try:
-        yield tmp
+        with _sigterm_as_exit():
+            yield tmp
         _readable_as_plain_files(tmp)
         try:
             if out.exists():
@@ -83,10 +86,38 @@ def staged_output(out: str | os.PathLike):
                                   "choose a new output directory") from None
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, _Terminated):
+            log.error("%s: terminated (SIGTERM): the conversion stopped, nothing was written", out)
         failure = _io_failure(out, e)
         if failure is None:
             raise
         raise ConversionError(failure) from None
+
+
+class _Terminated(SystemExit):
+    """SIGTERM during a conversion: exits as the signal would (128 + 15), once the staging
+    directory is removed."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM (``timeout``, ``kill``, a scheduler's time limit before its SIGKILL) raised as
+    _Terminated while the block runs, so that the staging directory, as large as a model, is
+    removed: the default action ends the process on the spot and left it. Only where SIGTERM has
+    its default action, in the main thread (a program handling it keeps its own handler)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise _Terminated(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _note_killed_stagings(out: Path) -> None:

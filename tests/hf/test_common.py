@@ -98,3 +98,25 @@ def test_a_staging_directory_on_this_host_is_named_running_or_killed_by_its_proc
         f"{elsewhere} (0 bytes): the staging directory of a conversion into {out} by process 4242 "
         f"on host {host}x, which was killed or is still running; not removed: remove it unless "
         "that conversion is running"])
+
+
+def test_a_conversion_ended_by_sigterm_removes_its_staging_directory(tmp_path):
+    """Before: SIGTERM (timeout, kill, a scheduler's time limit) ended the process on the spot and
+    left the staging directory, as large as a model, beside OUT; now it is removed, a line says
+    so, and the exit status is SIGTERM's (143)."""
+    script = ("import pathlib, sys, time\n"
+              "from megaloop.hf.common import staged_output\n"
+              "with staged_output(sys.argv[1]) as staging:\n"
+              "    (staging / 'model.safetensors').write_bytes(b'0' * 1000)\n"
+              "    print('ready', flush=True)\n"
+              "    time.sleep(60)\n")
+    out = tmp_path / "hf"
+    process = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert process.stdout.readline() == "ready\n"
+    process.terminate()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143
+    assert f"{out}: terminated (SIGTERM): the conversion stopped, nothing was written" in stderr
+    assert list(tmp_path.iterdir()) == []
