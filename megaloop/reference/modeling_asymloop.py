@@ -374,6 +374,8 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         self._apply_config_edits()
         cfg = self.config
         steps = cfg.iterations if num_iterations is None else num_iterations
+        if isinstance(steps, bool) or not isinstance(steps, int):  # (range() would say it, deep)
+            raise ValueError(f"num_iterations={steps!r}: must be an integer")
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
         if cfg.arch == "dense" and steps != 1:  # as the canonical model refuses it

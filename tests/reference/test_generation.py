@@ -3,6 +3,7 @@ full forward, greedy generate() gives the same tokens with and without the cache
 at load time and per call, left padding (LatentLoop too), beam search over LatentLoop's cached
 state."""
 
+import re
 import warnings
 
 import pytest
@@ -212,6 +213,16 @@ def test_latentloop_refuses_padding_after_a_token_and_other_depths():
         model(x, attention_mask=mask)
     with pytest.raises(ValueError, match="runs exactly its iterations=2 visits"):
         model(x, num_iterations=3)
+
+
+@pytest.mark.parametrize("depth", [2.5, "3", True])
+def test_a_depth_per_call_that_is_no_integer_is_refused_naming_it(depth):
+    """Before: a TypeError from range() in the model body (2.5), or from comparing a str with 1;
+    True ran as depth 1."""
+    model = reference_model("asymloop")
+    with pytest.raises(ValueError, match=rf"^num_iterations={re.escape(repr(depth))}: must be an "
+                                         "integer$"):
+        model(tokens(batch=1, length=4), num_iterations=depth)
 
 
 def test_forward_takes_old_transformers_cache_position_and_refuses_other_names():
