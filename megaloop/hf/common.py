@@ -74,7 +74,7 @@ def staged_output(out: str | os.PathLike):
     except OSError as e:
         raise ConversionError(f"{out}: cannot create it ({e.strerror}: {e.filename})") from None
     try:
-        with _sigterm_as_exit():
+        with sigterm_as_exit():
             yield tmp
         _readable_as_plain_files(tmp)
         try:
@@ -86,7 +86,7 @@ def staged_output(out: str | os.PathLike):
                                   "choose a new output directory") from None
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, _Terminated):
+        if isinstance(e, Terminated):
             log.error("%s: terminated (SIGTERM): the conversion stopped, nothing was written", out)
         failure = _io_failure(out, e)
         if failure is None:
@@ -94,24 +94,25 @@ def staged_output(out: str | os.PathLike):
         raise ConversionError(failure) from None
 
 
-class _Terminated(SystemExit):
-    """SIGTERM during a conversion: exits as the signal would (128 + 15), once the staging
-    directory is removed."""
+class Terminated(SystemExit):
+    """SIGTERM during a conversion or an evaluation: exits as the signal would (128 + 15), once
+    the temporary files are removed."""
 
 
 @contextlib.contextmanager
-def _sigterm_as_exit():
+def sigterm_as_exit():
     """SIGTERM (``timeout``, ``kill``, a scheduler's time limit before its SIGKILL) raised as
-    _Terminated while the block runs, so that the staging directory, as large as a model, is
-    removed: the default action ends the process on the spot and left it. Only where SIGTERM has
-    its default action, in the main thread (a program handling it keeps its own handler)."""
+    Terminated while the block runs, so that a staging or temporary directory, as large as a
+    model, is removed: the default action ends the process on the spot and left it. Only where
+    SIGTERM has its default action, in the main thread (a program handling it keeps its own
+    handler)."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
 
     def terminate(signum, frame):
-        raise _Terminated(128 + signum)
+        raise Terminated(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
     try:
