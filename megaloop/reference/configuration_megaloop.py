@@ -57,13 +57,6 @@ _VALUES = {
 }
 
 
-def model_fields() -> list[str]:
-    """The names of MegaloopConfig's model settings: its own fields but ``use_cache`` (what forward
-    does by default, no setting of the model)."""
-    return [name for name in inspect.signature(MegaloopConfig.__init__).parameters
-            if name not in ("self", "kwargs", "use_cache")]
-
-
 class MegaloopConfig(PretrainedConfig):
     model_type = "megaloop"
     attribute_map = {"num_hidden_layers": "num_layers"}
@@ -135,7 +128,7 @@ class MegaloopConfig(PretrainedConfig):
         scales the safetensors do not hold, would run them without a word), learned scales'
         ``residual_scale_init``, any architecture field. Compared as this class stores them
         (``latent_visits`` in any order is the same model)."""
-        own = [name for name in model_fields() if name in kwargs]
+        own = [name for name in MODEL_FIELDS if name in kwargs]
         if own:
             saved = cls(**config_dict)
             asked = cls(**{**config_dict, **{name: kwargs[name] for name in own}})
@@ -185,6 +178,12 @@ class MegaloopConfig(PretrainedConfig):
     def num_encoder_layers(self) -> int:
         """Layers before the loop (AsymLoop only; LatentLoop's prelude is ``prelude_layers``)."""
         return self.encoder_layers if self.arch == "asymloop" else 0
+
+
+# The names of MegaloopConfig's model settings: its own fields but ``use_cache`` (what forward
+# does by default, no setting of the model). Listed once: a model compares them at every forward.
+MODEL_FIELDS = tuple(name for name in inspect.signature(MegaloopConfig.__init__).parameters
+                     if name not in ("self", "kwargs", "use_cache"))
 
 
 class LatentLoopConfig(MegaloopConfig):
