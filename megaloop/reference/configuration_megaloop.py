@@ -13,7 +13,8 @@ warns so): carried so that an import (megaloop.hf.from_hf) trains as the run did
 time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
 call with ``num_iterations=`` (forward and generate); LatentLoop runs only its own. Of the fields
 here, ``from_pretrained`` takes other values of ``LOAD_TIME_SETTINGS`` alone (``MegaloopConfig.
-from_dict``).
+from_dict``); a loaded model's config edited afterwards is applied or refused alike, at the next
+forward or save_pretrained (``MegaloopPreTrainedModel._apply_config_edits``).
 """
 
 from __future__ import annotations
