@@ -65,6 +65,10 @@ def staged_output(out: str | os.PathLike):
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"{out}: already exists and is not an empty directory; choose a new "
                               "output directory")
+    if _is_working_directory(out):  # ('.' has no name to stage beside: a traceback before)
+        raise ConversionError(f"{out}: the current directory, which the result would replace (a "
+                              "shell in it would list nothing); run from its parent (cd ..) or "
+                              "choose a new output directory")
     _note_killed_stagings(out)
     tmp = out.with_name(f".{out.name}.tmp-{_host()}-{os.getpid()}-"
                         f"{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
@@ -92,6 +96,12 @@ def staged_output(out: str | os.PathLike):
         if failure is None:
             raise
         raise ConversionError(failure) from None
+
+
+def _is_working_directory(path: Path) -> bool:
+    with contextlib.suppress(OSError):  # the working directory removed
+        return os.path.samefile(path, os.curdir)
+    return False
 
 
 class Terminated(SystemExit):

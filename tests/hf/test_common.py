@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,17 @@ def test_a_conversion_ended_by_sigterm_removes_its_staging_directory(tmp_path):
     assert process.returncode == 143
     assert f"{out}: terminated (SIGTERM): the conversion stopped, nothing was written" in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", [".", "../here"])
+def test_the_current_directory_as_output_is_refused_in_one_line(tmp_path, monkeypatch, given):
+    """Before: '.' was a ValueError traceback from pathlib (exit 1, as for a probe mismatch), and
+    '../here' from inside it renamed the result over the shell's working directory, which then
+    listed nothing."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(ConversionError, match=rf"^{re.escape(given)}: the current directory, "
+                                              "which the result would replace"):
+        with staged_output(given):
+            pass
+    assert list(tmp_path.iterdir()) == [tmp_path / "here"]
