@@ -292,15 +292,16 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         return LoopedCache(self.config.iterations if num_iterations is None else num_iterations)
 
     def generate(self, *args, **kwargs):
-        """GenerationMixin.generate, given a new cache for assisted decoding and prompt lookup:
-        they crop the draft tokens the model rejects from a cache passed in, and generate() makes
+        """GenerationMixin.generate, given a new cache for assisted decoding, prompt lookup and
+        chunked prefill (``prefill_chunk_size``): they use a cache passed in, and generate() makes
         none for a model with its own (``_supports_default_dynamic_cache``), so it refused them
-        with "Assisted decoding requires a cache"."""
+        ("Assisted decoding requires a cache", "Cannot use prefill chunking without a cache")."""
         config = kwargs.get("generation_config") or self.generation_config
-        assisted = any(kwargs.get(name, getattr(config, name, None)) is not None for name in
-                       ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"))
+        needs_cache = any(kwargs.get(name, getattr(config, name, None)) is not None for name in
+                          ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
+                           "prefill_chunk_size"))
         # (5.24 still takes a cache under the old name, past_key_values)
-        if assisted and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        if needs_cache and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs[CACHE_ARGUMENT] = self.new_cache()  # an empty one takes the call's depth
         return super().generate(*args, **kwargs)
 

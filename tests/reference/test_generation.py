@@ -63,6 +63,10 @@ def test_greedy_generate_is_the_same_with_and_without_cache(variant):
     chunked = model.generate(prompt, max_new_tokens=9, do_sample=False, prefill_chunk_size=3,
                              **{CACHE_ARGUMENT: model.new_cache()})
     assert torch.equal(chunked, cached)
+    # No cache passed in: generate() is given one (before: "Cannot use prefill chunking without
+    # a cache", as transformers makes none for a model with its own cache class)
+    assert torch.equal(model.generate(prompt, max_new_tokens=9, do_sample=False,
+                                      prefill_chunk_size=3), cached)
 
 
 def test_beam_search_reorders_latentloop_cached_state():
