@@ -102,9 +102,10 @@ class LoopedCache(DynamicCache):
     pair or a Global KV layer, so one physical layer owns several slots. ``seen`` counts the tokens
     consumed; ``state`` holds batch-first tensors beyond keys/values (padding of the cached
     positions, LatentLoop's pending tokens and latent updates), reordered with the keys by beam
-    search. A cache is tied to the number of iterations it was filled with."""
+    search. A cache is tied to one number of iterations: the one it was made for, else (None)
+    that of its first call."""
 
-    def __init__(self, iterations: int):
+    def __init__(self, iterations: int | None = None):
         super().__init__()
         self.iterations = iterations
         self.seen = 0
@@ -288,8 +289,9 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         return False  # the model makes its own LoopedCache (generate would make a DynamicCache)
 
     def new_cache(self, num_iterations: int | None = None) -> LoopedCache:
-        """An empty cache, e.g. for ``generate(..., cache=model.new_cache(), prefill_chunk_size=n)``."""
-        return LoopedCache(self.config.iterations if num_iterations is None else num_iterations)
+        """An empty cache for ``num_iterations`` (None: the depth of its first call), e.g. for
+        ``generate(..., cache=model.new_cache())``; a call at another depth is refused."""
+        return LoopedCache(num_iterations)
 
     def generate(self, *args, **kwargs):
         """GenerationMixin.generate, given a new cache for assisted decoding, prompt lookup and
@@ -392,11 +394,12 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             if not isinstance(cache, LoopedCache):
                 raise ValueError(f"cache is a {type(cache).__name__}: pass None or "
                                  "model.new_cache() (a looped model has one slot per iteration)")
-            if cache.seen == 0:  # an empty cache (model.new_cache()) holds no depth yet
+            if cache.iterations is None:  # model.new_cache(): the depth of its first call
                 cache.iterations = steps
-            if cache.iterations != steps:
-                raise ValueError(f"the cache was filled with {cache.iterations} iterations; this "
-                                 f"call runs {steps} (start a new cache for another depth)")
+            if cache.iterations != steps:  # (empty, made for another depth: model.new_cache(n))
+                raise ValueError(f"the cache was {'filled with' if cache.seen else 'made for'} "
+                                 f"{cache.iterations} iterations; this call runs {steps} (start a "
+                                 "new cache for another depth)")
         positions, allowed, valid = self._positions(input_ids, attention_mask, cache)
         hidden = self.body(self.embed_tokens(input_ids), positions, allowed, valid, cache, steps)
         if cache is not None:

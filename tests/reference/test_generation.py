@@ -98,6 +98,12 @@ def test_depth_set_at_load_time_or_per_call():
                                         prefill_chunk_size=2,
                                         **{CACHE_ARGUMENT: default.new_cache()}),
                        deep.generate(x, max_new_tokens=4, do_sample=False))
+    # An empty cache made for a depth keeps it: before, new_cache(5) ran the call's 3 unsaid.
+    with pytest.raises(ValueError, match=r"^the cache was made for 5 iterations; this call runs 3"):
+        default.generate(x, max_new_tokens=4, **{CACHE_ARGUMENT: default.new_cache(5)})
+    assert torch.equal(default.generate(x, max_new_tokens=4, do_sample=False, num_iterations=5,
+                                        **{CACHE_ARGUMENT: default.new_cache(5)}),
+                       deep.generate(x, max_new_tokens=4, do_sample=False))
 
 
 @pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv", "asymloop_moe",
