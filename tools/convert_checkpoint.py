@@ -26,7 +26,8 @@ HF_DIR's safetensors do.
 
 Both write into a temporary directory beside OUT and rename it only after the converted model's
 logits on a probe input equal the source's. Prints a JSON report; exits 2 on bad input (one line
-naming the file or tensor) and 1 when the probe logits differ.
+naming the file or tensor) and 1 when the probe logits differ; SIGTERM ends a conversion with exit
+143, its temporary directory removed.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Writes OUTPUT.md (tasks x settings, score in %, mean) and OUTPUT.json (every met
 and prints the table; results already there are refused before the evaluation unless --overwrite.
 Exit codes: 0 done, 2 bad input (one line naming the file, task or value) or results that could
 not be written at the end (a full disk: the table is printed all the same), 1 the export's probe
-logits differ from the checkpoint's.
+logits differ from the checkpoint's, 143 SIGTERM (the temporary export removed).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.config import ConfigError
     from megaloop.data.tokenizer import TokenizerError
     from megaloop.hf import evaluate as ev
-    from megaloop.hf.common import ConversionError, ProbeMismatch, quiet_transformers
+    from megaloop.hf.common import (ConversionError, ProbeMismatch, Terminated,
+                                    quiet_transformers, sigterm_as_exit)
     from megaloop.training.checkpoint import CheckpointError
 
     quiet_transformers()
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         # the export (minutes for a large checkpoint), as are tasks, data and few-shot records
         ev.prepare_tasks(args.tasks, args.data_dir, args.task_dir or ev.TASK_DIR,
                          args.num_fewshot, args.max_gen_toks)
-        with tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
+        # SIGTERM (timeout, a scheduler's limit) removes the temporary export, as large as the
+        # model, as it ends the evaluation (its default action left it in the temp directory).
+        with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="megaloop-eval-") as workdir, \
                 contextlib.redirect_stdout(sys.stderr):  # stdout is the table only
             model, tokenizer, info = ev.load_for_evaluation(args.source, workdir,
                                                             tokenizer=args.tokenizer)
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     except ProbeMismatch as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Terminated as e:
+        print("error: terminated (SIGTERM): the evaluation stopped, no results written",
+              file=sys.stderr)
+        return e.code
     print(markdown.read_text(), end="")
     return 0
 

@@ -10,6 +10,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
+import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -62,15 +65,21 @@ def staged_output(out: str | os.PathLike):
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"{out}: already exists and is not an empty directory; choose a new "
                               "output directory")
+    if _is_working_directory(out):  # ('.' has no name to stage beside: a traceback before)
+        raise ConversionError(f"{out}: the current directory, which the result would replace (a "
+                              "shell in it would list nothing); run from its parent (cd ..) or "
+                              "choose a new output directory")
     _note_killed_stagings(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
+    tmp = out.with_name(f".{out.name}.tmp-{_host()}-{os.getpid()}-"
+                        f"{secrets.token_hex(_STAGING_TOKEN_BYTES)}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     except OSError as e:
         raise ConversionError(f"{out}: cannot create it ({e.strerror}: {e.filename})") from None
     try:
-        yield tmp
+        with sigterm_as_exit():
+            yield tmp
         _readable_as_plain_files(tmp)
         try:
             if out.exists():
@@ -81,29 +90,92 @@ def staged_output(out: str | os.PathLike):
                                   "choose a new output directory") from None
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Terminated):
+            log.error("%s: terminated (SIGTERM): the conversion stopped, nothing was written", out)
         failure = _io_failure(out, e)
         if failure is None:
             raise
         raise ConversionError(failure) from None
 
 
+def _is_working_directory(path: Path) -> bool:
+    with contextlib.suppress(OSError):  # the working directory removed
+        return os.path.samefile(path, os.curdir)
+    return False
+
+
+class Terminated(SystemExit):
+    """SIGTERM during a conversion or an evaluation: exits as the signal would (128 + 15), once
+    the temporary files are removed."""
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """SIGTERM (``timeout``, ``kill``, a scheduler's time limit before its SIGKILL) raised as
+    Terminated while the block runs, so that a staging or temporary directory, as large as a
+    model, is removed: the default action ends the process on the spot and left it. Only where
+    SIGTERM has its default action, in the main thread (a program handling it keeps its own
+    handler)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _note_killed_stagings(out: Path) -> None:
-    """A warning line for each staging directory of ``out`` that a killed conversion (SIGKILL: the
-    out-of-memory killer, a scheduler's last resort) left: nothing else removes it, and it is as
-    large as a model. Not removed, and said so: a conversion into ``out`` that is still running
-    (on this machine or, on a shared file system, another) has one of the same form."""
+    """A warning line for each staging directory of ``out`` that another conversion made: nothing
+    else removes one a killed conversion (SIGKILL: the out-of-memory killer, a scheduler's last
+    resort) left, and it is as large as a model. Not removed. Its name holds the host and process
+    that made it: on this host, the line says whether that process still runs (a conversion into
+    the same ``out`` running beside this one: the later to finish is refused) or has ended (the
+    leftover of a killed one); made on another host (a shared file system), or before the name
+    held the host, the line cannot tell the two apart."""
     token = f"[0-9a-f]{{{2 * _STAGING_TOKEN_BYTES}}}"
-    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)-{token}")
+    staging = re.compile(rf"\.{re.escape(out.name)}\.tmp-(?:(.+)-)?(\d+)-{token}")
     if not out.parent.is_dir():
         return
     for leftover in sorted(p for p in out.parent.iterdir() if staging.fullmatch(p.name)):
         size = _tree_bytes(leftover)
         if not leftover.exists():  # a running conversion has just moved it into place, or failed
             continue
-        log.warning("%s (%s): the staging directory of a conversion into %s by process %s, "
-                    "which was killed or is still running; not removed: remove it unless that "
-                    "conversion is running", leftover, _shown_size(size), out,
-                    staging.fullmatch(leftover.name)[1])
+        host, pid = staging.fullmatch(leftover.name).groups()
+        head = f"{leftover} ({_shown_size(size)}): the staging directory of a conversion into {out}"
+        if host != _host():
+            where = f" on host {host}" if host else ""
+            log.warning("%s by process %s%s, which was killed or is still running; not removed: "
+                        "remove it unless that conversion is running", head, pid, where)
+        elif _running(int(pid)):
+            log.warning("%s by process %s on this host, still running: of the two conversions "
+                        "into it, the later to finish will be refused", head, pid)
+        else:
+            log.warning("%s by process %s on this host, which has ended (killed); not removed: "
+                        "remove it", head, pid)
+
+
+def _host() -> str:
+    """This host's name as staging directory names hold it (file-name characters only)."""
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "_"
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's included: PermissionError).
+    0 would signal this process group; a number past the pid range names no process."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return pid > 0
 
 
 def _shown_size(size: int) -> str:

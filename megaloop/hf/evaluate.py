@@ -449,7 +449,10 @@ def result_files(prefix: str | Path) -> tuple[Path, Path]:
     rather than after it. Nothing is created."""
     from megaloop.cli import unwritable
 
-    prefix = Path(prefix)
+    given, prefix = str(prefix), Path(prefix)
+    if prefix.name in ("", ".."):  # ('', '.', '/': pathlib's with_name fails on them)
+        raise EvaluationError(f"--output {given!r}: names a directory, not the prefix of the "
+                              "results (PREFIX.md and PREFIX.json); give one such as results/eval")
     files = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
     for file in files:
         problem = unwritable(file)

@@ -13,12 +13,14 @@ warns so): carried so that an import (megaloop.hf.from_hf) trains as the run did
 time for test-time depth, ``from_pretrained(dir, trust_remote_code=True, iterations=6)``, or per
 call with ``num_iterations=`` (forward and generate); LatentLoop runs only its own. Of the fields
 here, ``from_pretrained`` takes other values of ``LOAD_TIME_SETTINGS`` alone (``MegaloopConfig.
-from_dict``).
+from_dict``); a loaded model's config edited afterwards is applied or refused alike, at the next
+forward or save_pretrained (``MegaloopPreTrainedModel._apply_config_edits``).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 
 from transformers import PretrainedConfig
 
@@ -31,6 +33,29 @@ from transformers import PretrainedConfig
 LOAD_TIME_SETTINGS = ("iterations", "max_position_embeddings", "rotary_base", "norm_eps",
                       "moe_top_k", "moe_aux_loss_coeff", "moe_z_loss_coeff", "joint_attention",
                       "initializer_range", "residual_scale_init")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return (_integer(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+# What a load-time setting's value must be, as megaloop's ModelConfig.validate refuses (rather than
+# a traceback from torch, NaN logits from RoPE or a norm, or no effect): (said, test).
+_VALUES = {
+    "iterations": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "max_position_embeddings": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "rotary_base": ("a number > 0", lambda v: _number(v) and v > 0),
+    "initializer_range": ("a number > 0", lambda v: _number(v) and v > 0),
+    "norm_eps": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "moe_aux_loss_coeff": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "moe_z_loss_coeff": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "joint_attention": ("'fused' or 'masked'", lambda v: v in ("fused", "masked")),
+    "moe_top_k": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+}
 
 
 class MegaloopConfig(PretrainedConfig):
@@ -104,9 +129,7 @@ class MegaloopConfig(PretrainedConfig):
         scales the safetensors do not hold, would run them without a word), learned scales'
         ``residual_scale_init``, any architecture field. Compared as this class stores them
         (``latent_visits`` in any order is the same model)."""
-        # (use_cache: what forward does by default, no setting of the model)
-        own = [name for name in inspect.signature(MegaloopConfig.__init__).parameters
-               if name in kwargs and name not in ("self", "kwargs", "use_cache")]
+        own = [name for name in MODEL_FIELDS if name in kwargs]
         if own:
             saved = cls(**config_dict)
             asked = cls(**{**config_dict, **{name: kwargs[name] for name in own}})
@@ -125,24 +148,43 @@ class MegaloopConfig(PretrainedConfig):
         if name not in LOAD_TIME_SETTINGS:
             return (f"fixed by the saved weights (config.json has {saved!r}); from_pretrained may "
                     f"change only {', '.join(LOAD_TIME_SETTINGS)}")
-        if name == "iterations" and value < 1:
-            return "must be >= 1"
+        if name in _VALUES and not _VALUES[name][1](value):
+            return f"must be {_VALUES[name][0]}"
+        if name.startswith("moe_") and not self.num_experts:
+            return "without effect: the model has no experts (num_experts=0)"
+        if name == "moe_top_k":
+            low = 2 if self.latent_reduction == "top_k" and self.latent_visits else 1
+            if not low <= value <= self.num_experts:
+                return (f"must be in [{low}, num_experts={self.num_experts}]"
+                        + (" (its reduced visits route to moe_top_k // 2 experts)" if low == 2
+                           else ""))
         if name == "iterations" and self.arch == "dense":
             return ("arch=dense has no depth to vary (it would loop its layers; arch=fullloop is "
                     "the looped stack)")
         if name == "iterations" and self.arch == "latentloop":
             return (f"arch=latentloop runs exactly its iterations={saved} visits (each has its "
                     "own scales)")
-        if name == "residual_scale_init" and self.arch == "latentloop" \
-                and self.residual_scale == "learned":
+        if name == "residual_scale_init" and self.arch != "latentloop":
+            return f"without effect: arch={self.arch} has no residual scales (arch=latentloop's)"
+        if name == "residual_scale_init" and self.residual_scale == "learned":
             return ("without effect on a loaded model (its residual scales are learned weights, "
                     "loaded from the safetensors)")
+        if name == "residual_scale_init" and not (
+                isinstance(value, (list, tuple)) and len(value) in (0, self.iterations)
+                and all(_number(v) for v in value)):
+            return f"must be {self.iterations} numbers, one per visit (or [] for 1.0 each)"
         return None
 
     @property
     def num_encoder_layers(self) -> int:
         """Layers before the loop (AsymLoop only; LatentLoop's prelude is ``prelude_layers``)."""
         return self.encoder_layers if self.arch == "asymloop" else 0
+
+
+# The names of MegaloopConfig's model settings: its own fields but ``use_cache`` (what forward
+# does by default, no setting of the model). Listed once: a model compares them at every forward.
+MODEL_FIELDS = tuple(name for name in inspect.signature(MegaloopConfig.__init__).parameters
+                     if name not in ("self", "kwargs", "use_cache"))
 
 
 class LatentLoopConfig(MegaloopConfig):

@@ -22,6 +22,7 @@ everything cached before them, so a prompt fed in chunks gives the logits of one
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -33,7 +34,7 @@ from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_megaloop import MegaloopConfig
+from .configuration_megaloop import MODEL_FIELDS, MegaloopConfig
 from .modeling_moe import MLP, MoEFeedForward
 
 # What transformers calls the cache, in outputs and generate() arguments: ``cache`` since 5.24,
@@ -101,9 +102,10 @@ class LoopedCache(DynamicCache):
     pair or a Global KV layer, so one physical layer owns several slots. ``seen`` counts the tokens
     consumed; ``state`` holds batch-first tensors beyond keys/values (padding of the cached
     positions, LatentLoop's pending tokens and latent updates), reordered with the keys by beam
-    search. A cache is tied to the number of iterations it was filled with."""
+    search. A cache is tied to one number of iterations: the one it was made for, else (None)
+    that of its first call."""
 
-    def __init__(self, iterations: int):
+    def __init__(self, iterations: int | None = None):
         super().__init__()
         self.iterations = iterations
         self.seen = 0
@@ -229,6 +231,53 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def post_init(self):
+        super().post_init()
+        # The config the modules were built from: a field edited later (model.config.x = v) is
+        # applied or refused at the next forward (``_apply_config_edits``), not run past.
+        self._built_config = copy.deepcopy(self.config)
+
+    def _apply_config_edits(self) -> None:
+        """Each field of ``self.config`` a user changed since the model was built, applied as
+        ``from_pretrained(dir, name=value)`` would have (the modules that hold ``norm_eps``,
+        ``moe_top_k`` or fixed residual scales take the new value; ``iterations``, ``rotary_base``
+        and ``max_position_embeddings`` are read at each call) or a one-line ValueError naming it
+        where from_pretrained refuses it: another architecture field would run another model on
+        these weights, or (``qk_norm``, a LatentLoop's ``iterations``) fail or be ignored."""
+        built = self._built_config
+        # (read from the instances' dicts: PretrainedConfig's getattr costs a forward 0.1 ms)
+        now, then = vars(self.config), vars(built)
+        for name in MODEL_FIELDS:
+            value, was = now[name], then[name]
+            if value == was or (isinstance(was, list) and isinstance(value, (list, tuple)) and (
+                    sorted(value) == sorted(was) if name == "latent_visits" else
+                    list(value) == was)):
+                continue
+            if name == "vocab_size" and value == self.embed_tokens.num_embeddings:
+                built.vocab_size = value  # resize_token_embeddings sets it
+                continue
+            problem = built.load_time_refusal(name, value)
+            if problem:
+                raise ValueError(f"model.config.{name}={value!r} (changed after loading; the model "
+                                 f"was built with {was!r}): {problem}")
+            for module in self.modules():
+                if name == "norm_eps" and isinstance(module, nn.RMSNorm):
+                    module.eps = value
+                elif name == "moe_top_k" and isinstance(module, MoEFeedForward):
+                    module.top_k = value
+            if name == "residual_scale_init":
+                self._set_fixed_scales(value)
+            setattr(built, name, copy.deepcopy(value))
+
+    def _set_fixed_scales(self, value) -> None:
+        """LatentLoop's fixed residual scales set to ``value`` (a model without them: none)."""
+
+    def save_pretrained(self, *args, **kwargs):
+        """As PreTrainedModel's, after the config edits are applied or refused: a refused one
+        would write a config.json that builds another model around the saved weights."""
+        self._apply_config_edits()
+        return super().save_pretrained(*args, **kwargs)
+
     def get_input_embeddings(self):
         return self.embed_tokens
 
@@ -240,19 +289,21 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         return False  # the model makes its own LoopedCache (generate would make a DynamicCache)
 
     def new_cache(self, num_iterations: int | None = None) -> LoopedCache:
-        """An empty cache, e.g. for ``generate(..., cache=model.new_cache(), prefill_chunk_size=n)``."""
-        return LoopedCache(self.config.iterations if num_iterations is None else num_iterations)
+        """An empty cache for ``num_iterations`` (None: the depth of its first call), e.g. for
+        ``generate(..., cache=model.new_cache())``; a call at another depth is refused."""
+        return LoopedCache(num_iterations)
 
     def generate(self, *args, **kwargs):
-        """GenerationMixin.generate, given a new cache for assisted decoding and prompt lookup:
-        they crop the draft tokens the model rejects from a cache passed in, and generate() makes
+        """GenerationMixin.generate, given a new cache for assisted decoding, prompt lookup and
+        chunked prefill (``prefill_chunk_size``): they use a cache passed in, and generate() makes
         none for a model with its own (``_supports_default_dynamic_cache``), so it refused them
-        with "Assisted decoding requires a cache"."""
+        ("Assisted decoding requires a cache", "Cannot use prefill chunking without a cache")."""
         config = kwargs.get("generation_config") or self.generation_config
-        assisted = any(kwargs.get(name, getattr(config, name, None)) is not None for name in
-                       ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"))
+        needs_cache = any(kwargs.get(name, getattr(config, name, None)) is not None for name in
+                          ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
+                           "prefill_chunk_size"))
         # (5.24 still takes a cache under the old name, past_key_values)
-        if assisted and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        if needs_cache and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs[CACHE_ARGUMENT] = self.new_cache()  # an empty one takes the call's depth
         return super().generate(*args, **kwargs)
 
@@ -326,8 +377,11 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             raise TypeError(f"forward() got an unexpected keyword argument {unexpected[0]!r}")
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds: not supported, pass input_ids")
+        self._apply_config_edits()
         cfg = self.config
         steps = cfg.iterations if num_iterations is None else num_iterations
+        if isinstance(steps, bool) or not isinstance(steps, int):  # (range() would say it, deep)
+            raise ValueError(f"num_iterations={steps!r}: must be an integer")
         if steps < 1:
             raise ValueError(f"num_iterations={steps}: must be >= 1")
         if cfg.arch == "dense" and steps != 1:  # as the canonical model refuses it
@@ -340,11 +394,12 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             if not isinstance(cache, LoopedCache):
                 raise ValueError(f"cache is a {type(cache).__name__}: pass None or "
                                  "model.new_cache() (a looped model has one slot per iteration)")
-            if cache.seen == 0:  # an empty cache (model.new_cache()) holds no depth yet
+            if cache.iterations is None:  # model.new_cache(): the depth of its first call
                 cache.iterations = steps
-            if cache.iterations != steps:
-                raise ValueError(f"the cache was filled with {cache.iterations} iterations; this "
-                                 f"call runs {steps} (start a new cache for another depth)")
+            if cache.iterations != steps:  # (empty, made for another depth: model.new_cache(n))
+                raise ValueError(f"the cache was {'filled with' if cache.seen else 'made for'} "
+                                 f"{cache.iterations} iterations; this call runs {steps} (start a "
+                                 "new cache for another depth)")
         positions, allowed, valid = self._positions(input_ids, attention_mask, cache)
         hidden = self.body(self.embed_tokens(input_ids), positions, allowed, valid, cache, steps)
         if cache is not None:

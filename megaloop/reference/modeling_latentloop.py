@@ -129,6 +129,12 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
         return torch.tensor(cfg.residual_scale_init or [1.0] * cfg.iterations,
                             dtype=torch.get_default_dtype())
 
+    def _set_fixed_scales(self, value) -> None:
+        """A fixed scale's edited ``residual_scale_init`` (one value per visit, checked by
+        load_time_refusal; learned scales refuse one), as from_pretrained would set it."""
+        with torch.no_grad():
+            self.residual_scales.copy_(torch.tensor(value or [1.0] * self.config.iterations))
+
     def _init_weights(self, module):
         """transformers' init functions leave loaded tensors alone; a fixed scale is a buffer
         outside the state dict, so it is always set here."""

@@ -1,11 +1,15 @@
 """The staged output directory both conversion directions write into."""
 
 import logging
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from megaloop.hf.common import ConversionError, staged_output
+from megaloop.hf.common import ConversionError, _host, staged_output
 
 
 def test_a_staging_directory_a_killed_conversion_left_is_named_with_its_size(tmp_path, caplog):
@@ -67,3 +71,67 @@ def test_a_running_conversion_finishing_while_its_staging_is_measured_is_no_trac
                 (staging / "config.json").write_text("{}")
     assert caplog.records == []
     assert (tmp_path / "hf" / "config.json").read_text() == '{"theirs": 1}'
+
+
+def test_a_staging_directory_on_this_host_is_named_running_or_killed_by_its_process(tmp_path,
+                                                                                    caplog):
+    """The staging name holds the host and process. Before: a running conversion's staging
+    directory (here: this process's) was reported as a killed one's leftover, "remove it", as
+    was one whose process has ended; now each says which it is. Another host's cannot be told."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = _host()
+    running = tmp_path / f".hf.tmp-{host}-{os.getpid()}-0123abcd"
+    killed = tmp_path / f".hf.tmp-{host}-{ended.pid}-89abcdef"
+    elsewhere = tmp_path / f".hf.tmp-{host}x-4242-00000000"
+    for directory in (running, killed, elsewhere):
+        directory.mkdir()
+    out = tmp_path / "hf"
+    with caplog.at_level(logging.WARNING, logger="megaloop.hf"):
+        with staged_output(out) as staging:
+            assert staging.name.startswith(f".hf.tmp-{host}-{os.getpid()}-")
+    assert sorted(r.getMessage() for r in caplog.records) == sorted([
+        f"{running} (0 bytes): the staging directory of a conversion into {out} by process "
+        f"{os.getpid()} on this host, still running: of the two conversions into it, the later "
+        "to finish will be refused",
+        f"{killed} (0 bytes): the staging directory of a conversion into {out} by process "
+        f"{ended.pid} on this host, which has ended (killed); not removed: remove it",
+        f"{elsewhere} (0 bytes): the staging directory of a conversion into {out} by process 4242 "
+        f"on host {host}x, which was killed or is still running; not removed: remove it unless "
+        "that conversion is running"])
+
+
+def test_a_conversion_ended_by_sigterm_removes_its_staging_directory(tmp_path):
+    """Before: SIGTERM (timeout, kill, a scheduler's time limit) ended the process on the spot and
+    left the staging directory, as large as a model, beside OUT; now it is removed, a line says
+    so, and the exit status is SIGTERM's (143)."""
+    script = ("import pathlib, sys, time\n"
+              "from megaloop.hf.common import staged_output\n"
+              "with staged_output(sys.argv[1]) as staging:\n"
+              "    (staging / 'model.safetensors').write_bytes(b'0' * 1000)\n"
+              "    print('ready', flush=True)\n"
+              "    time.sleep(60)\n")
+    out = tmp_path / "hf"
+    process = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert process.stdout.readline() == "ready\n"
+    process.terminate()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143
+    assert f"{out}: terminated (SIGTERM): the conversion stopped, nothing was written" in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", [".", "../here"])
+def test_the_current_directory_as_output_is_refused_in_one_line(tmp_path, monkeypatch, given):
+    """Before: '.' was a ValueError traceback from pathlib (exit 1, as for a probe mismatch), and
+    '../here' from inside it renamed the result over the shell's working directory, which then
+    listed nothing."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(ConversionError, match=rf"^{re.escape(given)}: the current directory, "
+                                              "which the result would replace"):
+        with staged_output(given):
+            pass
+    assert list(tmp_path.iterdir()) == [tmp_path / "here"]

@@ -7,6 +7,7 @@ input in one line."""
 
 import functools
 import json
+import re
 import shutil
 
 import pytest
@@ -571,3 +572,14 @@ def test_a_data_file_without_records_is_refused_parquet_as_json_lines(tmp_path):
     with pytest.raises(ev.EvaluationError, match=r"^task data: .*piqa_valid.parquet: holds no "
                                                  r"records$"):
         ev.prepare_tasks(["piqa"], data, tasks)
+
+
+@pytest.mark.parametrize("output", ["", ".", "/", "..", "results/.."])
+def test_an_output_naming_a_directory_is_one_line(output):
+    """Before: a ValueError traceback from pathlib ('.', '/', ''; exit 1, the code of a probe
+    mismatch), or results written as '...md' ('..')."""
+    from megaloop.hf.evaluate import EvaluationError, result_files
+
+    with pytest.raises(EvaluationError, match=rf"^--output {re.escape(repr(output))}: names a "
+                                              "directory, not the prefix of the results"):
+        result_files(output)

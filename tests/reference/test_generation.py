@@ -3,6 +3,7 @@ full forward, greedy generate() gives the same tokens with and without the cache
 at load time and per call, left padding (LatentLoop too), beam search over LatentLoop's cached
 state."""
 
+import re
 import warnings
 
 import pytest
@@ -62,6 +63,10 @@ def test_greedy_generate_is_the_same_with_and_without_cache(variant):
     chunked = model.generate(prompt, max_new_tokens=9, do_sample=False, prefill_chunk_size=3,
                              **{CACHE_ARGUMENT: model.new_cache()})
     assert torch.equal(chunked, cached)
+    # No cache passed in: generate() is given one (before: "Cannot use prefill chunking without
+    # a cache", as transformers makes none for a model with its own cache class)
+    assert torch.equal(model.generate(prompt, max_new_tokens=9, do_sample=False,
+                                      prefill_chunk_size=3), cached)
 
 
 def test_beam_search_reorders_latentloop_cached_state():
@@ -92,6 +97,12 @@ def test_depth_set_at_load_time_or_per_call():
     assert torch.equal(default.generate(x, max_new_tokens=4, do_sample=False, num_iterations=5,
                                         prefill_chunk_size=2,
                                         **{CACHE_ARGUMENT: default.new_cache()}),
+                       deep.generate(x, max_new_tokens=4, do_sample=False))
+    # An empty cache made for a depth keeps it: before, new_cache(5) ran the call's 3 unsaid.
+    with pytest.raises(ValueError, match=r"^the cache was made for 5 iterations; this call runs 3"):
+        default.generate(x, max_new_tokens=4, **{CACHE_ARGUMENT: default.new_cache(5)})
+    assert torch.equal(default.generate(x, max_new_tokens=4, do_sample=False, num_iterations=5,
+                                        **{CACHE_ARGUMENT: default.new_cache(5)}),
                        deep.generate(x, max_new_tokens=4, do_sample=False))
 
 
@@ -212,6 +223,16 @@ def test_latentloop_refuses_padding_after_a_token_and_other_depths():
         model(x, attention_mask=mask)
     with pytest.raises(ValueError, match="runs exactly its iterations=2 visits"):
         model(x, num_iterations=3)
+
+
+@pytest.mark.parametrize("depth", [2.5, "3", True])
+def test_a_depth_per_call_that_is_no_integer_is_refused_naming_it(depth):
+    """Before: a TypeError from range() in the model body (2.5), or from comparing a str with 1;
+    True ran as depth 1."""
+    model = reference_model("asymloop")
+    with pytest.raises(ValueError, match=rf"^num_iterations={re.escape(repr(depth))}: must be an "
+                                         "integer$"):
+        model(tokens(batch=1, length=4), num_iterations=depth)
 
 
 def test_forward_takes_old_transformers_cache_position_and_refuses_other_names():
