@@ -143,6 +143,9 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
     for r in evals:  # a NaN point would make the whole label's fit NaN, as would one <= 0
+        if r["step"] < 1:  # log(C = 0) in the fit: a LinAlgError traceback
+            raise ConfigError(f"{metrics}: an evaluation at step {r['step']}, before any training"
+                              " (C = 0 FLOPs, which a power law in C cannot take); leave it out")
         loss = r["val_loss"]
         # The trainer logs a NaN/Inf loss as null: skipping it would take an earlier evaluation
         # of the diverged run as its point.

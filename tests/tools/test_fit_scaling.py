@@ -273,3 +273,18 @@ def test_an_irreducible_loss_between_grid_points_is_found_to_extrapolate_right(l
     fit = tool.fit_power_law(points)
     assert fit.irreducible == pytest.approx(e, rel=1e-4)
     assert fit.compute_for(target) == pytest.approx((a / (target - e)) ** (1 / alpha), rel=1e-3)
+
+
+@pytest.mark.parametrize("all_evals", [[], ["--all-evals"]])
+def test_an_evaluation_before_any_training_is_named_instead_of_a_traceback(load_tool, runs,
+                                                                             capsys, all_evals):
+    """An evaluation at step 0 (of the initial weights, logged by hand or by another tool) has no
+    training compute: log(0) in the fit was a LinAlgError traceback."""
+    tool = load_tool("fit_scaling")
+    metrics = f"{runs[0]}/metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"kind": "eval", "step": 0, "val_loss": 9.0}) + "\n")
+    assert tool.main(runs + all_evals) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {metrics}: an evaluation at step 0, before any training (C = 0 FLOPs, which "
+        "a power law in C cannot take); leave it out")
