@@ -143,6 +143,9 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
     evals = evals if all_evals else evals[-1:]
     for r in evals:  # a NaN point would make the whole label's fit NaN, as would one <= 0
+        if r["step"] < 1:  # log(C = 0) in the fit: a LinAlgError traceback
+            raise ConfigError(f"{metrics}: an evaluation at step {r['step']}, before any training"
+                              " (C = 0 FLOPs, which a power law in C cannot take); leave it out")
         loss = r["val_loss"]
         # The trainer logs a NaN/Inf loss as null: skipping it would take an earlier evaluation
         # of the diverged run as its point.
@@ -174,15 +177,28 @@ def fit_power_law(points: list[tuple[float, float]], grid: int = 400) -> Fit:
     if loss.min() == loss.max():  # would fit exponent 0: a "power law" that never falls
         raise ConfigError(f"validation loss {loss[0]:g} at every compute: no power law to fit")
     log_c = np.log(compute)
-    best = None
-    for irreducible in np.linspace(0.0, loss.min(), grid, endpoint=False):
+
+    def line_fit(irreducible: float) -> Fit | None:
+        """The power law of this E (a least-squares line in log-log space), None if not falling."""
         slope, intercept = np.polyfit(log_c, np.log(loss - irreducible), 1)
-        if slope >= 0:  # not a decreasing power law
-            continue
+        if slope >= 0:
+            return None
         fit = Fit(float(irreducible), float(np.exp(intercept)), float(-slope), 0.0)
-        rms = float(np.sqrt(np.mean((fit.loss(compute) - loss) ** 2)))
-        if best is None or rms < best.rms_residual:
-            best = Fit(fit.irreducible, fit.scale, fit.exponent, rms)
+        return fit._replace(rms_residual=float(np.sqrt(np.mean((fit.loss(compute) - loss) ** 2))))
+
+    best, low, high = None, 0.0, float(loss.min())
+    # A grid over [0, min loss), then finer grids around the best point: the first grid's spacing
+    # (min loss / grid) alone put E off by up to half of it, and a compute extrapolated below the
+    # runs' losses by several percent.
+    for _ in range(4):
+        grid_best = min((fit for fit in map(line_fit, np.linspace(low, high, grid,
+                                                                    endpoint=False))
+                         if fit is not None), key=lambda fit: fit.rms_residual, default=None)
+        if grid_best is None:
+            break
+        best = grid_best if best is None or grid_best.rms_residual <= best.rms_residual else best
+        step = (high - low) / grid
+        low, high = max(0.0, best.irreducible - step), min(high, best.irreducible + step)
     if best is None:
         raise ConfigError("validation loss does not fall with compute: no power law to fit")
     return best

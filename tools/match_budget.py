@@ -130,6 +130,16 @@ def tier_list(value: str) -> list[str]:
     return tiers
 
 
+def matched(reference: ModelConfig, tier: str, target: str, args) -> ModelConfig:
+    """``match`` of ``target``'s structure to tier ``tier``'s reference; its ConfigError names
+    the tier and the target (of the six matches a run makes, which one found no width)."""
+    try:
+        return match(reference, target_structure(reference, target, args.reduction),
+                     args.width_step, args.tolerance)[0]
+    except ConfigError as e:
+        raise ConfigError(f"tier {tier}, {target}: {e}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--tier", type=tier_list, action="extend", metavar="TIER[,TIER...]",
@@ -149,12 +159,9 @@ def main(argv=None) -> int:
     try:
         for tier in dict.fromkeys(args.tier or LATENTLOOP_TIERS):  # each once, however often given
             reference = preset(f"moe-loop-{tier}")
-            models = {"moe_base": match(reference, target_structure(reference, "moe_base"),
-                                        args.width_step, args.tolerance)[0],
+            models = {"moe_base": matched(reference, tier, "moe_base", args),
                       "moe_loop": reference,
-                      "latentloop": match(reference, target_structure(reference, "latentloop",
-                                                                      args.reduction),
-                                          args.width_step, args.tolerance)[0]}
+                      "latentloop": matched(reference, tier, "latentloop", args)}
             rows = table_rows(models, args.tokens_per_step, args.steps)
             out.append({"tier": tier, "reduction": args.reduction, "rows": rows})
             if not args.json:

@@ -87,3 +87,12 @@ def test_tiers_may_be_given_comma_separated_or_flag_by_flag(load_tool, capsys):
     assert stop.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         "error: argument --tier: '2B': not a tier (choose from 1.3B, 3B, 7B)")
+
+
+def test_a_failed_match_names_its_tier_and_target(load_tool, capsys):
+    # Before: "error: no width within 0.003 (relative) ..." named neither: of the six matches of
+    # a run over every tier, the user could not tell which had failed.
+    tool = load_tool("match_budget")
+    assert tool.main(["--tier", "1.3B", "--width-step", "64", "--tolerance", "0.003"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: tier 1.3B, moe_base: no width within 0.003 (relative) of the reference budget")
