@@ -439,3 +439,28 @@ def test_ctrl_c_exits_130_in_one_line_naming_the_latest_checkpoint(mcore, patter
                            "without saving (SIGTERM or SIGUSR1 saves first); "), said
     assert f"{tmp_path / 'checkpoints' / 'latest'} names " in said and latest.name in said, said
     ckpt.verify_checkpoint(latest)
+
+
+def test_a_stop_signal_in_the_last_step_still_makes_the_final_evaluation(mcore, pattern_data,
+                                                                          tmp_path):
+    """The checkpoint of the last step is the run's end: a relaunch finds the run complete and
+    evaluates nothing, so the final evaluation is made now, after that save, and the run exits
+    as finished (0), not resumable (75), which would requeue a job with nothing left to do."""
+    from megaloop.training.trainer import Trainer
+
+    trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 3}))
+    train_step = trainer.train_step
+
+    def signalled_during_step_3(data):
+        if trainer.step == 3:
+            signal_this_process(signal.SIGTERM, trainer.stop_signals)
+        return train_step(data)
+
+    trainer.train_step = signalled_during_step_3
+    result = trainer.train()
+    assert "stopped_by_signal" not in result and result["step"] == 3, result
+    assert result["val_loss"] > 0
+    assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "checkpoints")) == 3
+    evaluations = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                   if '"eval"' in line]
+    assert [record["step"] for record in evaluations] == [3], evaluations
