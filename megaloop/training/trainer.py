@@ -402,6 +402,11 @@ class Trainer:
                                       step_time_s=time.perf_counter() - start,
                                       skipped=outcome.skipped, loss_tokens=outcome.loss_tokens,
                                       extra=self._routing_metrics())
+                if outcome.skipped:  # said whatever train.log_interval: the update is lost
+                    log.warning("step %d: loss %s, update skipped (%d in a row; "
+                                "train.max_nonfinite_steps=%d in a row abort the run)", self.step,
+                                outcome.loss, self._consecutive_nonfinite,
+                                cfg.max_nonfinite_steps, extra=ALIKE_ON_EVERY_RANK)
                 self.profiler.step_ends(self.step)
                 self.saver.poll()  # a background write complete on every rank is finalized
                 # Also a run shorter than the limit whose every step was NaN/Inf: it would save
