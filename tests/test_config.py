@@ -114,6 +114,7 @@ def test_a_single_string_for_a_tuple_field_is_one_item_not_its_characters(tmp_pa
     (dict(pipeline=32), "parallel.pipeline=32: must be such that pipeline x virtual_pipeline = "
                         "32 stages get at least one of the model's 8 layer applications each"),
     (dict(virtual_pipeline=2), "parallel.virtual_pipeline=2: must be 1 unless parallel.pipeline"),
+    (dict(distributed_timeout_minutes=10**14), "timeout_minutes=100000000000000: must be <= 1000"),
     (dict(pipeline_split=[8]), "parallel.pipeline_split=[8]: must be empty unless "
                                "parallel.pipeline > 1"),
 ])

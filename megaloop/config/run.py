@@ -79,6 +79,9 @@ class ParallelConfig:
         for name in ("tensor", "pipeline", "expert", "virtual_pipeline",
                      "distributed_timeout_minutes"):
             require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        # Beyond Python's timedelta (the process group's timeout) a traceback at start-up.
+        require(self.distributed_timeout_minutes <= 10**9, prefix, "distributed_timeout_minutes",
+                self.distributed_timeout_minutes, "<= 1000000000 (some 1900 years: for ever)")
         tp = self.tensor
         # Tensor parallelism splits heads, query groups, FFN columns and the vocabulary.
         split = {name: getattr(model, name) for name in (
