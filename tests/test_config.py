@@ -237,6 +237,10 @@ def test_split_strings(split, weights):
     (["data.path=[1, a.jsonl]", "data.format=sft", "data.eod_id=null", "data.tokenizer_model=t"],
      "data.path=['1', 'a.jsonl']: must be a list of .jsonl/.parquet files, used whole "
      "(data.format='sft' takes no blend weights)"),
+    # Before: accepted, the run failing in set-up as ".idx: not found", no field named.
+    (["data.path="], "data.path=['']: must be free of empty entries (an empty prefix or file "
+                     "names no data)"),
+    (["data.path=[x, '']"], "data.path=['x', '']: must be free of empty entries"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])

@@ -410,6 +410,9 @@ class DataConfig:
         require(bool(self.path), prefix, "path", self.path,
                 "a non-empty list of dataset prefixes (optionally weighted)"
                 if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
+        # "data.path=" (a value forgotten) is [""]: no file, and no field named where it failed.
+        require(all(str(item).strip() for item in self.path), prefix, "path", self.path,
+                "free of empty entries (an empty prefix or file names no data)")
         try:  # a bad weight, refused here, not once the run has started
             weights = parse_blend(self.path)[1]
         except DataError as e:
