@@ -108,6 +108,15 @@ def test_a_single_string_for_a_tuple_field_is_one_item_not_its_characters(tmp_pa
         apply_overrides(RunConfig(), ["alrs.exclude=[[1]]"])
 
 
+@pytest.mark.parametrize("field", ["train.eval_depths", "alrs.exclude", "data.path"])
+def test_null_for_a_list_field_is_refused_as_null(field):
+    """null (or ~) meant as "none" for a list. Before: "train.eval_depths[0]=None: must be of
+    type int", as if the user had written a list holding null."""
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(RunConfig(), [f"{field}=null"])
+    assert str(error.value) == f"{field}=None: must be a list ([] for none)"
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(expert=2), "parallel.expert=2: must be 1 unless model.num_experts > 0"),
     (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),
