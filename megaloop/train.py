@@ -13,7 +13,7 @@ configuration, data, storage or checkpoint problem (one line on stderr); 3 train
 (NaN/Inf streak); 75 stopped by SIGTERM/SIGUSR1 (resumable: a checkpoint of the last step was
 saved, or the signal came during set-up, before there was anything to save); 128 + the signal's
 number (143, 138) on a second stop signal, which exits at once without saving
-(megaloop.training.signals). torchrun reports any failed worker as 1, so requeue-on-75 needs srun
+(megaloop.training.signals), and 130 on SIGINT (Ctrl-C), which does too. torchrun reports any failed worker as 1, so requeue-on-75 needs srun
 or a direct launch.
 
 Only the standard library is imported at module level: the stop-signal handlers go in before torch
@@ -42,6 +42,7 @@ from megaloop.training.signals import StopSignals
 
 log = logging.getLogger("megaloop.train")
 EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by a preemption signal; a rerun continues the run
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's status for Ctrl-C
 
 
 def build_config(argv: list[str] | None = None):
@@ -193,6 +194,14 @@ def main(argv: list[str] | None = None, *, then_exit: bool = False,
     stop_signals = StopSignals()  # first: see the module docstring
     try:
         return _run(argv, stop_signals, accepted)
+    except KeyboardInterrupt:
+        # Ctrl-C stops at once, not at the end of the step as SIGTERM does: the Trainer has
+        # released what it held on the way out. One line saying what is on disk, rather than
+        # the traceback of wherever the interrupt fell (and exit 1, as a crash).
+        print(f"error: interrupted by SIGINT (Ctrl-C): exiting with status {EXIT_INTERRUPTED}, "
+              f"without saving (SIGTERM or SIGUSR1 saves first); {stop_signals.left_behind}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         stop_signals.restore(signal.SIG_IGN if then_exit else None)
 

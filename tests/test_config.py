@@ -108,12 +108,22 @@ def test_a_single_string_for_a_tuple_field_is_one_item_not_its_characters(tmp_pa
         apply_overrides(RunConfig(), ["alrs.exclude=[[1]]"])
 
 
+@pytest.mark.parametrize("field", ["train.eval_depths", "alrs.exclude", "data.path"])
+def test_null_for_a_list_field_is_refused_as_null(field):
+    """null (or ~) meant as "none" for a list. Before: "train.eval_depths[0]=None: must be of
+    type int", as if the user had written a list holding null."""
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(RunConfig(), [f"{field}=null"])
+    assert str(error.value) == f"{field}=None: must be a list ([] for none)"
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(expert=2), "parallel.expert=2: must be 1 unless model.num_experts > 0"),
     (dict(sequence_parallel=True), "parallel.sequence_parallel=True: must be false unless tensor"),
     (dict(pipeline=32), "parallel.pipeline=32: must be such that pipeline x virtual_pipeline = "
                         "32 stages get at least one of the model's 8 layer applications each"),
     (dict(virtual_pipeline=2), "parallel.virtual_pipeline=2: must be 1 unless parallel.pipeline"),
+    (dict(distributed_timeout_minutes=10**14), "timeout_minutes=100000000000000: must be <= 1000"),
     (dict(pipeline_split=[8]), "parallel.pipeline_split=[8]: must be empty unless "
                                "parallel.pipeline > 1"),
 ])
@@ -236,6 +246,10 @@ def test_split_strings(split, weights):
     (["data.path=[1, a.jsonl]", "data.format=sft", "data.eod_id=null", "data.tokenizer_model=t"],
      "data.path=['1', 'a.jsonl']: must be a list of .jsonl/.parquet files, used whole "
      "(data.format='sft' takes no blend weights)"),
+    # Before: accepted, the run failing in set-up as ".idx: not found", no field named.
+    (["data.path="], "data.path=['']: must be free of empty entries (an empty prefix or file "
+                     "names no data)"),
+    (["data.path=[x, '']"], "data.path=['x', '']: must be free of empty entries"),
 ])
 def test_run_validation_errors_are_one_line(overrides, message):
     cfg = apply_overrides(RunConfig(), ["data.path=[x]", "data.eod_id=0", *overrides])

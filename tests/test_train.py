@@ -83,6 +83,27 @@ def test_user_mistakes_are_one_line_errors(capsys, tmp_path, pattern_data, argv,
     assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("setting", [
+    "train.out_dir=~/runs/a", "checkpoint.dir=~/ckpt", "checkpoint.load=~/runs/b",
+    "data.cache_dir=~/cache", "data.path=[~/data/x]", "data.tokenizer_model=~/tok.model",
+    "train.profile.dir=~/profile"])
+def test_a_path_starting_with_a_tilde_is_refused_naming_it(capsys, tmp_path, monkeypatch,
+                                                          pattern_data, setting):
+    """No shell expands ~ in section.field=~/x, nor does YAML: the run wrote into a directory
+    named '~' in the working directory, its log lines naming ~/runs/a as if in the home."""
+    monkeypatch.chdir(tmp_path)
+    argv = [f"data.path=[{pattern_data}]", "data.eod_id=0", f"train.out_dir={tmp_path / 'run'}",
+            "train.train_steps=2", "train.profile.steps=[1,1]", setting]
+    if setting.startswith("data.tokenizer_model"):
+        argv.remove("data.eod_id=0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    key, _, value = setting.partition("=")
+    shown = repr([value[1:-1]] if value.startswith("[") else value)
+    assert err.startswith(f"error: {key}={shown}: must be a path without a leading '~'"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "~").exists()
+
+
 def test_config_file_errors_name_the_file(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
     save_yaml(RunConfig(model=ModelConfig(hidden_size=130)), path)

@@ -17,6 +17,17 @@ def require(ok: bool, prefix: str, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{prefix}.{name}={value!r}: must be {allowed}")
 
 
+def require_no_tilde(prefix: str, name: str, value: str | list[str] | None) -> None:
+    """Refuses a path (or a list of them, a blend) starting with ``~``: nothing expands it, not
+    the shell in ``section.field=~/x`` (an argument, not a variable assignment), not YAML, not
+    megaloop, so a run's outputs went to a directory named ``~`` in the working directory, while
+    its log lines read as if they were in the home directory."""
+    paths = value if isinstance(value, list) else [value]
+    require(not any(isinstance(p, str) and p.startswith("~") for p in paths), prefix, name, value,
+            "a path without a leading '~', which is not expanded (it would name a directory "
+            "'~' in the working directory): write the full path, e.g. $HOME/...")
+
+
 def require_finite(section: Any, prefix: str) -> None:
     """Refuses inf and nan in every float field of a config section and of the sections it holds:
     no setting means anything there, and range checks let them through (``lr > 0`` holds for inf;

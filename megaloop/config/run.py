@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megaloop.alrs.schedule import ALRSConfig
-from megaloop.config.errors import ConfigError, divisors_text, require, require_finite
+from megaloop.config.errors import (ConfigError, divisors_text, require, require_finite,
+                                    require_no_tilde)
 from megaloop.config.model import ModelConfig
 from megaloop.data.blend import SPLIT_RULE, parse_blend, split_weights  # split_weights re-exported
 from megaloop.data.readers import DataError
@@ -78,6 +79,9 @@ class ParallelConfig:
         for name in ("tensor", "pipeline", "expert", "virtual_pipeline",
                      "distributed_timeout_minutes"):
             require(getattr(self, name) >= 1, prefix, name, getattr(self, name), ">= 1")
+        # Beyond Python's timedelta (the process group's timeout) a traceback at start-up.
+        require(self.distributed_timeout_minutes <= 10**9, prefix, "distributed_timeout_minutes",
+                self.distributed_timeout_minutes, "<= 1000000000 (some 1900 years: for ever)")
         tp = self.tensor
         # Tensor parallelism splits heads, query groups, FFN columns and the vocabulary.
         split = {name: getattr(model, name) for name in (
@@ -247,6 +251,7 @@ class ProfileConfig:
                 "a list of distinct global ranks >= 0")
         require(self.dir is None or bool(self.dir.strip()), prefix, "dir", self.dir,
                 "a directory path, or null (<train.out_dir>/profile)")
+        require_no_tilde(prefix, "dir", self.dir)
 
 
 @dataclass
@@ -321,6 +326,7 @@ class TrainConfig:
                 self.eval_depths, "a list of distinct iteration counts >= 1")
         require(bool(self.out_dir.strip()), prefix, "out_dir", self.out_dir,
                 "a directory path (metrics, config.yaml and by default checkpoints go there)")
+        require_no_tilde(prefix, "out_dir", self.out_dir)
         require(self.fp8_recipe is None or self.precision == "fp8", prefix, "fp8_recipe",
                 self.fp8_recipe, f"unset unless {prefix}.precision='fp8'")
         self.downstream_eval.validate(f"{prefix}.downstream_eval")
@@ -404,6 +410,9 @@ class DataConfig:
         require(bool(self.path), prefix, "path", self.path,
                 "a non-empty list of dataset prefixes (optionally weighted)"
                 if self.format == "indexed" else "a non-empty list of .jsonl/.parquet files")
+        # "data.path=" (a value forgotten) is [""]: no file, and no field named where it failed.
+        require(all(str(item).strip() for item in self.path), prefix, "path", self.path,
+                "free of empty entries (an empty prefix or file names no data)")
         try:  # a bad weight, refused here, not once the run has started
             weights = parse_blend(self.path)[1]
         except DataError as e:
@@ -433,6 +442,8 @@ class DataConfig:
                 f"false with {prefix}.tokenizer_type={self.tokenizer_type!r}, which Megatron-LM's "
                 f"legacy and new tokenizers encode alike (it changes {', '.join(LEGACY_CHANGES)})")
         require(split_weights(self.split) is not None, prefix, "split", self.split, SPLIT_RULE)
+        for name in ("path", "tokenizer_model", "cache_dir"):
+            require_no_tilde(prefix, name, getattr(self, name))
 
     def _validate_sft(self, prefix: str) -> None:
         require(self.tokenizer_model is not None, prefix, "tokenizer_model",
@@ -492,6 +503,8 @@ class CheckpointConfig:
                 self.async_save, f"false with {prefix}.save_interval=0 (only the final and "
                 "stop-signal saves, which wait for their write, so it would change nothing)")
         require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
+        for name in ("dir", "load"):
+            require_no_tilde(prefix, name, getattr(self, name))
         require(self.load_optimizer or self.load is not None, prefix, "load_optimizer",
                 self.load_optimizer, f"left at true unless {prefix}.load is given (it concerns "
                 f"that checkpoint only; a run's own checkpoints in {prefix}.dir always resume "

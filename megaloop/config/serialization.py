@@ -152,6 +152,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         item = get_args(hint)[0]
         # A single value where a list is expected; a string is one value, never its characters
         # (alrs.exclude: router would otherwise exclude every name holding an r, o, u, ...).
+        if value is None:  # meant as "none", not as a list holding null
+            raise ConfigError(f"{where}=None: must be a list ([] for none)")
         if not isinstance(value, (list, tuple)):
             value = [value]
         return origin(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))

@@ -198,8 +198,8 @@ def _write(save: _Save, state: dict, queue) -> None:
     would otherwise leave the others waiting in the finalize's collectives until the
     process-group timeout. Then the save fails on every rank, naming the rank and its error, and
     the writes that did start are killed. The failing rank logs its error first: one in
-    megatron-core's planning (sharded_save) leaves the others in its gather of the plans, not
-    here."""
+    megatron-core's planning that sharded_save's run of it ahead did not meet leaves the others
+    in its gather of the plans, not here."""
     started, call_idx, error = len(queue.async_calls), queue.call_idx, None
     try:
         request = save_sharded(state, save.tmp)

@@ -138,6 +138,7 @@ def _build_indexed_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
         if cfg.data.tokenizer_model is not None:
             check_tokenizer_ids(summaries, cfg.data, tokenizer.vocab_size, cache_dir)
             check_document_ends(summaries, cfg.data, tokenizer.eod, other_eod)
+        _check_index_memory(summaries, cfg, samples)
         _make_cache_dir(Path(cache_dir), cfg.data.cache_dir is not None)  # once all else passed
         return summaries
 
@@ -189,6 +190,26 @@ def _readable_on_every_rank(prefixes: list[str]) -> None:
                 f.read(1)
 
     each_rank_agrees(read, (DataError,))
+
+
+def _check_index_memory(summaries: dict[str, IndexedSummary], cfg: RunConfig,
+                        samples: tuple[int, int, int]) -> None:
+    """A DataError naming the setting when the indices megatron-core would build in memory for a
+    split's samples exceed this node's memory: ``train.eval_iters=1e20`` (say) had it count the
+    epochs one by one in a Python loop for hours, then fail for memory, if ever. A lower bound:
+    its sample index (two int32 per sample), and its document index (an int32 per document of
+    every epoch: at least seq_length tokens per sample over the longest mean document)."""
+    longest = max(s.num_tokens / max(s.num_documents, 1) for s in summaries.values())
+    per_sample = 8 + 4 * cfg.model.seq_length / max(longest, 1)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gbs = cfg.train.global_batch_size
+    for count, setting in zip(samples, (f"train.train_steps={cfg.train.train_steps}",
+                                        f"train.eval_iters={cfg.train.eval_iters}")):
+        if count * per_sample > memory:
+            raise DataError(
+                f"{setting}: x train.global_batch_size={gbs} is {count:,} samples, whose indices "
+                f"megatron-core builds in memory: at least {count * per_sample / 2**30:,.0f} GiB "
+                f"of {cfg.data.path}, more than this node's {memory / 2**30:,.0f} GiB")
 
 
 def _warn_repeats(split: str, dataset) -> None:

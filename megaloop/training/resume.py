@@ -464,17 +464,23 @@ def _split_cut(split, data_format: str):
     that "99,1,0", "99, 1", "990/10/0" and "0.99,0.01,0" cut alike and are no change. In the
     floats it cuts by (``data_format`` sft: the records' edges, data.sft), compared exactly:
     "0.7,0.2,0.1" sums to 0.9999999999999999 there, and cuts 15 documents otherwise than
-    "7,2,1". A value that is no split, as it is."""
-    weights = split_weights(str(split))
-    if weights is None:
-        return split
-    if data_format == "sft":
-        from megaloop.data.sft import split_edges
-
-        return split_edges(weights)
+    "7,2,1". A spelling now refused, in a checkpoint saved before (indexed data: megatron-core
+    read its digits, "1e2" as 1,2), as megatron-core cut by it; a value that is no split, as it
+    is."""
+    import numpy as np
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
-    return parse_and_normalize_split(str(split))
+    weights = split_weights(str(split))
+    if data_format == "sft":  # whose reader (split_edges) always refused other spellings
+        from megaloop.data.sft import split_edges
+
+        return split if weights is None else split_edges(weights)
+    try:
+        with np.errstate(invalid="ignore"):  # no digits ("abc"): 0/0, its shares NaN
+            shares = parse_and_normalize_split(str(split))
+    except AssertionError:  # more than three parts
+        return split
+    return shares if all(map(np.isfinite, shares)) else split
 
 
 # What a resume cannot see where a checkpoint's data fingerprint lacks an entry, by the entry.

@@ -11,11 +11,13 @@ minutes by default). Here ``save_sharded`` runs the same steps in megatron-core'
 outcome agreed after each, the finalize's too, and every rank raises the first failure, naming
 its rank, as a RuntimeError marked ``cli.decided_on_every_rank``.
 
-Still megatron-core's alone: the write's planning (torch DCP's decentralised plan: each rank
-plans, rank 0 gathers the plans), whose failure on one rank before that gather leaves rank 0
-waiting in it until the process-group timeout, or until the failed rank's process exits (the
-launcher then ends the job); the failed rank logs its cause at once (checkpoint_save._write), so
-that a job's log says why it waits.
+So is the rank-local half of the write's planning (torch DCP's decentralised plan: each rank
+translates its state and plans its writes, then rank 0 gathers the plans), whose failure on one
+rank (an object that cannot be pickled, a checkpoint directory its node cannot create) left
+rank 0 in that gather until the process-group timeout: ``_plan_locally`` runs it once first,
+and its outcome is agreed. What fails only in the second run of it, inside megatron-core's
+save, still leaves rank 0 in its gather; the failed rank then logs its cause at once
+(checkpoint_save._write).
 """
 
 from __future__ import annotations
@@ -64,9 +66,35 @@ def save_sharded(state: dict, path: Path):
     # torch_dist writes the ShardedObjects itself, beside the tensors (megatron-core's save
     # hands them to the common strategy only for a sharded strategy that cannot).
     strategy = _strategy()
+    try:
+        _plan_locally(strategy, sharded, path)
+    except Exception as e:
+        problem = _on_this_rank(e)
+    _agreed(problem)
     request = strategy.async_save(sharded, str(path))
     request.finalize_fns.append(lambda: _write_format(strategy, path))
     return request
+
+
+def _plan_locally(strategy, sharded: dict, path: Path) -> None:
+    """What ``strategy.async_save(sharded, path)`` does on this rank before it gathers every
+    rank's plan on rank 0 (megatron-core's torch_dist translation of the state, then torch DCP's
+    local plan and the writer's preparation of the directory), run ahead of it, so that a
+    failure here is agreed on rather than leaving rank 0 in that gather. It writes no data and
+    copies no tensor (ShardedObjects are pickled, the small ones: RNG states, bucket sizes)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+
+    keep_only_main = strategy.keep_only_main_replica
+    flat = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main)[0]
+    planner = MCoreSavePlanner(dedup_replicated_tensors=not keep_only_main,
+                               flatten_state_dict=False)
+    writer = FileSystemWriterAsync(path, separation_hint=strategy.separation_hint,
+                                   thread_count=strategy.thread_count)
+    planner.set_up_planner(mcore_to_pyt_state_dict(flat, False), is_coordinator=is_rank0())
+    writer.set_up_storage_writer(is_rank0())
+    writer.prepare_local_plan(planner.create_local_plan())
 
 
 def _strategy():

@@ -402,6 +402,11 @@ class Trainer:
                                       step_time_s=time.perf_counter() - start,
                                       skipped=outcome.skipped, loss_tokens=outcome.loss_tokens,
                                       extra=self._routing_metrics())
+                if outcome.skipped:  # said whatever train.log_interval: the update is lost
+                    log.warning("step %d: loss %s, update skipped (%d in a row; "
+                                "train.max_nonfinite_steps=%d in a row abort the run)", self.step,
+                                outcome.loss, self._consecutive_nonfinite,
+                                cfg.max_nonfinite_steps, extra=ALIKE_ON_EVERY_RANK)
                 self.profiler.step_ends(self.step)
                 self.saver.poll()  # a background write complete on every rank is finalized
                 # Also a run shorter than the limit whose every step was NaN/Inf: it would save
@@ -420,9 +425,17 @@ class Trainer:
                 if self.stop_requested():
                     self.profiler.close()  # the steps traced, without the save after them
                     self.save()
-                    log.warning("stopped by signal %d after step %d; checkpoint saved",
+                    if self.step < cfg.train_steps:
+                        log.warning("stopped by signal %d after step %d; checkpoint saved",
+                                    self.stop_signals.received, self.step,
+                                    extra=ALIKE_ON_EVERY_RANK)
+                        return {"step": self.step,
+                                "stopped_by_signal": self.stop_signals.received}
+                    # A relaunch would find the run complete and evaluate nothing: the final
+                    # evaluation is made now, after the save, and the run ends as finished.
+                    log.warning("signal %d in the last step, %d: checkpoint saved; the final "
+                                "evaluation follows (a second signal exits at once)",
                                 self.stop_signals.received, self.step, extra=ALIKE_ON_EVERY_RANK)
-                    return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
                 # No periodic save inside a NaN/Inf streak: the checkpoint before it stays latest.
                 if interval and self.step % interval == 0 and not self._consecutive_nonfinite:
                     # Evaluates the weights of this step now: the save may be in flight, but the

@@ -443,3 +443,25 @@ def test_a_run_reading_a_split_more_than_once_says_so(tmp_path, pattern_data, ca
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
         build_datasets(tiny_run(pattern_data, tmp_path / "run"))  # 400 documents: read once
     assert caplog.messages == []
+
+
+@pytest.mark.parametrize("setting", [dict(eval_iters=10**20), dict(train_steps=10**15)])
+def test_samples_whose_indices_exceed_the_memory_are_refused_naming_the_setting(
+        tmp_path, pattern_data, setting):
+    """Before: megatron-core counted the epochs of 4e20 validation samples one by one (a Python
+    loop: hours), exit 0 never reached and nothing said; the subprocess times out."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from tests.training.conftest import tiny_run; "
+            "from megaloop.training.data import build_datasets; from megaloop.data import "
+            "DataError\ntry:\n build_datasets(tiny_run(sys.argv[1], Path(sys.argv[2]), "
+            f"train={setting!r}))\nexcept DataError as e:\n print(e)")
+    result = subprocess.run([sys.executable, "-c", code, pattern_data, str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    (name, value), = setting.items()
+    assert result.stdout.startswith(
+        f"train.{name}={value}: x train.global_batch_size=4 is {4 * value:,} samples, whose "
+        "indices megatron-core builds in memory: at least "), result.stdout + result.stderr
+    assert result.stdout.count("\n") == 1 and "GiB of [" in result.stdout

@@ -408,3 +408,59 @@ def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp
     assert trainer.saver.pending_step is None
     assert [t["step"] for t in trainer.saver.timings] == ([2, 3] if checkpoint else [3])
     assert signal.getsignal(signal.SIGUSR1) is before, "the handlers are put back"
+
+
+def test_ctrl_c_exits_130_in_one_line_naming_the_latest_checkpoint(mcore, pattern_data, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group, the writers' included) stops at once
+    without saving: one line and the shell's 130, not the traceback of wherever it fell and 1."""
+    from megaloop.train import EXIT_INTERRUPTED
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1},
+                   checkpoint={"save_interval": 2})
+    save_yaml(cfg, tmp_path / "run.yaml")
+    proc = _train(tmp_path)
+    try:
+        deadline = time.time() + 180
+        while len(_train_lines(tmp_path)) < 3:  # step 2 is saved
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
+            assert time.time() < deadline, "training did not start"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        status = proc.wait(timeout=120)
+        wait_until_group_ends(proc.pid)
+    finally:
+        end_group(proc.pid)
+    text = (tmp_path / "train.log").read_text()
+    assert status == EXIT_INTERRUPTED == 130, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+    latest = ckpt.latest_checkpoint(tmp_path / "checkpoints")
+    said = text.splitlines()[-1]  # mid-step, or mid-save (then naming the save cut short too)
+    assert said.startswith("error: interrupted by SIGINT (Ctrl-C): exiting with status 130, "
+                           "without saving (SIGTERM or SIGUSR1 saves first); "), said
+    assert f"{tmp_path / 'checkpoints' / 'latest'} names " in said and latest.name in said, said
+    ckpt.verify_checkpoint(latest)
+
+
+def test_a_stop_signal_in_the_last_step_still_makes_the_final_evaluation(mcore, pattern_data,
+                                                                          tmp_path):
+    """The checkpoint of the last step is the run's end: a relaunch finds the run complete and
+    evaluates nothing, so the final evaluation is made now, after that save, and the run exits
+    as finished (0), not resumable (75), which would requeue a job with nothing left to do."""
+    from megaloop.training.trainer import Trainer
+
+    trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 3}))
+    train_step = trainer.train_step
+
+    def signalled_during_step_3(data):
+        if trainer.step == 3:
+            signal_this_process(signal.SIGTERM, trainer.stop_signals)
+        return train_step(data)
+
+    trainer.train_step = signalled_during_step_3
+    result = trainer.train()
+    assert "stopped_by_signal" not in result and result["step"] == 3, result
+    assert result["val_loss"] > 0
+    assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "checkpoints")) == 3
+    evaluations = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                   if '"eval"' in line]
+    assert [record["step"] for record in evaluations] == [3], evaluations

@@ -363,3 +363,21 @@ def test_a_setting_an_older_config_lacks_is_compared_as_its_default(tmp_path, ca
         report_sample_order(saved, RunConfig(data=DataConfig(path=[DATA], eod_mask_loss=True)),
                             tmp_path / "c", 6)
     assert "(data.eod_mask_loss False -> True)" in caplog.records[0].getMessage()
+
+
+def test_a_split_saved_in_a_spelling_now_refused_is_compared_as_megatron_core_cut_it(
+        tmp_path, caplog):
+    """A checkpoint saved before data.split refused "1e2" (megatron-core read its digits: 1,2)
+    cut its data as "1,2" does. Before: resumed with "1,2", "data.split differs ... '1e2' ->
+    '1,2'", the sample order said to change where it does not; another cut is still named."""
+    from megaloop.config import to_dict
+
+    saved = to_dict(RunConfig(data=DataConfig(path=[DATA], split="1,2")))
+    saved["data"]["split"] = "1e2"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        for split in ("1,2", "1,2,0", "2,1"):
+            report_sample_order(saved, RunConfig(data=DataConfig(path=[DATA], split=split)),
+                                tmp_path / "c", 6)
+    assert [r.getMessage().split(": the sample")[0] for r in caplog.records] == [
+        f"resume: data.split differs from {tmp_path / 'c'}'s (data.split '1e2' -> '2,1')"]

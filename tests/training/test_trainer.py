@@ -1,6 +1,7 @@
 """Training behaviour users rely on: learning, exact resume, faults, and the data/config guards."""
 
 import functools
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -96,6 +97,25 @@ def test_fully_reshardable_state_of_tied_copies_in_two_chunks_resumes_bit_for_bi
     for start, a, b in outcomes:
         assert start == (2, 16) and sorted(b) == [3, 4]
         assert [a[s] for s in b] == [b[s] for s in b]
+
+
+def test_a_skipped_step_is_said_whatever_the_log_interval(mcore, pattern_data, tmp_path, caplog):
+    """A NaN/Inf loss between log_interval's lines was in metrics.jsonl alone: a run that lost
+    updates finished, exit 0, without a word of it."""
+    trainer = Trainer(tiny_run(pattern_data, tmp_path, train=dict(train_steps=4,
+                                                                  log_interval=100)))
+    forward = trainer._forward_step
+
+    def nan_at_step_2(data_iterator, model, num_iterations=None):
+        output, loss_func = forward(data_iterator, model, num_iterations)
+        return (output * float("nan") if trainer.step == 2 else output), loss_func
+
+    trainer._forward_step = nan_at_step_2
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        assert trainer.train()["step"] == 4
+    said = [r.getMessage() for r in caplog.records if "update skipped" in r.getMessage()]
+    assert said == ["step 2: loss nan, update skipped (1 in a row; train.max_nonfinite_steps=5 "
+                    "in a row abort the run)"], said
 
 
 def test_nonfinite_losses_are_skipped_then_abort_keeps_last_good_checkpoint(mcore, pattern_data,
