@@ -7,11 +7,48 @@ megatron-core's ``finalize_model_grads`` sums the gradients of every parameter f
 ``sequence_parallel`` over the tensor-parallel group; the Transformer Engine and apex norms set that
 flag from the config, and so does this one. Without sequence parallelism the flag is False and every
 rank already holds the full gradient.
+
+The backward pass is written by hand: torch's CPU ``rms_norm`` is a composite of elementwise ops,
+whose autograd backward runs about a dozen passes over the input (pow, mean, rsqrt, two broadcast
+multiplications and their backward nodes). That cost is no matmul, so the analytical FLOP count
+misses it, and AsymLoop pays it more often than Full Loop (QK-norm on q, Local k and Global k, and
+the Global KV's norm: 37 norms per forward of the step-time benchmark's AsymLoop against Full
+Loop's 17; docs/benchmarks.md "Step time").
 """
 
 from __future__ import annotations
 
 import torch
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x_hat * w rounded once to the output dtype, x_hat = x * rsqrt(mean(x^2) + eps) over the
+    last dimension, computed in fp32 (or wider): the ops of torch's CPU ``rms_norm``, so the
+    forward is bitwise the same. Saves x, the rsqrt and, in fp32, x_hat (what autograd saved
+    through torch's ops); a narrower x_hat is recomputed instead of kept in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        upcast = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True).add_(eps))
+        x_hat = upcast.mul(rstd)
+        ctx.save_for_backward(x, rstd, weight, x_hat if x_hat.dtype == x.dtype else None)
+        return x_hat.mul(weight).to(torch.promote_types(x.dtype, weight.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight, x_hat = ctx.saved_tensors
+        if x_hat is None:
+            x_hat = x.to(rstd.dtype).mul(rstd)
+        grad = grad.to(rstd.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.mul(x_hat).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        # d(x r)/dx applied to g: r (g - x_hat mean(g x_hat)), g the gradient at x_hat.
+        grad_x_hat = grad.mul(weight)
+        mean = grad_x_hat.mul(x_hat).mean(-1, keepdim=True)
+        grad_x = torch.addcmul(grad_x_hat, x_hat, mean, value=-1).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -21,3 +58,6 @@ class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_backend_options):
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
