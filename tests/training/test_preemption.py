@@ -39,9 +39,8 @@ def _train(tmp_path: Path, *overrides: str, log: str = "train.log") -> subproces
                                  *overrides], tmp_path, tmp_path / log)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumable(
-        mcore, pattern_data, tmp_path, signum):
+def _train_past_a_save(pattern_data, tmp_path: Path) -> subprocess.Popen:
+    """A long megaloop-train run (``_train``), once it has saved step 2 and logged step 3."""
     cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1},
                    checkpoint={"save_interval": 2})
     save_yaml(cfg, tmp_path / "run.yaml")
@@ -52,6 +51,17 @@ def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumab
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
             assert time.time() < deadline, "training did not start"
             time.sleep(0.2)
+    except BaseException:
+        end_group(proc.pid)
+        raise
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_to_the_process_group_saves_a_checkpoint_and_exits_resumable(
+        mcore, pattern_data, tmp_path, signum):
+    proc = _train_past_a_save(pattern_data, tmp_path)
+    try:
         assert any("multiprocessing.spawn" in line for line in processes_in_group(proc.pid)), \
             "megatron-core's results-queue manager, started by the first save, is there to signal"
         os.killpg(proc.pid, signum)
@@ -415,16 +425,8 @@ def test_ctrl_c_exits_130_in_one_line_naming_the_latest_checkpoint(mcore, patter
     without saving: one line and the shell's 130, not the traceback of wherever it fell and 1."""
     from megaloop.train import EXIT_INTERRUPTED
 
-    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 10_000, "log_interval": 1},
-                   checkpoint={"save_interval": 2})
-    save_yaml(cfg, tmp_path / "run.yaml")
-    proc = _train(tmp_path)
+    proc = _train_past_a_save(pattern_data, tmp_path)
     try:
-        deadline = time.time() + 180
-        while len(_train_lines(tmp_path)) < 3:  # step 2 is saved
-            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
-            assert time.time() < deadline, "training did not start"
-            time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)
         status = proc.wait(timeout=120)
         wait_until_group_ends(proc.pid)
