@@ -393,6 +393,18 @@ def test_a_second_sigterm_during_a_hung_save_leaves_the_previous_checkpoint(
     trainer.close()
 
 
+def _signal_during_step(trainer, step: int, signum: int) -> None:
+    """Has ``signum`` reach ``trainer``'s handlers while its step ``step`` runs."""
+    train_step = trainer.train_step
+
+    def signalled(data):
+        if trainer.step == step:
+            signal_this_process(signum, trainer.stop_signals)
+        return train_step(data)
+
+    trainer.train_step = signalled
+
+
 @pytest.mark.parametrize("checkpoint", [{}, {"save_interval": 2, "async_save": True}],
                          ids=["sync", "async"])
 def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp_path,
@@ -404,14 +416,7 @@ def test_sigusr1_saves_at_the_end_of_the_step_and_stops(mcore, pattern_data, tmp
     before = signal.getsignal(signal.SIGUSR1)
     trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 10},
                                checkpoint=checkpoint))
-    train_step = trainer.train_step
-
-    def signalled_during_step_3(data):
-        if trainer.step == 3:
-            signal_this_process(signal.SIGUSR1, trainer.stop_signals)
-        return train_step(data)
-
-    trainer.train_step = signalled_during_step_3
+    _signal_during_step(trainer, 3, signal.SIGUSR1)
     result = trainer.train()
     assert result == {"step": 3, "stopped_by_signal": signal.SIGUSR1}
     assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "checkpoints")) == 3
@@ -451,14 +456,7 @@ def test_a_stop_signal_in_the_last_step_still_makes_the_final_evaluation(mcore, 
     from megaloop.training.trainer import Trainer
 
     trainer = Trainer(tiny_run(pattern_data, tmp_path, train={"train_steps": 3}))
-    train_step = trainer.train_step
-
-    def signalled_during_step_3(data):
-        if trainer.step == 3:
-            signal_this_process(signal.SIGTERM, trainer.stop_signals)
-        return train_step(data)
-
-    trainer.train_step = signalled_during_step_3
+    _signal_during_step(trainer, 3, signal.SIGTERM)
     result = trainer.train()
     assert "stopped_by_signal" not in result and result["step"] == 3, result
     assert result["val_loss"] > 0
