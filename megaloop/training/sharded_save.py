@@ -43,6 +43,16 @@ def _agreed(problem: str | None) -> None:
         raise decided_on_every_rank(RuntimeError(problem))
 
 
+def _agreed_call(step) -> None:
+    """Collective: ``step()`` on every rank, whose failure on any rank raises on every rank."""
+    problem = None
+    try:
+        step()
+    except Exception as e:
+        problem = _on_this_rank(e)
+    _agreed(problem)
+
+
 def save_sharded(state: dict, path: Path):
     """Collective: ``dist_checkpointing.save(state, path, async_sharded_save=True)``, the
     AsyncRequest of the write (to schedule), with its finalize; a failure before the write's
@@ -58,19 +68,12 @@ def save_sharded(state: dict, path: Path):
     refusal = agreed_refusal(problem, sharded, common)
     if refusal is not None:
         raise decided_on_every_rank(RuntimeError(refusal))
-    try:
-        get_default_save_common_strategy().save_common(common, str(path))  # on rank 0 alone
-    except Exception as e:
-        problem = _on_this_rank(e)
-    _agreed(problem)
+    # The common state: written by rank 0 alone.
+    _agreed_call(lambda: get_default_save_common_strategy().save_common(common, str(path)))
     # torch_dist writes the ShardedObjects itself, beside the tensors (megatron-core's save
     # hands them to the common strategy only for a sharded strategy that cannot).
     strategy = _strategy()
-    try:
-        _plan_locally(strategy, sharded, path)
-    except Exception as e:
-        problem = _on_this_rank(e)
-    _agreed(problem)
+    _agreed_call(lambda: _plan_locally(strategy, sharded, path))
     request = strategy.async_save(sharded, str(path))
     request.finalize_fns.append(lambda: _write_format(strategy, path))
     return request
