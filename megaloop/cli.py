@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -159,6 +161,34 @@ def _launch_env():
         return detect_launch_env(rendezvous=False)
     except ConfigError:
         return None
+
+
+class Stopped(BaseException):
+    """A stop signal received outside training (a BaseException, as KeyboardInterrupt is, so that
+    no ``except Exception`` on the way swallows it), raised where it was received."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_stopped(signum, frame):
+    """A signal handler raising Stopped: temporary files are removed as the stack unwinds, where
+    SIGTERM's default action ends the process on the spot."""
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def signals_handled(signals, handler):
+    """``handler`` for each of ``signals`` while the block runs; the previous handlers after it
+    (a handler raising an exception turns a signal whose default action would end the process on
+    the spot into an unwinding that removes a command's temporary files)."""
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
 
 
 def int_at_least(minimum: int):

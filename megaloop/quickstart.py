@@ -21,7 +21,6 @@ when it has finished (``StagedOutput``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-from megaloop.cli import int_at_least
+from megaloop.cli import Stopped, int_at_least, raise_stopped, signals_handled
 from megaloop.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
 
 VOCAB = 512  # a ceiling: a small corpus gets fewer pieces
@@ -141,34 +140,6 @@ STAGING = ".quickstart-staging"
 REPLACED = ".quickstart-replaced"
 COMMITTED = ".quickstart-committed"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-class Stopped(BaseException):
-    """A stop signal received outside training (a BaseException, as KeyboardInterrupt is, so that
-    no ``except Exception`` on the way swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def raise_stopped(signum, frame):
-    """The handler of STOP_SIGNALS while a quickstart runs: the staging directory is then removed
-    however the run is stopped (SIGTERM's default would end the process on the spot). A Trainer
-    puts its own SIGTERM and SIGUSR1 handlers in while it trains: it finishes the step and returns
-    ``stopped_by_signal``."""
-    raise Stopped(signum)
-
-
-@contextlib.contextmanager
-def stop_signals_handled(handler):
-    """``handler`` for STOP_SIGNALS while the block runs; the previous handlers after it."""
-    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, before in previous.items():
-            signal.signal(s, before)
 
 
 def _remove(path: Path) -> None:
@@ -384,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     staged = StagedOutput(out)
-    with stop_signals_handled(raise_stopped):
+    # The staging directory is removed however the run is stopped. A Trainer puts its own
+    # SIGTERM and SIGUSR1 handlers in while it trains: it finishes the step and returns
+    # ``stopped_by_signal``.
+    with signals_handled(STOP_SIGNALS, raise_stopped):
         try:
             problem = staged.claim()
             if problem:
@@ -392,14 +366,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             code = build(args, staged.path, out)
             if code == 0:  # a stop signal during the renames would leave half of each quickstart
-                with stop_signals_handled(signal.SIG_IGN):
+                with signals_handled(STOP_SIGNALS, signal.SIG_IGN):
                     staged.install()
         except Stopped as stop:
             print(f"stopped by signal {stop.signum}; --out {out} is left as it was",
                   file=sys.stderr)
             return 128 + stop.signum
         finally:
-            with stop_signals_handled(signal.SIG_IGN):
+            with signals_handled(STOP_SIGNALS, signal.SIG_IGN):
                 staged.close()
     if code == 0:
         print(f"curves: {out / 'curves.png'}   table: {out / 'results.json'}")

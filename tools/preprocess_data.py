@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from megaloop.cli import ArgumentParser, int_at_least, json_keys_refusal
+from megaloop.cli import ArgumentParser, int_at_least, json_keys_refusal, signals_handled
 from megaloop.data.readers import (
     DataError,
     RecordFilter,
@@ -458,11 +458,8 @@ def _agreed(comm, check):
 
 def main(argv: list[str] | None = None) -> int:
     # The handler comes first, so a SIGTERM at any point cleans up and says so.
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+    with signals_handled((signal.SIGTERM,), _on_sigterm):
         return _main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from megaloop.cli import signals_handled
+
 # Relative and absolute tolerance of the probe comparison in fp32: the parity tests hold the
 # reference to megatron-core at 1e-5 on tiny models; deeper and wider models accumulate more.
 PROBE_TOLERANCE = 1e-4
@@ -124,11 +126,8 @@ def sigterm_as_exit():
     def terminate(signum, frame):
         raise Terminated(128 + signum)
 
-    signal.signal(signal.SIGTERM, terminate)
-    try:
+    with signals_handled((signal.SIGTERM,), terminate):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _note_killed_stagings(out: Path) -> None:

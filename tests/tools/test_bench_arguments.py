@@ -120,7 +120,7 @@ import signal, sys
 from tests.tool_scripts import load_tool
 bench = load_tool("bench/pipeline_balance")
 bench.STOP_GRACE_S = 1
-signal.signal(signal.SIGTERM, bench._raise_stopped)
+signal.signal(signal.SIGTERM, bench.raise_stopped)
 # A launcher whose worker ignores SIGTERM, as a stage's Trainer held it, and writes its pid.
 worker = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
           "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)")

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from megaloop.cli import child_failure, int_at_least
+from megaloop.cli import Stopped, child_failure, int_at_least, raise_stopped, signals_handled
 
 GOAL = 1.15  # slowest stage / mean stage busy time
 STOP_GRACE_S = 30  # for the stages to finish their step once stopped, as torchrun gives them
@@ -124,18 +124,6 @@ def simulate_1f1b(forward: list[float], backward: list[float], micro: int) -> fl
     return max(free)
 
 
-class Stopped(BaseException):
-    """A stop signal to the bench (SIGTERM; Ctrl-C is KeyboardInterrupt), raised where it is."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stopped(signum, frame) -> None:
-    raise Stopped(signum)
-
-
 def launch(command: list[str]) -> subprocess.CompletedProcess:
     """``command`` (torchrun) run to its end in a process group of its own, output captured. An
     interrupt or SIGTERM of the bench reaches the whole group, the launcher and its workers,
@@ -205,17 +193,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.steps, args.warmup, args.out)
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        run(args)
+        with signals_handled((signal.SIGTERM,), raise_stopped):
+            run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except Stopped as stop:
         print(f"stopped by signal {stop.signum}", file=sys.stderr)
         raise SystemExit(128 + stop.signum) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> None:
