@@ -37,7 +37,12 @@ out="$(realpath -m "${OUT:-$root/gpu_check_out}")"
 wheels="$(realpath -m "${MEGALOOP_WHEELS:-$root/wheels}")"
 cd "$root" || exit 1
 mkdir -p "$out"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# What is missing goes to its own directory, not into the image's environment (which may be
+# read-only), and only what is missing: a carried copy of a package the image has would shadow it.
+site="${TMPDIR:-/tmp}/megaloop-gpu-check-site"
+export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# CUDA images often have only python3 (no python).
+py="$(command -v python3 || command -v python)"
 export MEGALOOP_GPU_RECORD="$out/gpu_record.jsonl"
 rm -f "$MEGALOOP_GPU_RECORD"
 failed=()
@@ -54,13 +59,13 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND with a time limit, output
 
 # --no-deps: the lists below name every dependency the machine lacks; the ones it has (torch and
 # its own) are left alone.
-pip_offline=(python -m pip install --no-index --find-links "$wheels" --no-deps
-             --disable-pip-version-check)
+pip_offline=("$py" -m pip install --no-index --find-links "$wheels" --no-deps
+             --disable-pip-version-check --upgrade --target "$site")
 
 # 1. environment
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python - <<'PY'
+  "$py" - <<'PY'
 import importlib.util, sys, torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
@@ -73,15 +78,24 @@ PY
 cat "$out/environment.txt"
 
 # 2. what is missing, from the carried wheels (no index: a missing wheel fails loudly)
-step install 120 "${pip_offline[@]}" megatron-core==0.16.1 "packaging>=24.2" pyyaml zstandard \
-  nvidia-ml-py pytest pytest-timeout pluggy iniconfig "pygments>=2.15"
+missing=()
+for module_requirement in megatron.core=megatron-core==0.16.1 "packaging=packaging>=24.2" \
+    yaml=pyyaml zstandard=zstandard pynvml=nvidia-ml-py pytest=pytest pytest_timeout=pytest-timeout \
+    pluggy=pluggy iniconfig=iniconfig "pygments=pygments>=2.15"; do
+  "$py" -c "import ${module_requirement%%=*}" 2> /dev/null || missing+=("${module_requirement#*=}")
+done
+if ((${#missing[@]})); then
+  step install 120 "${pip_offline[@]}" "${missing[@]}"
+else
+  echo "skip   install (nothing missing)"
+fi
 
 # 3. megaloop without zarr (only ALRS logging needs it)
-if python -c "import zarr" 2> /dev/null; then
+if "$py" -c "import zarr" 2> /dev/null; then
   echo "zarr was preinstalled: importing without it not checked" > "$out/import_without_zarr.txt"
   echo "skip   import_without_zarr (zarr preinstalled)"
 else
-  step import_without_zarr 60 python -c \
+  step import_without_zarr 60 "$py" -c \
     "import megaloop.config, megaloop.models.model, megaloop.training.trainer; print('imported')"
   if [[ " ${failed[*]} " == *" import_without_zarr "* ]]; then  # install it so the rest can run
     step install_zarr 60 "${pip_offline[@]}" zarr==3.1.6 numcodecs==0.16.6 google-crc32c donfig \
@@ -90,19 +104,19 @@ else
 fi
 
 # 4. GPU-marked tests
-step pytest_gpu 240 python -m pytest -q -m gpu -rA -p no:cacheprovider \
-  --junitxml "$out/pytest_gpu.xml" tests/models/test_gpu.py tests/models/test_moe_gpu.py \
+step pytest_gpu 270 "$py" -m pytest -q -m gpu -rA -p no:cacheprovider --timeout 150 \
+  --durations 15 tests/models/test_gpu.py tests/models/test_moe_gpu.py \
   tests/training/test_gpu_training.py
 if ! grep -qE "[0-9]+ passed" "$out/pytest_gpu.txt"; then  # all skipped (no CUDA device) is no check
   echo "FAILED pytest_gpu_ran: no GPU-marked test passed"; failed+=(pytest_gpu_ran)
 fi
 
 # 5. benches (JSON on stdout)
-step bench_joint_attention_n1024 60 python tools/bench/joint_attention.py --device cuda \
+step bench_joint_attention_n1024 45 "$py" tools/bench/joint_attention.py --device cuda \
   --seq 1024 --heads 4 --head-dim 64 --repeats 10
-step bench_joint_attention_n4096 60 python tools/bench/joint_attention.py --device cuda \
+step bench_joint_attention_n4096 45 "$py" tools/bench/joint_attention.py --device cuda \
   --batch 4 --seq 4096 --heads 16 --head-dim 128 --repeats 5
-step bench_step_time_1B 150 python tools/bench/step_time.py --preset 1B --batch 8 --repeats 5
+step bench_step_time_1B 140 "$py" tools/bench/step_time.py --preset 1B --batch 8 --repeats 5
 
 echo "--- tests"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/pytest_gpu.txt" | tail -80

@@ -27,11 +27,13 @@ def test_the_gpu_check_runs_every_gpu_marked_test_module():
 def test_relative_out_and_wheels_are_the_callers(tmp_path):
     """The script moves to the checkout. Before: a relative OUT (its results) and MEGALOOP_WHEELS
     (the offline install's wheels) were read there, not where the caller typed them. Every
-    command is stubbed: a python that records its arguments and does nothing, no GPU."""
+    command is stubbed: a python that records its arguments, does nothing and finds no package
+    (``python -c "import ..."`` fails, so the offline install runs), no GPU."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    for name in ("python", "nvidia-smi"):
-        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "$STUB_LOG"\n')
+    for name, status in (("python3", '[ "$1" != -c ]'), ("python", '[ "$1" != -c ]'),
+                         ("nvidia-smi", "true")):
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "$STUB_LOG"\n{status}\n')
         (stubs / name).chmod(0o755)
     caller = tmp_path / "caller"
     caller.mkdir()
