@@ -28,7 +28,8 @@
 #      recompute, the Global K/V projection in FP8, delayed-scaling amax against scales, and
 #      local <-> TE checkpoints.
 #      Measured numbers: gpu_record.jsonl;
-#   5. benches: fused vs masked joint attention on CUDA; tokens/s and MFU of the 1B preset.
+#   5. benches: fused vs masked joint attention on CUDA; tokens/s and MFU of the 1B preset;
+#      cached decoding of AsymLoop against Dense of equal depth (60M, Hugging Face model).
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -117,6 +118,7 @@ step bench_joint_attention_n1024 45 "$py" tools/bench/joint_attention.py --devic
 step bench_joint_attention_n4096 45 "$py" tools/bench/joint_attention.py --device cuda \
   --batch 4 --seq 4096 --heads 16 --head-dim 128 --repeats 5
 step bench_step_time_1B 140 "$py" tools/bench/step_time.py --preset 1B --batch 8 --repeats 5
+step bench_generate_60M 60 "$py" tools/bench/generate.py --preset 60M --repeats 3
 
 echo "--- tests"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/pytest_gpu.txt" | tail -80

@@ -20,6 +20,7 @@ import contextlib
 
 import torch
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
@@ -32,6 +33,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megaloop.config import ModelConfig
 from megaloop.models.build_device import builds_on_gpu
+
+# megatron-core 0.16.1's router gating (RouterGatingLinearFunction) tests ``te_general_gemm is not
+# None``, a name moe_utils imports only with Transformer Engine: without it (a CPU, or a GPU with no
+# Transformer Engine) every MoE forward raised NameError. None selects its torch matmul.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
 
 
 def transformer_config_fields(cfg: ModelConfig, grouped_gemm: bool) -> dict:

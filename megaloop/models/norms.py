@@ -22,9 +22,10 @@ import torch
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """y = x_hat * w rounded once to the output dtype, x_hat = x * rsqrt(mean(x^2) + eps) over the
-    last dimension, computed in fp32 (or wider): the ops of torch's CPU ``rms_norm``, so the
-    forward is bitwise the same. Saves x, the rsqrt and, in fp32, x_hat (what autograd saved
+    """y = x_hat * w rounded once to x's dtype, x_hat = x * rsqrt(mean(x^2) + eps) over the last
+    dimension, computed in fp32 (or wider): the ops of torch's CPU ``rms_norm``, so the forward is
+    bitwise the same, its dtype too (x's, also beside a wider weight: a bf16 model's activations
+    stay bf16 for the matmuls that follow). Saves x, the rsqrt and, in fp32, x_hat (what autograd saved
     through torch's ops); a narrower x_hat is recomputed instead of kept in fp32."""
 
     @staticmethod
@@ -33,7 +34,7 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True).add_(eps))
         x_hat = upcast.mul(rstd)
         ctx.save_for_backward(x, rstd, weight, x_hat if x_hat.dtype == x.dtype else None)
-        return x_hat.mul(weight).to(torch.promote_types(x.dtype, weight.dtype))
+        return x_hat.mul(weight).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -56,7 +57,9 @@ class RMSNorm(torch.nn.RMSNorm):
     ``eps``); state-dict keys are those of megatron-core's local norm."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_backend_options):
-        super().__init__(hidden_size, eps=eps)
+        # In the model's parameter dtype, as megatron-core's other layers and Transformer Engine's
+        # norms are: torch's default (fp32) left a bf16 model's norms fp32.
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

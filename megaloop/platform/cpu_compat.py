@@ -82,12 +82,6 @@ def enable() -> bool:
 
         tp_random._get_cuda_rng_state = _cpu_rng_get_state
         tp_random._set_cuda_rng_state = _cpu_rng_set_state
-        # megatron-core 0.16.1 references te_general_gemm without importing it when Transformer
-        # Engine is absent (moe_utils.RouterGatingLinearFunction); None selects the torch path.
-        from megatron.core.transformer.moe import moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
         _CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the process
         _enabled = True
         return True

@@ -24,6 +24,22 @@ def test_changing_token_t_changes_no_logit_before_t(seeded, variant):
 
 
 @pytest.mark.parametrize("variant", list(ALL_VARIANTS))
+def test_a_bf16_model_is_bf16_throughout(seeded, variant):
+    """build_model(params_dtype=bf16) without Float16Module, as the step-time benchmark and the GPU
+    check build it: every parameter is bf16, and forward and backward run in bf16. Before, the
+    local spec's norms stayed fp32 and promoted their outputs, and the next bf16 matmul failed (on
+    a GPU, every variant: "expected mat1 and mat2 to have the same dtype")."""
+    cfg = small_config(variant)
+    model = build_model(cfg, params_dtype=torch.bfloat16)
+    assert {n: p.dtype for n, p in model.named_parameters() if p.dtype != torch.bfloat16} == {}
+    x = _tokens(cfg)
+    assert model(x).dtype == torch.bfloat16
+    model(x, labels=x).float().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.bfloat16 and g.isfinite().all() for g in grads)
+
+
+@pytest.mark.parametrize("variant", list(ALL_VARIANTS))
 def test_parameter_count_matches_analytical_and_ignores_iterations(seeded, variant):
     cfg = small_config(variant)
     # (LatentLoop's visits carry their own scales: its count depends on the number of visits.)

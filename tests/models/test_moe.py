@@ -2,6 +2,10 @@
 losses counted once per application, per-iteration routing statistics, model-wide layer numbers."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +144,23 @@ def test_router_computes_in_fp32_under_bf16_weights(seeded):
     router = model.decoder.layers[0].mlp.router
     assert router.gating(torch.randn(4, 1, cfg.hidden_size, dtype=torch.bfloat16)).dtype \
         == torch.float32
+
+
+def test_router_gating_runs_without_transformer_engine_or_the_cpu_intercepts():
+    """megatron-core 0.16.1's router gating names ``te_general_gemm``, which it imports only with
+    Transformer Engine. The fix used to live in the CPU intercepts, which a GPU never installs: on a
+    GPU without Transformer Engine every MoE forward raised NameError (seen on an H200). A fresh
+    process that imports megaloop's MoE module and installs no intercept must route."""
+    code = ("import torch, megaloop.models.moe\n"
+            "from megaloop.platform import cpu_compat\n"
+            "from megatron.core.transformer.moe.moe_utils import router_gating_linear\n"
+            "assert not cpu_compat.is_enabled()\n"
+            "x, w = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)\n"
+            "print(router_gating_linear(x, w, None, torch.float32).shape)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "torch.Size([5, 3])"
 
 
 def test_moe_layers_only_where_configured(seeded):

@@ -16,26 +16,36 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megaloop.models.norms import RMSNorm
 
 
-def _pair(width: int, dtype: torch.dtype, sequence_parallel: bool = False):
-    ours = RMSNorm(SimpleNamespace(sequence_parallel=sequence_parallel), width, eps=1e-5).to(dtype)
-    torch_norm = torch.nn.RMSNorm(width, eps=1e-5).to(dtype)
+def _config(sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+    return SimpleNamespace(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+
+
+def _pair(width: int, dtype: torch.dtype, sequence_parallel: bool = False,
+          weight_dtype: torch.dtype | None = None):
+    weight_dtype = weight_dtype or dtype
+    ours = RMSNorm(_config(sequence_parallel, weight_dtype), width, eps=1e-5)
+    torch_norm = torch.nn.RMSNorm(width, eps=1e-5).to(weight_dtype)
     with torch.no_grad():
         ours.weight.normal_()
         torch_norm.weight.copy_(ours.weight)
     return ours, torch_norm
 
 
-# (dtype, shape, relative tolerance of the input gradient): a QK-norm's [N, B, heads, head_dim]
-# and a hidden norm's [N, B, d]; bf16 is rounded once on the way out in both.
-@pytest.mark.parametrize("dtype, shape, rtol", [
-    (torch.float32, (64, 2, 4, 32), 1e-6),
-    (torch.float32, (64, 2, 96), 1e-6),
-    (torch.float64, (16, 3, 24), 1e-13),
-    (torch.bfloat16, (64, 2, 96), 1e-2),
+# (dtype, weight dtype, shape, relative tolerance of the input gradient): a QK-norm's
+# [N, B, heads, head_dim] and a hidden norm's [N, B, d]; bf16 is rounded once on the way out in
+# both. Beside a wider weight, the output keeps the input's dtype, as torch's does (it was promoted
+# to fp32, and the bf16 matmul after it failed on a GPU: "expected mat1 and mat2 to have the same
+# dtype").
+@pytest.mark.parametrize("dtype, weight_dtype, shape, rtol", [
+    (torch.float32, None, (64, 2, 4, 32), 1e-6),
+    (torch.float32, None, (64, 2, 96), 1e-6),
+    (torch.float64, None, (16, 3, 24), 1e-13),
+    (torch.bfloat16, None, (64, 2, 96), 1e-2),
+    (torch.bfloat16, torch.float32, (64, 2, 96), 1e-2),
 ])
-def test_matches_torch_rms_norm(dtype, shape, rtol):
+def test_matches_torch_rms_norm(dtype, weight_dtype, shape, rtol):
     torch.manual_seed(0)
-    ours, torch_norm = _pair(shape[-1], dtype)
+    ours, torch_norm = _pair(shape[-1], dtype, weight_dtype=weight_dtype)
     x = torch.randn(shape, dtype=dtype)
     grad = torch.randn(shape, dtype=dtype)
     x_ours, x_torch = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -51,7 +61,7 @@ def test_matches_torch_rms_norm(dtype, shape, rtol):
 
 def test_gradcheck_fp64():
     torch.manual_seed(0)
-    norm = RMSNorm(SimpleNamespace(sequence_parallel=False), 8, eps=1e-5).double()
+    norm = RMSNorm(_config(params_dtype=torch.float64), 8, eps=1e-5)
     with torch.no_grad():
         norm.weight.normal_()
     x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
@@ -61,6 +71,12 @@ def test_gradcheck_fp64():
 def test_sequence_parallel_flag_on_weight():
     ours, _ = _pair(16, torch.float32, sequence_parallel=True)
     assert ours.weight.sequence_parallel is True
+
+
+def test_weight_in_the_models_parameter_dtype():
+    """As megatron-core's linear layers and Transformer Engine's norms; torch's default left a bf16
+    model's norms in fp32."""
+    assert RMSNorm(_config(params_dtype=torch.bfloat16), 16).weight.dtype == torch.bfloat16
 
 
 class _FullSizeOps(TorchDispatchMode):
