@@ -117,7 +117,8 @@ step bench_joint_attention_n1024 45 "$py" tools/bench/joint_attention.py --devic
   --seq 1024 --heads 4 --head-dim 64 --repeats 10
 step bench_joint_attention_n4096 45 "$py" tools/bench/joint_attention.py --device cuda \
   --batch 4 --seq 4096 --heads 16 --head-dim 128 --repeats 5
-step bench_step_time_1B 140 "$py" tools/bench/step_time.py --preset 1B --batch 8 --repeats 5
+step bench_step_time_1B 140 "$py" tools/bench/step_time.py --preset 1B --batch 8 --repeats 5 \
+  --profile 20
 step bench_generate_60M 60 "$py" tools/bench/generate.py --preset 60M --repeats 3
 
 echo "--- tests"

@@ -182,3 +182,22 @@ def test_step_time_gives_the_cpu_time_overhead_beside_the_wall_time_one(load_too
     cpu = result["step_cpu_ms"]
     assert result["measured_cpu_overhead_pct"] == pytest.approx(
         100 * (cpu["asymloop_k3"] / cpu["fullloop_r2"] - 1))
+
+
+def test_step_time_profile_names_the_operators_that_differ_most(load_tool, capsys):
+    """--profile: one profiled step per model, operators ordered by how much their self time
+    differs between the two (on the H200 it found the norms' elementwise kernels)."""
+    import json
+
+    load_tool("bench/step_time").main(["--hidden", "32", "--ffn", "64", "--heads", "2",
+                                       "--layers", "2", "--seq", "64", "--vocab", "128",
+                                       "--repeats", "1", "--profile", "4"])
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    assert profile["time"] == "cpu"
+    assert all(ms > 0 for ms in profile["total_ms"].values())
+    rows = list(profile["ms_by_op"].values())
+    assert len(rows) == 4 and all(set(row) == {"asymloop_k3", "fullloop_r2"} for row in rows)
+    spreads = [abs(row["asymloop_k3"] - row["fullloop_r2"]) for row in rows]
+    assert spreads == sorted(spreads, reverse=True) and spreads[0] > 0
+    # Only AsymLoop runs the fused joint attention.
+    assert any("JointFlashAttention" in op for op in profile["ms_by_op"])

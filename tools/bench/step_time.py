@@ -42,6 +42,9 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int_at_least(1), default=8192)
     parser.add_argument("--batch", type=int_at_least(1), default=1)
     parser.add_argument("--repeats", type=int_at_least(1), default=5)
+    parser.add_argument("--profile", type=int_at_least(1), default=0, metavar="OPS",
+                        help="also profile one step of each model and print the OPS operators "
+                             "whose self time (device time on a GPU) differs most between them")
     parser.add_argument("--preset", help="take the size (hidden, FFN, heads, layers, sequence, "
                                          "vocabulary) from this preset instead")
     args = parser.parse_args(argv)
@@ -109,7 +112,36 @@ def main(argv=None):
     if peak is not None:
         result["mfu"] = {name: f / (peak * 1e12) for name, f in flops_per_s.items()}
         result["peak_bf16_tflops"] = peak
+    if args.profile:
+        result["profile"] = _profile(models, step, args.profile, device)
     print(json.dumps(result, indent=2))
+
+
+def _profile(models, step, top: int, device: str) -> dict:
+    """Self time per operator of one step of each model, in ms: the ``top`` operators whose time
+    differs most between the models, and each model's total. On a GPU the device time of the
+    kernels each operator launched; on a CPU its own CPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    per_model = {}
+    for name, model in models.items():
+        with profile(activities=activities) as prof:
+            step(model)
+        # Operator rows only (DeviceType.CPU): kernel rows repeat the time of the operator that
+        # launched them.
+        per_model[name] = {
+            event.key: (event.self_device_time_total if device == "cuda"
+                        else event.self_cpu_time_total) / 1e3
+            for event in prof.key_averages() if event.device_type == DeviceType.CPU}
+    ops = set().union(*per_model.values())
+    spread = {op: max(t.get(op, 0.0) for t in per_model.values())
+              - min(t.get(op, 0.0) for t in per_model.values()) for op in ops}
+    return {"time": "device" if device == "cuda" else "cpu",
+            "total_ms": {name: sum(t.values()) for name, t in per_model.items()},
+            "ms_by_op": {op: {name: t.get(op, 0.0) for name, t in per_model.items()}
+                         for op in sorted(ops, key=spread.get, reverse=True)[:top]}}
 
 
 if __name__ == "__main__":
