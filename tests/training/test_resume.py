@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 
-from megaloop.training import checkpoint as ckpt
 from megaloop.training.resume import SCHEDULE_FIELDS
 from megaloop.training.trainer import Trainer
 from tests.training.conftest import tiny_run
@@ -172,61 +171,6 @@ def test_a_finished_run_relaunched_says_so_and_adds_nothing(run_at_step_4, patte
         (logging.INFO, f"{path}: the run is complete at step 4 (train.train_steps=4): nothing to "
                        "train (raise train.train_steps to continue it)")]
     assert files() == before  # metrics.jsonl included
-
-
-def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
-        run_at_step_4, pattern_data, tmp_path, caplog, monkeypatch):
-    """checkpoint.save_interval dividing train.train_steps saves the last step before the final
-    evaluation; a job killed during that evaluation left the run complete without it. Before the
-    fix every relaunch exited 0 at once, evaluating nothing."""
-    import json
-
-    def evaluations(out):
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-                if '"eval"' in line]
-
-    out, cfg = tmp_path / "run", tiny_run(pattern_data, tmp_path / "run",
-                                          train={"train_steps": 4}, checkpoint={"save_interval": 4})
-
-    def killed(self, num_iterations=None):  # the kill: nothing after it runs
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patched:
-        patched.setattr(Trainer, "evaluate", killed)
-        with pytest.raises(KeyboardInterrupt):
-            Trainer(cfg).train()
-    path = out / "checkpoints" / "iter_0000004"
-    assert (out / "checkpoints" / "latest").read_text() == "iter_0000004\n"
-    assert evaluations(out) == []
-    config = (out / "config.yaml").read_bytes()
-    with caplog.at_level(logging.INFO, logger="megaloop.train"):
-        result = Trainer(cfg).train()
-    expected = evaluations(run_at_step_4)[0]["val_loss"]  # the same run, evaluated in one go
-    assert result["step"] == 4 and result["val_loss"] == pytest.approx(expected, rel=1e-6)
-    assert [record["val_loss"] for record in evaluations(out)] == [result["val_loss"]]
-    assert f"{path}: no final evaluation of step 4 in {out / 'metrics.jsonl'} (the run was " \
-           "stopped during it): making it now" in [r.getMessage() for r in caplog.records]
-    assert ckpt.latest_checkpoint(out / "checkpoints") == path  # nothing saved
-    assert (out / "config.yaml").read_bytes() == config
-    # Made once: the next relaunch finds the run complete and evaluates nothing.
-    assert Trainer(cfg).train() == {"step": 4, "complete": True}
-    assert len(evaluations(out)) == 1
-
-
-def test_a_finished_run_without_validation_data_is_complete_without_an_evaluation(
-        pattern_data, tmp_path, monkeypatch):
-    """No validation split, no evaluation record: its lack is no missing final evaluation."""
-    import megaloop.models.model as model_module
-
-    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2})
-    cfg.data.split = "100,0,0"
-    Trainer(cfg).train()
-
-    def no_model(*a, **k):
-        raise AssertionError("the model must not be built")
-
-    monkeypatch.setattr(model_module, "LoopedLM", no_model)
-    assert Trainer(cfg).train() == {"step": 2, "complete": True}
 
 
 @pytest.mark.parametrize("change, named, values", [
