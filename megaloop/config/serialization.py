@@ -19,13 +19,12 @@ from megaloop.config.errors import ConfigError
 from megaloop.config.run import RunConfig
 from megaloop.platform.files import write_text_atomic
 
+log = logging.getLogger("megaloop.config")
 
 # Integers YAML 1.1 (PyYAML, and so omegaconf) and YAML 1.2 read differently: a leading zero is
 # octal in 1.1 (0123 = 83) and decimal in 1.2 (123); 1:30 is base 60 in 1.1 (90) and a string in
 # 1.2. A number field refuses them rather than read them either way: octal is what no one means
 # (seed: 0123), and decimal would make the file mean something else to other YAML 1.1 tools.
-log = logging.getLogger("megaloop.config")
-
 _YAML11_ONLY_INT = re.compile(r"[-+]?0[0-7_]+|[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+")
 
 

@@ -254,6 +254,7 @@ def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
             raise decided_on_every_rank(ConfigError(
                 f"{setting}: x train.global_batch_size={cfg.train.global_batch_size} is "
                 f"{count:,} samples, more than a dataset can index ({sys.maxsize:,})"))
+
     def build():
         dataset_tokenizer(cfg)  # the vocabulary check
         return build_sft_datasets(

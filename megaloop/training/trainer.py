@@ -196,7 +196,7 @@ class Trainer:
         from megaloop.data.blend import split_weights
         from megaloop.training.monitor import METRICS_FILE, logs_evaluation
 
-        if not (split_weights(str(self.cfg.data.split)) or [0, 0])[1]:
+        if not split_weights(str(self.cfg.data.split))[1]:  # validated: three weights
             return False  # no validation data: a finished run logged no evaluation
         if rank0_decides(lambda: logs_evaluation(self.out_dir, self.step), (ConfigError,)):
             return False
