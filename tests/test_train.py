@@ -278,3 +278,21 @@ def test_a_preset_differing_only_where_overrides_set_the_model_is_no_warning(tmp
                       "data.eod_id=0"])  # the override not given: the preset's 12 is unread
     assert [r.getMessage().split(": ")[-1] for r in caplog.records] == [
         "model.num_layers=24 (the preset's 12); give one of the two"]
+
+
+def test_an_override_given_twice_takes_the_last_and_says_so_once(tmp_path, caplog):
+    """A job script's overrides come first and the user's after them, which replace them: the
+    last stays in effect. Before: the first was dropped without a word (train.lr=1 train.lr=2)."""
+    import logging
+
+    saved = tmp_path / "config.yaml"
+    save_yaml(RunConfig(), saved)
+    given = ["data.path=[x]", "data.eod_id=0", "train.lr=1e-3", "train.seed=5", "train.lr=2e-3",
+             "train.seed=5"]  # the same value again: nothing replaced
+    with caplog.at_level(logging.INFO, logger="megaloop.config"):
+        # With --preset and --config the overrides are applied thrice: still one line.
+        cfg, _ = build_config(["--preset", "tiny", "--config", str(saved), *given])
+    assert cfg.train.lr == 2e-3
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "megaloop.config"
+            ] == [(logging.INFO, "override train.lr given twice: train.lr=1e-3, then "
+                                 "train.lr=2e-3; the last is in effect")]

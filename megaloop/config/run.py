@@ -496,12 +496,16 @@ class CheckpointConfig:
     # checkpoints are the same; a resume may change it.
     async_save: bool = False
 
-    def validate(self, prefix: str = "checkpoint") -> None:
+    def validate(self, train_steps: int, prefix: str = "checkpoint") -> None:
         require(self.save_interval >= 0, prefix, "save_interval", self.save_interval, ">= 0")
-        # The final save and a stop signal's wait for their write: only periodic saves gain.
-        require(not self.async_save or self.save_interval > 0, prefix, "async_save",
-                self.async_save, f"false with {prefix}.save_interval=0 (only the final and "
-                "stop-signal saves, which wait for their write, so it would change nothing)")
+        # The final save and a stop signal's wait for their write: only periodic saves gain, and
+        # there is none with save_interval=0 or above train.train_steps.
+        require(not self.async_save or 0 < self.save_interval <= train_steps, prefix,
+                "async_save", self.async_save,
+                f"false with {prefix}.save_interval={self.save_interval}"
+                + (f" > train.train_steps={train_steps}" if self.save_interval else "")
+                + " (only the final and stop-signal saves, which wait for their write, so it "
+                "would change nothing)")
         require(self.keep_last >= 1, prefix, "keep_last", self.keep_last, ">= 1")
         for name in ("dir", "load"):
             require_no_tilde(prefix, name, getattr(self, name))
@@ -534,7 +538,7 @@ class RunConfig:
         self.parallel.validate_overlap(self.train.distributed_optimizer)
         self.train.validate()
         self.data.validate()
-        self.checkpoint.validate()
+        self.checkpoint.validate(self.train.train_steps)
         require(not (self.train.eval_depths and self.parallel.pipeline > 1), "train",
                 "eval_depths", self.train.eval_depths, "empty when parallel.pipeline > 1 (the "
                 "stages unroll exactly model.iterations iterations)")

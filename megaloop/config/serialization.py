@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import types
@@ -13,10 +14,12 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from megaloop.cli import ALIKE_ON_EVERY_RANK
 from megaloop.config.errors import ConfigError
 from megaloop.config.run import RunConfig
 from megaloop.platform.files import write_text_atomic
 
+log = logging.getLogger("megaloop.config")
 
 # Integers YAML 1.1 (PyYAML, and so omegaconf) and YAML 1.2 read differently: a leading zero is
 # octal in 1.1 (0123 = 83) and decimal in 1.2 (123); 1:30 is base 60 in 1.1 (90) and a string in
@@ -207,13 +210,20 @@ def from_dict(cls, data: dict, where: str = ""):
     return cls(**kwargs)  # a section's own checks (ALRSConfig's) raise ConfigErrors naming fields
 
 
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Applies ``section.field=value`` strings; values are parsed as YAML scalars."""
-    data = to_dict(cfg)
+def apply_overrides(cfg: RunConfig, overrides: list[str], note_repeats: bool = True) -> RunConfig:
+    """Applies ``section.field=value`` strings; values are parsed as YAML scalars. A field given
+    twice takes the last value (a job script's own overrides come first, the user's after them),
+    each repeat one info line naming both (``note_repeats``: False for a second application of
+    the same overrides)."""
+    data, given = to_dict(cfg), {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected the form section.field=value")
+        if note_repeats and key in given and given[key] != item:
+            log.info("override %s given twice: %s, then %s; the last is in effect", key,
+                     given[key], item, extra=ALIKE_ON_EVERY_RANK)
+        given[key] = item
         node, parts = data, key.split(".")
         for depth, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):

@@ -7,13 +7,16 @@ Layout of ``<dir>``::
     iter_0000300.damaged*  a damaged checkpoint set aside by checkpoint.fallback_to_previous
     latest                 text file naming the newest complete checkpoint, replaced atomically
     .latest-<pid>-<hex>    the new ``latest`` of a pointer move killed mid-way: removed later
+    .pruned-iter_0000050/  a checkpoint beyond keep_last being deleted, renamed first (a kill
+                           mid-delete leaves no half-deleted iter_N): removed at the next start
 
 A save writes into ``iter_N.tmp``, and only when every rank has finished does rank 0 rename it to
 ``iter_N`` and then repoint ``latest`` (with ``checkpoint.async_save`` the write runs in the
 background while training goes on, and this finalize runs once every rank's write is complete).
 A ``kill -9`` at any moment therefore leaves ``latest`` on the previous complete checkpoint, and
 so does a save that fails (full disk, any OSError): it is a one-line ``CheckpointError`` naming
-the path. Checkpoints beyond ``keep_last`` are deleted after the pointer moves. The state dicts
+the path. Checkpoints beyond ``keep_last`` are deleted after the pointer moves (renamed to
+``.pruned-iter_N`` first; a deletion that fails is a warning naming the path). The state dicts
 hold only plain types and tensors, so megatron-core's ``torch.load`` (``weights_only=True`` by
 default in torch >= 2.6) reads them.
 

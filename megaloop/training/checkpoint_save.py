@@ -148,10 +148,48 @@ def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
         # Keep the newest keep_last by step, and always the one just written.
         complete = [p for p in complete_checkpoints(save.directory) if p != final]
         for old in complete[:max(len(complete) - (keep_last - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+            _prune(old)
 
     rank0_decides(finish, (CheckpointError,))
     return save.final
+
+
+# A checkpoint being deleted (keep_last) is first renamed to this prefix + its name: no reader
+# takes it for a checkpoint, so that a kill mid-delete leaves no half-deleted iter_N.
+PRUNED_PREFIX = ".pruned-"
+
+
+def _prune(path: Path) -> None:
+    """Deletes checkpoint ``path`` (rank 0): renamed to its hidden name, then removed. A failure
+    leaves the checkpoint whole, or its hidden remains (``remove_pruned`` tries again), and is
+    one warning line naming the path: the save itself has succeeded."""
+    trash = path.with_name(PRUNED_PREFIX + path.name)
+    try:
+        os.replace(path, trash)
+    except OSError as e:
+        log.warning("%s: beyond checkpoint.keep_last, but not deleted (%s); remove it by hand",
+                    path, e.strerror or e)
+        return
+    _remove_tree(trash)
+
+
+def remove_pruned(directory: Path) -> None:
+    """Removes the remains of checkpoint deletions that a kill cut short (rank 0, at the start of
+    a run)."""
+    for trash in directory.glob(PRUNED_PREFIX + "iter_*"):
+        _remove_tree(trash)
+
+
+def _remove_tree(trash: Path) -> None:
+    # The first failure (its path: rmtree's error may name a file relative to its directory);
+    # the directories above it fail after it, not being empty.
+    failures = []
+    shutil.rmtree(trash, onerror=lambda function, path, info: failures.append((path, info[1])))
+    if failures:
+        path, error = failures[0]
+        log.warning("%s: a checkpoint beyond checkpoint.keep_last, not wholly deleted (%s: %s); "
+                    "no run reads it: remove it by hand", trash, path,
+                    getattr(error, "strerror", None) or error)
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: RunConfig,
@@ -301,6 +339,8 @@ class CheckpointSaver:
         self.timings: list[dict] = []
         self._pending: _Save | None = None
         self._queue = None  # megatron-core's AsyncCallsQueue, made by the first save
+        if is_rank0():
+            remove_pruned(self.directory)
 
     @property
     def pending_step(self) -> int | None:

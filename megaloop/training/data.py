@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy
@@ -203,13 +204,17 @@ def _check_index_memory(summaries: dict[str, IndexedSummary], cfg: RunConfig,
     per_sample = 8 + 4 * cfg.model.seq_length / max(longest, 1)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gbs = cfg.train.global_batch_size
-    for count, setting in zip(samples, (f"train.train_steps={cfg.train.train_steps}",
-                                        f"train.eval_iters={cfg.train.eval_iters}")):
+    for count, setting in zip(samples, _sample_settings(cfg)):
         if count * per_sample > memory:
             raise DataError(
                 f"{setting}: x train.global_batch_size={gbs} is {count:,} samples, whose indices "
                 f"megatron-core builds in memory: at least {count * per_sample / 2**30:,.0f} GiB "
                 f"of {cfg.data.path}, more than this node's {memory / 2**30:,.0f} GiB")
+
+
+def _sample_settings(cfg: RunConfig) -> tuple[str, str]:
+    """What sets the sample counts of the training and validation splits, as a refusal names it."""
+    return f"train.train_steps={cfg.train.train_steps}", f"train.eval_iters={cfg.train.eval_iters}"
 
 
 def _warn_repeats(split: str, dataset) -> None:
@@ -240,6 +245,15 @@ def _make_cache_dir(cache_dir: Path, given: bool) -> None:
 
 def _build_sft_datasets(cfg: RunConfig, samples: tuple[int, int, int]):
     from megaloop.data.sft import build_sft_datasets
+
+    # Its datasets build no index (``_check_index_memory``'s bound), each epoch's order is made
+    # when read; but a count beyond what len() holds failed at the split's first batch: the
+    # validation split's after the whole training, before the final save.
+    for count, setting in zip(samples, _sample_settings(cfg)):
+        if count > sys.maxsize:
+            raise decided_on_every_rank(ConfigError(
+                f"{setting}: x train.global_batch_size={cfg.train.global_batch_size} is "
+                f"{count:,} samples, more than a dataset can index ({sys.maxsize:,})"))
 
     def build():
         dataset_tokenizer(cfg)  # the vocabulary check

@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from megaloop.cli import ALIKE_ON_EVERY_RANK
-from megaloop.config import (RunConfig, flat_settings, micro_batches_per_step, save_yaml,
-                             to_dict)
+from megaloop.config import (ConfigError, RunConfig, flat_settings, micro_batches_per_step,
+                             save_yaml, to_dict)
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_state import load_training_state, sharded_state
-from megaloop.training.collective import any_rank, collective_device, is_rank0, max_over_ranks
+from megaloop.training.collective import (any_rank, collective_device, is_rank0, max_over_ranks,
+                                          rank0_decides)
 from megaloop.training.data import MicroBatches, build_datasets, data_fingerprint
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
@@ -90,7 +91,10 @@ class Trainer:
     ``stopped_during_set_up`` is True and ``train()`` only returns the stop. Finding the run
     finished (its own latest checkpoint at ``train.train_steps``) ends set-up early too:
     ``complete`` is then True, no dataset nor model is built, and ``train()`` (or ``close()``)
-    evaluates, saves and logs nothing.
+    evaluates, saves and logs nothing. Unless metrics.jsonl lacks the final evaluation (a job
+    killed during it, after the last step's periodic save): then ``final_evaluation_due`` is True
+    too, set-up goes on as for a resume, and ``train()`` makes the final evaluation (and the
+    downstream one), logs it and returns, saving nothing.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
@@ -104,6 +108,7 @@ class Trainer:
         self._run_dirs = self.saver = self.monitor = self.alrs = self.downstream = None
         self.profiler = None
         self.step, self.stopped_during_set_up, self.complete, self._closed = 0, False, False, False
+        self.final_evaluation_due = False
         try:
             self._set_up()
         except BaseException as e:
@@ -144,9 +149,12 @@ class Trainer:
         if self.resume_path is not None:
             self.complete = check_resume(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
-            if self.complete:  # before the datasets, whose indexes may take minutes to build
+            if self.complete:
                 self.step = ckpt.step_of(self.resume_path)
-                return
+                self.final_evaluation_due = self._final_evaluation_missing()
+                # Done before the datasets, whose indexes may take minutes to build.
+                if not self.final_evaluation_due:
+                    return
             progress = resumed_progress(self.resume_path, cfg)
         # Before the datasets: a profile rank the run lacks is refused in seconds, not minutes.
         self.profiler = StepProfiler(cfg, resumed_step=progress[0])
@@ -174,8 +182,28 @@ class Trainer:
             self._stop_point(f"loading {self.resume_path}")
         self.monitor = self._build_monitor()
         self.saver.noted()
-        if is_rank0():  # what the next run in out_dir compares its checkpoint.dir with
+        # What the next run in out_dir compares its checkpoint.dir with; a finished run keeps the
+        # config it trained with.
+        if is_rank0() and not self.complete:
             save_yaml(cfg, self.out_dir / "config.yaml")
+
+    def _final_evaluation_missing(self) -> bool:
+        """Whether the run found complete lacks its final evaluation record in metrics.jsonl, one
+        being expected (``data.split`` gives the validation split a weight); said in one line.
+        With ``checkpoint.save_interval`` dividing ``train.train_steps`` the last step's
+        checkpoint is saved before the final evaluation, so a job killed during it (SIGKILL, a
+        node lost) left the run complete without it, and every relaunch evaluated nothing."""
+        from megaloop.data.blend import split_weights
+        from megaloop.training.monitor import METRICS_FILE, logs_evaluation
+
+        if not split_weights(str(self.cfg.data.split))[1]:  # validated: three weights
+            return False  # no validation data: a finished run logged no evaluation
+        if rank0_decides(lambda: logs_evaluation(self.out_dir, self.step), (ConfigError,)):
+            return False
+        log.warning("%s: no final evaluation of step %d in %s (the run was stopped during it): "
+                    "making it now", self.resume_path, self.step, self.out_dir / METRICS_FILE,
+                    extra=ALIKE_ON_EVERY_RANK)
+        return True
 
     def close(self) -> None:
         """Releases what the Trainer holds, once (later calls do nothing): it waits for a
@@ -379,7 +407,7 @@ class Trainer:
         """Runs to ``train.train_steps`` (or a stop signal); returns the final metrics."""
         if self.stopped_during_set_up:
             return {"step": self.step, "stopped_by_signal": self.stop_signals.received}
-        if self.complete:  # relaunched at its last step: no new evaluation or metrics rows
+        if self.complete and not self.final_evaluation_due:  # relaunched at its last step
             self.close()
             return {"step": self.step, "complete": True}
         cfg = self.cfg.train
@@ -431,8 +459,8 @@ class Trainer:
                                     extra=ALIKE_ON_EVERY_RANK)
                         return {"step": self.step,
                                 "stopped_by_signal": self.stop_signals.received}
-                    # A relaunch would find the run complete and evaluate nothing: the final
-                    # evaluation is made now, after the save, and the run ends as finished.
+                    # The final evaluation is made now, after the save, rather than left to a
+                    # relaunch (which would find it missing), and the run ends as finished.
                     log.warning("signal %d in the last step, %d: checkpoint saved; the final "
                                 "evaluation follows (a second signal exits at once)",
                                 self.stop_signals.received, self.step, extra=ALIKE_ON_EVERY_RANK)

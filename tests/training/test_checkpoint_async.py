@@ -68,11 +68,21 @@ def test_a_checkpoint_written_while_training_goes_on_resumes_bit_for_bit(
     assert [a[s] for s in b] == [b[s] for s in b]
 
 
-def test_async_save_with_saves_only_at_the_end_is_refused(pattern_data, tmp_path):
+@pytest.mark.parametrize("interval, named", [
+    (0, "checkpoint.save_interval=0"),
+    # Before the fix: accepted, and no save ran in the background.
+    (9, "checkpoint.save_interval=9 > train.train_steps=8")])
+def test_async_save_with_saves_only_at_the_end_is_refused(pattern_data, tmp_path, interval,
+                                                          named):
     with pytest.raises(ConfigError) as error:
-        tiny_run(pattern_data, tmp_path, checkpoint={"async_save": True}).validate()
-    assert one_line(error).startswith("checkpoint.async_save=True: must be false with "
-                                      "checkpoint.save_interval=0")
+        tiny_run(pattern_data, tmp_path, checkpoint={"async_save": True,
+                                                     "save_interval": interval}).validate()
+    assert one_line(error) == (f"checkpoint.async_save=True: must be false with {named} (only "
+                               "the final and stop-signal saves, which wait for their write, so "
+                               "it would change nothing)")
+    # A periodic save at the last step writes in the background during the final evaluation.
+    tiny_run(pattern_data, tmp_path, checkpoint={"async_save": True, "save_interval": 8}
+             ).validate()
 
 
 def test_close_finalizes_the_write_in_flight_and_closes_every_part(mcore, pattern_data,

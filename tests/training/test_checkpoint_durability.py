@@ -1,14 +1,22 @@
 """Checkpoints that survive what the disk and the machine do: every file and directory of a
 checkpoint is on disk before ``latest`` names it, and a write killed mid-way (the OOM killer),
-synchronous or in the background, ends the run in one line instead of hanging it."""
+synchronous or in the background, ends the run in one line instead of hanging it; a checkpoint
+pruned (keep_last) is gone whole for its readers, even when its deletion is killed or fails."""
 
+import errno
+import logging
 import os
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
+from megaloop.config import RunConfig
 from megaloop.training import checkpoint as ckpt
+from megaloop.training import checkpoint_save
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
 from tests.training.conftest import one_line, tiny_run, train_losses
@@ -254,3 +262,74 @@ def test_a_writer_killed_on_one_rank_fails_the_save_on_every_rank(mcore, pattern
     assert step0 == step1 <= (6 if async_save else 4)
     assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "iter_0000002"
     assert time.monotonic() - started < 120
+
+
+# ----------------------------------------------------------------------- pruning (keep_last)
+
+def _state() -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "n": 3}
+
+
+def _checkpoints_saved_pruning_step_1(directory, monkeypatch, delete) -> None:
+    """Checkpoint 1, then checkpoint 2 with keep_last=1, whose deletion of checkpoint 1 runs
+    ``delete(path, shutil.rmtree, ...)`` in place of shutil.rmtree(path, ...)."""
+    ckpt.save_checkpoint(directory, 1, _state(), RunConfig(), keep_last=1)
+    rmtree = shutil.rmtree
+
+    def deleting(path, *args, **kwargs):
+        if Path(path).name.endswith("iter_0000001"):
+            return delete(Path(path), rmtree, *args, **kwargs)
+        return rmtree(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "rmtree", deleting)
+        ckpt.save_checkpoint(directory, 2, _state(), RunConfig(), keep_last=1)
+
+
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(mcore, tmp_path, monkeypatch):
+    """Before the fix the deletion ran on ``iter_0000001`` itself: a kill mid-way left it
+    without common.pt, a checkpoint for every reader (a lost ``latest`` resumes from the newest,
+    fallback_to_previous goes back to it, tools list them) that fails to load."""
+    directory = tmp_path / "checkpoints"
+
+    def killed(path, rmtree, *args, **kwargs):  # one file gone, then the process is
+        (path / "common.pt").unlink()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _checkpoints_saved_pruning_step_1(directory, monkeypatch, killed)
+    assert ckpt.complete_checkpoints(directory) == [directory / "iter_0000002"]
+    assert ckpt.latest_checkpoint(directory) == directory / "iter_0000002"
+    remains = directory / ".pruned-iter_0000001"
+    assert remains.is_dir()
+    checkpoint_save.CheckpointSaver(directory, RunConfig())  # a run's start removes them
+    assert sorted(p.name for p in directory.iterdir()) == ["iter_0000002", "latest"]
+
+
+def test_a_failed_deletion_while_pruning_is_one_warning_naming_the_path(mcore, tmp_path,
+                                                                        monkeypatch, caplog):
+    """Before the fix: ignored without a word (shutil.rmtree(ignore_errors=True)), whatever
+    space the checkpoint held staying taken."""
+    directory = tmp_path / "checkpoints"
+    remains = directory / ".pruned-iter_0000001"
+
+    def refused(path, rmtree, *args, **kwargs):  # common.pt will not go (a busy NFS file)
+        unlink = os.unlink
+
+        def unlink_but_common_pt(name, *a, **k):
+            if os.path.basename(name) == "common.pt":
+                raise PermissionError(errno.EACCES, "Permission denied", name)
+            return unlink(name, *a, **k)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "unlink", unlink_but_common_pt)
+            return rmtree(path, *args, **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        _checkpoints_saved_pruning_step_1(directory, monkeypatch, refused)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{remains}: a checkpoint beyond checkpoint.keep_last, not wholly deleted "
+        f"({remains / 'common.pt'}: Permission denied); no run reads it: remove it by hand"]
+    assert ckpt.complete_checkpoints(directory) == [directory / "iter_0000002"]

@@ -1,5 +1,6 @@
 """Evaluation reports what it says: the validation loss comes from the held-out documents of the
-split, and each test-time depth of train.eval_depths is an evaluation of the model at that K."""
+split, and each test-time depth of train.eval_depths is an evaluation of the model at that K; a
+finished run relaunched makes the final evaluation a kill cut short."""
 
 import numpy as np
 import pytest
@@ -93,3 +94,69 @@ def test_evaluation_runs_every_eval_interval_and_at_the_end_once(mcore, pattern_
     for e in evals:
         assert e["val_ppl"] == pytest.approx(math.exp(e["val_loss"]), rel=1e-9)
     assert evals[-1]["val_loss"] == result["val_loss"] != evals[0]["val_loss"]
+
+
+# ----------------------------------------------------------------- the final evaluation's record
+
+def _evaluations(out) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if '"eval"' in line]
+
+
+def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
+        mcore, pattern_data, tmp_path, caplog, monkeypatch):
+    """checkpoint.save_interval dividing train.train_steps saves the last step before the final
+    evaluation; a job killed during that evaluation left the run complete without it. Before the
+    fix every relaunch exited 0 at once, evaluating nothing."""
+    import logging
+
+    from megaloop.training import checkpoint as ckpt
+
+    def run(name):
+        return tiny_run(pattern_data, tmp_path / name, train={"train_steps": 4},
+                        checkpoint={"save_interval": 4})
+
+    Trainer(run("straight")).train()  # the same run, evaluated in one go
+    out, cfg = tmp_path / "run", run("run")
+
+    def killed(self, num_iterations=None):  # the kill: nothing after it runs
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "evaluate", killed)
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(cfg).train()
+    path = out / "checkpoints" / "iter_0000004"
+    assert ckpt.latest_checkpoint(out / "checkpoints") == path
+    assert _evaluations(out) == []
+    config = (out / "config.yaml").read_bytes()
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        result = Trainer(cfg).train()
+    expected = _evaluations(tmp_path / "straight")[0]["val_loss"]
+    assert result["step"] == 4 and result["val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert [record["val_loss"] for record in _evaluations(out)] == [result["val_loss"]]
+    assert f"{path}: no final evaluation of step 4 in {out / 'metrics.jsonl'} (the run was " \
+           "stopped during it): making it now" in [r.getMessage() for r in caplog.records]
+    assert ckpt.latest_checkpoint(out / "checkpoints") == path  # nothing saved
+    assert (out / "config.yaml").read_bytes() == config
+    # Made once: the next relaunch finds the run complete and evaluates nothing.
+    assert Trainer(cfg).train() == {"step": 4, "complete": True}
+    assert len(_evaluations(out)) == 1
+
+
+def test_a_finished_run_without_validation_data_is_complete_without_an_evaluation(
+        mcore, pattern_data, tmp_path, monkeypatch):
+    """No validation split, no evaluation record: its lack is no missing final evaluation."""
+    import megaloop.models.model as model_module
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2})
+    cfg.data.split = "100,0,0"
+    Trainer(cfg).train()
+
+    def no_model(*a, **k):
+        raise AssertionError("the model must not be built")
+
+    monkeypatch.setattr(model_module, "LoopedLM", no_model)
+    assert Trainer(cfg).train() == {"step": 2, "complete": True}

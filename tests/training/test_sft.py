@@ -109,3 +109,22 @@ def test_a_resume_with_a_smaller_global_batch_reads_on_to_its_last_step(mcore, s
         assert len(resumed.train_data) == 2 * 8 + 2 * 4
         assert resumed.train()["step"] == 4
     assert sorted(train_losses(tmp_path)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("setting", [dict(eval_iters=2**62), dict(train_steps=2**62)])
+def test_more_samples_than_a_dataset_indexes_are_refused_naming_the_setting(mcore, sft_files,
+                                                                            tmp_path, setting):
+    """Fine-tuning data builds no index whose memory would refuse such counts (as indexed data's
+    does). Before: accepted, and len() of the split failed at its first batch (OverflowError): for
+    eval_iters after the whole training, at the final evaluation, before the final save."""
+    import sys
+
+    from megaloop.config import ConfigError
+    from megaloop.training.data import build_datasets
+
+    (name, value), = setting.items()
+    with pytest.raises(ConfigError) as error:
+        build_datasets(sft_run(sft_files, tmp_path, train=setting))
+    assert str(error.value) == (f"train.{name}={value}: x train.global_batch_size=4 is "
+                                f"{4 * value:,} samples, more than a dataset can index "
+                                f"({sys.maxsize:,})")
