@@ -389,6 +389,7 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         cfg = self.config
         output_hidden_states = self._output_flag("output_hidden_states", output_hidden_states)
         self._output_flag("output_attentions", output_attentions)
+        return_dict = self._output_flag("return_dict", return_dict)
         steps = cfg.iterations if num_iterations is None else num_iterations
         if isinstance(steps, bool) or not isinstance(steps, int):  # (range() would say it, deep)
             raise ValueError(f"num_iterations={steps!r}: must be an integer")
@@ -434,7 +435,7 @@ class MegaloopPreTrainedModel(PreTrainedModel):
                 self._note_router_losses_left_out()
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache},
                                      hidden_states=None if states is None else tuple(states))
-        return out if return_dict is not False else out.to_tuple()
+        return out if return_dict else out.to_tuple()
 
     def _output_flag(self, name: str, value):
         """Forward's ``value`` of an output flag, else (None) the config's, as transformers'
@@ -450,7 +451,7 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         if name == "output_hidden_states" and value is not None and not isinstance(value, bool):
             raise ValueError(f"{source}={value!r}: pass True or False (this model returns all its "
                              "hidden states)")
-        return bool(value)
+        return bool(value) if name != "return_dict" else value is not False
 
     def _note_router_losses_left_out(self) -> None:
         """One warning per model, on its first training loss: the config's router loss

@@ -101,3 +101,13 @@ def test_config_output_hidden_states_is_applied():
     assert model(x, output_hidden_states=False).hidden_states is None
     with pytest.raises(ValueError, match=r"^output_hidden_states=\[1\]: pass True or False"):
         model(x, output_hidden_states=[1])
+
+
+def test_config_return_dict_false_gives_a_tuple():
+    """As transformers' models: before, ``config.return_dict = False`` was ignored."""
+    model = reference_model("dense")
+    x = tokens(batch=1, length=5)
+    model.config.return_dict = False
+    logits, cache = model(x)
+    torch.testing.assert_close(logits, model(x, return_dict=True).logits)
+    assert cache.get_seq_length() == 5
