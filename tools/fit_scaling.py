@@ -7,8 +7,9 @@
 Each RUN is a training output directory (``config.yaml`` and ``metrics.jsonl``), optionally prefixed
 ``LABEL=`` (an argument that is a directory is all path, so ``runs/lr=3e-4`` works); without a
 label the architecture names it (dense/fullloop/asymloop, "_moe" with experts;
-LatentLoop without compressed visits is "moe_loop"). A run contributes its last validation loss
-(``--all-evals``: every evaluation) at the compute spent until then:
+LatentLoop without compressed visits is "moe_loop"). A run contributes the validation loss of its
+highest evaluated step (``--all-evals``: of every evaluated step; a step logged again, the last
+record) at the compute spent until then:
     C = training FLOPs per token (3 x forward, megaloop.models.flops, of the run's config.yaml)
         x the tokens trained on up to that evaluation.
 A run whose train records show another model than config.yaml's (one changed across resumes, such
@@ -136,11 +137,13 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
     records, _ = read_metrics(metrics)
     # One point per evaluated step, its last record: a metrics.jsonl written before the trainer
     # stopped repeating the final step's evaluation (train_steps a multiple of eval_interval) has
-    # two records of that step, and a resumed run may log a step again.
-    evals = list({r["step"]: r for r in records
-                  if r.get("kind") == "eval" and "val_loss" in r}.values())
-    if not evals:
+    # two records of that step, and a resumed run may log a step again. In step order, not the
+    # file's: a relaunch from an earlier checkpoint appends steps below those already logged,
+    # and "the last evaluation" is the highest step's.
+    latest = {r["step"]: r for r in records if r.get("kind") == "eval" and "val_loss" in r}
+    if not latest:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")
+    evals = [latest[step] for step in sorted(latest)]
     evals = evals if all_evals else evals[-1:]
     for r in evals:  # a NaN point would make the whole label's fit NaN, as would one <= 0
         if r["step"] < 1:  # log(C = 0) in the fit: a LinAlgError traceback

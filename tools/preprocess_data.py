@@ -31,7 +31,8 @@ import signal
 import sys
 import time
 
-from megaloop.cli import ArgumentParser, int_at_least, json_keys_refusal, signals_handled
+from megaloop.cli import (ArgumentParser, Stopped, int_at_least, json_keys_refusal, raise_stopped,
+                          signals_handled)
 from megaloop.data.readers import (
     DataError,
     RecordFilter,
@@ -40,14 +41,6 @@ from megaloop.data.readers import (
     input_notes,
 )
 from megaloop.data.tokenizer import LEGACY_CHANGES, TOKENIZER_TYPES, TokenizerError, check_tokenizer_metadata
-
-
-class Terminated(BaseException):
-    """SIGTERM (SLURM, ``timeout``, ``docker stop``): unwinds like Ctrl-C, removing partial output."""
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
 
 
 class _RanksParser(ArgumentParser):
@@ -457,8 +450,9 @@ def _agreed(comm, check):
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The handler comes first, so a SIGTERM at any point cleans up and says so.
-    with signals_handled((signal.SIGTERM,), _on_sigterm):
+    # The handler comes first, so a SIGTERM (SLURM, ``timeout``, ``docker stop``) at any point
+    # unwinds like Ctrl-C, removing partial output, and says so.
+    with signals_handled((signal.SIGTERM,), raise_stopped):
         return _main(argv)
 
 
@@ -484,7 +478,7 @@ def _main(argv: list[str] | None) -> int:
         return _fail(1, f"error: {err}", args, comm)
     except KeyboardInterrupt:
         return _fail(130, "interrupted: partial output removed", args, comm)
-    except Terminated:
+    except Stopped:  # (SIGTERM, the one signal handled)
         return _fail(143, "terminated by SIGTERM: partial output removed", args, comm)
     _print(f"total wall time {time.perf_counter() - started:.1f}s")
     return 0

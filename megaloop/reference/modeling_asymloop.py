@@ -361,7 +361,8 @@ class MegaloopPreTrainedModel(PreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
                 num_iterations=None, logits_to_keep=0, return_dict=None, past_key_values=None,
-                inputs_embeds=None, num_items_in_batch=None, **generate_extras):
+                inputs_embeds=None, num_items_in_batch=None, output_hidden_states=None,
+                output_attentions=None, **generate_extras):
         """Logits [B, N, V] of ``input_ids`` after the cached tokens, the cache (with ``use_cache``)
         and, with ``labels`` ([B, N], -100 ignored), the next-token cross-entropy: the mean over
         the predicted tokens, or their sum over ``num_items_in_batch`` (the predicted tokens of all
@@ -371,7 +372,14 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         and the new tokens' positions as ``cache_position`` (the cache knows them: not needed).
         That one is taken unnamed: generate() of 5.24 warns about remote code whose forward names
         it (and makes it, for nothing). generate() also passes on its ``tokenizer`` (given for
-        ``stop_strings``), which only its stopping criteria use."""
+        ``stop_strings``), which only its stopping criteria use.
+
+        ``output_hidden_states`` (else ``config.output_hidden_states``) returns the new tokens'
+        residual stream ``hidden_states`` as the model unrolls it (``body``): the embeddings, then
+        the output of each layer each time it runs (every iteration's), the last one after the
+        final norm, as transformers' models give it (what the head reads). ``output_attentions``
+        is refused: the attention weights are not kept (one softmax over joined [Global; Local]
+        blocks, latents in LatentLoop's compressed visits), and a silent None would pass for them."""
         unexpected = sorted(set(generate_extras) - {"cache_position", "tokenizer"})
         if unexpected:
             raise TypeError(f"forward() got an unexpected keyword argument {unexpected[0]!r}")
@@ -379,6 +387,9 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             raise ValueError("inputs_embeds: not supported, pass input_ids")
         self._apply_config_edits()
         cfg = self.config
+        output_hidden_states = self._output_flag("output_hidden_states", output_hidden_states)
+        self._output_flag("output_attentions", output_attentions)
+        return_dict = self._output_flag("return_dict", return_dict)
         steps = cfg.iterations if num_iterations is None else num_iterations
         if isinstance(steps, bool) or not isinstance(steps, int):  # (range() would say it, deep)
             raise ValueError(f"num_iterations={steps!r}: must be an integer")
@@ -401,12 +412,18 @@ class MegaloopPreTrainedModel(PreTrainedModel):
                                  f"{cache.iterations} iterations; this call runs {steps} (start a "
                                  "new cache for another depth)")
         positions, allowed, valid = self._positions(input_ids, attention_mask, cache)
-        hidden = self.body(self.embed_tokens(input_ids), positions, allowed, valid, cache, steps)
+        states = [] if output_hidden_states else None
+        hidden = self.body(self.embed_tokens(input_ids), positions, allowed, valid, cache, steps,
+                           states)
         if cache is not None:
             cache.seen += input_ids.shape[1]
             if valid is not None:
                 cache.state["valid"] = valid
-        logits = self.lm_head(self.norm(hidden[:, -logits_to_keep:]))
+        if states is None:
+            logits = self.lm_head(self.norm(hidden[:, -logits_to_keep:]))
+        else:  # (the last state is ``hidden``, the last layer's output)
+            states[-1] = self.norm(hidden)
+            logits = self.lm_head(states[-1][:, -logits_to_keep:])
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
@@ -416,8 +433,25 @@ class MegaloopPreTrainedModel(PreTrainedModel):
                 loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
             if self.training and torch.is_grad_enabled():
                 self._note_router_losses_left_out()
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache})
-        return out if return_dict is not False else out.to_tuple()
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARGUMENT: cache},
+                                     hidden_states=None if states is None else tuple(states))
+        return out if return_dict else out.to_tuple()
+
+    def _output_flag(self, name: str, value):
+        """Forward's ``value`` of an output flag, else (None) the config's, as transformers'
+        models take them; a one-line ValueError naming where a refused value came from:
+        ``output_attentions`` (no weights kept) or an ``output_hidden_states`` other than a bool
+        (transformers 5.25 selects them by index too)."""
+        source = name if value is not None else f"model.config.{name}"
+        value = value if value is not None else getattr(self.config, name)
+        if name == "output_attentions" and value:
+            raise ValueError(f"{source}={value!r}: not supported, this model keeps no attention "
+                             "weights (output_hidden_states=True gives each layer's hidden states, "
+                             "every iteration's)")
+        if name == "output_hidden_states" and value is not None and not isinstance(value, bool):
+            raise ValueError(f"{source}={value!r}: pass True or False (this model returns all its "
+                             "hidden states)")
+        return bool(value) if name != "return_dict" else value is not False
 
     def _note_router_losses_left_out(self) -> None:
         """One warning per model, on its first training loss: the config's router loss
@@ -462,14 +496,18 @@ class LoopedLM(MegaloopPreTrainedModel, GenerationMixin):
         )
         self.post_init()
 
-    def body(self, h, positions, allowed, valid, cache, steps):
+    def body(self, h, positions, allowed, valid, cache, steps, states=None):
         """Slots: encoder layer e -> e; Global KV of decoder layer l -> E + l; Local KV of
-        iteration t (0-based), layer l -> E + D + t * D + l."""
+        iteration t (0-based), layer l -> E + D + t * D + l. ``states`` (a list, or None) receives
+        the embeddings and each layer's output: 1 + E + K * D tensors [B, N, d]."""
         cfg = self.config
         e, d = len(self.encoder), len(self.decoder)
+        keep = states.append if states is not None else lambda _: None
+        keep(h)
         rotary = rope(positions, cfg.head_dim, cfg.rotary_base)
         for index, block in enumerate(self.encoder):
             h = block(h, rotary, allowed, cache, index)
+            keep(h)
         global_kvs = [None] * d
         if cfg.arch == "asymloop" and cfg.injection == "global_kv":
             global_kvs = [block.attn.global_kv(h, rotary, cache, e + index)
@@ -481,4 +519,5 @@ class LoopedLM(MegaloopPreTrainedModel, GenerationMixin):
                 z = z + h
             for index, (block, gkv) in enumerate(zip(self.decoder, global_kvs)):
                 z = block(z, rotary, allowed, cache, e + d + t * d + index, gkv)
+                keep(z)
         return z

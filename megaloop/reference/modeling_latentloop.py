@@ -243,9 +243,12 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
             self.writeback[str(visit)][offset % k]
         return update * receives[..., None]
 
-    def body(self, h, positions, allowed, valid, cache, steps):
+    def body(self, h, positions, allowed, valid, cache, steps, states=None):
         """Slots: prelude layer i -> i; visit v (1-based), middle layer i -> P + (v - 1) * M + i
-        (latent resolution for a compressed visit); coda layer i -> P + V * M + i."""
+        (latent resolution for a compressed visit); coda layer i -> P + V * M + i. ``states`` (a
+        list, or None) receives the embeddings, each prelude layer's output, the stream after each
+        visit (a compressed or width-reduced visit has no per-token, full-width stream inside it)
+        and each coda layer's output: 1 + P + V + C tensors [B, N, d]."""
         cfg = self.config
         if steps != cfg.iterations:
             raise ValueError(f"num_iterations={steps}: arch=latentloop runs exactly its "
@@ -254,9 +257,12 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
             raise ValueError("arch=latentloop takes left padding only (a pad after a token would "
                              f"split a group of {cfg.latent_stride} tokens): pad on the left")
         p, m = len(self.prelude), len(self.middle)
+        keep = states.append if states is not None else lambda _: None
+        keep(h)
         rotary = rope(positions, cfg.head_dim, cfg.rotary_base)
         for index, block in enumerate(self.prelude):
             h = block(h, rotary, allowed, cache, index)
+            keep(h)
         for visit in range(1, steps + 1):
             first, scale = p + (visit - 1) * m, self.residual_scales[visit - 1]
             if visit in self.reduced_visits("sequence"):
@@ -269,6 +275,8 @@ class LatentLoopLM(MegaloopPreTrainedModel, GenerationMixin):
                                                            visit) - z)
             else:
                 h = h + scale * (self._middle(h, rotary, allowed, cache, first, visit) - h)
+            keep(h)
         for index, block in enumerate(self.coda):
             h = block(h, rotary, allowed, cache, p + steps * m + index)
+            keep(h)
         return h

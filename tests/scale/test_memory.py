@@ -265,3 +265,36 @@ def test_fp8_layouts_offered_are_only_those_whose_gemm_sizes_fp8_takes():
     assert fitting and {layout.tensor for layout in fitting} == {1}
     cfg.train.precision = "bf16"  # the same search without FP8 offers them
     assert {layout.tensor for layout, _ in fitting_layouts(cfg, 8, 80 * GIB)} > {1}
+
+
+def test_memory_tool_judges_a_cpu_run_against_the_memory_given_for_it():
+    """Before: --device cpu was judged against --gpu-memory-gib (default 80), a GPU's memory; now
+    --memory-gib is the chosen device's (a CPU's default: this host's share per process) and the
+    former name is refused for a CPU in one line."""
+    import json
+
+    from tools import memory_estimate
+
+    def report(*args):
+        result = _memory_tool("--preset", "tiny", "--world-size", "2", *args)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    default = report("--device", "cpu")
+    assert default["device"] == "cpu"
+    assert default["memory_gib"] == round(memory_estimate.host_memory_gib() / 2, 2)
+    small = report("--device", "cpu", "--memory-gib", "3")  # below the tool's 3 GiB overhead
+    assert small["memory_gib"] == 3 and small["fits"] is False
+    assert small["fitting_layouts_cheapest_first"] == []
+    large = report("--device", "cpu", "--memory-gib", "1000")
+    assert large["fits"] is True and large["fitting_layouts_cheapest_first"]
+    # A GPU: 80 GiB by default; the former name still taken.
+    assert report()["memory_gib"] == 80 and report()["device"] == "gpu"
+    assert report("--gpu-memory-gib", "3")["fits"] is False
+    for args, given in [(["--device", "cpu", "--gpu-memory-gib", "64"], "--device cpu"),
+                        (["--memory-gib", "80", "--gpu-memory-gib", "64"], "--memory-gib")]:
+        refused = _memory_tool("--preset", "tiny", "--world-size", "2", *args)
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.splitlines()[-1].endswith(
+            f"error: --gpu-memory-gib 64 with {given}: give the memory of each process's device "
+            "once, as --memory-gib")

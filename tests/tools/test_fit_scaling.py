@@ -183,6 +183,32 @@ def test_compute_sums_each_steps_logged_tokens_across_a_batch_change(load_tool, 
                     f"seq_length = {16 * seq} tokens each")
 
 
+def test_the_last_evaluation_is_the_highest_steps_last_record(load_tool, tmp_path):
+    """A run relaunched from its step-5 checkpoint with evaluations every 2 steps appends steps 6-10
+    again after step 10's: its point is step 10's second evaluation, and --all-evals' points are
+    in step order. Before, the file's order: step 7's stale evaluation was the run's point."""
+    tool = load_tool("fit_scaling")
+    run = tmp_path / "run"
+    cfg = RunConfig(model=preset("tiny"), train=TrainConfig(global_batch_size=8))
+    run.mkdir()
+    save_yaml(cfg, run / "config.yaml")
+    seq = cfg.model.seq_length
+
+    def steps(first, last, evals):
+        for step in range(first, last + 1):
+            yield {"kind": "train", "step": step, "step_time_s": 0.25,
+                   "tokens_per_s": 8 * seq / 0.25}
+            if step in evals:
+                yield {"kind": "eval", "step": step, "val_loss": evals[step]}
+
+    records = [*steps(1, 10, {5: 3.0, 10: 2.6}), *steps(6, 10, {7: 2.9, 10: 2.5})]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    flops = model_flops_per_token(cfg.model) * 8 * seq
+    assert tool.run_points(run, all_evals=False)[1] == [(flops * 10, 2.5)]
+    assert tool.run_points(run, all_evals=True)[1] == [(flops * 5, 3.0), (flops * 7, 2.9),
+                                                       (flops * 10, 2.5)]
+
+
 def test_a_run_whose_model_changed_across_resumes_is_refused(load_tool, tmp_path):
     """Resumed at step 4 on 4 processes instead of 8, then (another run) also at depth 3 instead
     of 2: config.yaml holds the last start's model. A new world size leaves the compute right; a
@@ -275,16 +301,18 @@ def test_an_irreducible_loss_between_grid_points_is_found_to_extrapolate_right(l
     assert fit.compute_for(target) == pytest.approx((a / (target - e)) ** (1 / alpha), rel=1e-3)
 
 
-@pytest.mark.parametrize("all_evals", [[], ["--all-evals"]])
 def test_an_evaluation_before_any_training_is_named_instead_of_a_traceback(load_tool, runs,
-                                                                             capsys, all_evals):
+                                                                             capsys):
     """An evaluation at step 0 (of the initial weights, logged by hand or by another tool) has no
-    training compute: log(0) in the fit was a LinAlgError traceback."""
+    training compute: log(0) in the fit was a LinAlgError traceback. (Without --all-evals a run's
+    point is its highest step's: the step-0 evaluation, last in the file, is not used.)"""
     tool = load_tool("fit_scaling")
     metrics = f"{runs[0]}/metrics.jsonl"
     with open(metrics, "a") as f:
         f.write(json.dumps({"kind": "eval", "step": 0, "val_loss": 9.0}) + "\n")
-    assert tool.main(runs + all_evals) == 2
+    assert tool.main(runs) == 0
+    capsys.readouterr()
+    assert tool.main(runs + ["--all-evals"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: {metrics}: an evaluation at step 0, before any training (C = 0 FLOPs, which "
         "a power law in C cannot take); leave it out")
