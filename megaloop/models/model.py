@@ -328,16 +328,31 @@ class LoopedLM(LanguageModule):
 
     def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
         """Global KV of every decoder layer this stage holds, stacked on dim 0:
-        [layers, N, B, groups, 2 * head_dim].
+        [layers, 2 (keys, values), N, B, groups, head_dim], in one copy.
 
         Under FP8 the projections run in megatron-core's FP8 context of the decoder's layers (its
         recipe and amax-reduction group), as every linear inside those layers does: they run
         outside the decoder block, and Transformer Engine computes a linear called outside any
         FP8 context in bf16. A no-op without FP8."""
         with fp8_utils.get_fp8_context(self.decoder.config):
-            return torch.stack([layer.self_attention.project_global_kv(encoder_output,
-                                                                       rotary_pos_emb)
-                                for layer in self.decoder.layers])
+            kvs = [kv for layer in self.decoder.layers
+                   for kv in layer.self_attention.project_global_kv(encoder_output,
+                                                                    rotary_pos_emb)]
+            return torch.stack(kvs).unflatten(0, (len(self.decoder.layers), 2))
+
+    @contextlib.contextmanager
+    def _global_kv_views(self, context: torch.Tensor | None):
+        """Hands every decoder layer its views of ``context``, unbound once for this forward
+        (LoopedTransformerLayer._global_kv_slice says why), for the duration of the loop."""
+        layers = self.decoder.layers if context is not None else []
+        views = context.flatten(0, 1).unbind(0) if context is not None else ()
+        for index, layer in enumerate(layers):
+            layer.global_kv_views = (context, views[2 * index:2 * index + 2])
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.global_kv_views = None
 
     def loop(self, state: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
              steps: int, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,10 +365,11 @@ class LoopedLM(LanguageModule):
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
         segments = (self._segments if len(self.stages) > 1 else
                     [Segment(self.decoder, t) for t in range(1, steps + 1)])
-        return run_segments(segments, encoding, state, additive=additive,
-                            step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
-                            attention_mask=None, context=context, rotary_pos_emb=rope,
-                            padding_mask=padding_mask)
+        with self._global_kv_views(context):
+            return run_segments(segments, encoding, state, additive=additive,
+                                step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
+                                attention_mask=None, context=context, rotary_pos_emb=rope,
+                                padding_mask=padding_mask)
 
     def _unpack(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(stream, H_E or None) of a message from the previous stage."""
