@@ -137,7 +137,7 @@ class GlobalKVMixin:
         """[N, B, h] -> (keys, values), each [N, B, groups_per_partition, head_dim]: keys QK-normed
         and rotated (Global key j sits at position j, fixed across iterations, so it is rotated
         once). Returned apart: the caller stacks every layer's in one copy
-        (LoopedLM.global_kv)."""
+        (LoopedLM._global_kv_context)."""
         kv, _ = self.linear_kv_global(self.global_kv_layernorm(encoder_output))
         kv = kv.view(*kv.shape[:2], self.num_query_groups_per_partition, -1)
         k, v = kv.split(self.hidden_size_per_attention_head, dim=-1)
@@ -264,24 +264,26 @@ class LoopedTransformerLayer(TransformerLayer):
             kwargs["layer_number"] = block_layer_numbers[position - 1]
         super().__init__(*args, **kwargs)
         self.context_index = position - 1  # into the building block's stacked Global KV
-        self.global_kv_views: tuple | None = None  # (stack, (keys, values)): _global_kv_slice
+        self.global_kv_projections: tuple | None = None  # (stack, (keys, values)): _global_kv_slice
         self.global_layer_number = self.layer_number + layer_offset
         self.self_attention.layer_number = self.global_layer_number
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(self.global_layer_number)
 
     def _global_kv_slice(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (keys, values) in the stacked Global KV ``context``: views, selected by
-        Python indices (an index tensor copied from the host synchronised the GPU once per layer
-        call). When ``context`` is the stack that ``global_kv_views`` came from (set per forward
-        by LoopedLM.loop), its views unbound there once: indexing the stack in each of the D x K
-        layer calls gives each call's gradient the stack's size (a zero fill, a copy and an add
-        per call in the backward pass); unbound once, the views' gradients add up in their own
-        size and meet in one stack-sized tensor. megatron-core's activation recomputation replays
-        the layer on a detached copy of the stack, which is indexed here."""
-        stack, views = self.global_kv_views or (None, None)
+        """This layer's (keys, values) of the stacked Global KV ``context``.
+
+        When ``context`` is the stack of the forward running (``global_kv_projections``, set by
+        LoopedLM._global_kv_context): the layer's projections themselves, whose gradients from
+        the K calls add up in their own size and reach the projection directly. A slice of the
+        stack would send each of the D x K calls' gradients through the stack: indexed, as a
+        zero-filled stack-sized tensor with the slice copied in, all of them then added up.
+        megatron-core's activation recomputation replays the layer on a detached copy of the
+        stack, whose gradient it hands to the stack: that copy is indexed, by Python indices
+        (an index tensor copied from the host synchronised the GPU once per layer call)."""
+        stack, projections = self.global_kv_projections or (None, None)
         if stack is context:
-            return views
+            return projections
         return tuple(context[self.context_index].unbind(0))
 
     def _forward_attention(self, hidden_states, *args, context=None, rotary_pos_emb=None, **kwargs):

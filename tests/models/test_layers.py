@@ -1,6 +1,5 @@
-"""megaloop's layer modules: no per-call host data in the loop, one stack-sized Global KV gradient."""
-
-import contextlib
+"""megaloop's layer modules: no per-call host data in the loop, no stack-sized Global KV
+gradient."""
 
 import pytest
 import torch
@@ -62,39 +61,44 @@ class CountStackSized(TorchDispatchMode):
         return out
 
 
-def _loss_and_stack(model, x):
-    """The loss of ``model`` on ``x`` and the stacked Global KV its forward computed."""
-    stacks = []
+def _loss_and_stack_size(model, x):
+    """The loss of ``model`` on ``x`` and the size of the stacked Global KV of its forward."""
+    results = []
     global_kv = model.global_kv
-    model.global_kv = lambda *args: stacks.append(global_kv(*args)) or stacks[-1]
+    model.global_kv = lambda *args: results.append(global_kv(*args)) or results[-1]
     try:
-        return model(x, labels=x).sum(), stacks[0]
+        return model(x, labels=x).sum(), sum(t.numel() for t in tree_leaves(results))
     finally:
         del model.global_kv
 
 
 @pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv"])
-def test_the_backward_pass_allocates_the_stacked_global_kv_once(seeded, variant):
+def test_the_backward_pass_allocates_nothing_of_the_stacked_global_kv_s_size(seeded, variant):
     """Each of the D x K decoder layer calls used to index the stacked Global KV, whose backward
     gave each call a gradient of the stack's size (zero-filled, the slice copied in, then added
-    up: 2 x 4 + 7 stack-sized results here); the layers' views are now unbound once per forward,
-    and their gradients meet in one stack-sized tensor."""
+    up: 2 x 4 + 7 stack-sized results here); the layers now read their projections themselves,
+    whose gradients add up in their own size."""
     cfg = small_config(variant, iterations=4)
     model = build_model(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
-    loss, stack = _loss_and_stack(model, x)
-    with CountStackSized(stack.numel()) as counter:
+    loss, size = _loss_and_stack_size(model, x)
+    with CountStackSized(size) as counter:
         loss.backward()
-    assert len(counter.ops) == 1, counter.ops
+    assert counter.ops == []
+
+
+def _indexing_the_stack(layer, context):
+    """What every decoder layer call did before (and recomputation replays still do)."""
+    return tuple(context[layer.context_index].unbind(0))
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 @pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv", "asymloop_tied_gqa1"])
-def test_unbound_global_kv_views_change_no_loss_or_gradient_bit(seeded, variant, recompute,
-                                                                  monkeypatch):
-    """The views unbound once per forward (LoopedLM._global_kv_views) against indexing the stack
-    in every layer call, which megatron-core's recomputation replays still do."""
-    from megaloop.models.model import LoopedLM
+def test_reading_the_projections_changes_no_loss_or_gradient_bit(seeded, variant, recompute,
+                                                                 monkeypatch):
+    """The decoder layers reading their Global KV projections themselves
+    (LoopedTransformerLayer._global_kv_slice) against indexing the stacked Global KV."""
+    from megaloop.models.layers import LoopedTransformerLayer
 
     cfg = small_config(variant)
     model = build_model(cfg, ParallelConfig(recompute=recompute))
@@ -106,8 +110,7 @@ def test_unbound_global_kv_views_change_no_loss_or_gradient_bit(seeded, variant,
         loss.backward()
         return [loss] + [p.grad for p in model.parameters()]
 
-    unbound = loss_and_grads()
-    monkeypatch.setattr(LoopedLM, "_global_kv_views",
-                        lambda self, context: contextlib.nullcontext())
+    projections = loss_and_grads()
+    monkeypatch.setattr(LoopedTransformerLayer, "_global_kv_slice", _indexing_the_stack)
     indexed = loss_and_grads()
-    assert all(torch.equal(a, b) for a, b in zip(unbound, indexed, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(projections, indexed, strict=True))
