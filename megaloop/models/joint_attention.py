@@ -56,7 +56,11 @@ class _JointFlashAttention(torch.autograd.Function):
         # be rounded (relative error 3.3e-3 against 2.5e-3 for the masked softmax in bf16).
         w_g = torch.exp(lse_g - lse).unsqueeze(-1)
         w_l = torch.exp(lse_l - lse).unsqueeze(-1)
-        out = torch.addcmul(w_g * out_g.float(), w_l, out_l.float()).to(out_g.dtype)
+        # Type promotion reads the (bf16) block outputs as fp32 inside the fp32 ops (exact, as
+        # .float() copies would be) and addcmul rounds its fp32 result once into the output's
+        # dtype. The output takes the kernels' memory layout ([B, N, H, D] on CUDA), which their
+        # backward needs contiguous: in any other layout it copies it at each of the two calls.
+        out = torch.addcmul(w_g * out_g, w_l, out_l, out=torch.empty_like(out_g))
         ctx.save_for_backward(q, k_glob, v_glob, k_loc, v_loc, out, lse)
         ctx.saved_rng = (saved_g, saved_l)
         ctx.scale = scale
@@ -66,7 +70,10 @@ class _JointFlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k_glob, v_glob, k_loc, v_loc, out, lse = ctx.saved_tensors
         saved_g, saved_l = ctx.saved_rng
-        grad_out = grad_out.contiguous()
+        # One copy into the output's layout (see forward), which both backward calls then take
+        # as it is.
+        grad_out = grad_out if grad_out.stride() == out.stride() else (
+            torch.empty_like(out).copy_(grad_out))
         dq_g, dk_g, dv_g = _flash_backward(grad_out, q, k_glob, v_glob, out, lse, saved_g, ctx.scale)
         dq_l, dk_l, dv_l = _flash_backward(grad_out, q, k_loc, v_loc, out, lse, saved_l, ctx.scale)
         return dq_g + dq_l, dk_g, dv_g, dk_l, dv_l, None

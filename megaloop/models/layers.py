@@ -116,7 +116,7 @@ class GlobalKVMixin:
     layer sets for the duration of one attention call.
     """
 
-    global_kv: torch.Tensor | None = None
+    global_kv: tuple | None = None  # (keys, values)
 
     def _build_global_kv(self, submodules: GlobalKVSubmodules) -> None:
         cfg = self.config
@@ -132,10 +132,12 @@ class GlobalKVMixin:
             is_expert=False, tp_comm_buffer_name="kv_global", tp_group=self.pg_collection.tp,
         )
 
-    def project_global_kv(self, encoder_output: torch.Tensor,
-                          rotary_pos_emb: torch.Tensor | None) -> torch.Tensor:
-        """[N, B, h] -> [N, B, groups_per_partition, 2 * head_dim]: keys QK-normed and rotated
-        (Global key j sits at position j, fixed across iterations, so it is rotated once), values."""
+    def project_global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, B, h] -> (keys, values), each [N, B, groups_per_partition, head_dim]: keys QK-normed
+        and rotated (Global key j sits at position j, fixed across iterations, so it is rotated
+        once). Returned apart: the caller stacks every layer's in one copy
+        (LoopedLM._global_kv_context)."""
         kv, _ = self.linear_kv_global(self.global_kv_layernorm(encoder_output))
         kv = kv.view(*kv.shape[:2], self.num_query_groups_per_partition, -1)
         k, v = kv.split(self.hidden_size_per_attention_head, dim=-1)
@@ -143,11 +145,11 @@ class GlobalKVMixin:
             k = self.k_layernorm(k)
         if rotary_pos_emb is not None:
             k = apply_rotary_pos_emb(k, rotary_pos_emb, config=self.config)
-        return torch.cat([k, v], dim=-1)
+        return k, v
 
     def _global_keys_values(self):
         assert self.global_kv is not None, "Global KV missing: the layer must set it per call"
-        return self.global_kv.split(self.hidden_size_per_attention_head, dim=-1)
+        return self.global_kv
 
 
 class JointSelfAttention(GlobalKVMixin, SelfAttention):
@@ -262,10 +264,27 @@ class LoopedTransformerLayer(TransformerLayer):
             kwargs["layer_number"] = block_layer_numbers[position - 1]
         super().__init__(*args, **kwargs)
         self.context_index = position - 1  # into the building block's stacked Global KV
+        self.global_kv_projections: tuple | None = None  # (stack, (keys, values)): _global_kv_slice
         self.global_layer_number = self.layer_number + layer_offset
         self.self_attention.layer_number = self.global_layer_number
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(self.global_layer_number)
+
+    def _global_kv_slice(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (keys, values) of the stacked Global KV ``context``.
+
+        When ``context`` is the stack of the forward running (``global_kv_projections``, set by
+        LoopedLM._global_kv_context): the layer's projections themselves, whose gradients from
+        the K calls add up in their own size and reach the projection directly. A slice of the
+        stack would send each of the D x K calls' gradients through the stack: indexed, as a
+        zero-filled stack-sized tensor with the slice copied in, all of them then added up.
+        megatron-core's activation recomputation replays the layer on a detached copy of the
+        stack, whose gradient it hands to the stack: that copy is indexed, by Python indices
+        (an index tensor copied from the host synchronised the GPU once per layer call)."""
+        stack, projections = self.global_kv_projections or (None, None)
+        if stack is context:
+            return projections
+        return tuple(context[self.context_index].unbind(0))
 
     def _forward_attention(self, hidden_states, *args, context=None, rotary_pos_emb=None, **kwargs):
         attention = self.self_attention
@@ -275,13 +294,12 @@ class LoopedTransformerLayer(TransformerLayer):
         if isinstance(attention, GlobalOnlyAttention) and rotary_pos_emb is not None:
             # Its keys are the Global keys, already rotated: rotate only the queries.
             rotary_pos_emb = (rotary_pos_emb, None)
-        # This layer's slice, selected by a Python index: a view, with no index tensor to copy
-        # from the host (that copy synchronised the GPU once per layer call, D x K per forward).
-        global_kv = context[self.context_index]
+        global_kv = self._global_kv_slice(context)
         # Without grad mode (the first pass of activation recomputation, evaluation) a view of a
         # tensor that requires grad still claims to require it but has no grad_fn, which trips
         # module-level autograd hooks (FlopCounterMode); nothing needs its gradient there.
-        attention.global_kv = global_kv if torch.is_grad_enabled() else global_kv.detach()
+        attention.global_kv = (global_kv if torch.is_grad_enabled()
+                               else tuple(t.detach() for t in global_kv))
         try:
             return super()._forward_attention(hidden_states, *args, context=context,
                                               rotary_pos_emb=rotary_pos_emb, **kwargs)

@@ -326,18 +326,37 @@ class LoopedLM(LanguageModule):
             input_tensor = input_tensor[0]
         self.stage_input = input_tensor
 
-    def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
-        """Global KV of every decoder layer this stage holds, stacked on dim 0:
-        [layers, N, B, groups, 2 * head_dim].
+    def global_kv(self, encoder_output: torch.Tensor, rotary_pos_emb) -> list[tuple]:
+        """(keys, values) of every decoder layer this stage holds, each [N, B, groups, head_dim].
 
         Under FP8 the projections run in megatron-core's FP8 context of the decoder's layers (its
         recipe and amax-reduction group), as every linear inside those layers does: they run
         outside the decoder block, and Transformer Engine computes a linear called outside any
         FP8 context in bf16. A no-op without FP8."""
         with fp8_utils.get_fp8_context(self.decoder.config):
-            return torch.stack([layer.self_attention.project_global_kv(encoder_output,
-                                                                       rotary_pos_emb)
-                                for layer in self.decoder.layers])
+            return [layer.self_attention.project_global_kv(encoder_output, rotary_pos_emb)
+                    for layer in self.decoder.layers]
+
+    @contextlib.contextmanager
+    def _global_kv_context(self, encoding: torch.Tensor | None, rope: torch.Tensor):
+        """Yields the decoder block's ``context`` for the loop: None, or the Global KV of every
+        decoder layer stacked in one copy, [layers, 2 (keys, values), N, B, groups, head_dim],
+        which megatron-core's activation recomputation replays a layer with. While the loop
+        runs, each decoder layer also holds its own projections, which it reads instead
+        (LoopedTransformerLayer._global_kv_slice says why)."""
+        if not self.stage.global_kv:
+            yield None
+            return
+        projections = self.global_kv(encoding, rope)
+        context = torch.stack([t for kv in projections for t in kv])
+        context = context.unflatten(0, (len(projections), 2))
+        for layer, kv in zip(self.decoder.layers, projections, strict=True):
+            layer.global_kv_projections = (context, kv)
+        try:
+            yield context
+        finally:
+            for layer in self.decoder.layers:
+                layer.global_kv_projections = None
 
     def loop(self, state: torch.Tensor, encoding: torch.Tensor | None, rope: torch.Tensor,
              steps: int, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -346,14 +365,14 @@ class LoopedLM(LanguageModule):
         (z_0 on the stage where the encoding originates); ``encoding``: H_E (AsymLoop), else the
         embedding output on the first stage, else None; ``padding_mask``: ``routing_padding``'s."""
         cfg = self.cfg
-        context = self.global_kv(encoding, rope) if self.stage.global_kv else None
         additive = cfg.arch == "asymloop" and cfg.injection == "additive"
         segments = (self._segments if len(self.stages) > 1 else
                     [Segment(self.decoder, t) for t in range(1, steps + 1)])
-        return run_segments(segments, encoding, state, additive=additive,
-                            step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
-                            attention_mask=None, context=context, rotary_pos_emb=rope,
-                            padding_mask=padding_mask)
+        with self._global_kv_context(encoding, rope) as context:
+            return run_segments(segments, encoding, state, additive=additive,
+                                step_context=lambda t: self.applying(f"{self.loop_group}{t}"),
+                                attention_mask=None, context=context, rotary_pos_emb=rope,
+                                padding_mask=padding_mask)
 
     def _unpack(self, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(stream, H_E or None) of a message from the previous stage."""

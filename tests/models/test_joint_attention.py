@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaloop.models.joint_attention import joint_attention_fused
 from megaloop.reference.modeling_asymloop import joint_attention
@@ -20,10 +21,16 @@ def test_fused_matches_masked_values_and_gradients(shape):
     masked = joint_attention(*inputs, scale)
     torch.testing.assert_close(fused, masked, atol=1e-5, rtol=1e-5)
     grad_out = torch.randn_like(fused)
-    g_fused = torch.autograd.grad(fused, inputs, grad_out)
+    g_fused = torch.autograd.grad(fused, inputs, grad_out, retain_graph=True)
     g_masked = torch.autograd.grad(masked, inputs, grad_out)
     for name, a, b in zip(["q", "k_glob", "v_glob", "k_loc", "v_loc"], g_fused, g_masked):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"d{name} differs")
+    # A gradient in another layout (or broadcast) is copied into the output's: the same bits.
+    for other in (grad_out.transpose(1, 2).contiguous().transpose(1, 2),
+                  grad_out.mean().expand_as(grad_out)):
+        again = torch.autograd.grad(fused, inputs, other, retain_graph=True)
+        expected = torch.autograd.grad(fused, inputs, other.contiguous(), retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, expected))
 
 
 def test_joint_attention_is_causal_on_both_halves():
@@ -155,3 +162,42 @@ def test_bf16_merge_rounds_once():
     exact = joint_attention(*[t.double() for t in inputs], 0.125)
     fused = joint_attention_fused(*inputs, 0.125)
     assert relative_error(fused, exact) < 1.75 * relative_error(exact.bfloat16(), exact)
+
+
+def test_bf16_merge_equals_the_fp32_formula_rounded_once():
+    """Type promotion inside the merge's fp32 ops gives the bits of fp32 copies of the kernels'
+    bf16 outputs merged in fp32 and rounded once."""
+    inputs = [t.detach().bfloat16() for t in _inputs(2, 4, 257, 64)]
+    q, kg, vg, kl, vl = inputs
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out_g, lse_g = flash(q, kg, vg, 0.0, True, scale=0.125)
+    out_l, lse_l = flash(q, kl, vl, 0.0, True, scale=0.125)
+    lse = torch.logaddexp(lse_g, lse_l)
+    weights = [torch.exp(part - lse).unsqueeze(-1) for part in (lse_g, lse_l)]
+    merged = torch.addcmul(weights[0] * out_g.float(), weights[1], out_l.float()).bfloat16()
+    assert torch.equal(joint_attention_fused(*inputs, 0.125), merged)
+
+
+class CountCopies(TorchDispatchMode):
+    COPIES = ("aten._to_copy", "aten.clone", "aten.copy_", "aten.contiguous")
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.COPIES):
+            self.copies.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_joint_core_attention_in_bf16_copies_nothing():
+    """On megatron-core's layouts (no GQA repeat) the bf16 forward and backward copy no tensor:
+    they did cast both blocks' outputs to fp32 and the merged one back, and the merged output's
+    layout (not the kernels') made the [N, B, H*D] reshape after it a copy."""
+    mixed, global_kv = megatron_layout_leaves(2, 64, 4, 4, 32, torch.bfloat16)
+    grad_out = torch.randn(64, 2, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with CountCopies() as counter:
+        out = joint_core_attention(mixed, global_kv, 4, 32)
+        torch.autograd.grad(out, [mixed, global_kv], grad_out)
+    assert counter.copies == []

@@ -1,8 +1,11 @@
-"""megaloop's layer modules: no per-call host data in the loop."""
+"""megaloop's layer modules: no per-call host data in the loop, no stack-sized Global KV
+gradient."""
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megaloop.config import ParallelConfig
 from megaloop.models.model import build_model
@@ -35,3 +38,79 @@ def test_training_step_builds_no_tensor_from_host_data(seeded, variant, recomput
     with CountHostData() as counter:
         model(x, labels=x).sum().backward()
     assert counter.calls == []
+
+
+class CountStackSized(TorchDispatchMode):
+    """Counts the operators allocating an output of ``numel`` elements and at least five
+    dimensions: in a small AsymLoop model only the stacked Global KV of all decoder layers and
+    tensors of its size (one layer's share has four dimensions, or five and 1/D of the
+    elements). A view (of an input's storage) allocates nothing."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.numel() == self.numel and t.dim() >= 5
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.ops.append(str(func))
+        return out
+
+
+def _loss_and_stack_size(model, x):
+    """The loss of ``model`` on ``x`` and the size of the stacked Global KV of its forward."""
+    results = []
+    global_kv = model.global_kv
+    model.global_kv = lambda *args: results.append(global_kv(*args)) or results[-1]
+    try:
+        return model(x, labels=x).sum(), sum(t.numel() for t in tree_leaves(results))
+    finally:
+        del model.global_kv
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv"])
+def test_the_backward_pass_allocates_nothing_of_the_stacked_global_kv_s_size(seeded, variant):
+    """Each of the D x K decoder layer calls used to index the stacked Global KV, whose backward
+    gave each call a gradient of the stack's size (zero-filled, the slice copied in, then added
+    up: 2 x 4 + 7 stack-sized results here); the layers now read their projections themselves,
+    whose gradients add up in their own size."""
+    cfg = small_config(variant, iterations=4)
+    model = build_model(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    loss, size = _loss_and_stack_size(model, x)
+    with CountStackSized(size) as counter:
+        loss.backward()
+    assert counter.ops == []
+
+
+def _indexing_the_stack(layer, context):
+    """What every decoder layer call did before (and recomputation replays still do)."""
+    return tuple(context[layer.context_index].unbind(0))
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv", "asymloop_tied_gqa1"])
+def test_reading_the_projections_changes_no_loss_or_gradient_bit(seeded, variant, recompute,
+                                                                 monkeypatch):
+    """The decoder layers reading their Global KV projections themselves
+    (LoopedTransformerLayer._global_kv_slice) against indexing the stacked Global KV."""
+    from megaloop.models.layers import LoopedTransformerLayer
+
+    cfg = small_config(variant)
+    model = build_model(cfg, ParallelConfig(recompute=recompute))
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(x, labels=x).sum()
+        loss.backward()
+        return [loss] + [p.grad for p in model.parameters()]
+
+    projections = loss_and_grads()
+    monkeypatch.setattr(LoopedTransformerLayer, "_global_kv_slice", _indexing_the_stack)
+    indexed = loss_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(projections, indexed, strict=True))
