@@ -33,12 +33,10 @@ import torch
 import torch.distributed as dist
 
 from megaloop.cli import ALIKE_ON_EVERY_RANK
-from megaloop.config import (ConfigError, RunConfig, flat_settings, micro_batches_per_step,
-                             save_yaml, to_dict)
+from megaloop.config import RunConfig, flat_settings, micro_batches_per_step, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_state import load_training_state, sharded_state
-from megaloop.training.collective import (any_rank, collective_device, is_rank0, max_over_ranks,
-                                          rank0_decides)
+from megaloop.training.collective import any_rank, collective_device, is_rank0, max_over_ranks
 from megaloop.training.data import MicroBatches, build_datasets, data_fingerprint
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
@@ -147,11 +145,11 @@ class Trainer:
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         progress = (0, 0)
         if self.resume_path is not None:
-            self.complete = check_resume(self.resume_path, cfg)
+            self.complete, missing = check_resume(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
             if self.complete:
                 self.step = ckpt.step_of(self.resume_path)
-                self.final_evaluation_due = self._final_evaluation_missing()
+                self.final_evaluation_due = bool(missing)
                 # Done before the datasets, whose indexes may take minutes to build.
                 if not self.final_evaluation_due:
                     return
@@ -186,24 +184,6 @@ class Trainer:
         # config it trained with.
         if is_rank0() and not self.complete:
             save_yaml(cfg, self.out_dir / "config.yaml")
-
-    def _final_evaluation_missing(self) -> bool:
-        """Whether the run found complete lacks its final evaluation record in metrics.jsonl, one
-        being expected (``data.split`` gives the validation split a weight); said in one line.
-        With ``checkpoint.save_interval`` dividing ``train.train_steps`` the last step's
-        checkpoint is saved before the final evaluation, so a job killed during it (SIGKILL, a
-        node lost) left the run complete without it, and every relaunch evaluated nothing."""
-        from megaloop.data.blend import split_weights
-        from megaloop.training.monitor import METRICS_FILE, logs_evaluation
-
-        if not split_weights(str(self.cfg.data.split))[1]:  # validated: three weights
-            return False  # no validation data: a finished run logged no evaluation
-        if rank0_decides(lambda: logs_evaluation(self.out_dir, self.step), (ConfigError,)):
-            return False
-        log.warning("%s: no final evaluation of step %d in %s (the run was stopped during it): "
-                    "making it now", self.resume_path, self.step, self.out_dir / METRICS_FILE,
-                    extra=ALIKE_ON_EVERY_RANK)
-        return True
 
     def close(self) -> None:
         """Releases what the Trainer holds, once (later calls do nothing): it waits for a
