@@ -89,10 +89,10 @@ class Trainer:
     ``stopped_during_set_up`` is True and ``train()`` only returns the stop. Finding the run
     finished (its own latest checkpoint at ``train.train_steps``) ends set-up early too:
     ``complete`` is then True, no dataset nor model is built, and ``train()`` (or ``close()``)
-    evaluates, saves and logs nothing. Unless metrics.jsonl lacks the final evaluation (a job
-    killed during it, after the last step's periodic save): then ``final_evaluation_due`` is True
-    too, set-up goes on as for a resume, and ``train()`` makes the final evaluation (and the
-    downstream one), logs it and returns, saving nothing.
+    evaluates, saves and logs nothing. Unless metrics.jsonl lacks a final evaluation record (a
+    job killed during it, after the last step's periodic save): then ``final_evaluation_due``
+    names those missing ("eval", "downstream"), set-up goes on as for a resume, and ``train()``
+    makes just those, logs them and returns, saving nothing.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
@@ -106,7 +106,7 @@ class Trainer:
         self._run_dirs = self.saver = self.monitor = self.alrs = self.downstream = None
         self.profiler = None
         self.step, self.stopped_during_set_up, self.complete, self._closed = 0, False, False, False
-        self.final_evaluation_due = False
+        self.final_evaluation_due: tuple[str, ...] = ()
         try:
             self._set_up()
         except BaseException as e:
@@ -149,7 +149,7 @@ class Trainer:
             self._stop_point(f"verifying {self.resume_path}")
             if self.complete:
                 self.step = ckpt.step_of(self.resume_path)
-                self.final_evaluation_due = bool(missing)
+                self.final_evaluation_due = missing
                 # Done before the datasets, whose indexes may take minutes to build.
                 if not self.final_evaluation_due:
                     return
@@ -159,7 +159,8 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(cfg, *progress)
         self.data_fingerprint = data_fingerprint(cfg, self.train_data)  # saved with the progress
         self._stop_point("building the datasets")
-        if cfg.train.downstream_eval.tasks:
+        if cfg.train.downstream_eval.tasks and (not self.complete
+                                                or "downstream" in self.final_evaluation_due):
             from megaloop.training.downstream import DownstreamEval
 
             self.downstream = DownstreamEval(cfg)
@@ -450,10 +451,13 @@ class Trainer:
                     # evaluation reads the model, not the checkpoint.
                     if self.save(wait=False) is not None and self.downstream is not None:
                         self.downstream.after_save(self.model, self.step, self.monitor)
-            final = self.evaluate()
-            for depth in cfg.eval_depths:
-                final.update({f"val_loss_k{depth}": v for k, v in
-                              self.evaluate(num_iterations=depth).items() if k == "val_loss"})
+            final = {}
+            # A finished run relaunched makes only what its metrics.jsonl lacks.
+            if not self.complete or "eval" in self.final_evaluation_due:
+                final = self.evaluate()
+                for depth in cfg.eval_depths:
+                    final.update({f"val_loss_k{depth}": v for k, v in
+                                  self.evaluate(num_iterations=depth).items() if k == "val_loss"})
             if final:  # empty when the split leaves no validation data
                 self.monitor.log_eval(self.step, final)
             self.save()

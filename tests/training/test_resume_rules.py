@@ -19,4 +19,5 @@ def test_every_run_config_field_has_one_resume_rule():
     assert sorted(rules) == sorted(fields)  # each field once
     assert {f"train.{k}" for k in SCHEDULE_FIELDS} <= set(resume.REPORTED_BY_TRAINER)
     # What a finished run's missing final evaluation applies: settings, none a location.
-    assert set(finished.VALIDATION_READS) <= set(fields) - set(resume.LOCATIONS)
+    assert set(finished.VALIDATION_READS + finished.DOWNSTREAM_READS) <= set(fields) - set(
+        resume.LOCATIONS)
