@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import shutil
 import re
 import secrets
 import time
@@ -106,6 +108,25 @@ def sync_tree(directory: str | os.PathLike,
             if not durable(path):
                 sync_file(path)
         sync_directory(root)
+
+
+def remove_tree(path: str | os.PathLike, what: str, log: logging.Logger) -> None:
+    """Deletes directory ``path`` (``what`` it holds, for the message) as far as it can. A
+    failure is one warning line on ``log`` naming ``path`` and the first file or directory that
+    would not go (its path: rmtree's error may name a file relative to its directory; the
+    directories above it fail after it, not being empty): the space stays taken, and only the
+    user can free it. What is gone already (removed meanwhile, or never made) is no failure."""
+    failures = []
+
+    def failed(function, failed_path, info) -> None:
+        if not isinstance(info[1], FileNotFoundError):
+            failures.append((failed_path, info[1]))
+
+    shutil.rmtree(path, onerror=failed)
+    if failures:
+        failed_path, error = failures[0]
+        log.warning("%s: %s, not wholly deleted (%s: %s); remove it by hand", path, what,
+                    failed_path, getattr(error, "strerror", None) or error)
 
 
 def _remove_stale_temporaries(path: str | os.PathLike) -> None:

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.cli import decided_on_every_rank, is_decided_on_every_rank, restating
 from megaloop.config import RunConfig, save_yaml
-from megaloop.platform.files import (atomic_write_leftovers, sync_directory, sync_tree,
-                                     write_text_atomic)
+from megaloop.platform.files import (atomic_write_leftovers, remove_tree, sync_directory,
+                                     sync_tree, write_text_atomic)
 from megaloop.training.checkpoint_files import (LATEST, CheckpointError, checkpoint_name,
                                                 complete_checkpoints, latest_checkpoint, one_line)
 from megaloop.training.checkpoint_writer import (died_of, refuse_unguarded_main,
@@ -50,6 +50,9 @@ from megaloop.training.collective import (any_rank, first_error, is_rank0, rank0
 from megaloop.training.sharded_save import save_sharded
 
 log = logging.getLogger("megaloop.train")
+
+# What a failed save's iter_N.tmp holds, removed for the space a full disk needs back.
+_FAILED_PART = "the part of a checkpoint a failed save had written"
 
 
 @dataclass
@@ -88,7 +91,7 @@ def _begin(directory: Path, step: int) -> _Save:
     def prepare() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("iter_*.tmp"):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_tree(stale, "the part of a checkpoint a killed save had written", log)
         for stale in atomic_write_leftovers(directory / LATEST):  # by a killed pointer move
             stale.unlink(missing_ok=True)
         if save.final.exists():
@@ -108,7 +111,7 @@ def _write_failed(save: _Save, error: BaseException | str, part: str = "") -> Ch
     back."""
     free = _free_space(save.directory)
     if is_rank0():
-        shutil.rmtree(save.tmp, ignore_errors=True)
+        remove_tree(save.tmp, _FAILED_PART, log)
     cause = error if isinstance(error, str) else one_line(error)
     return CheckpointError(f"{save.tmp}: saving step {save.step} failed{part} "
                            f"({cause}; {free} free on its filesystem); latest is still "
@@ -133,7 +136,7 @@ def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
             os.replace(tmp, final)
             sync_directory(save.directory)
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp, _FAILED_PART, log)
             raise CheckpointError(f"{e.filename or tmp}: saving step {save.step} failed "
                                   f"({e.strerror or e}); latest is still "
                                   f"{save.still_latest}") from None
@@ -157,6 +160,7 @@ def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
 # A checkpoint being deleted (keep_last) is first renamed to this prefix + its name: no reader
 # takes it for a checkpoint, so that a kill mid-delete leaves no half-deleted iter_N.
 PRUNED_PREFIX = ".pruned-"
+_PRUNED = "a checkpoint beyond checkpoint.keep_last that no run reads"
 
 
 def _prune(path: Path) -> None:
@@ -170,26 +174,14 @@ def _prune(path: Path) -> None:
         log.warning("%s: beyond checkpoint.keep_last, but not deleted (%s); remove it by hand",
                     path, e.strerror or e)
         return
-    _remove_tree(trash)
+    remove_tree(trash, _PRUNED, log)
 
 
 def remove_pruned(directory: Path) -> None:
     """Removes the remains of checkpoint deletions that a kill cut short (rank 0, at the start of
     a run)."""
     for trash in directory.glob(PRUNED_PREFIX + "iter_*"):
-        _remove_tree(trash)
-
-
-def _remove_tree(trash: Path) -> None:
-    # The first failure (its path: rmtree's error may name a file relative to its directory);
-    # the directories above it fail after it, not being empty.
-    failures = []
-    shutil.rmtree(trash, onerror=lambda function, path, info: failures.append((path, info[1])))
-    if failures:
-        path, error = failures[0]
-        log.warning("%s: a checkpoint beyond checkpoint.keep_last, not wholly deleted (%s: %s); "
-                    "no run reads it: remove it by hand", trash, path,
-                    getattr(error, "strerror", None) or error)
+        remove_tree(trash, _PRUNED, log)
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: RunConfig,

@@ -97,12 +97,12 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], int]:
     return records, malformed
 
 
-def logs_evaluation(out_dir: str | os.PathLike, step: int) -> bool:
-    """Whether ``out_dir``'s metrics.jsonl holds an evaluation record of ``step`` (False without
-    the file)."""
+def logged_kinds(out_dir: str | os.PathLike, step: int) -> set[str]:
+    """The kinds of the records of ``step`` in ``out_dir``'s metrics.jsonl ("eval",
+    "downstream", ...; none without the file)."""
     path = Path(out_dir) / METRICS_FILE
-    return path.exists() and any(record.get("kind") == "eval" and record["step"] == step
-                                 for record in read_metrics(path)[0])
+    return {record.get("kind") for record in read_metrics(path)[0]
+            if record["step"] == step} if path.exists() else set()
 
 
 def _json_number(value: float | int | bool | None) -> float | int | bool | None:

@@ -48,6 +48,7 @@ from megaloop.data.readers import DataError
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_files import one_line
 from megaloop.training.collective import any_rank, first_error, rank0_decides
+from megaloop.training.finished import complete_lines, missing_records
 
 log = logging.getLogger("megaloop.train")
 
@@ -120,15 +121,17 @@ def next_allocation(step: int, cfg: RunConfig) -> int | None:
     return candidate if alrs.allocates_at(candidate, total) else None
 
 
-def check_resume(path: Path, cfg: RunConfig, report: bool = True) -> bool:
+def check_resume(path: Path, cfg: RunConfig, report: bool = True
+                 ) -> tuple[bool, tuple[str, ...]]:
     """The checks of a run starting from checkpoint ``path`` (``Trainer._set_up``, and
     megaloop.gsm8k before it writes anything), in one CheckpointError or ConfigError line: the
     architecture (``check_compatible``), the optimizer state (``check_optimizer_state``), then
     each changed setting, by the rules above. ``report``: log each change accepted in one line
-    (False: refuse only, for a caller whose trainer logs them when it resumes). True when
-    ``path`` is the run's own checkpoint at ``train.train_steps`` already (a finished run
-    relaunched): then nothing is left to train, evaluate or save, which is logged in one line
-    naming any changed setting instead.
+    (False: refuse only, for a caller whose trainer logs them when it resumes). Returns
+    (complete, missing): complete when ``path`` is the run's own checkpoint at
+    ``train.train_steps`` already (a finished run relaunched: nothing to train or save), missing
+    the final records its metrics.jsonl lacks, which the relaunch makes; that is logged instead,
+    naming each changed setting as applied by that evaluation or not (``finished``).
 
     Decided on rank 0 and shared (``rank0_decides``), as the other start-up checks: these read
     files (the checkpoint's, the ALRS log in ``train.out_dir``) that a rank without a shared
@@ -138,23 +141,25 @@ def check_resume(path: Path, cfg: RunConfig, report: bool = True) -> bool:
                          (ckpt.CheckpointError, ConfigError))
 
 
-def _check_resume(path: Path, cfg: RunConfig, report: bool) -> bool:
+def _check_resume(path: Path, cfg: RunConfig, report: bool) -> tuple[bool, tuple[str, ...]]:
     ckpt.check_compatible(path, cfg)
     ckpt.check_optimizer_state(path, cfg)
-    complete, lines = _changed_settings(path, cfg)
+    answer, lines = _changed_settings(path, cfg)
     if report:
         for level, line in lines:
             log.log(level, "%s", line)
-    return complete
+    return answer
 
 
-def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int, str]]]:
-    """(complete, the log lines of the accepted changes); a ConfigError for one refused."""
+def _changed_settings(path: Path, cfg: RunConfig
+                      ) -> tuple[tuple[bool, tuple[str, ...]], list[tuple[int, str]]]:
+    """(``check_resume``'s answer, the log lines of the accepted changes); a ConfigError for one
+    refused."""
     own = ckpt.is_own_checkpoint(path, cfg)
     if not own and not cfg.checkpoint.load_optimizer:
-        return False, _weight_load_notes(path, cfg)
+        return (False, ()), _weight_load_notes(path, cfg)
     if not ckpt.holds_training_state(path):
-        return False, []  # Trainer._load's refusal
+        return (False, ()), []  # Trainer._load's refusal
     before, changed = _differences(path, cfg, ("model", "parallel", "train", "data",
                                                "checkpoint", "alrs"))
     if not own:  # another run's checkpoint: its directory options and out_dir are its own
@@ -215,11 +220,9 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
     # train.train_steps, which evaluates and saves it as its own). After the refusals: a setting
     # no resume can apply is refused even here, since the relaunch would not be the run asked for.
     if own and cfg.train.train_steps == step:
-        unused = [k for k in changed if k not in LOCATIONS]
-        unused = f"; changed settings not applied: {', '.join(unused)}" if unused else ""
-        return True, [(logging.WARNING if unused else logging.INFO,
-                       f"{path}: the run is complete at step {step} (train.train_steps={step}): "
-                       f"nothing to train (raise train.train_steps to continue it){unused}")]
+        missing = missing_records(cfg, step)
+        return (True, missing), complete_lines(path, cfg, step,
+                                               [k for k in changed if k not in LOCATIONS], missing)
     lines = []
     for name, (old, new) in changed.items():
         if name in REPORTED_BY_TRAINER:
@@ -237,7 +240,7 @@ def _changed_settings(path: Path, cfg: RunConfig) -> tuple[bool, list[tuple[int,
     window = _allocation_window(cfg, before, first) if alrs_on else None
     if window is not None:
         lines.append((logging.WARNING, f"{where}: {window}"))
-    return False, lines
+    return (False, ()), lines
 
 
 def _differences(path: Path, cfg: RunConfig, sections: tuple[str, ...]) -> tuple[dict, dict]:

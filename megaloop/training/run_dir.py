@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 from pathlib import Path
 
 from megaloop.cli import decided_on_every_rank
 from megaloop.config import ConfigError
 from megaloop.platform import mounts
+from megaloop.platform.files import remove_tree
 from megaloop.platform.locks import take_flock, warn_unguarded
 from megaloop.training.collective import first_error, is_rank0
 
@@ -204,7 +204,7 @@ class RunDirs:
         file, stays."""
         for path in self._new_entries:  # while the locks keep any other run out
             if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path, "made by this run's set-up, which did not complete", log)
             else:
                 path.unlink(missing_ok=True)
         self._new_entries = []

@@ -33,12 +33,10 @@ import torch
 import torch.distributed as dist
 
 from megaloop.cli import ALIKE_ON_EVERY_RANK
-from megaloop.config import (ConfigError, RunConfig, flat_settings, micro_batches_per_step,
-                             save_yaml, to_dict)
+from megaloop.config import RunConfig, flat_settings, micro_batches_per_step, save_yaml, to_dict
 from megaloop.training import checkpoint as ckpt
 from megaloop.training.checkpoint_state import load_training_state, sharded_state
-from megaloop.training.collective import (any_rank, collective_device, is_rank0, max_over_ranks,
-                                          rank0_decides)
+from megaloop.training.collective import any_rank, collective_device, is_rank0, max_over_ranks
 from megaloop.training.data import MicroBatches, build_datasets, data_fingerprint
 from megaloop.training.monitor import check_logging_packages
 from megaloop.training.profiling import StepProfiler
@@ -91,10 +89,10 @@ class Trainer:
     ``stopped_during_set_up`` is True and ``train()`` only returns the stop. Finding the run
     finished (its own latest checkpoint at ``train.train_steps``) ends set-up early too:
     ``complete`` is then True, no dataset nor model is built, and ``train()`` (or ``close()``)
-    evaluates, saves and logs nothing. Unless metrics.jsonl lacks the final evaluation (a job
-    killed during it, after the last step's periodic save): then ``final_evaluation_due`` is True
-    too, set-up goes on as for a resume, and ``train()`` makes the final evaluation (and the
-    downstream one), logs it and returns, saving nothing.
+    evaluates, saves and logs nothing. Unless metrics.jsonl lacks a final evaluation record (a
+    job killed during it, after the last step's periodic save): then ``final_evaluation_due``
+    names those missing ("eval", "downstream"), set-up goes on as for a resume, and ``train()``
+    makes just those, logs them and returns, saving nothing.
     """
 
     def __init__(self, cfg: RunConfig, stop_signals: StopSignals | None = None):
@@ -108,7 +106,7 @@ class Trainer:
         self._run_dirs = self.saver = self.monitor = self.alrs = self.downstream = None
         self.profiler = None
         self.step, self.stopped_during_set_up, self.complete, self._closed = 0, False, False, False
-        self.final_evaluation_due = False
+        self.final_evaluation_due: tuple[str, ...] = ()
         try:
             self._set_up()
         except BaseException as e:
@@ -147,11 +145,11 @@ class Trainer:
         self.resume_path = ckpt.resume_source(cfg, self.checkpoint_dir)
         progress = (0, 0)
         if self.resume_path is not None:
-            self.complete = check_resume(self.resume_path, cfg)
+            self.complete, missing = check_resume(self.resume_path, cfg)
             self._stop_point(f"verifying {self.resume_path}")
             if self.complete:
                 self.step = ckpt.step_of(self.resume_path)
-                self.final_evaluation_due = self._final_evaluation_missing()
+                self.final_evaluation_due = missing
                 # Done before the datasets, whose indexes may take minutes to build.
                 if not self.final_evaluation_due:
                     return
@@ -161,7 +159,8 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(cfg, *progress)
         self.data_fingerprint = data_fingerprint(cfg, self.train_data)  # saved with the progress
         self._stop_point("building the datasets")
-        if cfg.train.downstream_eval.tasks:
+        if cfg.train.downstream_eval.tasks and (not self.complete
+                                                or "downstream" in self.final_evaluation_due):
             from megaloop.training.downstream import DownstreamEval
 
             self.downstream = DownstreamEval(cfg)
@@ -186,24 +185,6 @@ class Trainer:
         # config it trained with.
         if is_rank0() and not self.complete:
             save_yaml(cfg, self.out_dir / "config.yaml")
-
-    def _final_evaluation_missing(self) -> bool:
-        """Whether the run found complete lacks its final evaluation record in metrics.jsonl, one
-        being expected (``data.split`` gives the validation split a weight); said in one line.
-        With ``checkpoint.save_interval`` dividing ``train.train_steps`` the last step's
-        checkpoint is saved before the final evaluation, so a job killed during it (SIGKILL, a
-        node lost) left the run complete without it, and every relaunch evaluated nothing."""
-        from megaloop.data.blend import split_weights
-        from megaloop.training.monitor import METRICS_FILE, logs_evaluation
-
-        if not split_weights(str(self.cfg.data.split))[1]:  # validated: three weights
-            return False  # no validation data: a finished run logged no evaluation
-        if rank0_decides(lambda: logs_evaluation(self.out_dir, self.step), (ConfigError,)):
-            return False
-        log.warning("%s: no final evaluation of step %d in %s (the run was stopped during it): "
-                    "making it now", self.resume_path, self.step, self.out_dir / METRICS_FILE,
-                    extra=ALIKE_ON_EVERY_RANK)
-        return True
 
     def close(self) -> None:
         """Releases what the Trainer holds, once (later calls do nothing): it waits for a
@@ -470,10 +451,13 @@ class Trainer:
                     # evaluation reads the model, not the checkpoint.
                     if self.save(wait=False) is not None and self.downstream is not None:
                         self.downstream.after_save(self.model, self.step, self.monitor)
-            final = self.evaluate()
-            for depth in cfg.eval_depths:
-                final.update({f"val_loss_k{depth}": v for k, v in
-                              self.evaluate(num_iterations=depth).items() if k == "val_loss"})
+            final = {}
+            # A finished run relaunched makes only what its metrics.jsonl lacks.
+            if not self.complete or "eval" in self.final_evaluation_due:
+                final = self.evaluate()
+                for depth in cfg.eval_depths:
+                    final.update({f"val_loss_k{depth}": v for k, v in
+                                  self.evaluate(num_iterations=depth).items() if k == "val_loss"})
             if final:  # empty when the split leaves no validation data
                 self.monitor.log_eval(self.step, final)
             self.save()

@@ -1,6 +1,7 @@
 """A small learnable indexed dataset and tiny run configs for the training tests."""
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -81,3 +82,17 @@ def one_line(error) -> str:
     text = str(error.value)
     assert "\n" not in text and "Traceback" not in text, text
     return text
+
+
+def unlink_refused(monkeypatch, name: str) -> None:
+    """Files called ``name`` will not go (a busy NFS file, a read-only directory)."""
+    import errno
+
+    unlink = os.unlink
+
+    def refusing(path, *args, **kwargs):
+        if os.path.basename(path) == name:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refusing)

@@ -19,7 +19,7 @@ from megaloop.training import checkpoint as ckpt
 from megaloop.training import checkpoint_save
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.training.conftest import one_line, tiny_run, train_losses
+from tests.training.conftest import one_line, tiny_run, train_losses, unlink_refused
 
 
 def _record_syncs_and_renames(monkeypatch, log_path):
@@ -330,6 +330,36 @@ def test_a_failed_deletion_while_pruning_is_one_warning_naming_the_path(mcore, t
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
         _checkpoints_saved_pruning_step_1(directory, monkeypatch, refused)
     assert [r.getMessage() for r in caplog.records] == [
-        f"{remains}: a checkpoint beyond checkpoint.keep_last, not wholly deleted "
-        f"({remains / 'common.pt'}: Permission denied); no run reads it: remove it by hand"]
+        f"{remains}: a checkpoint beyond checkpoint.keep_last that no run reads, not wholly "
+        f"deleted ({remains / 'common.pt'}: Permission denied); remove it by hand"]
     assert ckpt.complete_checkpoints(directory) == [directory / "iter_0000002"]
+
+
+@pytest.mark.parametrize("left_by", ["a killed save", "a failed save"])
+def test_a_part_written_that_cannot_be_deleted_is_one_warning_naming_the_path(
+        mcore, tmp_path, monkeypatch, caplog, left_by):
+    """Before the fix: shutil.rmtree(ignore_errors=True), without a word, its space staying
+    taken (of a failed save: what a full disk needed back)."""
+    directory = tmp_path / "checkpoints"
+    unlink_refused(monkeypatch, "held")
+    if left_by == "a killed save":
+        part = directory / "iter_0000007.tmp"
+        part.mkdir(parents=True)
+        (part / "held").write_text("x")
+        with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+            ckpt.save_checkpoint(directory, 1, _state(), RunConfig(), keep_last=1)
+    else:
+        part = directory / "iter_0000002.tmp"
+
+        def no_space(*args, **kwargs):
+            (part / "held").write_text("x")
+            raise OSError(errno.ENOSPC, "No space left on device", "common.pt")
+
+        monkeypatch.setattr(checkpoint_save, "sync_tree", no_space)
+        with caplog.at_level(logging.WARNING, logger="megaloop.train"), \
+                pytest.raises(ckpt.CheckpointError, match="No space left on device"):
+            ckpt.save_checkpoint(directory, 2, _state(), RunConfig(), keep_last=1)
+    what = left_by.replace("a ", "", 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{part}: the part of a checkpoint a {what} had written, not wholly deleted "
+        f"({part / 'held'}: Permission denied); remove it by hand"]

@@ -168,3 +168,45 @@ def test_the_harness_tokenizer_encodes_as_the_runs_legacy_tokenizer(mcore, patte
         assert downstream.tokenizer.eos_token_id == legacy.eod
     finally:
         downstream.close()
+
+
+def test_a_finished_run_killed_in_its_final_downstream_evaluation_makes_just_it_when_relaunched(
+        mcore, pattern_data, tokenizer, tmp_path, monkeypatch, caplog):
+    """The final downstream evaluation follows the final validation, whose record the relaunch
+    of a finished run looked for alone: before the fix a kill during the downstream one left a
+    run every relaunch found complete, exiting 0 without it."""
+    import logging
+
+    from megaloop.training.downstream import DownstreamEval
+
+    # Saves at step 2, not evaluated (every second save is): the final evaluation follows.
+    cfg = _run(pattern_data, tmp_path, tokenizer,
+               DownstreamEvalConfig(tasks=["piqa"], data_dir=str(EVAL_DATA), every=2))
+    cfg.train.train_steps, cfg.checkpoint.save_interval = 2, 2
+    evaluated = []
+
+    def evaluate(self, model):  # the harness's row (test_rows_at_each_save... checks the real)
+        evaluated.append(self.section.limit)
+        if self.section.limit is None:  # the first run: killed here
+            raise KeyboardInterrupt
+        return [{"task": "piqa", "num_fewshot": 0, "iterations": 2, "acc": 0.5}]
+
+    monkeypatch.setattr(DownstreamEval, "_evaluate", evaluate)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg).train()
+    cfg.train.downstream_eval.limit, cfg.train.eval_iters = 3, 5  # eval_iters: not applied
+    with caplog.at_level(logging.INFO, logger="megaloop.train"):
+        assert Trainer(cfg).train() == {"step": 2}
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] != "train"] == [
+        ("eval", 2), ("downstream", 2)]  # the validation made once, before the kill
+    assert evaluated == [None, 3]
+    path = tmp_path / "checkpoints" / "iter_0000002"
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(str(path))] == [
+        f"{path}: no final downstream evaluation of step 2 in {tmp_path / 'metrics.jsonl'} (the "
+        "run was stopped during it, or had it not asked for): making it now",
+        f"{path}: the run is complete at step 2 (train.train_steps=2): nothing to train (raise "
+        "train.train_steps to continue it); changed settings applied by the final downstream "
+        "evaluation made now: train.downstream_eval; not applied: train.eval_iters"]
+    assert Trainer(cfg).train() == {"step": 2, "complete": True}  # made once
+    assert evaluated == [None, 3]

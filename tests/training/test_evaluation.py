@@ -105,6 +105,18 @@ def _evaluations(out) -> list[dict]:
             if '"eval"' in line]
 
 
+def _killed_in_its_final_evaluation(cfg, monkeypatch) -> None:
+    """Runs ``cfg`` (whose last step is saved before the final evaluation) until a kill during
+    that evaluation."""
+    def killed(self, num_iterations=None):  # the kill: nothing after it runs
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "evaluate", killed)
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(cfg).train()
+
+
 def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
         mcore, pattern_data, tmp_path, caplog, monkeypatch):
     """checkpoint.save_interval dividing train.train_steps saves the last step before the final
@@ -120,14 +132,7 @@ def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
 
     Trainer(run("straight")).train()  # the same run, evaluated in one go
     out, cfg = tmp_path / "run", run("run")
-
-    def killed(self, num_iterations=None):  # the kill: nothing after it runs
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patched:
-        patched.setattr(Trainer, "evaluate", killed)
-        with pytest.raises(KeyboardInterrupt):
-            Trainer(cfg).train()
+    _killed_in_its_final_evaluation(cfg, monkeypatch)
     path = out / "checkpoints" / "iter_0000004"
     assert ckpt.latest_checkpoint(out / "checkpoints") == path
     assert _evaluations(out) == []
@@ -138,7 +143,8 @@ def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
     assert result["step"] == 4 and result["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert [record["val_loss"] for record in _evaluations(out)] == [result["val_loss"]]
     assert f"{path}: no final evaluation of step 4 in {out / 'metrics.jsonl'} (the run was " \
-           "stopped during it): making it now" in [r.getMessage() for r in caplog.records]
+           "stopped during it, or had it not asked for): making it now" in [
+               r.getMessage() for r in caplog.records]
     assert ckpt.latest_checkpoint(out / "checkpoints") == path  # nothing saved
     assert (out / "config.yaml").read_bytes() == config
     # Made once: the next relaunch finds the run complete and evaluates nothing.
@@ -160,3 +166,30 @@ def test_a_finished_run_without_validation_data_is_complete_without_an_evaluatio
 
     monkeypatch.setattr(model_module, "LoopedLM", no_model)
     assert Trainer(cfg).train() == {"step": 2, "complete": True}
+
+
+def test_a_relaunch_making_the_final_evaluation_names_the_changes_it_applies(
+        mcore, pattern_data, tmp_path, caplog, monkeypatch):
+    """Before the fix the relaunch said "changed settings not applied: train.eval_iters, ..."
+    while its final evaluation ran with the new train.eval_iters."""
+    import logging
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2},
+                   checkpoint={"save_interval": 2})
+    _killed_in_its_final_evaluation(cfg, monkeypatch)
+    cfg.train.eval_iters, cfg.train.log_interval = 3, 1
+    evaluated = []
+    evaluate = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, num_iterations=None: evaluated.append(
+        self.cfg.train.eval_iters) or evaluate(self, num_iterations))
+    done = (f"{tmp_path / 'checkpoints' / 'iter_0000002'}: the run is complete at step 2 "
+            "(train.train_steps=2): nothing to train (raise train.train_steps to continue it); ")
+    for applied in (True, False):  # the evaluation missing, then made
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megaloop.train"):
+            Trainer(cfg).train()
+        assert (done + ("changed settings applied by the final evaluation made now: "
+                        "train.eval_iters; not applied: train.log_interval" if applied else
+                        "changed settings not applied: train.log_interval, train.eval_iters")
+                in [r.getMessage() for r in caplog.records]), caplog.text
+    assert evaluated == [3]

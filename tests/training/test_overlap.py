@@ -126,7 +126,8 @@ def test_overlap_trains_like_no_overlap_and_reduces_during_backward(mcore, data,
 
     cfg = tiny_run(data, tmp_path / "resumed", parallel=overlap,
                    train={"distributed_optimizer": False, "global_batch_size": 8})
-    assert check_resume(tmp_path / "resumed" / "checkpoints" / "iter_0000002", cfg) is False
+    assert check_resume(tmp_path / "resumed" / "checkpoints" / "iter_0000002",
+                        cfg) == (False, ())
 
 
 @pytest.mark.parametrize("parallel, train, message", [

@@ -244,6 +244,8 @@ def _checkpoint(tmp_path, **sections):
     path.mkdir(parents=True)
     save_yaml(cfg, path / "config.yaml")
     torch.save({"trainer": {"step": 4}}, path / "common.pt")
+    # The run's final evaluation, logged (else a relaunch at step 4 would make it).
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "step": 4, "val_loss": 1.0}\n')
     return path, cfg
 
 
@@ -309,7 +311,8 @@ def test_check_resume_without_report_refuses_alike_and_logs_nothing(tmp_path, ca
 
     path, cfg = _checkpoint(tmp_path)
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
-        assert check_resume(path, _changed(cfg, "train", clip_grad=0.5), report=False) is False
+        assert check_resume(path, _changed(cfg, "train", clip_grad=0.5),
+                            report=False) == (False, ())
         with pytest.raises(ConfigError, match="^model.init_std=0.5: differs"):
             check_resume(path, _changed(cfg, "model", init_std=0.5), report=False)
     assert not caplog.records
@@ -397,10 +400,10 @@ def test_a_finished_run_relaunched_is_complete_and_names_what_it_did_not_apply(t
     path, cfg = _checkpoint(tmp_path, train={"train_steps": 4})
     done = f"{path}: the run is complete at step 4 (train.train_steps=4): nothing to train"
     with caplog.at_level(logging.INFO, logger="megaloop.train"):
-        assert check_resume(path, cfg) is True
+        assert check_resume(path, cfg) == (True, ())
         # A change a resume would apply is named as not applied: nothing runs.
-        assert check_resume(path, _changed(cfg, "model", rotary_base=5e5)) is True
-        assert check_resume(path, _changed(cfg, "train", train_steps=5)) is False
+        assert check_resume(path, _changed(cfg, "model", rotary_base=5e5)) == (True, ())
+        assert check_resume(path, _changed(cfg, "train", train_steps=5)) == (False, ())
         # One no resume could apply is refused even here: the relaunch is not the run asked for.
         with pytest.raises(ConfigError, match="model.init_std=0.5: differs"):
             check_resume(path, _changed(cfg, "model", init_std=0.5))
@@ -410,7 +413,7 @@ def test_a_finished_run_relaunched_is_complete_and_names_what_it_did_not_apply(t
                           "not applied: model.rotary_base")]  # train_steps: resume_schedule's
     # Another run's checkpoint, continued with its optimizer, is copied as this run's step 4.
     elsewhere = _changed(cfg, "checkpoint", dir=str(tmp_path / "new"), load=str(path))
-    assert check_resume(path, elsewhere) is False
+    assert check_resume(path, elsewhere) == (False, ())
 
 
 def test_alrs_options_apply_at_the_next_allocation_while_alrs_allocates(tmp_path, caplog):

@@ -16,7 +16,7 @@ from megaloop.training.checkpoint import CheckpointError
 from megaloop.training.run_dir import LOCK_FILE, RunLock
 from megaloop.training.trainer import Trainer
 from tests.distributed import run_distributed
-from tests.training.conftest import tiny_run
+from tests.training.conftest import tiny_run, unlink_refused
 
 REPO = Path(__file__).parents[2]
 
@@ -325,3 +325,24 @@ def test_a_run_directory_in_a_container_whose_mounts_cannot_be_read_must_be_on_t
         _check_mounted(Path("/scratch/run"), "train.out_dir")
     assert (f"the container's mounts are unknown ({tmp_path / 'absent'}: No such file"
             in _one_line(error))
+
+
+def test_what_a_refused_set_up_made_and_cannot_delete_is_one_warning_naming_the_path(
+        tmp_path, monkeypatch, caplog):
+    """Before the fix: shutil.rmtree(ignore_errors=True), without a word."""
+    import logging
+
+    from megaloop.training.run_dir import RunDirs
+
+    dirs = RunDirs(tmp_path / "out", tmp_path / "out" / "checkpoints")
+    dirs.prepare()
+    made = tmp_path / "out" / "made"
+    dirs.created(made)
+    made.mkdir()
+    (made / "held").write_text("x")
+    unlink_refused(monkeypatch, "held")
+    with caplog.at_level(logging.WARNING, logger="megaloop.train"):
+        dirs.undo()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{made}: made by this run's set-up, which did not complete, not wholly deleted "
+        f"({made / 'held'}: Permission denied); remove it by hand"]
