@@ -10,7 +10,9 @@ cpu`` estimates a CPU run (local spec, fp32 by default). ``--memory-gib`` is eac
 memory that "fits" and the fitting layouts are judged against: a GPU's (default 80), or with
 ``--device cpu`` a process's share of the host's memory (default: this host's memory divided by
 ``--world-size``, the processes of one host). ``--gpu-memory-gib``, its former name, is taken for a
-GPU and refused for a CPU (it was read as the CPU's memory). A global batch that does not split into
+GPU and refused for a CPU (it was read as the CPU's memory). ``needed_gib`` adds to the busiest
+stage's estimate the device's allocator slack and what its process holds besides (a GPU's CUDA
+context and NCCL, a CPU process's libraries: megaloop.scale.memory.OVERHEADS). A global batch that does not split into
 micro-batches on this layout is noted (a launch refuses it), and the layouts listed as fitting are
 ones a launch accepts. The data section plays no part in an estimate: a placeholder replaces it,
 and the fields a --config sets there and ``data.*`` overrides are noted as replaced and ignored.
@@ -60,8 +62,7 @@ def main(argv=None) -> int:
 
     from megaloop.config import ConfigError, load_yaml, micro_batches_per_step
     from megaloop.scale.layout import layout_of
-    from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, \
-        fitting_layouts
+    from megaloop.scale.memory import GIB, estimate, fitting_layouts
     from megaloop.train import build_config
 
     # The data section plays no part in an estimate: a placeholder section (last, so that it
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     print(json.dumps({
         "layout": layout.name, "layout_fields": dataclasses.asdict(layout),
         "stages": [e.as_dict() for e in stages],
-        "needed_gib": round((busiest.total * FRAGMENTATION + OVERHEAD_BYTES) / GIB, 2),
+        "needed_gib": round(busiest.needed / GIB, 2),
         "device": args.device, "memory_gib": round(memory_gib, 2),
         "fits": busiest.fits(device_bytes),
         "fitting_layouts_cheapest_first": [

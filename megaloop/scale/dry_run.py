@@ -15,7 +15,7 @@ from megaloop.config import DataConfig, RunConfig, dump_yaml, micro_batches_per_
 from megaloop.models.pipeline import describe_split, stage_counts
 from megaloop.platform.fp8 import check_fp8_shapes
 from megaloop.scale.layout import Layout, layout_of, rank_coordinates, stage_layout
-from megaloop.scale.memory import FRAGMENTATION, GIB, OVERHEAD_BYTES, estimate, fitting_layouts
+from megaloop.scale.memory import GIB, OVERHEADS, estimate, fitting_layouts
 
 _FULL_TABLE_RANKS = 64  # larger worlds print their first two and last node only
 
@@ -106,11 +106,11 @@ def report(cfg: RunConfig, world_size: int, gpus_per_node: int | None = None,
 
     device_bytes = int(gpu_memory_gib * GIB)
     mem = estimate(cfg, layout)
-    need = (mem.total * FRAGMENTATION + OVERHEAD_BYTES) / GIB
+    overhead = OVERHEADS[mem.device]
     lines += ["", f"# memory per GPU (busiest stage {mem.stage}; GiB)",
               "  ".join(f"{k} {v}" for k, v in mem.as_dict().items() if k != "stage"),
-              f"with allocator slack x{FRAGMENTATION} and {OVERHEAD_BYTES / GIB:.0f} GiB for the "
-              f"CUDA context and NCCL: {need:.1f} of {gpu_memory_gib:g} GiB -> "
+              f"with allocator slack x{overhead.slack} and {overhead.fixed / GIB:.0f} GiB for the "
+              f"CUDA context and NCCL: {mem.needed / GIB:.1f} of {gpu_memory_gib:g} GiB -> "
               + ("fits" if mem.fits(device_bytes) else "DOES NOT FIT")]
     fitting = fitting_layouts(cfg, world_size, device_bytes)
     if fitting:

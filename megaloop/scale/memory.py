@@ -1,8 +1,9 @@
 """Per-GPU memory of a training run: parameters, gradients, optimizer states and activations.
 
 The estimate counts the bytes of live tensors on the busiest rank at the peak of a training step,
-what a CUDA caching allocator reports as "allocated"; the CUDA context, NCCL buffers and allocator
-fragmentation come on top (``OVERHEAD_BYTES`` and ``FRAGMENTATION`` in the fit decision).
+what a CUDA caching allocator reports as "allocated"; what the process holds besides (a GPU's CUDA
+context and NCCL buffers, a CPU process's libraries) and the allocator's slack come on top, by device
+(``OVERHEADS``, in ``MemoryEstimate.needed`` and the fit decision).
 
 Resident between steps, per parameter held by the rank (tensor-parallel shard of its stage):
     weights    4 bytes (fp32) or 2 (bf16, fp8: Transformer Engine keeps bf16 weights) + 2 with fp8
@@ -46,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from megaloop.config import ModelConfig, RunConfig, micro_batches_per_step
 from megaloop.platform.fp8 import check_fp8_shapes
@@ -55,13 +56,34 @@ from megaloop.scale.layout import Layout, Stage, stage_layout
 GIB = 1024**3
 # Cheapest first: selective recomputation replays the core attention, full the whole layer.
 RECOMPUTE_COST_ORDER = ("none", "selective", "full")
-OVERHEAD_BYTES = 3 * GIB  # CUDA context, NCCL communicators, cuBLAS / cuDNN workspaces
-FRAGMENTATION = 1.10  # caching-allocator slack over live bytes
+
+
+class Overhead(NamedTuple):
+    """What a process needs besides its live tensors: ``fixed`` bytes, and ``slack``, the
+    allocator's bytes per live tensor byte at the peak."""
+
+    fixed: int
+    slack: float
+
+
+OVERHEADS = {
+    # CUDA context, NCCL communicators, cuBLAS / cuDNN workspaces; caching-allocator slack.
+    "gpu": Overhead(3 * GIB, 1.10),
+    # No CUDA context. Measured here (VmRSS / VmHWM of /proc/self/status, OMP_NUM_THREADS 1 and 2):
+    # a process that has imported torch, megatron-core and megaloop's Trainer and initialised gloo
+    # and megatron-core's groups (init_distributed) holds 0.36 GiB; a built Trainer ~0.1 GiB more
+    # than its weights and gradients (data indices, buffers' bookkeeping): 0.5 GiB. The peak RSS
+    # of CPU training steps (asymloop, hidden 512-1024, 4-8 layers, 512-1024 tokens, micro-batch
+    # 2-4, 3-8 steps) above that idle process was 1.43x to 1.63x the estimate's total, 1.2 to
+    # 4.1 GiB (glibc's malloc keeps the memory of freed tensors for reuse): 1.7.
+    "cpu": Overhead(GIB // 2, 1.7),
+}
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on one rank (the busiest pipeline stage unless a stage was asked for)."""
+    """Bytes on one rank (the busiest pipeline stage unless a stage was asked for) of a run on
+    ``device`` ("gpu" or "cpu")."""
 
     stage: int
     parameters: int  # parameter count held by the rank
@@ -70,6 +92,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int  # saved for backward, all micro-batches in flight, at the peak
     transient: int  # working memory on top at the peak (logits, recomputed layer, gradients)
+    device: str
 
     @property
     def resident(self) -> int:
@@ -79,12 +102,19 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.resident + self.activations + self.transient
 
+    @property
+    def needed(self) -> int:
+        """Bytes of device memory the process needs: the live tensors with the allocator's slack,
+        and what the process holds besides on its device (``OVERHEADS``)."""
+        overhead = OVERHEADS[self.device]
+        return int(self.total * overhead.slack) + overhead.fixed
+
     def fits(self, device_bytes: int) -> bool:
-        return self.total * FRAGMENTATION + OVERHEAD_BYTES <= device_bytes
+        return self.needed <= device_bytes
 
     def as_dict(self) -> dict:
         gib = {k: round(v / GIB, 3) for k, v in dataclasses.asdict(self).items()
-               if k not in ("stage", "parameters")}
+               if k not in ("stage", "parameters", "device")}
         return {"stage": self.stage, "parameters": self.parameters, **gib,
                 "total": round(self.total / GIB, 3)}
 
@@ -365,7 +395,7 @@ def _stage_estimate(cfg: RunConfig, layout: Layout, stages: list[Stage], device:
         transient += largest_layer
     transient += largest_replay
     return MemoryEstimate(stage, params, int(weights), int(grads), int(optimizer),
-                          int(in_flight * sum(saved) / len(saved)), int(transient))
+                          int(in_flight * sum(saved) / len(saved)), int(transient), device)
 
 
 def _applications(model: ModelConfig, chunk: Stage):
