@@ -137,9 +137,10 @@ def run_points(path: Path, all_evals: bool) -> tuple[str, list[tuple[float, floa
     records, _ = read_metrics(metrics)
     # One point per evaluated step, its last record: a metrics.jsonl written before the trainer
     # stopped repeating the final step's evaluation (train_steps a multiple of eval_interval) has
-    # two records of that step, and a resumed run may log a step again. In step order, not the
-    # file's: a relaunch from an earlier checkpoint appends steps below those already logged,
-    # and "the last evaluation" is the highest step's.
+    # two records of that step. In step order, not the file's: the trainer keeps metrics.jsonl
+    # in step order (a resume drops the lines from its step on), but a file joined from several
+    # (by hand, or by a tool copying runs together) need not be, and "the last evaluation" is
+    # the highest step's.
     latest = {r["step"]: r for r in records if r.get("kind") == "eval" and "val_loss" in r}
     if not latest:
         raise ConfigError(f"{metrics}: no evaluation with a val_loss")

@@ -184,9 +184,10 @@ def test_compute_sums_each_steps_logged_tokens_across_a_batch_change(load_tool, 
 
 
 def test_the_last_evaluation_is_the_highest_steps_last_record(load_tool, tmp_path):
-    """A run relaunched from its step-5 checkpoint with evaluations every 2 steps appends steps 6-10
-    again after step 10's: its point is step 10's second evaluation, and --all-evals' points are
-    in step order. Before, the file's order: step 7's stale evaluation was the run's point."""
+    """A metrics.jsonl whose lines are not in step order (the trainer keeps its own in order, but
+    one joined from several need not be: here steps 6-10 follow step 10): the point is step 10's
+    last evaluation, and --all-evals' points are in step order. Before, the file's order: step
+    7's evaluation was the run's point."""
     tool = load_tool("fit_scaling")
     run = tmp_path / "run"
     cfg = RunConfig(model=preset("tiny"), train=TrainConfig(global_batch_size=8))
