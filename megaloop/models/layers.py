@@ -242,10 +242,10 @@ class PostNormLinear(MegatronModule):
 class LoopedTransformerLayer(TransformerLayer):
     """A TransformerLayer whose attention may read this layer's slice of the stacked Global KV.
 
-    ``TransformerBlock`` hands every layer the same ``context``; for AsymLoop that is the Global KV of
-    all decoder layers stacked on dim 0, computed once per forward. Passing it as ``context`` (a
-    tensor argument) keeps it visible to megatron-core's activation recomputation, which replays the
-    layer with the same arguments.
+    ``TransformerBlock`` hands every layer the same ``context``; for AsymLoop under full
+    recomputation that is the Global KV of all decoder layers stacked on dim 0, computed once per
+    forward. Passing it as ``context`` (a tensor argument) keeps it visible to megatron-core's
+    activation recomputation, which replays the layer with the same arguments.
 
     Layer numbers: megatron-core numbers the layers of every block from 1 (``layer_number``, which
     also indexes the block's checkpoint stacking); the stacked Global KV has one entry per layer
@@ -273,17 +273,19 @@ class LoopedTransformerLayer(TransformerLayer):
     def _global_kv_slice(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (keys, values) of the stacked Global KV ``context``.
 
-        When ``context`` is the stack of the forward running (``global_kv_projections``, set by
-        LoopedLM._global_kv_context): the layer's projections themselves, whose gradients from
+        When ``context`` is the forward running's (``global_kv_projections``, set by
+        LoopedLM._global_kv_context: the stack under full recomputation, else None): the layer's
+        projections themselves, whose gradients from
         the K calls add up in their own size and reach the projection directly. A slice of the
         stack would send each of the D x K calls' gradients through the stack: indexed, as a
         zero-filled stack-sized tensor with the slice copied in, all of them then added up.
         megatron-core's activation recomputation replays the layer on a detached copy of the
         stack, whose gradient it hands to the stack: that copy is indexed, by Python indices
         (an index tensor copied from the host synchronised the GPU once per layer call)."""
-        stack, projections = self.global_kv_projections or (None, None)
-        if stack is context:
-            return projections
+        if self.global_kv_projections is not None and self.global_kv_projections[0] is context:
+            return self.global_kv_projections[1]
+        assert context is not None, (f"decoder layer {self.layer_number}: no Global KV (the "
+                                     "stacked context is built for full recomputation only)")
         return tuple(context[self.context_index].unbind(0))
 
     def _forward_attention(self, hidden_states, *args, context=None, rotary_pos_emb=None, **kwargs):

@@ -88,7 +88,10 @@ def test_the_backward_pass_allocates_nothing_of_the_stacked_global_kv_s_size(see
 
 
 def _indexing_the_stack(layer, context):
-    """What every decoder layer call did before (and recomputation replays still do)."""
+    """What every decoder layer call did before (and recomputation replays still do); without
+    recomputation, which has no stack, a stack of this layer's projections."""
+    if context is None:
+        return tuple(torch.stack(layer.global_kv_projections[1])[None][0].unbind(0))
     return tuple(context[layer.context_index].unbind(0))
 
 
@@ -114,3 +117,24 @@ def test_reading_the_projections_changes_no_loss_or_gradient_bit(seeded, variant
     monkeypatch.setattr(LoopedTransformerLayer, "_global_kv_slice", _indexing_the_stack)
     indexed = loss_and_grads()
     assert all(torch.equal(a, b) for a, b in zip(projections, indexed, strict=True))
+
+
+@pytest.mark.parametrize("recompute, training, stacks", [("none", True, 0), ("full", False, 0),
+                                                          ("full", True, 1)])
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv"])
+def test_the_forward_stacks_the_global_kv_only_for_full_recomputation(seeded, variant, recompute,
+                                                                      training, stacks):
+    """The decoder layers read their projections; only megatron-core's full recomputation (in
+    training, where its checkpointed forward runs) replays a layer on the stacked Global KV. The
+    stack used to be built in every forward: a stack-sized copy held until the loop ended."""
+    cfg = small_config(variant, iterations=4)
+    model = build_model(cfg, ParallelConfig(recompute=recompute)).train(training)
+    batch = 2
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length))
+    size = (cfg.num_decoder_layers * 2 * cfg.seq_length * batch * cfg.num_query_groups
+            * cfg.kv_channels)
+    with CountStackSized(size) as counter:
+        loss = model(x, labels=x).sum()
+    assert len(counter.ops) == stacks, counter.ops
+    if training:
+        loss.backward()
