@@ -356,7 +356,7 @@ class LoopedLM(LanguageModule):
             context = torch.stack([t for kv in projections for t in kv])
             context = context.unflatten(0, (len(projections), 2))
         for layer, kv in zip(self.decoder.layers, projections, strict=True):
-            layer.global_kv_projections = (context, kv)
+            layer.global_kv_projections = (context, layer.self_attention.loop_global_kv(*kv))
         try:
             yield context
         finally:
