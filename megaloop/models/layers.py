@@ -71,6 +71,25 @@ class CausalCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
+class _HeadsRepeatedOnce(torch.autograd.Function):
+    """One call's view of Global keys or values ``x`` [N, B, groups, d] with their heads
+    repeated for GQA: ``repeated``, CausalCoreAttention._heads_first(x) computed once per forward
+    (without grad) and read by all K calls, as [N, B, heads, d] (_heads_first then only
+    permutes). The backward is repeat_interleave's for this call (the sum over each group's
+    heads, on the same layout), so the K calls' gradients reach ``x`` as they did when every
+    call repeated the heads itself."""
+
+    @staticmethod
+    def forward(ctx, x, repeated):
+        ctx.groups = x.shape[2]
+        return repeated.permute(2, 0, 1, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.permute(1, 2, 0, 3).unflatten(1, (ctx.groups, -1)).sum(2)
+        return grad.permute(2, 0, 1, 3), None
+
+
 class JointCoreAttention(CausalCoreAttention):
     """Attends to [Global; Local] under one softmax, causal on each half.
 
@@ -151,6 +170,12 @@ class GlobalKVMixin:
         assert self.global_kv is not None, "Global KV missing: the layer must set it per call"
         return self.global_kv
 
+    def loop_global_kv(self, keys: torch.Tensor, values: torch.Tensor):
+        """What the K calls of one forward read as this layer's Global KV (LoopedLM.
+        _global_kv_context): a function giving each call its (keys, values). Here the
+        projections themselves."""
+        return lambda: (keys, values)
+
 
 class JointSelfAttention(GlobalKVMixin, SelfAttention):
     """AsymLoop decoder attention: one softmax over [Global; Local] keys/values."""
@@ -165,6 +190,17 @@ class JointSelfAttention(GlobalKVMixin, SelfAttention):
         # core attention of this same call.
         self.core_attention.global_kv = self._global_keys_values()
         return super().get_query_key_value_tensors(hidden_states, None, False, True)
+
+    def loop_global_kv(self, keys: torch.Tensor, values: torch.Tensor):
+        """Under GQA the joint core attention repeats the Global heads; the Global KV is the
+        same in all K calls, so they are repeated once per forward (one copy per layer, not one
+        per call, and one held for the backward pass instead of K)."""
+        n_heads = self.num_attention_heads_per_partition
+        if keys.shape[2] == n_heads:
+            return super().loop_global_kv(keys, values)
+        with torch.no_grad():
+            repeated = [(t, CausalCoreAttention._heads_first(t, n_heads)) for t in (keys, values)]
+        return lambda: tuple(_HeadsRepeatedOnce.apply(t, r) for t, r in repeated)
 
     def _checkpointed_attention_forward(self, query, key, value, attention_mask,
                                         rotary_pos_emb=None, attn_mask_type=None,
@@ -242,10 +278,10 @@ class PostNormLinear(MegatronModule):
 class LoopedTransformerLayer(TransformerLayer):
     """A TransformerLayer whose attention may read this layer's slice of the stacked Global KV.
 
-    ``TransformerBlock`` hands every layer the same ``context``; for AsymLoop that is the Global KV of
-    all decoder layers stacked on dim 0, computed once per forward. Passing it as ``context`` (a
-    tensor argument) keeps it visible to megatron-core's activation recomputation, which replays the
-    layer with the same arguments.
+    ``TransformerBlock`` hands every layer the same ``context``; for AsymLoop under full
+    recomputation that is the Global KV of all decoder layers stacked on dim 0, computed once per
+    forward. Passing it as ``context`` (a tensor argument) keeps it visible to megatron-core's
+    activation recomputation, which replays the layer with the same arguments.
 
     Layer numbers: megatron-core numbers the layers of every block from 1 (``layer_number``, which
     also indexes the block's checkpoint stacking); the stacked Global KV has one entry per layer
@@ -264,7 +300,8 @@ class LoopedTransformerLayer(TransformerLayer):
             kwargs["layer_number"] = block_layer_numbers[position - 1]
         super().__init__(*args, **kwargs)
         self.context_index = position - 1  # into the building block's stacked Global KV
-        self.global_kv_projections: tuple | None = None  # (stack, (keys, values)): _global_kv_slice
+        # (context, a call's (keys, values): GlobalKVMixin.loop_global_kv): _global_kv_slice
+        self.global_kv_projections: tuple | None = None
         self.global_layer_number = self.layer_number + layer_offset
         self.self_attention.layer_number = self.global_layer_number
         if hasattr(self.mlp, "set_layer_number"):
@@ -273,17 +310,20 @@ class LoopedTransformerLayer(TransformerLayer):
     def _global_kv_slice(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (keys, values) of the stacked Global KV ``context``.
 
-        When ``context`` is the stack of the forward running (``global_kv_projections``, set by
-        LoopedLM._global_kv_context): the layer's projections themselves, whose gradients from
-        the K calls add up in their own size and reach the projection directly. A slice of the
+        When ``context`` is the forward running's (``global_kv_projections``, set by
+        LoopedLM._global_kv_context: the stack under full recomputation, else None): the layer's
+        projections themselves (or, GlobalKVMixin.loop_global_kv, their heads repeated once),
+        whose gradients from the K calls add up in their own size and reach the projection
+        directly. A slice of the
         stack would send each of the D x K calls' gradients through the stack: indexed, as a
         zero-filled stack-sized tensor with the slice copied in, all of them then added up.
         megatron-core's activation recomputation replays the layer on a detached copy of the
         stack, whose gradient it hands to the stack: that copy is indexed, by Python indices
         (an index tensor copied from the host synchronised the GPU once per layer call)."""
-        stack, projections = self.global_kv_projections or (None, None)
-        if stack is context:
-            return projections
+        if self.global_kv_projections is not None and self.global_kv_projections[0] is context:
+            return self.global_kv_projections[1]()
+        assert context is not None, (f"decoder layer {self.layer_number}: no Global KV (the "
+                                     "stacked context is built for full recomputation only)")
         return tuple(context[self.context_index].unbind(0))
 
     def _forward_attention(self, hidden_states, *args, context=None, rotary_pos_emb=None, **kwargs):

@@ -339,19 +339,24 @@ class LoopedLM(LanguageModule):
 
     @contextlib.contextmanager
     def _global_kv_context(self, encoding: torch.Tensor | None, rope: torch.Tensor):
-        """Yields the decoder block's ``context`` for the loop: None, or the Global KV of every
-        decoder layer stacked in one copy, [layers, 2 (keys, values), N, B, groups, head_dim],
-        which megatron-core's activation recomputation replays a layer with. While the loop
-        runs, each decoder layer also holds its own projections, which it reads instead
-        (LoopedTransformerLayer._global_kv_slice says why)."""
+        """Yields the decoder block's ``context`` for the loop. While the loop runs, each decoder
+        layer holds its own Global KV projections and reads them (LoopedTransformerLayer.
+        _global_kv_slice says why). Only megatron-core's full recomputation reads the context:
+        it replays a layer on the arguments the block was called with, so there the context is
+        the Global KV of every decoder layer stacked in one copy, [layers, 2 (keys, values), N,
+        B, groups, head_dim]; elsewhere it is None, sparing a stack-sized copy per forward that
+        would be held until the loop ends."""
         if not self.stage.global_kv:
             yield None
             return
         projections = self.global_kv(encoding, rope)
-        context = torch.stack([t for kv in projections for t in kv])
-        context = context.unflatten(0, (len(projections), 2))
+        context = None
+        # megatron-core's condition for the checkpointed forward (TransformerBlock.forward).
+        if self.decoder.config.recompute_granularity == "full" and self.decoder.training:
+            context = torch.stack([t for kv in projections for t in kv])
+            context = context.unflatten(0, (len(projections), 2))
         for layer, kv in zip(self.decoder.layers, projections, strict=True):
-            layer.global_kv_projections = (context, kv)
+            layer.global_kv_projections = (context, layer.self_attention.loop_global_kv(*kv))
         try:
             yield context
         finally:

@@ -88,7 +88,10 @@ def test_the_backward_pass_allocates_nothing_of_the_stacked_global_kv_s_size(see
 
 
 def _indexing_the_stack(layer, context):
-    """What every decoder layer call did before (and recomputation replays still do)."""
+    """What every decoder layer call did before (and recomputation replays still do); without
+    recomputation, which has no stack, a stack of this layer's projections."""
+    if context is None:
+        return tuple(torch.stack(layer.global_kv_projections[1]())[None][0].unbind(0))
     return tuple(context[layer.context_index].unbind(0))
 
 
@@ -114,3 +117,78 @@ def test_reading_the_projections_changes_no_loss_or_gradient_bit(seeded, variant
     monkeypatch.setattr(LoopedTransformerLayer, "_global_kv_slice", _indexing_the_stack)
     indexed = loss_and_grads()
     assert all(torch.equal(a, b) for a, b in zip(projections, indexed, strict=True))
+
+
+@pytest.mark.parametrize("recompute, training, stacks", [("none", True, 0), ("full", False, 0),
+                                                          ("full", True, 1)])
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv"])
+def test_the_forward_stacks_the_global_kv_only_for_full_recomputation(seeded, variant, recompute,
+                                                                      training, stacks):
+    """The decoder layers read their projections; only megatron-core's full recomputation (in
+    training, where its checkpointed forward runs) replays a layer on the stacked Global KV. The
+    stack used to be built in every forward: a stack-sized copy held until the loop ended."""
+    cfg = small_config(variant, iterations=4)
+    model = build_model(cfg, ParallelConfig(recompute=recompute)).train(training)
+    batch = 2
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length))
+    size = (cfg.num_decoder_layers * 2 * cfg.seq_length * batch * cfg.num_query_groups
+            * cfg.kv_channels)
+    with CountStackSized(size) as counter:
+        loss = model(x, labels=x).sum()
+    assert len(counter.ops) == stacks, counter.ops
+    if training:
+        loss.backward()
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_masked"])
+def test_the_k_calls_of_a_layer_read_one_copy_of_its_repeated_global_heads(seeded, variant):
+    """Under GQA the joint core attention attends to the Global KV with its heads repeated; it
+    used to repeat them in each of the K calls (K copies per layer, each held for the backward
+    pass). The Global KV is fixed across iterations: one copy per layer now."""
+    from megaloop.models.layers import JointCoreAttention
+
+    cfg = small_config(variant, iterations=4)
+    assert cfg.num_query_groups < cfg.num_attention_heads
+    model = build_model(cfg)
+    storages = {}
+    for module in model.modules():
+        if isinstance(module, JointCoreAttention):
+            def recording(q, k_glob, v_glob, *rest, kernel=module.kernel, module=module):
+                storages.setdefault(module, set()).update(
+                    t.untyped_storage().data_ptr() for t in (k_glob, v_glob))
+                return kernel(q, k_glob, v_glob, *rest)
+            module.kernel = recording
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    model(x, labels=x).sum().backward()
+    assert [len(s) for s in storages.values()] == [2] * cfg.num_decoder_layers
+
+
+def _repeating_per_call(attention, keys, values):
+    """What the K calls did before: the core attention repeats the projections' heads."""
+    return lambda: (keys, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_masked"])
+def test_repeating_the_global_heads_once_changes_no_loss_or_gradient_bit(seeded, variant,
+                                                                        recompute, dtype,
+                                                                        monkeypatch):
+    """JointSelfAttention.loop_global_kv against repeating the Global heads in every call: each
+    call's gradient is still summed over its group's heads before the K calls' add up."""
+    from megaloop.models.layers import JointSelfAttention
+
+    cfg = small_config(variant)
+    model = build_model(cfg, ParallelConfig(recompute=recompute), params_dtype=dtype)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(x, labels=x).float().mean()
+        loss.backward()
+        return [loss] + [p.grad for p in model.parameters()]
+
+    once = loss_and_grads()
+    monkeypatch.setattr(JointSelfAttention, "loop_global_kv", _repeating_per_call)
+    per_call = loss_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(once, per_call, strict=True))

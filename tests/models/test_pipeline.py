@@ -76,12 +76,13 @@ def test_balance_reports_each_stage_against_the_ideal_and_the_bubble():
     assert old.slowest > 1.4 and new.slowest < 1.1
 
 
-def _chain(cfg, counts, tokens):
+def _chain(cfg, counts, tokens, recompute="none"):
     """The stages of ``counts`` built in this process with the whole model's weights (set by
     layout-independent names), run in order: logits and {name: summed gradient}."""
-    whole = build_model(cfg)
+    whole = build_model(cfg, ParallelConfig(recompute=recompute))
     values = dict(experts.named_parameters(whole))
-    parallel = ParallelConfig(pipeline=len(counts), pipeline_split=list(counts))
+    parallel = ParallelConfig(pipeline=len(counts), pipeline_split=list(counts),
+                              recompute=recompute)
     stages = [build_model(cfg, parallel, stage=s) for s in range(len(counts))]
     for stage in stages:
         with torch.no_grad():
@@ -104,21 +105,31 @@ def _splits(total):
     return [[total // 2 + 1, total - total // 2 - 1], [1, total // 2, total - total // 2 - 1]]
 
 
-@pytest.mark.parametrize("variant", ["dense", "fullloop", "asymloop", "asymloop_additive",
-                                     "asymloop_no_global_kv", "asymloop_no_local_kv",
-                                     "asymloop_olmo", "asymloop_moe"])
-def test_stages_chained_in_one_process_are_the_whole_model(seeded, variant):
-    cfg = small_config(variant)
+def _assert_the_chain_is_the_whole_model(cfg, recompute="none"):
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(0))
     for counts in _splits(chain_length(cfg)):
-        logits, grads, whole = _chain(cfg, counts, tokens)
+        logits, grads, whole = _chain(cfg, counts, tokens, recompute)
         expected = whole(tokens)
         expected.float().square().mean().backward()
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         for name, param in experts.named_parameters(whole):
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"{counts} {name}: {m}")
+
+
+@pytest.mark.parametrize("variant", ["dense", "fullloop", "asymloop", "asymloop_additive",
+                                     "asymloop_no_global_kv", "asymloop_no_local_kv",
+                                     "asymloop_olmo", "asymloop_moe"])
+def test_stages_chained_in_one_process_are_the_whole_model(seeded, variant):
+    _assert_the_chain_is_the_whole_model(small_config(variant))
+
+
+@pytest.mark.parametrize("variant", ["asymloop", "asymloop_no_local_kv"])
+def test_stages_recomputing_fully_are_the_whole_model(seeded, variant):
+    """Each stage stacks the Global KV of the decoder layers it holds for full recomputation's
+    replays (LoopedLM._global_kv_context), which index it by the layer's place in the stage."""
+    _assert_the_chain_is_the_whole_model(small_config(variant), recompute="full")
 
 
 def test_a_pipeline_runs_exactly_the_iterations_it_unrolls(seeded):
