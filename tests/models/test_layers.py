@@ -87,6 +87,24 @@ def test_the_backward_pass_allocates_nothing_of_the_stacked_global_kv_s_size(see
     assert counter.ops == []
 
 
+def _assert_bitwise_unchanged(cfg, recompute, dtype, patch):
+    """The loss and every parameter's gradient of one step are the same bits before and after
+    ``patch()`` swaps in the former way of computing them."""
+    model = build_model(cfg, ParallelConfig(recompute=recompute), params_dtype=dtype)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(x, labels=x).float().mean()
+        loss.backward()
+        return [loss] + [p.grad for p in model.parameters()]
+
+    now = loss_and_grads()
+    patch()
+    before = loss_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(now, before, strict=True))
+
+
 def _indexing_the_stack(layer, context):
     """What every decoder layer call did before (and recomputation replays still do); without
     recomputation, which has no stack, a stack of this layer's projections."""
@@ -103,20 +121,8 @@ def test_reading_the_projections_changes_no_loss_or_gradient_bit(seeded, variant
     (LoopedTransformerLayer._global_kv_slice) against indexing the stacked Global KV."""
     from megaloop.models.layers import LoopedTransformerLayer
 
-    cfg = small_config(variant)
-    model = build_model(cfg, ParallelConfig(recompute=recompute))
-    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
-
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        loss = model(x, labels=x).sum()
-        loss.backward()
-        return [loss] + [p.grad for p in model.parameters()]
-
-    projections = loss_and_grads()
-    monkeypatch.setattr(LoopedTransformerLayer, "_global_kv_slice", _indexing_the_stack)
-    indexed = loss_and_grads()
-    assert all(torch.equal(a, b) for a, b in zip(projections, indexed, strict=True))
+    _assert_bitwise_unchanged(small_config(variant), recompute, torch.float32, lambda: (
+        monkeypatch.setattr(LoopedTransformerLayer, "_global_kv_slice", _indexing_the_stack)))
 
 
 @pytest.mark.parametrize("recompute, training, stacks", [("none", True, 0), ("full", False, 0),
@@ -178,17 +184,5 @@ def test_repeating_the_global_heads_once_changes_no_loss_or_gradient_bit(seeded,
     call's gradient is still summed over its group's heads before the K calls' add up."""
     from megaloop.models.layers import JointSelfAttention
 
-    cfg = small_config(variant)
-    model = build_model(cfg, ParallelConfig(recompute=recompute), params_dtype=dtype)
-    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
-
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        loss = model(x, labels=x).float().mean()
-        loss.backward()
-        return [loss] + [p.grad for p in model.parameters()]
-
-    once = loss_and_grads()
-    monkeypatch.setattr(JointSelfAttention, "loop_global_kv", _repeating_per_call)
-    per_call = loss_and_grads()
-    assert all(torch.equal(a, b) for a, b in zip(once, per_call, strict=True))
+    _assert_bitwise_unchanged(small_config(variant), recompute, dtype, lambda: (
+        monkeypatch.setattr(JointSelfAttention, "loop_global_kv", _repeating_per_call)))

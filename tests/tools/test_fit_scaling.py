@@ -155,14 +155,20 @@ def test_a_saving_that_cannot_be_computed_says_so(load_tool, runs, capsys):
     assert out.err == ""  # every step's tokens are logged: no note
 
 
+def _run_dir(tmp_path, global_batch_size: int):
+    """A run directory holding the tiny preset's config.yaml (and no metrics yet)."""
+    run = tmp_path / "run"
+    cfg = RunConfig(model=preset("tiny"), train=TrainConfig(global_batch_size=global_batch_size))
+    run.mkdir()
+    save_yaml(cfg, run / "config.yaml")
+    return run, cfg
+
+
 def test_compute_sums_each_steps_logged_tokens_across_a_batch_change(load_tool, tmp_path):
     """A run resumed at step 4 with twice the batch: config.yaml holds the final batch, the
     metrics each step's tokens. Before, every step was counted at config.yaml's batch."""
     tool = load_tool("fit_scaling")
-    run = tmp_path / "run"
-    cfg = RunConfig(model=preset("tiny"), train=TrainConfig(global_batch_size=16))
-    run.mkdir()
-    save_yaml(cfg, run / "config.yaml")
+    run, cfg = _run_dir(tmp_path, global_batch_size=16)
     seq = cfg.model.seq_length
     records = [{"kind": "train", "step": step, "step_time_s": 0.25,
                 "tokens_per_s": (8 if step <= 4 else 16) * seq / 0.25} for step in range(1, 9)]
@@ -189,10 +195,7 @@ def test_the_last_evaluation_is_the_highest_steps_last_record(load_tool, tmp_pat
     last evaluation, and --all-evals' points are in step order. Before, the file's order: step
     7's evaluation was the run's point."""
     tool = load_tool("fit_scaling")
-    run = tmp_path / "run"
-    cfg = RunConfig(model=preset("tiny"), train=TrainConfig(global_batch_size=8))
-    run.mkdir()
-    save_yaml(cfg, run / "config.yaml")
+    run, cfg = _run_dir(tmp_path, global_batch_size=8)
     seq = cfg.model.seq_length
 
     def steps(first, last, evals):
