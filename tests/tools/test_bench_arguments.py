@@ -191,13 +191,14 @@ def test_step_time_profile_names_the_operators_that_differ_most(load_tool, capsy
 
     load_tool("bench/step_time").main(["--hidden", "32", "--ffn", "64", "--heads", "2",
                                        "--layers", "2", "--seq", "64", "--vocab", "128",
-                                       "--repeats", "1", "--profile", "4"])
+                                       "--repeats", "1", "--profile", "1000"])
     profile = json.loads(capsys.readouterr().out)["profile"]
     assert profile["time"] == "cpu"
     assert all(ms > 0 for ms in profile["total_ms"].values())
-    rows = list(profile["ms_by_op"].values())
-    assert len(rows) == 4 and all(set(row) == {"asymloop_k3", "fullloop_r2"} for row in rows)
-    spreads = [abs(row["asymloop_k3"] - row["fullloop_r2"]) for row in rows]
+    rows = profile["ms_by_op"]
+    assert all(set(row) == {"asymloop_k3", "fullloop_r2"} for row in rows.values())
+    spreads = [abs(row["asymloop_k3"] - row["fullloop_r2"]) for row in rows.values()]
     assert spreads == sorted(spreads, reverse=True) and spreads[0] > 0
-    # Only AsymLoop runs the fused joint attention.
-    assert any("JointFlashAttention" in op for op in profile["ms_by_op"])
+    # Only AsymLoop runs the fused joint attention. (Where it ranks depends on the machine.)
+    joint = rows["_JointFlashAttention"]
+    assert joint["asymloop_k3"] > 0 and joint["fullloop_r2"] == 0
