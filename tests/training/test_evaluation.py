@@ -143,7 +143,7 @@ def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
     assert result["step"] == 4 and result["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert [record["val_loss"] for record in _evaluations(out)] == [result["val_loss"]]
     assert f"{path}: no final evaluation of step 4 in {out / 'metrics.jsonl'} (the run was " \
-           "stopped during it, or had it not asked for): making it now" in [
+           "stopped during it, it failed, or the run had not asked for it): making it now" in [
                r.getMessage() for r in caplog.records]
     assert ckpt.latest_checkpoint(out / "checkpoints") == path  # nothing saved
     assert (out / "config.yaml").read_bytes() == config
