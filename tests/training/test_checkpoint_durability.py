@@ -316,15 +316,8 @@ def test_a_failed_deletion_while_pruning_is_one_warning_naming_the_path(mcore, t
     remains = directory / ".pruned-iter_0000001"
 
     def refused(path, rmtree, *args, **kwargs):  # common.pt will not go (a busy NFS file)
-        unlink = os.unlink
-
-        def unlink_but_common_pt(name, *a, **k):
-            if os.path.basename(name) == "common.pt":
-                raise PermissionError(errno.EACCES, "Permission denied", name)
-            return unlink(name, *a, **k)
-
         with monkeypatch.context() as patched:
-            patched.setattr(os, "unlink", unlink_but_common_pt)
+            unlink_refused(patched, "common.pt")
             return rmtree(path, *args, **kwargs)
 
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
