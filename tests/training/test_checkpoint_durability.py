@@ -324,7 +324,8 @@ def test_a_failed_deletion_while_pruning_is_one_warning_naming_the_path(mcore, t
         _checkpoints_saved_pruning_step_1(directory, monkeypatch, refused)
     assert [r.getMessage() for r in caplog.records] == [
         f"{remains}: a checkpoint beyond checkpoint.keep_last that no run reads, not wholly "
-        f"deleted ({remains / 'common.pt'}: Permission denied); remove it by hand"]
+        f"deleted ({remains / 'common.pt'}: Permission denied); removed at the next start, or "
+        "remove it by hand"]
     assert ckpt.complete_checkpoints(directory) == [directory / "iter_0000002"]
 
 
