@@ -97,11 +97,12 @@ def _warn_preset_unread(args: argparse.Namespace, model) -> None:
     from megaloop.presets import PRESETS
 
     try:
-        if apply_overrides(load_yaml(args.config), args.overrides, False).model != model:
+        if apply_overrides(load_yaml(args.config), args.overrides,
+                           note_repeats=False).model != model:
             return  # the preset is in effect
         # What the preset gives with the overrides: a field an override sets is no difference.
         given = apply_overrides(RunConfig(model=PRESETS[args.preset]), args.overrides,
-                                False).model
+                                note_repeats=False).model
     except ConfigError:  # what the preset alone made valid: the preset is in effect
         return
     preset, config, default = args.preset, args.config, ModelConfig()

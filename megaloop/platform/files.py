@@ -15,9 +15,9 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
 import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import IO, Callable, Iterator
@@ -110,12 +110,14 @@ def sync_tree(directory: str | os.PathLike,
         sync_directory(root)
 
 
-def remove_tree(path: str | os.PathLike, what: str, log: logging.Logger) -> None:
+def remove_tree(path: str | os.PathLike, what: str, log: logging.Logger,
+                remedy: str = "remove it by hand") -> None:
     """Deletes directory ``path`` (``what`` it holds, for the message) as far as it can. A
     failure is one warning line on ``log`` naming ``path`` and the first file or directory that
     would not go (its path: rmtree's error may name a file relative to its directory; the
-    directories above it fail after it, not being empty): the space stays taken, and only the
-    user can free it. What is gone already (removed meanwhile, or never made) is no failure."""
+    directories above it fail after it, not being empty), then ``remedy``: the space stays
+    taken until the user frees it, or a later try (that caller's wording says when). What is
+    gone already (removed meanwhile, or never made) is no failure."""
     failures = []
 
     def failed(function, failed_path, info) -> None:
@@ -125,8 +127,8 @@ def remove_tree(path: str | os.PathLike, what: str, log: logging.Logger) -> None
     shutil.rmtree(path, onerror=failed)
     if failures:
         failed_path, error = failures[0]
-        log.warning("%s: %s, not wholly deleted (%s: %s); remove it by hand", path, what,
-                    failed_path, getattr(error, "strerror", None) or error)
+        log.warning("%s: %s, not wholly deleted (%s: %s); %s", path, what, failed_path,
+                    getattr(error, "strerror", None) or error, remedy)
 
 
 def _remove_stale_temporaries(path: str | os.PathLike) -> None:

@@ -161,6 +161,7 @@ def _finish(save: _Save, cfg: RunConfig, keep_last: int) -> Path:
 # takes it for a checkpoint, so that a kill mid-delete leaves no half-deleted iter_N.
 PRUNED_PREFIX = ".pruned-"
 _PRUNED = "a checkpoint beyond checkpoint.keep_last that no run reads"
+_PRUNED_REMEDY = "removed at the next start, or remove it by hand"  # remove_pruned's try
 
 
 def _prune(path: Path) -> None:
@@ -174,14 +175,14 @@ def _prune(path: Path) -> None:
         log.warning("%s: beyond checkpoint.keep_last, but not deleted (%s); remove it by hand",
                     path, e.strerror or e)
         return
-    remove_tree(trash, _PRUNED, log)
+    remove_tree(trash, _PRUNED, log, _PRUNED_REMEDY)
 
 
 def remove_pruned(directory: Path) -> None:
     """Removes the remains of checkpoint deletions that a kill cut short (rank 0, at the start of
     a run)."""
     for trash in directory.glob(PRUNED_PREFIX + "iter_*"):
-        remove_tree(trash, _PRUNED, log)
+        remove_tree(trash, _PRUNED, log, _PRUNED_REMEDY)
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict, cfg: RunConfig,

@@ -91,11 +91,14 @@ def rng_saved_by_expert_rank(path: Path) -> bool:
 
 
 
-def load_training_state(trainer, path: Path) -> bool:
+def load_training_state(trainer, path: Path, final_evaluation_only: bool = False) -> bool:
     """Loads checkpoint ``path`` into ``trainer``: its weights, and unless only they are taken
     (``checkpoint.load_optimizer=false`` for another run's checkpoint) the optimizer, schedule,
     progress, LR multipliers, ALRS and RNG states. True when ``path`` is the run's own
-    checkpoint, resumed: it need not be written again."""
+    checkpoint, resumed: it need not be written again. ``final_evaluation_only``: a complete
+    run loaded to make its missing final evaluation, which trains no step; what a resume reports
+    of the steps after it (the schedule's and sample order's changes, "resumed from") is not
+    logged: check_resume's line said which changed settings apply."""
     from megaloop.training.optimizer import (materialise_optimizer_state,
                                              restore_torch_adam_steps)
 
@@ -137,10 +140,11 @@ def load_training_state(trainer, path: Path) -> bool:
     progress = state["trainer"]
     trainer.step, trainer.consumed_samples = progress["step"], progress["consumed_samples"]
     resume_schedule(trainer.scheduler, trainer.cfg, saved["train"], state["scheduler"], path,
-                    trainer.step)
-    report_sample_order(saved, trainer.cfg, path, trainer.step)
-    report_data_changes(progress.get("data"), trainer.data_fingerprint, saved, trainer.cfg, path,
-                        trainer.step)  # none: saved before checkpoints recorded it
+                    trainer.step, report=not final_evaluation_only)
+    if not final_evaluation_only:
+        report_sample_order(saved, trainer.cfg, path, trainer.step)
+        report_data_changes(progress.get("data"), trainer.data_fingerprint, saved, trainer.cfg,
+                            path, trainer.step)  # none: saved before checkpoints recorded it
     trainer.skipped_steps = progress["skipped_steps"]
     trainer.lr_multipliers.load_state_dict(state["lr_multipliers"])
     if trainer.alrs is not None and state["alrs"]:
@@ -153,5 +157,6 @@ def load_training_state(trainer, path: Path) -> bool:
     else:
         log.warning("%s was saved with another tensor/pipeline layout: RNG states not restored",
                     path, extra=ALIKE_ON_EVERY_RANK)
-    log.info("resumed from %s at step %d", path, trainer.step)
+    if not final_evaluation_only:
+        log.info("resumed from %s at step %d", path, trainer.step)
     return own

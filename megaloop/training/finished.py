@@ -68,7 +68,7 @@ def complete_lines(path: Path, cfg: RunConfig, step: int, changed: list[str],
     lines = [] if not missing else [(
         logging.WARNING, f"{path}: no final {' nor '.join(names)} of step {step} in "
                          f"{Path(cfg.train.out_dir) / METRICS_FILE} (the run was stopped during "
-                         "it, or had it not asked for): making it now")]
+                         "it, it failed, or the run had not asked for it): making it now")]
     reads = {name for kind in missing for name in _RECORDS[kind][1]}
     applied = [name for name in changed if name in reads]
     unused = [name for name in changed if name not in reads]

@@ -562,10 +562,10 @@ def _shown(value) -> str:
 
 
 def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_state: dict,
-                    path: Path, step: int) -> None:
+                    path: Path, step: int, report: bool = True) -> None:
     """Loads megatron-core's LR ``scheduler`` (``OptimizerParamScheduler``) for a resume at
-    ``step`` from ``path``: the config's schedule (each change from the checkpoint logged in one
-    line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups reloaded from a
+    ``step`` from ``path``: the config's schedule (with ``report``, each change from the
+    checkpoint logged in one line), or with ``checkpoint.keep_schedule`` the checkpoint's. Param groups reloaded from a
     checkpoint carry its peak/floor LR and Adam betas, and megatron-core's scheduler would take its
     warmup, decay length and weight decay from the checkpoint."""
     train, keep = cfg.train, cfg.checkpoint.keep_schedule
@@ -576,7 +576,7 @@ def resume_schedule(scheduler, cfg: RunConfig, saved_train: dict, scheduler_stat
         # The WSD fields by their effect: unset and the default are the same schedule.
         before, now = (getattr(config, f"resolved_{name}" if name.startswith("wsd_") else name)
                        for config in (saved, train))
-        if before == now:
+        if before == now or not report:
             continue
         if keep:
             log.warning("resume: train.%s=%r, but %s's schedule (%r) is kept "

@@ -176,7 +176,9 @@ class Trainer:
         self.skipped_steps = 0
         if self.resume_path is not None:
             check_bucket_layout(self.resume_path, cfg, self.optimizer)
-            if load_training_state(self, self.resume_path):  # no need to write it again
+            own = load_training_state(self, self.resume_path,
+                                      final_evaluation_only=self.complete)
+            if own:  # no need to write it again
                 self._last_saved_step = self.saver.latest_step = self.step
             self._stop_point(f"loading {self.resume_path}")
         self.monitor = self._build_monitor()

@@ -316,22 +316,16 @@ def test_a_failed_deletion_while_pruning_is_one_warning_naming_the_path(mcore, t
     remains = directory / ".pruned-iter_0000001"
 
     def refused(path, rmtree, *args, **kwargs):  # common.pt will not go (a busy NFS file)
-        unlink = os.unlink
-
-        def unlink_but_common_pt(name, *a, **k):
-            if os.path.basename(name) == "common.pt":
-                raise PermissionError(errno.EACCES, "Permission denied", name)
-            return unlink(name, *a, **k)
-
         with monkeypatch.context() as patched:
-            patched.setattr(os, "unlink", unlink_but_common_pt)
+            unlink_refused(patched, "common.pt")
             return rmtree(path, *args, **kwargs)
 
     with caplog.at_level(logging.WARNING, logger="megaloop.train"):
         _checkpoints_saved_pruning_step_1(directory, monkeypatch, refused)
     assert [r.getMessage() for r in caplog.records] == [
         f"{remains}: a checkpoint beyond checkpoint.keep_last that no run reads, not wholly "
-        f"deleted ({remains / 'common.pt'}: Permission denied); remove it by hand"]
+        f"deleted ({remains / 'common.pt'}: Permission denied); removed at the next start, or "
+        "remove it by hand"]
     assert ckpt.complete_checkpoints(directory) == [directory / "iter_0000002"]
 
 

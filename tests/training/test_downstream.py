@@ -204,7 +204,7 @@ def test_a_finished_run_killed_in_its_final_downstream_evaluation_makes_just_it_
     path = tmp_path / "checkpoints" / "iter_0000002"
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(str(path))] == [
         f"{path}: no final downstream evaluation of step 2 in {tmp_path / 'metrics.jsonl'} (the "
-        "run was stopped during it, or had it not asked for): making it now",
+        "run was stopped during it, it failed, or the run had not asked for it): making it now",
         f"{path}: the run is complete at step 2 (train.train_steps=2): nothing to train (raise "
         "train.train_steps to continue it); changed settings applied by the final downstream "
         "evaluation made now: train.downstream_eval; not applied: train.eval_iters"]

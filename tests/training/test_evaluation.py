@@ -143,7 +143,7 @@ def test_a_finished_run_killed_in_its_final_evaluation_makes_it_when_relaunched(
     assert result["step"] == 4 and result["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert [record["val_loss"] for record in _evaluations(out)] == [result["val_loss"]]
     assert f"{path}: no final evaluation of step 4 in {out / 'metrics.jsonl'} (the run was " \
-           "stopped during it, or had it not asked for): making it now" in [
+           "stopped during it, it failed, or the run had not asked for it): making it now" in [
                r.getMessage() for r in caplog.records]
     assert ckpt.latest_checkpoint(out / "checkpoints") == path  # nothing saved
     assert (out / "config.yaml").read_bytes() == config
@@ -193,3 +193,25 @@ def test_a_relaunch_making_the_final_evaluation_names_the_changes_it_applies(
                         "changed settings not applied: train.log_interval, train.eval_iters")
                 in [r.getMessage() for r in caplog.records]), caplog.text
     assert evaluated == [3]
+
+
+def test_a_relaunch_making_the_final_evaluation_reports_no_resume(
+        mcore, pattern_data, tmp_path, caplog, monkeypatch):
+    """It trains no step: before the fix, after the line naming train.lr not applied, it said
+    "resume: train.lr changed ...; the LR schedule follows the config from step 3", "resume:
+    train.seed differs ...: the sample order from step 3 on ..." and "resumed from ... at step 2"
+    of a run whose last step is 2."""
+    import logging
+
+    cfg = tiny_run(pattern_data, tmp_path, train={"train_steps": 2},
+                   checkpoint={"save_interval": 2})
+    _killed_in_its_final_evaluation(cfg, monkeypatch)
+    cfg.train.lr, cfg.train.seed = cfg.train.lr * 2, cfg.train.seed + 1
+    with caplog.at_level(logging.INFO, logger="megaloop"):
+        Trainer(cfg).train()
+    messages = [r.getMessage() for r in caplog.records]
+    assert (f"{tmp_path / 'checkpoints' / 'iter_0000002'}: the run is complete at step 2 "
+            "(train.train_steps=2): nothing to train (raise train.train_steps to continue it); "
+            "changed settings applied by the final evaluation made now: train.seed; "
+            "not applied: train.lr" in messages), caplog.text
+    assert [m for m in messages if m.startswith(("resume:", "resumed from"))] == []
